@@ -1,0 +1,37 @@
+# longserve developer entry points. Every target works from a fresh clone.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of this torch release lies on the dev/CI machines' disk; on a GPU
+# machine the same pin resolves to the CUDA wheel from PyPI.
+TORCH_VERSION ?= 2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test demo bench docker clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+demo: install
+	mkdir -p out
+	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-latte --workers 2 \
+		--frames 16 --size 64x64 --steps 10 --seed 0 -o out/demo.mp4
+
+bench: install
+	$(VENV)/bin/longserve bench transformer --strategies dsp,ulysses,ring,megatron-sp \
+		--workers 1,2,4 --json docs/bench_transformer.json --plot docs/bench_transformer.png
+
+docker:
+	docker build -t longserve:latest .
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,106 @@
+"""Process groups: start a local group of workers, or join one made by `torchrun`.
+
+One process per worker. With CUDA, NCCL and one GPU per worker (``cuda:local_rank``);
+without it, gloo on CPU. Local groups rendezvous over TCP on a free loopback port, so
+several groups (for instance test modules run side by side) never collide.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+@dataclass
+class ParallelGroup:
+    """The view one worker has of its group: who it is, who its peers are, where it computes."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: dist.ProcessGroup | None = None  # None means the default (world) group
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def subgroup(self, ranks: list[int], group: dist.ProcessGroup) -> "ParallelGroup":
+        """This worker's view of a sub-group it belongs to (ranks are global ranks)."""
+        me = dist.get_rank()
+        return ParallelGroup(rank=ranks.index(me), world_size=len(ranks), device=self.device, group=group)
+
+
+def init_local_group(
+    rank: int,
+    world_size: int,
+    port: int,
+    device: str | None = None,
+    timeout_s: float = 600.0,
+) -> ParallelGroup:
+    """Join a group of `world_size` local processes that rendezvous on 127.0.0.1:`port`."""
+    device = device or default_device()
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        kwargs = {}
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev
+        dist.init_process_group(
+            backend=backend_for(device),
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+    return ParallelGroup(rank=rank, world_size=world_size, device=dev)
+
+
+def init_from_torchrun(device: str | None = None) -> ParallelGroup:
+    """Join the group described by torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"not launched by torchrun: environment variables {missing} are not set")
+    device = device or default_device()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device), init_method="env://")
+    return ParallelGroup(rank=dist.get_rank(), world_size=dist.get_world_size(), device=dev)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,50 @@
+"""The `longserve` command: generate | serve | score | bench.
+
+Each subcommand lives in its own module with `add_arguments(parser)` and `run(args)`;
+modules import their heavy dependencies (torch, diffusers) inside `run`, so `--help`
+stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "generate": ("server.cmd_generate", "generate a video from a prompt"),
+    "serve": ("server.cmd_serve", "run the OpenAI-compatible HTTP server"),
+    "score": ("server.cmd_score", "score a long text with a causal LM (LSS sequence parallel)"),
+    "bench": ("server.cmd_bench", "benchmarks: transformer | generate | serve | score"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # subcommand not built in this checkout
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except ValueError as e:
+        print(f"longserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Collectives: shapes, padding of uneven sizes, and exact byte accounting, on gloo."""
+
+import pytest
+import torch
+
+from engine import comm
+from engine.pool import WorkerError, WorkerPool
+
+
+def _roundtrip_switch(ctx, full):
+    """Shard dim 1, switch to dim 2 and back; return every intermediate this rank saw."""
+    pg = ctx.pg
+    comm.STATS.reset()
+    local = comm.shard(full, 1, pg)                                     # (B, ceil(T/N), S, C)
+    switched = comm.all_to_all_switch(local, 2, 1, full.shape[1], pg)   # (B, T, ceil(S/N), C)
+    back = comm.all_to_all_switch(switched, 1, 2, full.shape[2], pg)    # (B, ceil(T/N), S, C)
+    whole = comm.gather(back, 1, full.shape[1], pg)                     # (B, T, S, C)
+    return local, switched, whole, comm.STATS.snapshot()
+
+
+def _reduce_scatter_and_ring(ctx, x):
+    pg = ctx.pg
+    comm.STATS.reset()
+    partial = x * (pg.rank + 1)
+    rs = comm.reduce_scatter(partial, 0, pg)
+    ring = comm.ring_shift(torch.full((3,), float(pg.rank)), pg)
+    return rs, ring, comm.STATS.snapshot()
+
+
+def _fail_on(ctx, bad_rank):
+    if bad_rank is None or ctx.pg.rank == bad_rank:
+        raise ValueError("num_frames must be positive")
+    return ctx.pg.rank
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    with WorkerPool(3, device="cpu") as pool:
+        yield pool
+
+
+def test_switch_pads_odd_frames_and_patches_and_roundtrips(pool3):
+    full = torch.randn(2, 13, 35, 4)  # T=13, S=35: neither divides by 3
+    out = pool3.run(_roundtrip_switch, full)
+    for rank, (local, switched, whole, stats) in enumerate(out):
+        t0 = rank * 5
+        want_local = torch.nn.functional.pad(full, (0, 0, 0, 0, 0, 2))[:, t0:t0 + 5]
+        assert torch.equal(local, want_local)
+        s0 = rank * 12
+        want_switched = torch.nn.functional.pad(full, (0, 0, 0, 1))[:, :, s0:s0 + 12]
+        assert torch.equal(switched, want_switched)
+        assert torch.equal(whole, full)
+        # two all-to-alls of (2, 5, 36, 4) and (2, 13->15, 12, 4) fp32 tensors, 2/3 sent each
+        a2a = (2 * 5 * 36 * 4 + 2 * 15 * 12 * 4) * 4 * 2 / 3
+        ag = 2 * (2 * 5 * 35 * 4) * 4
+        assert stats["calls"] == {"all_to_all": 2, "all_gather": 1}
+        assert stats["bytes_sent"] == round(2 * 5 * 36 * 4 * 4 * 2 / 3) + round(2 * 15 * 12 * 4 * 4 * 2 / 3) + ag
+        assert abs(stats["bytes_sent"] - (a2a + ag)) <= 2
+
+
+def test_reduce_scatter_sums_partials_and_ring_shifts(pool3):
+    x = torch.randn(7, 2)
+    out = pool3.run(_reduce_scatter_and_ring, x)
+    total = x * (1 + 2 + 3)
+    padded = torch.nn.functional.pad(total, (0, 0, 0, 2))
+    for rank, (rs, ring, stats) in enumerate(out):
+        torch.testing.assert_close(rs, padded[rank * 3:(rank + 1) * 3])
+        assert torch.equal(ring, torch.full((3,), float((rank - 1) % 3)))
+        assert stats["calls"] == {"reduce_scatter": 1, "send_recv": 1}
+
+
+def test_error_on_every_rank_keeps_pool_up(pool3):
+    restarts = pool3.restarts
+    with pytest.raises(WorkerError, match="num_frames"):
+        pool3.run(_fail_on, None)
+    assert pool3.restarts == restarts
+    assert pool3.run(_fail_on, -1) == [0, 1, 2]
+
+
+def test_error_on_one_rank_restarts_pool(pool3):
+    restarts = pool3.restarts
+    with pytest.raises(WorkerError, match="num_frames"):
+        pool3.run(_fail_on, 1)
+    assert pool3.restarts == restarts + 1
+    assert pool3.run(_fail_on, -1) == [0, 1, 2]
