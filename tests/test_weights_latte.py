@@ -1,0 +1,365 @@
+"""weights/: the shipped tiny Latte checkpoint, its build script and resolve_latte()."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from weights import TINY_LATTE_DIR, resolve_latte
+from weights.latte import LATTE_1_TRANSFORMER_CONFIG, TINY_MODELS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Latte-1's transformer config (maxin-cn/Latte-1, transformer/config.json, diffusers layout),
+# written out here independently of weights.latte so a typo there is caught.
+LATTE_1 = {
+    "activation_fn": "gelu-approximate",
+    "attention_bias": True,
+    "attention_head_dim": 72,
+    "caption_channels": 4096,
+    "cross_attention_dim": 1152,
+    "dropout": 0.0,
+    "in_channels": 4,
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-6,
+    "norm_type": "ada_norm_single",
+    "num_attention_heads": 16,
+    "num_embeds_ada_norm": 1000,
+    "num_layers": 28,
+    "out_channels": 8,
+    "patch_size": 2,
+    "sample_size": 64,
+    "video_length": 16,
+}
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub, no network: offline env flags plus a socket guard."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "DIFFUSERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    try:
+        import huggingface_hub.constants as hub_constants
+
+        monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True, raising=False)
+    except ImportError:  # pragma: no cover
+        pass
+
+    real_connect = socket.socket.connect
+
+    def guarded_connect(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            raise OSError(f"network access attempted in an offline test: {address!r}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+
+
+@pytest.fixture
+def tiny_copy(tmp_path):
+    """A private, mutable copy of the shipped checkpoint."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(TINY_LATTE_DIR, dst)
+    return dst
+
+
+def _load(path):
+    from diffusers import LattePipeline
+
+    pipe = LattePipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- resolving ------------------------------------------------------------------------------
+def test_resolve_by_name_from_any_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    got = resolve_latte("tiny-latte")
+    assert got == TINY_LATTE_DIR == TINY_MODELS["tiny-latte"]
+    assert got.is_absolute() and (got / "model_index.json").is_file()
+    assert TINY_LATTE_DIR == (REPO_ROOT / "weights" / "tiny-latte").resolve()
+
+
+def test_resolve_by_path(monkeypatch):
+    assert resolve_latte(str(TINY_LATTE_DIR)) == TINY_LATTE_DIR
+    assert resolve_latte(TINY_LATTE_DIR) == TINY_LATTE_DIR
+    monkeypatch.chdir(REPO_ROOT)
+    assert resolve_latte("weights/tiny-latte") == TINY_LATTE_DIR  # relative -> absolute
+    assert resolve_latte(Path("weights") / "tiny-latte") == TINY_LATTE_DIR
+
+
+def test_checkpoint_is_small_and_safetensors():
+    files = [p for p in TINY_LATTE_DIR.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) < 20 * 2**20
+    names = {p.relative_to(TINY_LATTE_DIR).as_posix() for p in files}
+    for comp in ("transformer", "vae"):
+        assert f"{comp}/diffusion_pytorch_model.safetensors" in names
+    assert "text_encoder/model.safetensors" in names
+    assert not any(n.endswith(".bin") for n in names)
+    index = json.loads((TINY_LATTE_DIR / "model_index.json").read_text())
+    assert index["_class_name"] == "LattePipeline"
+    assert index["transformer"] == ["diffusers", "LatteTransformer3DModel"]
+    assert index["scheduler"] == ["diffusers", "DDIMScheduler"]
+
+
+# --- loading and running --------------------------------------------------------------------
+def test_tiny_pipeline_loads_offline_and_runs(offline):
+    from diffusers import AutoencoderKL, DDIMScheduler, LatteTransformer3DModel
+    from transformers import T5EncoderModel
+
+    pipe = _load(resolve_latte("tiny-latte"))
+    assert isinstance(pipe.transformer, LatteTransformer3DModel)
+    assert isinstance(pipe.vae, AutoencoderKL)
+    assert isinstance(pipe.text_encoder, T5EncoderModel)
+    assert isinstance(pipe.scheduler, DDIMScheduler)
+
+    tc = pipe.transformer.config
+    assert (tc.num_attention_heads, tc.attention_head_dim, tc.num_layers) == (3, 8, 2)
+    assert (tc.in_channels, tc.out_channels, tc.patch_size, tc.sample_size, tc.video_length) == (4, 8, 2, 8, 16)
+    assert tc.norm_type == "ada_norm_single" and tc.activation_fn == "gelu-approximate"
+    assert tc.cross_attention_dim == 24
+    assert tc.caption_channels == pipe.text_encoder.config.d_model
+    assert pipe.vae_scale_factor == 8 and pipe.vae.config.latent_channels == 4
+    assert pipe.vae.config.scaling_factor == pytest.approx(0.18215)
+    sc = pipe.scheduler.config
+    assert (sc.beta_schedule, sc.beta_start, sc.beta_end, sc.num_train_timesteps) == ("linear", 0.0001, 0.02, 1000)
+    assert sc.prediction_type == "epsilon" and sc.clip_sample is False
+
+    tok = pipe.tokenizer
+    assert len(tok) == pipe.text_encoder.config.vocab_size
+    assert (tok.pad_token, tok.eos_token, tok.unk_token) == ("<pad>", "</s>", "<unk>")
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    ids = tok("a red ball bouncing").input_ids
+    assert ids[-1] == tok.eos_token_id and tok.unk_token_id not in ids
+
+    # NB: LattePipeline takes `video_length`, not `num_frames`; clean_caption needs bs4/ftfy.
+    kwargs = dict(
+        video_length=16, height=64, width=64, num_inference_steps=2, guidance_scale=4.5,
+        output_type="np", clean_caption=False,
+    )
+    a = pipe(prompt="a red ball", generator=torch.Generator("cpu").manual_seed(0), **kwargs).frames
+    b = pipe(prompt="a red ball", generator=torch.Generator("cpu").manual_seed(0), **kwargs).frames
+    c = pipe(prompt="a blue cat", generator=torch.Generator("cpu").manual_seed(0), **kwargs).frames
+    assert a.shape == (1, 16, 64, 64, 3)
+    assert (a == b).all()
+    assert a.std() > 0.05  # not a flat image
+    assert abs(a - c).mean() > 1e-3  # the prompt matters
+
+
+def test_tiny_transformer_output_is_nontrivial(offline):
+    pipe = _load(TINY_LATTE_DIR)
+    tr = pipe.transformer
+    emb, _ = pipe.encode_prompt("a red ball", do_classifier_free_guidance=False, clean_caption=False)
+    emb2, _ = pipe.encode_prompt("a cat on the moon", do_classifier_free_guidance=False, clean_caption=False)
+    x = torch.randn(1, 4, 16, 8, 8, generator=torch.Generator().manual_seed(1))
+
+    def f(model=tr, t=500, e=emb):
+        with torch.no_grad():
+            return model(x, timestep=torch.tensor([t]), encoder_hidden_states=e, return_dict=False)[0]
+
+    base = f()
+    assert base.shape == (1, 8, 16, 8, 8)
+    assert base.std() > 0.3
+    assert (f(t=100) - base).abs().mean() > 0.05
+    assert (f(e=emb2) - base).abs().mean() > 0.05
+    import copy
+
+    for name in ("transformer_blocks.0", "transformer_blocks.1",
+                 "temporal_transformer_blocks.0", "temporal_transformer_blocks.1"):
+        m = copy.deepcopy(tr)
+        with torch.no_grad():
+            for p in m.get_submodule(name).parameters():
+                p.zero_()
+        assert (f(model=m) - base).abs().mean() > 0.01, name
+
+
+# --- reproducibility ------------------------------------------------------------------------
+def test_build_script_reproduces_committed_checkpoint(tmp_path):
+    out = tmp_path / "rebuilt"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "weights.build_tiny_latte", "--out", str(out)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    committed = sorted(p.relative_to(TINY_LATTE_DIR) for p in TINY_LATTE_DIR.rglob("*.safetensors"))
+    rebuilt = sorted(p.relative_to(out) for p in out.rglob("*.safetensors"))
+    assert committed == rebuilt and len(committed) == 3
+    for rel in committed:
+        assert _sha256(out / rel) == _sha256(TINY_LATTE_DIR / rel), f"{rel} differs from the committed file"
+
+    # the configs match too (ignoring library-version stamps)
+    def cfg(root, rel):
+        d = json.loads((root / rel).read_text())
+        return {k: v for k, v in d.items() if not k.startswith("_") and k != "transformers_version"}
+
+    for rel in ("model_index.json", "transformer/config.json", "vae/config.json",
+                "text_encoder/config.json", "scheduler/scheduler_config.json"):
+        assert cfg(out, rel) == cfg(TINY_LATTE_DIR, rel), rel
+    assert resolve_latte(out) == out.resolve()
+
+
+# --- validation errors ----------------------------------------------------------------------
+def test_missing_directory(tmp_path):
+    missing = tmp_path / "no-such-ckpt"
+    with pytest.raises(FileNotFoundError) as ei:
+        resolve_latte(missing)
+    assert str(missing) in str(ei.value)
+    assert "tiny-latte" in str(ei.value)  # lists the known names
+
+
+def test_unknown_short_name_lists_known_names():
+    with pytest.raises(FileNotFoundError, match="tiny-latte") as ei:
+        resolve_latte("tiny-lattte")
+    assert "'tiny-lattte'" in str(ei.value) and "known names" in str(ei.value)
+
+
+def test_path_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        resolve_latte(f)
+
+
+def test_missing_model_index(tiny_copy):
+    (tiny_copy / "model_index.json").unlink()
+    with pytest.raises(FileNotFoundError, match="model_index.json") as ei:
+        resolve_latte(tiny_copy)
+    assert str(tiny_copy) in str(ei.value)
+
+
+def test_model_index_not_json(tiny_copy):
+    (tiny_copy / "model_index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="model_index.json .* not valid JSON"):
+        resolve_latte(tiny_copy)
+
+
+@pytest.mark.parametrize("component", ["transformer", "vae", "text_encoder", "tokenizer", "scheduler"])
+def test_missing_component_folder(tiny_copy, component):
+    shutil.rmtree(tiny_copy / component)
+    with pytest.raises(FileNotFoundError) as ei:
+        resolve_latte(tiny_copy)
+    msg = str(ei.value)
+    assert f"{component}/ is missing" in msg and str(tiny_copy / component) in msg
+
+
+def test_component_missing_from_model_index(tiny_copy):
+    index = json.loads((tiny_copy / "model_index.json").read_text())
+    del index["vae"]
+    (tiny_copy / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="component 'vae'"):
+        resolve_latte(tiny_copy)
+
+
+@pytest.mark.parametrize(
+    "component,config", [("transformer", "config.json"), ("vae", "config.json"),
+                         ("text_encoder", "config.json"), ("scheduler", "scheduler_config.json")]
+)
+def test_missing_config(tiny_copy, component, config):
+    (tiny_copy / component / config).unlink()
+    with pytest.raises(FileNotFoundError) as ei:
+        resolve_latte(tiny_copy)
+    msg = str(ei.value)
+    assert f"{component} config is missing" in msg and str(tiny_copy / component / config) in msg
+
+
+@pytest.mark.parametrize("component", ["transformer", "vae", "text_encoder"])
+def test_missing_weights(tiny_copy, component):
+    for p in (tiny_copy / component).glob("*.safetensors"):
+        p.unlink()
+    with pytest.raises(FileNotFoundError) as ei:
+        resolve_latte(tiny_copy)
+    msg = str(ei.value)
+    assert f"{component} weights are missing" in msg and str(tiny_copy / component) in msg
+
+
+def test_bin_weights_are_accepted(tiny_copy):
+    for p in (tiny_copy / "vae").glob("*.safetensors"):
+        p.rename(p.with_suffix(".bin"))
+    assert resolve_latte(tiny_copy) == tiny_copy.resolve()
+
+
+def test_missing_tokenizer_vocab(tiny_copy):
+    for name in ("tokenizer.json", "spiece.model"):
+        (tiny_copy / "tokenizer" / name).unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer vocabulary is missing"):
+        resolve_latte(tiny_copy)
+
+
+def test_wrong_pipeline_class(tiny_copy):
+    index = json.loads((tiny_copy / "model_index.json").read_text())
+    index["_class_name"] = "PixArtAlphaPipeline"
+    (tiny_copy / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as ei:
+        resolve_latte(tiny_copy)
+    msg = str(ei.value)
+    assert "'PixArtAlphaPipeline'" in msg and "LattePipeline" in msg and "model_index.json" in msg
+
+
+def test_wrong_transformer_class(tiny_copy):
+    cfg_path = tiny_copy / "transformer" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["_class_name"] = "PixArtTransformer2DModel"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as ei:
+        resolve_latte(tiny_copy)
+    msg = str(ei.value)
+    assert "'PixArtTransformer2DModel'" in msg and "LatteTransformer3DModel" in msg and str(cfg_path) in msg
+
+
+# --- a Latte-1-shaped checkpoint -------------------------------------------------------------
+def test_latte1_shaped_checkpoint(tmp_path, offline):
+    from diffusers import LattePipeline, LatteTransformer3DModel
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+
+    from weights.build_tiny_latte import build_scheduler, build_vae
+
+    assert LATTE_1_TRANSFORMER_CONFIG == LATTE_1
+
+    torch.manual_seed(0)
+    # Latte-1's transformer, one spatial + one temporal block instead of 28 (~53M params).
+    transformer = LatteTransformer3DModel(**{**LATTE_1, "num_layers": 1}).eval()
+    # T5-XXL width (4096, what the transformer's caption projection sees), otherwise tiny.
+    text_encoder = T5EncoderModel(
+        T5Config(vocab_size=256, d_model=4096, d_kv=8, num_heads=2, d_ff=16, num_layers=1,
+                 feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+                 pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    ).eval()
+    tokenizer = T5Tokenizer.from_pretrained(TINY_LATTE_DIR / "tokenizer")
+    assert len(tokenizer) == text_encoder.config.vocab_size
+    pipe = LattePipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=build_vae(),
+                         transformer=transformer, scheduler=build_scheduler())
+    ckpt = tmp_path / "latte-1-shaped"
+    pipe.save_pretrained(ckpt)
+    del pipe, transformer, text_encoder
+
+    assert resolve_latte(ckpt) == ckpt.resolve()
+    assert resolve_latte(str(ckpt)) == ckpt.resolve()
+
+    loaded = _load(ckpt)
+    cfg = {k: v for k, v in loaded.transformer.config.items() if not k.startswith("_")}
+    assert cfg == {**LATTE_1, "num_layers": 1}
+    assert loaded.text_encoder.config.d_model == cfg["caption_channels"] == 4096
+    assert sum(p.numel() for p in loaded.transformer.parameters()) > 40_000_000
+
+    # End to end once at a small size: 16 frames of 64x64 -> 8x8 latents (pos-embed interpolated
+    # from sample_size 64), 4096-wide prompt embeddings through the caption projection.
+    out = loaded(prompt="a red ball", video_length=16, height=64, width=64, num_inference_steps=1,
+                 guidance_scale=1.0, output_type="latent", clean_caption=False,
+                 generator=torch.Generator("cpu").manual_seed(0)).frames
+    assert out.shape == (1, 4, 16, 8, 8) and torch.isfinite(out).all()
