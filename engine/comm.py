@@ -48,6 +48,10 @@ class CommStats:
 
 STATS = CommStats()
 
+# Newer torch names the tensor collectives `*_single` and deprecates the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
@@ -109,7 +113,7 @@ def all_gather(x: torch.Tensor, dim: int, pg: ParallelGroup, size: int | None = 
     dim = dim % x.ndim
     chunk = x.movedim(dim, 0).contiguous()  # (l, ...)
     out = torch.empty((pg.world_size * chunk.shape[0], *chunk.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, chunk, group=pg.group)  # (N*l, ...)
+    _all_gather_tensor(out, chunk, group=pg.group)  # (N*l, ...)
     STATS.record("all_gather", (pg.world_size - 1) * _nbytes(chunk))
     out = out.movedim(0, dim)
     return out if size is None else out.narrow(dim, 0, size)
@@ -159,7 +163,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, pg: ParallelGroup) -> torch.Tensor
     n = shard_size(x.shape[dim], N)
     full = pad_dim(x, dim, n * N).movedim(dim, 0).contiguous()  # (N*n, ...)
     out = torch.empty((n, *full.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, full, group=pg.group)  # (n, ...)
+    _reduce_scatter_tensor(out, full, group=pg.group)  # (n, ...)
     STATS.record("reduce_scatter", _nbytes(full) * (N - 1) / N)
     return out.movedim(0, dim)
 

@@ -174,7 +174,8 @@ class TensorParallelAttention:
         q = _heads(F.linear(x, attn.to_q.weight[rows], _bias(attn.to_q, rows)), hd)    # (n, Hr, L, hd)
         k = _heads(F.linear(ctx, attn.to_k.weight[rows], _bias(attn.to_k, rows)), hd)
         v = _heads(F.linear(ctx, attn.to_v.weight[rows], _bias(attn.to_v, rows)), hd)
-        out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)             # (n, Hr, L, hd)
+        mask = None if attention_mask is None else attention_mask[:, None]           # (n, 1, 1, Lk)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)  # (n, Hr, L, hd)
         out = out.transpose(1, 2).reshape(*x.shape[:2], -1)                          # (n, L, Hr*hd)
         partial = F.linear(out, attn.to_out[0].weight[:, rows])                      # (n, L, D), partial sum
         partial = comm.pad_dim(partial, d, local * pg.world_size)
@@ -289,11 +290,15 @@ def parallel_forward(
     pg: ParallelGroup,
     strategy: str = "dsp",
     cfg: CfgGroups | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`LatteTransformer3DModel.forward` over the group; every rank returns the full output.
 
     hidden_states (B, C, T, H, W), timestep (B,), encoder_hidden_states (B, L, C_text)
     -> (B, C_out, T, H, W)
+
+    `encoder_attention_mask` (B, L), 1 = keep, lets prompts of different lengths share a
+    batch (padded text tokens are masked out of cross-attention).
     """
     check_strategy(strategy)
     if cfg is not None:
@@ -302,12 +307,22 @@ def parallel_forward(
         if B % 2:
             raise ValueError(f"cfg_parallel needs an even batch (unconditional + conditional), got {B}")
         half = slice(cfg.index * (B // 2), (cfg.index + 1) * (B // 2))
+        mask = None if encoder_attention_mask is None else encoder_attention_mask[half]
         out = parallel_forward(model, hidden_states[half], timestep[half], encoder_hidden_states[half],
-                               cfg.half, strategy)                              # (B/2, C_out, T, H, W)
+                               cfg.half, strategy, encoder_attention_mask=mask)  # (B/2, C_out, T, H, W)
         return comm.all_gather(out, 0, cfg.pair)                                # (B, C_out, T, H, W)
+    bias = None
+    if encoder_attention_mask is not None:
+        keep = encoder_attention_mask.to(torch.bool)
+        bias = torch.zeros(keep.shape, dtype=hidden_states.dtype, device=hidden_states.device)
+        bias = bias.masked_fill(~keep, -10000.0)[:, None, :]               # (B, 1, L), as diffusers builds it
     if strategy == "dsp":
-        return _dsp_forward(model, hidden_states, timestep, encoder_hidden_states, pg)
-    return _embedded_forward(model, hidden_states, timestep, encoder_hidden_states, pg, strategy)
+        return _dsp_forward(model, hidden_states, timestep, encoder_hidden_states, pg, bias)
+    return _embedded_forward(model, hidden_states, timestep, encoder_hidden_states, pg, strategy, bias)
+
+
+def _repeat(x: torch.Tensor | None, times: int) -> torch.Tensor | None:
+    return None if x is None else x.repeat_interleave(times, dim=0)
 
 
 def _conditioning(model, timestep, encoder_hidden_states, batch_size, dtype):
@@ -336,7 +351,7 @@ def _unpatchify(model, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.permute(0, 2, 1, 3, 4)
 
 
-def _dsp_forward(model, x, timestep, encoder_hidden_states, pg):
+def _dsp_forward(model, x, timestep, encoder_hidden_states, pg, text_bias=None):
     B, C, T, H, W = x.shape
     p = model.config.patch_size
     h, w = H // p, W // p
@@ -349,10 +364,11 @@ def _dsp_forward(model, x, timestep, encoder_hidden_states, pg):
     D = tokens.shape[-1]
     pos_t = temporal_pos_embed(model, T, tokens.dtype, tokens.device)       # (1, T, D)
     text_spatial = text.repeat_interleave(Tl, dim=0)                        # (B*Tl, L, D)
+    bias_spatial = _repeat(text_bias, Tl)                                   # (B*Tl, 1, L)
     t6_spatial = t6.repeat_interleave(Tl, dim=0)                            # (B*Tl, 6D)
     L = len(model.transformer_blocks)
     for i, (spatial, temporal) in enumerate(zip(model.transformer_blocks, model.temporal_transformer_blocks)):
-        tokens = spatial(tokens, None, text_spatial, None, t6_spatial)      # (B*Tl, S, D)
+        tokens = spatial(tokens, None, text_spatial, bias_spatial, t6_spatial)  # (B*Tl, S, D)
         tokens = comm.all_to_all_switch(tokens.view(B, Tl, S, D), scatter_dim=2, gather_dim=1,
                                         gather_size=T, pg=pg)               # (B, T, Sl, D)
         Sl = tokens.shape[2]
@@ -369,7 +385,7 @@ def _dsp_forward(model, x, timestep, encoder_hidden_states, pg):
     return _unpatchify(model, out, h, w)
 
 
-def _embedded_forward(model, x, timestep, encoder_hidden_states, pg, strategy):
+def _embedded_forward(model, x, timestep, encoder_hidden_states, pg, strategy, text_bias=None):
     B, C, T, H, W = x.shape
     p = model.config.patch_size
     h, w = H // p, W // p
@@ -381,11 +397,12 @@ def _embedded_forward(model, x, timestep, encoder_hidden_states, pg, strategy):
     Sl, D = tokens.shape[1], tokens.shape[2]
     pos_t = temporal_pos_embed(model, T, tokens.dtype, tokens.device)       # (1, T, D)
     text_spatial = text.repeat_interleave(T, dim=0)                         # (B*T, L, D)
+    bias_spatial = _repeat(text_bias, T)                                    # (B*T, 1, L)
     t6_spatial = t6.repeat_interleave(T, dim=0)                             # (B*T, 6D)
     t6_temporal = t6.repeat_interleave(Sl, dim=0)                           # (B*Sl, 6D)
     for i, (spatial, temporal) in enumerate(zip(model.transformer_blocks, model.temporal_transformer_blocks)):
         with _swapped(spatial, pg, strategy, S, spatial=True):
-            tokens = spatial(tokens, None, text_spatial, None, t6_spatial)  # (B*T, Sl, D)
+            tokens = spatial(tokens, None, text_spatial, bias_spatial, t6_spatial)  # (B*T, Sl, D)
         seq = tokens.view(B, T, Sl, D).permute(0, 2, 1, 3).reshape(B * Sl, T, D)  # (B*Sl, T, D)
         if i == 0 and T > 1:
             seq = seq + pos_t

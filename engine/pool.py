@@ -220,6 +220,11 @@ class WorkerPool:
         self.close()
 
     @property
+    def ready(self) -> bool:
+        """True while the workers are up and set up (False after a crash until the restart is done)."""
+        return self._ready
+
+    @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 

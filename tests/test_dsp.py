@@ -141,3 +141,29 @@ def test_temporal_pos_embed_equals_diffusers_buffer():
     assert longer.shape == (1, 20, 24)
     # the first video_length rows of a longer embedding are the same sinusoid
     assert torch.allclose(longer[:, :13], model.temp_pos_embed, atol=1e-6)
+
+
+def _masked_forward(ctx, model_kwargs, inputs, mask, n):
+    if "groups" not in ctx.state:
+        _make_subgroups(ctx)
+    model = tiny_latte_transformer(**model_kwargs)
+    pg = ctx.state["groups"].get(n)
+    with torch.no_grad():
+        return {s: parallel_forward(model, *inputs, pg, s, encoder_attention_mask=mask) if pg else None
+                for s in STRATEGIES}
+
+
+def test_prompts_of_different_lengths_share_a_batch_through_the_text_mask(pool):
+    """A padded, masked prompt in a batch gives what the unpadded prompt gives alone."""
+    model_kwargs = dict(heads=3, video_length=5)
+    x, t, enc = latte_inputs(batch=2, frames=5, grid_h=3, grid_w=3, text_len=6, seed=11)
+    mask = torch.ones(2, 6)
+    mask[1, 4:] = 0
+    padded = enc.clone()
+    padded[1, 4:] = 0
+    alone = [reference(model_kwargs, (x[i:i + 1], t[i:i + 1], enc[i:i + 1, : int(mask[i].sum())])) for i in range(2)]
+    got = pool.run(_masked_forward, model_kwargs, (x, t, padded), mask, 2)[0]
+    for strategy, out in got.items():
+        for i in range(2):
+            err = (out[i:i + 1] - alone[i]).abs().max().item()
+            assert err <= ATOL, f"{strategy}: sample {i} differs by {err:.2e}"

@@ -1,0 +1,122 @@
+"""VideoPipeline: equal to diffusers' LattePipeline at 1 worker, equal to 1 worker at N, robust to a killed worker."""
+
+import os
+import signal
+import time
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+import torch
+
+from pipelines import VideoPipeline
+from engine.pool import WorkerError
+from weights import resolve_latte
+
+PROMPT = "a red ball bouncing"
+STEPS = 3
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pipe1():
+    with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cpu") as p:
+        yield p
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def pipe_n(request):
+    with VideoPipeline.from_pretrained("tiny-latte", workers=request.param, device="cpu") as p:
+        yield p
+
+
+def test_one_worker_matches_diffusers_latte_pipeline(pipe1):
+    from diffusers import LattePipeline
+
+    ref = LattePipeline.from_pretrained(str(resolve_latte("tiny-latte")))
+    ref.set_progress_bar_config(disable=True)
+    want = ref(prompt=PROMPT, video_length=16, height=64, width=64, num_inference_steps=STEPS,
+               guidance_scale=4.5, generator=torch.Generator("cpu").manual_seed(0), output_type="np",
+               clean_caption=False).frames
+    got = pipe1(PROMPT, num_frames=16, height=64, width=64, num_inference_steps=STEPS, guidance_scale=4.5, seed=0)
+    assert got.frames.shape == want.shape == (1, 16, 64, 64, 3)
+    assert got.frames.dtype == np.float32
+    assert want.std() > 0.05, "the reference video should not be flat"
+    assert np.abs(got.frames - want).max() <= ATOL
+
+
+@pytest.mark.parametrize("parallel", ["dsp", "ulysses"])
+@pytest.mark.parametrize("num_frames", [13, 24])
+def test_n_workers_match_one_worker_on_uneven_frames_and_patch_grid(pipe1, pipe_n, parallel, num_frames):
+    # 80x112 pixels -> a 5x7 patch grid: 35 patches divide by neither 2 nor 3
+    kw = dict(num_frames=num_frames, height=80, width=112, num_inference_steps=STEPS, guidance_scale=4.5, seed=3)
+    pipe_n.set_parallel(parallel)
+    want = pipe1(PROMPT, **kw).frames
+    got = pipe_n(PROMPT, **kw).frames
+    assert got.shape == (1, num_frames, 80, 112, 3)
+    assert np.abs(got - want).max() <= ATOL
+
+
+def test_prompt_list_negative_prompt_and_latent_output(pipe1):
+    out = pipe1([PROMPT, "a blue cube"], negative_prompt=["blurry", "dark"], num_frames=5, height=32, width=48,
+                num_inference_steps=2, guidance_scale=3.0, seed=1, output_type="latent")
+    assert tuple(out.frames.shape) == (2, 4, 5, 4, 6)
+    single = pipe1("a blue cube", num_frames=5, height=32, width=48, num_inference_steps=2, seed=1)
+    steps_seen = []
+    pipe1("a blue cube", num_frames=5, height=32, width=48, num_inference_steps=4, seed=1,
+          callback=lambda step, total: steps_seen.append((step, total)))
+    assert steps_seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert single.frames.shape == (1, 5, 32, 48, 3)
+
+
+def test_save_writes_an_mp4_with_the_requested_frames_and_size(pipe1, tmp_path):
+    out = pipe1(PROMPT, num_frames=9, height=48, width=64, num_inference_steps=2, seed=0)
+    path = out.save(tmp_path / "ball.mp4", fps=8)
+    frames = iio.imread(path)
+    assert frames.shape == (9, 48, 64, 3)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=3), "prompt"),
+    (dict(num_frames=0), "num_frames"),
+    (dict(num_frames=2.5), "num_frames"),
+    (dict(height=50), "height"),
+    (dict(width=-16), "width"),
+    (dict(num_inference_steps=0), "num_inference_steps"),
+    (dict(guidance_scale="high"), "guidance_scale"),
+    (dict(seed=-1), "seed"),
+    (dict(output_type="pil"), "output_type"),
+    (dict(negative_prompt=["a", "b"]), "negative_prompt"),
+])
+def test_invalid_arguments_raise_value_error_naming_the_argument(pipe1, kwargs, field):
+    args = dict(prompt=PROMPT, num_frames=4, height=32, width=32, num_inference_steps=1)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        pipe1(**args)
+
+
+def test_from_pretrained_rejects_bad_options():
+    with pytest.raises(ValueError, match="parallel"):
+        VideoPipeline.from_pretrained("tiny-latte", parallel="zigzag")
+    with pytest.raises(ValueError, match="workers"):
+        VideoPipeline.from_pretrained("tiny-latte", workers=0)
+    with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
+        VideoPipeline.from_pretrained("/tmp/no-such-model")
+
+
+def test_killed_worker_fails_the_call_quickly_and_the_next_call_succeeds(pipe_n):
+    pipe_n.set_parallel("dsp")
+    victim = pipe_n.pool.pids[-1]
+
+    def kill_at_step_2(step, total):
+        if step == 2:
+            os.kill(victim, signal.SIGKILL)
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        pipe_n(PROMPT, num_frames=8, height=32, width=32, num_inference_steps=50, seed=0, callback=kill_at_step_2)
+    assert time.monotonic() - t0 < 30
+    out = pipe_n(PROMPT, num_frames=8, height=32, width=32, num_inference_steps=2, seed=0)
+    assert out.frames.shape == (1, 8, 32, 32, 3)
+    assert victim not in pipe_n.pool.pids
