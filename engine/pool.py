@@ -284,3 +284,101 @@ class WorkerPool:
                     self.restart()
                 raise WorkerError(msg if msg.startswith("ValueError") else f"worker {rank} failed in {fn.__name__}:\n{msg}")
             return [results[r] for r in range(self.workers)]
+
+
+class TorchrunPool:
+    """The `WorkerPool` interface over a group that `torchrun` started (one process per GPU, any number of nodes).
+
+    Rank 0 is both the coordinator and a worker: `run` broadcasts the job on a gloo
+    control group, then runs it locally in lockstep with the others. Every other rank
+    enters `serve_forever` from the constructor and exits the process when rank 0 closes
+    the pool, so the same program (`longserve generate ...`, `longserve serve ...`) runs
+    unchanged under `torchrun --nproc-per-node N -m server.cli ...`.
+    """
+
+    def __init__(self, setup: Callable | None = None, setup_args: tuple = (), device: str | None = None):
+        import sys
+
+        import torch.distributed as dist
+
+        from engine.dist import init_from_torchrun
+
+        pg = init_from_torchrun(device)
+        self.workers = pg.world_size
+        self.restarts = 0
+        self.setup_args = setup_args
+        self._control = dist.new_group(backend="gloo")  # job descriptions travel on CPU
+        self._events: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.ctx = WorkerContext(pg=pg, _events=self._events)
+        if setup is not None:
+            setup(self.ctx, *setup_args)
+        self._open = True
+        if pg.rank != 0:
+            self.serve_forever()
+            destroy()
+            sys.exit(0)
+
+    def _broadcast(self, obj):
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return box[0]
+
+    def serve_forever(self) -> None:
+        while True:
+            msg = self._broadcast(None)
+            if msg is None:
+                return
+            fn, args = msg
+            fn(self.ctx, *args)
+
+    def run(self, fn: Callable, *args, on_event=None, timeout_s=None) -> list:
+        self._broadcast((fn, args))
+        out = fn(self.ctx, *args)
+        while not self._events.empty():
+            _, _, _, event = self._events.get()
+            if on_event is not None:
+                on_event(event)
+        return [out] + [None] * (self.workers - 1)  # only rank 0's result comes back
+
+    def start(self) -> "TorchrunPool":
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self._open
+
+    @property
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._broadcast(None)
+            destroy()
+
+    def __enter__(self) -> "TorchrunPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def make_pool(workers: int, setup: Callable | None = None, setup_args: tuple = (), device: str | None = None,
+              launcher: str = "auto"):
+    """A `WorkerPool` of `workers` local processes, or the `torchrun` group this process belongs to.
+
+    launcher: "local" | "torchrun" | "auto" (torchrun when this process was started by it).
+    Under torchrun the group size comes from torchrun and `workers` is ignored.
+    """
+    if launcher not in ("auto", "local", "torchrun"):
+        raise ValueError(f"launcher must be auto, local or torchrun; got {launcher!r}")
+    if launcher == "torchrun" or (launcher == "auto" and launched_by_torchrun()):
+        return TorchrunPool(setup, setup_args, device)
+    return WorkerPool(workers, setup=setup, setup_args=setup_args, device=device)

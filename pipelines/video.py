@@ -23,7 +23,7 @@ import numpy as np
 
 from engine import video as runtime
 from engine.latte import STRATEGIES
-from engine.pool import WorkerPool
+from engine.pool import make_pool
 from weights import resolve_latte
 
 OUTPUT_TYPES = ("np", "latent")
@@ -61,7 +61,7 @@ def save_video(frames: np.ndarray, path, fps: int = 8) -> None:
 class VideoPipeline:
     """A Latte-format text-to-video pipeline whose transformer runs sharded across `workers` processes."""
 
-    def __init__(self, pool: WorkerPool, model_dir: str, parallel: str, info: dict):
+    def __init__(self, pool, model_dir: str, parallel: str, info: dict):
         self.pool = pool
         self.model_dir = model_dir
         self.parallel = parallel
@@ -77,8 +77,13 @@ class VideoPipeline:
         dtype: str = "float32",
         cfg_parallel: bool = False,
         attention: str = "auto",
+        launcher: str = "auto",
     ) -> "VideoPipeline":
-        """Start `workers` processes that each load `model` (a name in `weights/` or a local directory)."""
+        """Start `workers` processes that each load `model` (a name in `weights/` or a local directory).
+
+        Under `torchrun` (launcher "auto" or "torchrun") the pipeline instead joins the
+        torchrun group: rank 0 returns the pipeline, the other ranks serve it and exit.
+        """
         if parallel not in STRATEGIES:
             raise ValueError(f"parallel must be one of {', '.join(STRATEGIES)}; got {parallel!r}")
         if device not in (None, "cpu", "cuda"):
@@ -88,8 +93,9 @@ class VideoPipeline:
             raise ValueError(f"cfg_parallel needs an even number of workers, got workers={workers}")
         model_dir = str(resolve_latte(model))
         dtype_name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-        pool = WorkerPool(workers, setup=runtime.setup_video_worker,
-                          setup_args=(model_dir, parallel, dtype_name, cfg_parallel, attention), device=device)
+        pool = make_pool(workers, setup=runtime.setup_video_worker,
+                         setup_args=(model_dir, parallel, dtype_name, cfg_parallel, attention), device=device,
+                         launcher=launcher)
         try:
             info = pool.run(runtime.model_info)[0]
         except BaseException:

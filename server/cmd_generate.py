@@ -30,6 +30,9 @@ def add_arguments(p) -> None:
     p.add_argument("--fps", type=int, default=8)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--launcher", default="auto", choices=["auto", "local", "torchrun"],
+                   help="local: start --workers processes; torchrun: join the group torchrun started "
+                        "(auto: torchrun when launched by it)")
     p.add_argument("-o", "--output", default="out.mp4", help="MP4 path to write")
 
 
@@ -42,11 +45,13 @@ def run(args) -> int:
     if args.size is not None:
         width, height = parse_size(args.size)
     t0 = time.perf_counter()
-    print(f"loading {args.model} on {args.workers} worker(s), parallel={args.parallel} ...", file=sys.stderr)
     with VideoPipeline.from_pretrained(args.model, workers=args.workers, parallel=args.parallel,
                                        device=args.device, dtype=args.dtype,
-                                       cfg_parallel=args.cfg_parallel) as pipe:
+                                       cfg_parallel=args.cfg_parallel, launcher=args.launcher) as pipe:
         loaded = time.perf_counter()
+        info = pipe.info
+        print(f"loaded {args.model} on {info['workers']} worker(s) ({info['device']}, {info['dtype']}), "
+              f"parallel={info['strategy']}, attention={info['attention']}", file=sys.stderr)
         bar = tqdm(total=args.steps, desc="denoising", unit="step", file=sys.stderr)
 
         def on_step(step: int, total: int) -> None:

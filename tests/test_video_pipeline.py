@@ -120,3 +120,27 @@ def test_killed_worker_fails_the_call_quickly_and_the_next_call_succeeds(pipe_n)
     out = pipe_n(PROMPT, num_frames=8, height=32, width=32, num_inference_steps=2, seed=0)
     assert out.frames.shape == (1, 8, 32, 32, 3)
     assert victim not in pipe_n.pool.pids
+
+
+def test_torchrun_launched_group_matches_one_worker(pipe1, tmp_path):
+    import subprocess
+    import sys
+
+    from engine.dist import find_free_port
+
+    path = str(tmp_path / "frames.npy")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+           "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
+           os.path.join(os.path.dirname(__file__), "torchrun_generate.py"), path, "ulysses"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(np.load(path + ".workers.npy")) == 3
+    want = pipe1(PROMPT, num_frames=13, height=80, width=112, num_inference_steps=3, guidance_scale=4.5, seed=3)
+    assert np.abs(np.load(path) - want.frames).max() <= ATOL
+
+
+def test_cfg_parallel_on_two_groups_matches_one_worker(pipe1):
+    kw = dict(num_frames=7, height=48, width=80, num_inference_steps=STEPS, guidance_scale=4.5, seed=5)
+    with VideoPipeline.from_pretrained("tiny-latte", workers=2, cfg_parallel=True, device="cpu") as pipe:
+        got = pipe(PROMPT, **kw).frames
+    assert np.abs(got - pipe1(PROMPT, **kw).frames).max() <= ATOL

@@ -1,0 +1,102 @@
+"""`longserve bench generate`: seconds per video, and how much of it the worker pool costs.
+
+    longserve bench generate --workers 1,2 [--configs tiny,bench] [--steps 10] [--runs 2] [--json out.json]
+
+Models:
+- `tiny`: the shipped `weights/tiny-latte` checkpoint, 16 frames at 64x64.
+- `bench`: the transformer of `longserve bench transformer --config bench` (8 heads x 48,
+  4 block pairs, random weights) with tiny-latte's VAE, T5 and scheduler, assembled in a
+  temporary Latte-format directory; 16 frames at 192x192 pixels (a 24x24 latent).
+
+Each (model, workers) pair starts one `VideoPipeline`, makes one warm-up video, then
+`--runs` timed videos (median reported). Per video, rank 0 of the workers times its own
+compute: prompt encoding, the denoising steps (the parallel transformer, its collectives
+and the scheduler step) and the VAE decode (its share of the frames, and the gather).
+`overhead_s` is the wall time seen by the caller minus the transformer and VAE time:
+what the pool adds (IPC of every step's job, result transfer, encoding), as issue 3 asks.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from server import benchutil
+
+CONFIGS = {
+    "tiny": dict(model="tiny-latte", frames=16, size=64),
+    "bench": dict(model=None, frames=16, size=192),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--workers", default="1,2", help="worker counts, comma-separated")
+    parser.add_argument("--configs", default="tiny,bench", help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--steps", type=int, default=10, help="denoising steps per video")
+    parser.add_argument("--runs", type=int, default=2, help="timed videos per point (after one warm-up)")
+    parser.add_argument("--parallel", default="dsp")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    parser.add_argument("--json", default=None, metavar="PATH")
+
+
+def build_bench_checkpoint(out_dir: Path) -> Path:
+    """tiny-latte with its transformer replaced by the transformer benchmark's model."""
+    from server.bench_transformer import CONFIGS as TRANSFORMER_CONFIGS
+    from server.bench_transformer import build_model
+    from weights import resolve_latte
+
+    src = resolve_latte("tiny-latte")
+    shutil.copytree(src, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("transformer"))
+    import json
+
+    caption = json.loads((src / "text_encoder" / "config.json").read_text())["d_model"]
+    cfg = dict(TRANSFORMER_CONFIGS["bench"], caption_channels=caption)
+    build_model(cfg, seed=0).save_pretrained(out_dir / "transformer")
+    return out_dir
+
+
+def run(args) -> int:
+    from pipelines import VideoPipeline
+
+    workers = benchutil.int_list(args.workers, "--workers")
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="longserve-bench-") as tmp:
+        for name in names:
+            cfg = CONFIGS[name]
+            model = cfg["model"] or str(build_bench_checkpoint(Path(tmp) / "bench-latte"))
+            for n in workers:
+                print(f"[{name}] {n} worker(s) ...", file=sys.stderr)
+                with VideoPipeline.from_pretrained(model, workers=n, parallel=args.parallel,
+                                                   device=args.device) as pipe:
+                    kw = dict(num_frames=cfg["frames"], height=cfg["size"], width=cfg["size"],
+                              num_inference_steps=args.steps, guidance_scale=4.5, seed=0)
+                    pipe("warm-up", **kw)
+                    timings = [pipe("a red ball bouncing", **kw).timings for _ in range(args.runs)]
+                med = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
+                overhead = med["wall_s"] - med["transformer_s"] - med["vae_s"]
+                rows.append(dict(config=name, workers=n, frames=cfg["frames"], size=cfg["size"], steps=args.steps,
+                                 video_s=med["wall_s"], transformer_s=med["transformer_s"], vae_s=med["vae_s"],
+                                 encode_s=med["encode_s"], overhead_s=overhead,
+                                 overhead_frac=overhead / med["wall_s"]))
+    machine = benchutil.machine_info(args.device or "cpu")
+    for r in rows:
+        base = next(b for b in rows if b["config"] == r["config"] and b["workers"] == min(workers))
+        r["speedup"] = base["video_s"] / r["video_s"]
+        r["machine"] = machine
+    columns = [("config", "config"), ("workers", "workers"), ("s / video", "video_s", ".3f"),
+               ("transformer s", "transformer_s", ".3f"), ("VAE s", "vae_s", ".3f"),
+               ("encode s", "encode_s", ".4f"), ("pool overhead s", "overhead_s", ".4f"),
+               ("overhead %", lambda r: 100 * r["overhead_frac"], ".1f"), ("speedup", "speedup", ".2f")]
+    print(benchutil.text_table(rows, columns))
+    print()
+    print(benchutil.markdown_table(rows, columns))
+    if args.json:
+        benchutil.write_json(rows, args.json)
+    return 0
