@@ -30,3 +30,28 @@ def latte_inputs(batch, frames, grid_h, grid_w, text_len=5, caption_channels=16,
     t = torch.randint(0, 1000, (batch,), generator=g)
     enc = torch.randn(batch, text_len, caption_channels, generator=g)
     return x, t, enc
+
+
+def build_latte1_shaped_checkpoint(path):
+    """A Latte-format pipeline with Latte-1's exact transformer config but one block pair and random
+    weights (~53M parameters), a T5 encoder of T5-XXL's width (4096, what the caption projection sees)
+    but otherwise tiny, and tiny-latte's VAE, tokenizer and scheduler."""
+    from diffusers import LattePipeline
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+
+    from weights.build_tiny_latte import build_scheduler, build_vae
+    from weights.latte import LATTE_1_TRANSFORMER_CONFIG, TINY_LATTE_DIR
+
+    torch.manual_seed(0)
+    transformer = LatteTransformer3DModel(**{**LATTE_1_TRANSFORMER_CONFIG, "num_layers": 1}).eval()
+    text_encoder = T5EncoderModel(
+        T5Config(vocab_size=256, d_model=4096, d_kv=8, num_heads=2, d_ff=16, num_layers=1,
+                 feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+                 pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    ).eval()
+    tokenizer = T5Tokenizer.from_pretrained(TINY_LATTE_DIR / "tokenizer")
+    assert len(tokenizer) == text_encoder.config.vocab_size
+    pipe = LattePipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=build_vae(),
+                         transformer=transformer, scheduler=build_scheduler())
+    pipe.save_pretrained(path)
+    return path

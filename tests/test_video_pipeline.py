@@ -144,3 +144,22 @@ def test_cfg_parallel_on_two_groups_matches_one_worker(pipe1):
     with VideoPipeline.from_pretrained("tiny-latte", workers=2, cfg_parallel=True, device="cpu") as pipe:
         got = pipe(PROMPT, **kw).frames
     assert np.abs(got - pipe1(PROMPT, **kw).frames).max() <= ATOL
+
+
+def test_latte1_shaped_checkpoint_runs_sharded_and_matches_diffusers(tmp_path):
+    """Latte-1's exact transformer config (16 heads x 72, caption 4096), one block pair, random weights."""
+    from diffusers import LattePipeline
+
+    from latte_models import build_latte1_shaped_checkpoint
+
+    ckpt = build_latte1_shaped_checkpoint(tmp_path / "latte-1-shaped")
+    ref = LattePipeline.from_pretrained(ckpt)
+    ref.set_progress_bar_config(disable=True)
+    kw = dict(height=48, width=80, num_inference_steps=2, guidance_scale=4.5)
+    want = ref(prompt=PROMPT, video_length=16, generator=torch.Generator("cpu").manual_seed(0),
+               output_type="latent", clean_caption=False, **kw).frames
+    del ref
+    with VideoPipeline.from_pretrained(str(ckpt), workers=2, parallel="dsp", device="cpu") as pipe:
+        got = pipe(PROMPT, num_frames=16, seed=0, output_type="latent", **kw).frames
+    assert got.shape == want.shape == (1, 4, 16, 6, 10)
+    assert (got - want).abs().max().item() <= ATOL

@@ -324,29 +324,10 @@ def test_wrong_transformer_class(tiny_copy):
 
 # --- a Latte-1-shaped checkpoint -------------------------------------------------------------
 def test_latte1_shaped_checkpoint(tmp_path, offline):
-    from diffusers import LattePipeline, LatteTransformer3DModel
-    from transformers import T5Config, T5EncoderModel, T5Tokenizer
-
-    from weights.build_tiny_latte import build_scheduler, build_vae
+    from latte_models import build_latte1_shaped_checkpoint
 
     assert LATTE_1_TRANSFORMER_CONFIG == LATTE_1
-
-    torch.manual_seed(0)
-    # Latte-1's transformer, one spatial + one temporal block instead of 28 (~53M params).
-    transformer = LatteTransformer3DModel(**{**LATTE_1, "num_layers": 1}).eval()
-    # T5-XXL width (4096, what the transformer's caption projection sees), otherwise tiny.
-    text_encoder = T5EncoderModel(
-        T5Config(vocab_size=256, d_model=4096, d_kv=8, num_heads=2, d_ff=16, num_layers=1,
-                 feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
-                 pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    ).eval()
-    tokenizer = T5Tokenizer.from_pretrained(TINY_LATTE_DIR / "tokenizer")
-    assert len(tokenizer) == text_encoder.config.vocab_size
-    pipe = LattePipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=build_vae(),
-                         transformer=transformer, scheduler=build_scheduler())
-    ckpt = tmp_path / "latte-1-shaped"
-    pipe.save_pretrained(ckpt)
-    del pipe, transformer, text_encoder
+    ckpt = build_latte1_shaped_checkpoint(tmp_path / "latte-1-shaped")
 
     assert resolve_latte(ckpt) == ckpt.resolve()
     assert resolve_latte(str(ckpt)) == ckpt.resolve()
