@@ -19,19 +19,25 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="longserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module_name, help_text) in COMMANDS.items():
+def add_subcommands(parser: argparse.ArgumentParser, dest: str, table: dict[str, tuple[str, str]],
+                    run_key: str) -> None:
+    """One sub-parser per `table` entry (name -> (module, help)); the module's `run` lands in `run_key`."""
+    sub = parser.add_subparsers(dest=dest, required=True, metavar=dest.upper())
+    for name, (module_name, help_text) in table.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             if e.name != module_name:
                 raise
-            continue  # subcommand not built in this checkout
+            continue  # not built in this checkout
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(**{run_key: module.run})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longserve", description=__doc__.splitlines()[0])
+    add_subcommands(parser, "command", COMMANDS, "_run")
     return parser
 
 
