@@ -273,3 +273,40 @@ def decode(ctx, request_id: str, output_type: str = "np"):
 def release(ctx, request_ids: list[str]) -> None:
     for rid in request_ids:
         ctx.state["requests"].pop(rid, None)
+
+
+def decode_frames(ctx, request_id: str, start: int, stop: int) -> dict | None:
+    """Decode frames [start, stop) of a denoised request across the workers; rank 0 gets uint8 pixels.
+
+    The coordinator calls this chunk after chunk (and may run denoising steps of other
+    requests in between), so a long video streams out while it is still being decoded
+    and no single call holds the VAE for the whole video. Pixels are those `decode` gives,
+    quantized as `pipelines.video.save_video` does: round(clip(x, 0, 1) * 255).
+    Rank 0 returns {"frames": uint8 (B, stop - start, H, W, 3), "vae_s": seconds}.
+    """
+    pipe, pg = ctx.state["pipe"], ctx.pg
+    r = ctx.state["requests"][request_id]
+    B, C, T, h, w = r.latents.shape
+    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= T):
+        raise ValueError(f"frame range must satisfy 0 <= start < stop <= {T}; got [{start}, {stop})")
+    t0 = time.perf_counter()
+    n = stop - start
+    frames = r.latents[:, :, start:stop].permute(0, 2, 1, 3, 4).flatten(0, 1)   # (B*n, C, h, w)
+    frames = frames / pipe.vae.config.scaling_factor
+    mine = comm.shard(frames, 0, pg)                                           # (ceil(B*n/N), C, h, w)
+    count = comm.valid_length(B * n, pg)                                       # real frames in my shard
+    chunk = max(1, r.spec.decode_chunk_size)
+    with torch.no_grad():
+        outs = [pipe.vae.decode(mine[i:min(i + chunk, count)]).sample for i in range(0, count, chunk)]
+    f = pipe.vae_scale_factor
+    decoded = torch.cat(outs) if outs else mine.new_zeros((0, pipe.vae.config.out_channels, h * f, w * f))
+    decoded = comm.pad_dim(decoded, 0, mine.shape[0])                          # (ceil(B*n/N), 3, H, W)
+    video = comm.gather(decoded, 0, B * n, pg)                                 # (B*n, 3, H, W)
+    elapsed = time.perf_counter() - t0
+    r.timings["vae_s"] += elapsed
+    if pg.rank != 0:
+        return None
+    video = video.reshape(B, n, *video.shape[1:]).permute(0, 2, 1, 3, 4).float()  # (B, 3, n, H, W)
+    video = pipe.video_processor.postprocess_video(video=video.cpu(), output_type="np")  # (B, n, H, W, 3)
+    pixels = (video.clip(0, 1) * 255).round().astype("uint8")
+    return {"frames": pixels, "vae_s": elapsed}

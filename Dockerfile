@@ -1,0 +1,44 @@
+# longserve for GPU machines: the OpenAI-compatible video server on CUDA PyTorch.
+#
+#   make docker                       # docker build -t longserve:latest .
+#   docker run --gpus all -p 8000:8000 \
+#       -v /path/to/checkpoints:/models:ro -v longserve-data:/data \
+#       longserve:latest --model /models/Latte-1 --workers 4 --host 0.0.0.0 --dtype bfloat16
+#
+# Weights are not baked in: mount a directory of diffusers-format checkpoints at /models.
+# Jobs and videos go to /data (a volume, so completed videos survive a container restart).
+# See docs/serving.md.
+
+ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+
+WORKDIR /opt/longserve
+
+# Metadata first, then the packages (the tiny checkpoints in weights/ make the image
+# testable without a mount: --model tiny-latte).
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY pipelines ./pipelines
+COPY server ./server
+COPY weights ./weights
+
+# The project with its GPU extra (xformers). The constraint keeps the base image's CUDA
+# torch: pip then picks the xformers build made for it instead of replacing torch.
+RUN python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > /tmp/torch-constraint.txt \
+ && pip install -c /tmp/torch-constraint.txt '.[gpu]' \
+ && python -c "import xformers, imageio_ffmpeg; print(xformers.__version__, imageio_ffmpeg.get_ffmpeg_exe())" \
+ && rm /tmp/torch-constraint.txt
+
+VOLUME ["/data"]
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s CMD \
+    python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)" || exit 1
+
+ENTRYPOINT ["longserve", "serve"]
+CMD ["--model", "/models/Latte-1", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/data", "--device", "cuda"]

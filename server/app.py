@@ -1,0 +1,67 @@
+"""The FastAPI application: routes, error envelope, auth, and an in-process runner.
+
+    service = VideoService(ServeConfig(model="tiny-latte", workers=2)).start()
+    app = create_app(service, api_key=None)
+    uvicorn.run(app, host="127.0.0.1", port=8000)      # or: with serve_in_thread(app) as url: ...
+
+The app does not own the services' lifecycle: whoever started them closes them
+(`longserve serve` does, after uvicorn returns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+from fastapi import FastAPI
+
+from server.errors import install_error_handlers
+from server.routes import router, v1
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+def create_app(videos, score=None, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               poll_after_ms: int = 250) -> FastAPI:
+    """videos: a started `server.service.VideoService`; score: a `server.score_service.ScoreService` or None."""
+    app = FastAPI(title="longserve", description="OpenAI-compatible video generation (and text scoring) server",
+                  version="0.1.0", docs_url="/docs", redoc_url=None)
+    app.state.videos = videos
+    app.state.score = score
+    app.state.api_key = api_key or None
+    app.state.max_body_bytes = max_body_bytes
+    app.state.poll_after_ms = poll_after_ms
+    install_error_handlers(app)
+    app.include_router(router)
+    app.include_router(v1)
+    return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 30.0):
+    """Run uvicorn in a background thread of this process; yields the base URL ("http://host:port")."""
+    import uvicorn
+
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)

@@ -1,0 +1,190 @@
+"""The HTTP protocol: every request and response body of the server, as pydantic models.
+
+Shapes follow the OpenAI Videos API (`openai.types.Video`, `VideoCreateParams`,
+`VideoDeleteResponse`, the cursor-page list envelope) so the official `openai` client
+works unchanged; the extensions (`num_frames`, `fps`, `num_inference_steps`,
+`guidance_scale`, `negative_prompt`, `seed`) are optional fields of the same create body.
+Route handlers live in `server/routes.py`; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+# -- field types that accept JSON values and the strings of a multipart form alike --------
+
+
+def _int_from_text(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be an integer, not a boolean")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"must be an integer, got {value!r}") from None
+    return value
+
+
+def _float_from_text(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise ValueError(f"must be a number, got {value!r}") from None
+    return value
+
+
+def _seconds_text(value: Any) -> Any:
+    # OpenAI sends seconds as a string ("4"); accept a JSON number too, keep it as text
+    if isinstance(value, bool):
+        raise ValueError("must be a number of seconds, e.g. \"4\"")
+    if isinstance(value, (int, float)):
+        return repr(value) if isinstance(value, float) else str(value)
+    return value
+
+
+FormInt = Annotated[int, BeforeValidator(_int_from_text), Field(strict=True)]
+FormFloat = Annotated[float, BeforeValidator(_float_from_text)]
+SecondsText = Annotated[str, BeforeValidator(_seconds_text)]
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error envelope: every 4xx and 5xx body."""
+
+    error: ErrorBody
+
+
+# -- videos -------------------------------------------------------------------------------------
+
+
+class VideoCreateRequest(BaseModel):
+    """`POST /v1/videos` (JSON or multipart/form-data). Unknown fields are refused, naming them."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+    prompt: str
+    model: str | None = None
+    seconds: SecondsText | None = None
+    size: str | None = None
+    input_reference: Any = None  # accepted by the schema so the refusal can name it (text-to-video only)
+    # extensions
+    num_frames: FormInt | None = None
+    fps: FormInt | None = None
+    num_inference_steps: FormInt | None = None
+    guidance_scale: FormFloat | None = None
+    negative_prompt: str | None = None
+    seed: FormInt | None = None
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
+
+
+class Video(BaseModel):
+    """The Video object (`openai.types.Video`) plus the generation parameters actually used."""
+
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: VideoStatus
+    progress: int = Field(ge=0, le=100)
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: VideoError | None = None
+    prompt: str | None = None
+    remixed_from_video_id: str | None = None
+    seconds: str
+    size: str
+    # extensions: what was generated
+    num_frames: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    negative_prompt: str = ""
+
+
+class VideoList(BaseModel):
+    """`GET /v1/videos`: OpenAI's cursor page (`SyncConversationCursorPage`)."""
+
+    object: Literal["list"] = "list"
+    data: list[Video]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True
+
+
+# -- models, health -------------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "longserve"
+    kind: Literal["video", "score"] = "video"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    model: str
+    workers: int
+    workers_ready: bool
+    worker_restarts: int
+    queued: int
+    running: int
+
+
+# -- scoring ----------------------------------------------------------------------------------------
+
+
+class ScoreRequest(BaseModel):
+    """`POST /v1/score`: the log-likelihood of `text` under a causal LM."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str
+    model: str | None = None
+
+
+class ScoreResponse(BaseModel):
+    object: Literal["score"] = "score"
+    model: str
+    num_tokens: int
+    num_bytes: int | None
+    total_nll: float
+    mean_nll: float
+    perplexity: float | None       # None when it overflows a float
+    bits_per_byte: float | None
+    seconds: float

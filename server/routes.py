@@ -1,0 +1,240 @@
+"""Route handlers: parse and check the HTTP request, call the service, shape the answer.
+
+Request and response bodies are the models of `server/protocol.py`; the work is done by
+`server/service.py` (videos) and `server/score_service.py` (scoring). Every error is an
+`APIError`, answered in the OpenAI envelope by `server/errors.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+from starlette.concurrency import run_in_threadpool
+
+from server import metrics
+from server.errors import APIError, validation_error
+from server.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest
+from server.streaming import sse_stream, tail_file
+
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+def require_api_key(request: Request) -> None:
+    key = request.app.state.api_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+router = APIRouter()                                                     # no auth: probes and scrapers
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])   # the API
+
+
+# -- body parsing ------------------------------------------------------------------------------------
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body, refused with 413 beyond the server's limit (announced or streamed)."""
+    limit = request.app.state.max_body_bytes
+    announced = request.headers.get("content-length")
+    if announced is not None:
+        try:
+            if int(announced) > limit:
+                raise APIError(413, f"request body is {announced} bytes; the limit is {limit}",
+                               code="request_too_large")
+        except ValueError:
+            raise APIError(400, "the Content-Length header is not a number", code="invalid_request") from None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def parse_json_object(body: bytes, what: str = "request body") -> dict:
+    if not body.strip():
+        raise APIError(400, f"the {what} is empty; send a JSON object", code="invalid_json")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the {what} is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the {what} is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"the {what} must be a JSON object, not {type(obj).__name__}", code="invalid_json")
+    return obj
+
+
+async def parse_create_body(request: Request) -> dict:
+    """JSON, multipart/form-data or urlencoded form -> a dict for `VideoCreateRequest`."""
+    ctype = _content_type(request)
+    body = await read_body(request)
+    if ctype in FORM_TYPES:
+        async def replay():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        try:
+            form = await Request(request.scope, replay).form(max_files=2, max_fields=32)
+        except Exception as e:  # python-multipart's and starlette's parse errors
+            raise APIError(400, f"malformed form data: {getattr(e, 'detail', None) or e}", code="invalid_form") \
+                from None
+        data = {}
+        try:
+            for key, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    if key != "input_reference":
+                        raise APIError(400, f"{key} must be a text field, not a file upload", param=key,
+                                       code="invalid_value")
+                    data[key] = value.filename or "upload"
+                else:
+                    data[key] = value
+        finally:
+            await form.close()
+        return data
+    if ctype in ("", "application/json", "text/json") or ctype.endswith("+json"):
+        return parse_json_object(body)
+    raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json or multipart/form-data",
+                   code="unsupported_media_type")
+
+
+# -- videos -----------------------------------------------------------------------------------------------
+
+
+@v1.post("/videos")
+async def create_video(request: Request):
+    data = await parse_create_body(request)
+    try:
+        req = VideoCreateRequest.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    video = request.app.state.videos.create(req)
+    return JSONResponse(video.model_dump())
+
+
+@v1.get("/videos")
+async def list_videos(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100),
+                      order: Literal["asc", "desc"] = "desc"):
+    return JSONResponse(request.app.state.videos.list(after, limit, order).model_dump())
+
+
+@v1.get("/videos/{video_id}")
+async def retrieve_video(request: Request, video_id: str):
+    video = request.app.state.videos.get(video_id)
+    headers = {}
+    if video.status in ("queued", "in_progress"):  # the openai client's poll() honours this
+        headers["openai-poll-after-ms"] = str(request.app.state.poll_after_ms)
+    return JSONResponse(video.model_dump(), headers=headers)
+
+
+@v1.delete("/videos/{video_id}")
+async def delete_video(request: Request, video_id: str):
+    return JSONResponse(request.app.state.videos.delete(video_id).model_dump())
+
+
+@v1.get("/videos/{video_id}/content")
+async def download_content(request: Request, video_id: str, variant: str = "video", stream: bool = False):
+    """The MP4 (or the PNG thumbnail) of a completed video; with stream=true the MP4 of a video that is
+    still being generated, sent while its frames are decoded (a fragmented MP4)."""
+    service = request.app.state.videos
+    if variant not in ("video", "thumbnail"):
+        raise APIError(400, f"variant must be 'video' or 'thumbnail'; got {variant!r}", param="variant",
+                       code="invalid_value")
+    rec = service.record(video_id)
+    if stream and variant == "video" and rec.status in ("queued", "in_progress"):
+        writer = None
+        while writer is None:
+            live = service.live_job(video_id)
+            if live is None:  # finished (or deleted) while we waited
+                break
+            writer = live.writer
+            if writer is None:
+                if await request.is_disconnected():
+                    return PlainTextResponse("", status_code=204)
+                await asyncio.sleep(0.02)
+        if writer is not None:
+            return StreamingResponse(tail_file(writer.part_path, writer.final_path, writer.done),
+                                     media_type="video/mp4", headers={"Cache-Control": "no-store"})
+    path = service.content_path(video_id, variant)
+    media_type = "video/mp4" if variant == "video" else "image/png"
+    return FileResponse(path, media_type=media_type, filename=path.name)
+
+
+@v1.get("/videos/{video_id}/events")
+async def video_events(request: Request, video_id: str):
+    """Server-Sent Events: queue position, every denoising step, decoding, then completed or failed."""
+    service = request.app.state.videos
+    service.record(video_id)  # 404 before subscribing
+    sub = service.broker.subscribe(video_id)
+    try:
+        first = service.event_snapshot(video_id)
+    except APIError:
+        service.broker.unsubscribe(sub)
+        raise
+    return StreamingResponse(sse_stream(sub, [first], lambda: service.broker.unsubscribe(sub)),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# -- models, scoring ------------------------------------------------------------------------------------------
+
+
+@v1.get("/models")
+async def list_models(request: Request):
+    videos = request.app.state.videos
+    cards = [ModelCard(id=videos.model_name, created=videos.started_at, kind="video")]
+    score = request.app.state.score
+    if score is not None:
+        cards.append(ModelCard(id=score.model_name, created=videos.started_at, kind="score"))
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+@v1.post("/score")
+async def score_text(request: Request):
+    score = request.app.state.score
+    if score is None:
+        raise APIError(404, "scoring is not enabled on this server (start it with --score-model)",
+                       code="scoring_disabled")
+    ctype = _content_type(request)
+    if ctype not in ("", "application/json", "text/json") and not ctype.endswith("+json"):
+        raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json",
+                       code="unsupported_media_type")
+    data = parse_json_object(await read_body(request))
+    try:
+        req = ScoreRequest.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    score.check_model(req.model)
+    result = await run_in_threadpool(score.score, req.text)
+    return JSONResponse(result.model_dump())
+
+
+# -- operations -----------------------------------------------------------------------------------------------
+
+
+@router.get("/health")
+async def health(request: Request):
+    h = Health(**request.app.state.videos.health())
+    return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
+
+
+@router.get("/metrics")
+async def prometheus_metrics(request: Request):
+    return PlainTextResponse(request.app.state.videos.metrics_text(), media_type=metrics.CONTENT_TYPE)

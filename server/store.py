@@ -1,0 +1,154 @@
+"""The job store: one SQLite table of video jobs, and their files under the data directory.
+
+    <data-dir>/longserve.db            jobs (WAL mode; survives restarts)
+    <data-dir>/videos/<id>.mp4         the finished video (fragmented MP4, H.264)
+    <data-dir>/videos/<id>.mp4.part    the video while it is being written (streamed from)
+    <data-dir>/videos/<id>.png         the thumbnail (first frame)
+
+Status transitions are written through at once (queued, in_progress, completed, failed,
+deleted); the per-step progress of a live job is kept in memory only (`server/service.py`),
+since a job that was running when the server stopped is failed on the next start anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS videos (
+    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    id           TEXT NOT NULL UNIQUE,
+    created_at   INTEGER NOT NULL,
+    completed_at INTEGER,
+    status       TEXT NOT NULL,
+    progress     INTEGER NOT NULL DEFAULT 0,
+    model        TEXT NOT NULL,
+    prompt       TEXT NOT NULL,
+    seconds      TEXT NOT NULL,
+    size         TEXT NOT NULL,
+    params       TEXT NOT NULL,
+    error        TEXT
+);
+CREATE INDEX IF NOT EXISTS videos_status ON videos(status);
+"""
+
+_COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
+            "params", "error")
+
+
+@dataclass
+class VideoRecord:
+    """One job as stored. `params`: num_frames, fps, width, height, num_inference_steps,
+    guidance_scale, seed, negative_prompt."""
+
+    id: str
+    created_at: int
+    status: str
+    model: str
+    prompt: str
+    seconds: str
+    size: str
+    params: dict
+    progress: int = 0
+    completed_at: int | None = None
+    error: dict | None = None
+    seq: int | None = None
+    extra: dict = field(default_factory=dict)  # live-only fields (queue position ...), never stored
+
+
+class JobStore:
+    """Thread-safe (one connection behind a lock: statements are tiny)."""
+
+    def __init__(self, data_dir: str | Path):
+        self.data_dir = Path(data_dir)
+        self.video_dir = self.data_dir / "videos"
+        self.video_dir.mkdir(parents=True, exist_ok=True)
+        self.db_path = self.data_dir / "longserve.db"
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def video_path(self, video_id: str) -> Path:
+        return self.video_dir / f"{video_id}.mp4"
+
+    def partial_path(self, video_id: str) -> Path:
+        return self.video_dir / f"{video_id}.mp4.part"
+
+    def thumbnail_path(self, video_id: str) -> Path:
+        return self.video_dir / f"{video_id}.png"
+
+    def remove_files(self, video_id: str) -> None:
+        for path in (self.video_path(video_id), self.partial_path(video_id), self.thumbnail_path(video_id)):
+            path.unlink(missing_ok=True)
+
+    # -- rows -----------------------------------------------------------------------------------
+
+    def insert(self, rec: VideoRecord) -> int:
+        with self._lock:
+            cur = self._db.execute(
+                "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size,"
+                " params, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt,
+                 rec.seconds, rec.size, json.dumps(rec.params), _dump(rec.error)))
+            rec.seq = cur.lastrowid
+            return rec.seq
+
+    def update(self, video_id: str, **fields) -> None:
+        if "error" in fields:
+            fields["error"] = _dump(fields["error"])
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self._lock:
+            self._db.execute(f"UPDATE videos SET {sets} WHERE id = ?", (*fields.values(), video_id))
+
+    def delete(self, video_id: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM videos WHERE id = ?", (video_id,)).rowcount > 0
+
+    def get(self, video_id: str) -> VideoRecord | None:
+        with self._lock:
+            row = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos WHERE id = ?", (video_id,)).fetchone()
+        return _record(row) if row else None
+
+    def page(self, after_seq: int | None, limit: int, order: str) -> tuple[list[VideoRecord], bool]:
+        """Up to `limit` records after `after_seq` in creation order (`asc` or `desc`), and whether more follow."""
+        op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        where = f"WHERE seq {op} ?" if after_seq is not None else ""
+        args = (after_seq,) if after_seq is not None else ()
+        with self._lock:
+            rows = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos {where} ORDER BY seq {direction} "
+                                    f"LIMIT ?", (*args, limit + 1)).fetchall()
+        return [_record(r) for r in rows[:limit]], len(rows) > limit
+
+    def counts_by_status(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM videos GROUP BY status").fetchall()
+        return dict(rows)
+
+    def by_status(self, status: str) -> list[VideoRecord]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos WHERE status = ? ORDER BY seq",
+                                    (status,)).fetchall()
+        return [_record(r) for r in rows]
+
+
+def _dump(value) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _record(row) -> VideoRecord:
+    d = dict(zip(_COLUMNS, row))
+    d["params"] = json.loads(d["params"])
+    d["error"] = json.loads(d["error"]) if d["error"] else None
+    return VideoRecord(**d)

@@ -1,0 +1,117 @@
+"""Streaming to clients: Server-Sent Events per video, and tailing a video file while it grows.
+
+The step scheduler's thread publishes; each SSE connection owns an asyncio queue on the
+server's event loop, fed with `call_soon_threadsafe`, so no lock is held across an await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+TERMINAL_EVENTS = ("video.completed", "video.failed", "video.deleted")
+
+
+@dataclass(eq=False)
+class Subscription:
+    video_id: str
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+class EventBroker:
+    """Fan-out of per-video events to the SSE connections watching that video."""
+
+    def __init__(self):
+        self._subs: dict[str, set[Subscription]] = {}
+        self._lock = threading.Lock()
+
+    def subscribe(self, video_id: str) -> Subscription:
+        sub = Subscription(video_id, asyncio.Queue(), asyncio.get_running_loop())
+        with self._lock:
+            self._subs.setdefault(video_id, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            subs = self._subs.get(sub.video_id)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[sub.video_id]
+
+    def has_subscribers(self, video_id: str) -> bool:
+        return video_id in self._subs
+
+    def publish(self, video_id: str, event: str, data: dict) -> None:
+        """Thread-safe; never blocks."""
+        with self._lock:
+            subs = list(self._subs.get(video_id, ()))
+        for sub in subs:
+            try:
+                sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (event, data))
+            except RuntimeError:  # that connection's loop is gone
+                self.unsubscribe(sub)
+
+
+def sse_message(event: str, data: dict) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def sse_stream(sub: Subscription, first: list[tuple[str, dict]], unsubscribe: Callable[[], None],
+                     keepalive_s: float = 15.0) -> AsyncIterator[bytes]:
+    """`first` events (the current state), then live ones until a terminal event."""
+    try:
+        for event, data in first:
+            yield sse_message(event, data)
+            if event in TERMINAL_EVENTS:
+                return
+        while True:
+            try:
+                event, data = await asyncio.wait_for(sub.queue.get(), timeout=keepalive_s)
+            except asyncio.TimeoutError:
+                yield b": keep-alive\n\n"
+                continue
+            yield sse_message(event, data)
+            if event in TERMINAL_EVENTS:
+                return
+    finally:
+        unsubscribe()
+
+
+async def tail_file(part_path: Path, final_path: Path, done: threading.Event, chunk_size: int = 1 << 16,
+                    poll_s: float = 0.02) -> AsyncIterator[bytes]:
+    """Yield a file's bytes as a writer appends them, until `done` is set and everything is read.
+
+    The writer renames `part_path` to `final_path` at the end; an open handle keeps reading.
+    If the writer fails or is aborted, the stream just ends where the file ended.
+    """
+    f = None
+    try:
+        while f is None:
+            for path in (part_path, final_path):
+                try:
+                    f = open(path, "rb")
+                    break
+                except FileNotFoundError:
+                    continue
+            if f is None:
+                if done.is_set() and not final_path.exists():
+                    return
+                await asyncio.sleep(poll_s)
+        while True:
+            finished = done.is_set()  # read before the file, so bytes written before "done" are not missed
+            data = f.read(chunk_size)
+            if data:
+                yield data
+                continue
+            if finished:
+                return
+            await asyncio.sleep(poll_s)
+    finally:
+        if f is not None:
+            f.close()

@@ -1,0 +1,480 @@
+"""The OpenAI-compatible video server, end to end on one in-process server (uvicorn on a real port,
+tiny-latte on 2 workers): the official openai client, batching under concurrency, progress over
+GET and SSE, a streamed MP4, cancellation, malformed requests, a killed worker, /v1/score."""
+
+import io
+import json
+import math
+import os
+import signal
+import threading
+import time
+import warnings
+
+import httpx
+import imageio.v3 as iio
+import pytest
+
+from server import bench_serve
+from server.app import create_app, serve_in_thread
+from server.metrics import parse_text
+from server.score_service import ScoreService
+from server.service import ServeConfig, VideoService
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
+
+TERMINAL = ("video.completed", "video.failed", "video.deleted")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("serve-data")
+    config = ServeConfig(model="tiny-latte", workers=2, device="cpu", data_dir=str(data_dir), max_batch=16,
+                         max_queue=64, default_steps=4, max_steps=1000, decode_chunk_frames=4)
+    service = VideoService(config).start()
+    app = create_app(service, ScoreService("tiny-lm", workers=1, device="cpu"), poll_after_ms=50)
+    try:
+        with serve_in_thread(app) as url:
+            yield {"url": url, "service": service, "data_dir": data_dir}
+    finally:
+        app.state.score.close()
+        service.close()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server["url"], timeout=60) as c:
+        yield c
+
+
+def create(http, **body):
+    body.setdefault("prompt", "a red ball bouncing")
+    r = http.post("/v1/videos", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait(http, vid, timeout=120, until=("completed", "failed")):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = http.get(f"/v1/videos/{vid}").json()
+        if v["status"] in until:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"{vid} still {v['status']} after {timeout} s")
+
+
+def collect_events(url, vid, out: list, ready: threading.Event | None = None, timeout=120):
+    """Read a video's SSE stream into `out` as (event, data) until a terminal event."""
+    with httpx.Client(base_url=url, timeout=timeout) as c:
+        with c.stream("GET", f"/v1/videos/{vid}/events") as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            if ready is not None:
+                ready.set()
+            event = None
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: "):
+                    out.append((event, json.loads(line[6:])))
+                    if event in TERMINAL:
+                        return
+
+
+def multipart(fields: dict, files: dict | None = None) -> dict:
+    """Request kwargs for a multipart/form-data body of text fields (and files), as the openai client sends."""
+    boundary = "longserve-test-boundary"
+    parts = []
+    for k, v in fields.items():
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode())
+    for k, (filename, data) in (files or {}).items():
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"; filename="{filename}"\r\n'
+                     f"Content-Type: application/octet-stream\r\n\r\n".encode() + data + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return {"content": body, "headers": {"content-type": f"multipart/form-data; boundary={boundary}"}}
+
+
+def metric(http, name):
+    return parse_text(http.get("/metrics").text).get(name, 0.0)
+
+
+# -- the official client -----------------------------------------------------------------------------------------
+
+
+def test_openai_client_creates_polls_downloads_lists_and_deletes(server):
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    video = client.videos.create_and_poll(prompt="a red ball bouncing", size="64x64", seconds="2",
+                                          poll_interval_ms=50)
+    assert video.status == "completed", video.error
+    assert (video.object, video.progress, video.size, video.seconds) == ("video", 100, "64x64", "2")
+    assert video.model == "tiny-latte" and video.completed_at >= video.created_at
+
+    mp4 = client.videos.download_content(video.id).read()
+    frames = iio.imread(io.BytesIO(mp4), extension=".mp4")
+    assert frames.shape == (16, 64, 64, 3), "2 s at the default 8 fps is 16 frames"
+    assert frames.std() > 3, "a flat video means the frames were not written"
+    png = client.videos.download_content(video.id, variant="thumbnail").read()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert iio.imread(io.BytesIO(png), extension=".png").shape[:2] == (64, 64)
+
+    # multipart extensions through extra_body (the client sends form fields as strings)
+    other = client.videos.create(prompt="a blue cube", size="32x32", seconds="1",
+                                 extra_body={"num_inference_steps": 2, "fps": 4, "seed": 11})
+    assert other.model_extra["num_inference_steps"] == 2 and other.model_extra["num_frames"] == 4
+
+    listed = [v.id for v in client.videos.list(limit=1, order="desc")]   # auto-pagination, one per page
+    assert video.id in listed and other.id in listed
+    assert listed.index(other.id) < listed.index(video.id), "newest first"
+
+    deleted = client.videos.delete(video.id)
+    assert (deleted.id, deleted.object, deleted.deleted) == (video.id, "video.deleted", True)
+    with pytest.raises(NotFoundError):
+        client.videos.retrieve(video.id)
+    assert not list(server["data_dir"].glob(f"videos/{video.id}*")), "its files are removed"
+    assert client.videos.poll(other.id, poll_interval_ms=50).status == "completed"
+
+
+# -- batching under load -------------------------------------------------------------------------------------
+
+
+def test_sixteen_concurrent_videos_all_complete_in_shared_batches_faster_than_one_at_a_time(server, http):
+    body = {"size": "64x64", "num_frames": 16, "num_inference_steps": 20}  # the server default
+    rows = bench_serve.measure(server["url"], [1, 16], 16, body)
+    one, sixteen = rows
+    for row in rows:
+        assert row["completed"] == 16 and row["failed"] == 0, row
+        assert len(row["ids"]) == 16, "every request got its own video, none lost"
+    assert one["mean_batch"] == pytest.approx(1.0)
+    assert sixteen["mean_batch"] > 4, sixteen
+    assert sixteen["videos_per_min"] >= 1.5 * one["videos_per_min"], rows
+    m = parse_text(http.get("/metrics").text)
+    assert m['longserve_step_batch_size_bucket{le="1"}'] < m["longserve_step_batch_size_count"], \
+        "/metrics shows denoising steps with more than one request"
+    for vid in sixteen["ids"][:3]:
+        frames = iio.imread(io.BytesIO(http.get(f"/v1/videos/{vid}/content").content), extension=".mp4")
+        assert frames.shape == (16, 64, 64, 3)
+
+
+# -- progress and streaming ------------------------------------------------------------------------------------
+
+
+def test_progress_rises_step_by_step_over_get_and_over_sse(server, http):
+    steps = 60
+    v = create(http, size="64x64", num_frames=16, num_inference_steps=steps)
+    events: list = []
+    sse = threading.Thread(target=collect_events, args=(server["url"], v["id"], events))
+    sse.start()
+    seen = []
+    while True:
+        cur = http.get(f"/v1/videos/{v['id']}").json()
+        seen.append(cur["progress"])
+        if cur["status"] in ("completed", "failed"):
+            break
+        time.sleep(0.002)
+    sse.join(60)
+    assert cur["status"] == "completed" and seen[-1] == 100
+    assert seen == sorted(seen), "progress never goes back"
+    assert len({p for p in seen if 0 < p < 100}) >= 5, f"GET saw too few intermediate values: {sorted(set(seen))}"
+
+    kinds = [e for e, _ in events]
+    assert kinds[-1] == "video.completed" and events[-1][1]["progress"] == 100
+    step_events = [d for e, d in events if e == "video.progress"]
+    first = step_events[0]["step"]
+    assert [d["step"] for d in step_events] == list(range(first, steps + 1)), "one event per denoising step"
+    assert first <= 10, "the stream was opened right after create: it should see (almost) every step"
+    assert all(d["num_steps"] == steps for d in step_events)
+    progress = [d["progress"] for _, d in events]
+    assert progress == sorted(progress) and step_events[-1]["progress"] == 90
+    decoding = [d for e, d in events if e == "video.decoding"]
+    assert decoding[-1]["frames_done"] == 16 and kinds.index("video.decoding") > kinds.index("video.progress")
+
+
+def test_content_stream_sends_the_mp4_while_frames_are_still_being_decoded(server, http, monkeypatch):
+    service = server["service"]
+    gate, first_chunk = threading.Event(), threading.Event()
+    write_frames = service._write_frames
+
+    def gated(live, data):  # hold the decode after its first chunk until the client has bytes
+        write_frames(live, data)
+        if live.record.prompt == "stream me" and data["start"] == 0:
+            first_chunk.set()
+            gate.wait(30)
+
+    monkeypatch.setattr(service, "_write_frames", gated)
+    v = create(http, prompt="stream me", size="64x64", num_frames=16, num_inference_steps=3)
+    received = bytearray()
+    try:
+        with http.stream("GET", f"/v1/videos/{v['id']}/content", params={"stream": "true"}) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+            chunks = r.iter_bytes()
+            received += next(chunks)
+            assert first_chunk.is_set()
+            during = http.get(f"/v1/videos/{v['id']}").json()
+            assert during["status"] == "in_progress" and during["progress"] < 100
+            assert not (server["data_dir"] / "videos" / f"{v['id']}.mp4").exists(), "not finished yet"
+            gate.set()
+            for chunk in chunks:
+                received += chunk
+    finally:
+        gate.set()
+    assert bytes(received[4:8]) == b"ftyp"
+    assert b"moof" in received, "a fragmented MP4"
+    wait(http, v["id"])
+    stored = http.get(f"/v1/videos/{v['id']}/content").content
+    assert bytes(received) == stored, "the streamed bytes are the stored video"
+    frames = iio.imread(io.BytesIO(bytes(received)), extension=".mp4")
+    assert frames.shape == (16, 64, 64, 3)
+
+
+# -- cancellation ----------------------------------------------------------------------------------------------
+
+
+def test_deleting_a_running_video_frees_its_slot_at_the_next_step_and_its_batchmate_completes(server, http):
+    a = create(http, size="64x64", num_frames=16, num_inference_steps=150, seed=1)
+    b = create(http, size="64x64", num_frames=16, num_inference_steps=150, seed=2)
+    a_events, b_events = [], []
+    threads = [threading.Thread(target=collect_events, args=(server["url"], vid, out))
+               for vid, out in ((a["id"], a_events), (b["id"], b_events))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not any(e == "video.progress" and d["batch_size"] == 2 and d["step"] >= 3 for e, d in list(b_events)):
+        assert time.monotonic() < deadline, "a and b never shared a step"
+        time.sleep(0.005)
+    step_at_delete = max(d["step"] for e, d in list(b_events) if e == "video.progress")
+    r = http.delete(f"/v1/videos/{a['id']}")
+    assert r.status_code == 200 and r.json() == {"id": a["id"], "object": "video.deleted", "deleted": True}
+    assert http.get(f"/v1/videos/{a['id']}").status_code == 404
+    deadline = time.monotonic() + 10
+    while metric(http, "longserve_running_requests") != 1:
+        assert time.monotonic() < deadline, "the cancelled video still holds its slot"
+        time.sleep(0.01)
+    assert http.get(f"/v1/videos/{b['id']}").json()["status"] == "in_progress"
+    for t in threads:
+        t.join(120)
+    assert a_events[-1][0] == "video.deleted"
+    assert b_events[-1][0] == "video.completed"
+    sizes = [(d["step"], d["batch_size"]) for e, d in b_events if e == "video.progress"]
+    after = [s for step, s in sizes if step > step_at_delete]
+    assert after == sorted(after, reverse=True) and after[-1] == 1, "b runs alone once a is gone"
+    assert after.count(2) <= 3, f"a kept running for {after.count(2)} steps after its delete"
+    assert not list(server["data_dir"].glob(f"videos/{a['id']}*"))
+
+
+# -- robustness ------------------------------------------------------------------------------------------------
+
+VALID = {"prompt": "a red ball", "size": "32x32", "num_frames": 4, "num_inference_steps": 2}
+
+
+def bad(body_update=None, drop=(), **kw):
+    body = {k: v for k, v in VALID.items() if k not in drop}
+    body.update(body_update or {})
+    return {"json": body, **kw}
+
+
+JSON = {"content-type": "application/json"}
+
+MALFORMED = [
+    # (id, method, path, request kwargs, status, param)
+    ("not json", "POST", "/v1/videos", {"content": b"{bad", "headers": JSON}, 400, None),
+    ("empty body", "POST", "/v1/videos", {"content": b"", "headers": JSON}, 400, None),
+    ("json array", "POST", "/v1/videos", {"json": [VALID]}, 400, None),
+    ("json string", "POST", "/v1/videos", {"json": "a red ball"}, 400, None),
+    ("not utf-8", "POST", "/v1/videos", {"content": b'{"prompt": "\xff\xfe"}',
+                                         "headers": JSON}, 400, None),
+    ("deep nesting", "POST", "/v1/videos", {"content": b"[" * 200000 + b"]" * 200000,
+                                            "headers": JSON}, 400, None),
+    ("missing prompt", "POST", "/v1/videos", bad(drop=("prompt",)), 400, "prompt"),
+    ("empty prompt", "POST", "/v1/videos", bad({"prompt": ""}), 400, "prompt"),
+    ("blank prompt", "POST", "/v1/videos", bad({"prompt": "   \n"}), 400, "prompt"),
+    ("numeric prompt", "POST", "/v1/videos", bad({"prompt": 5}), 400, "prompt"),
+    ("null prompt", "POST", "/v1/videos", bad({"prompt": None}), 400, "prompt"),
+    ("list prompt", "POST", "/v1/videos", bad({"prompt": ["a", "b"]}), 400, "prompt"),
+    ("huge prompt", "POST", "/v1/videos", bad({"prompt": "x" * 5000}), 400, "prompt"),
+    ("size no x", "POST", "/v1/videos", bad({"size": "64"}), 400, "size"),
+    ("size half", "POST", "/v1/videos", bad({"size": "64x"}), 400, "size"),
+    ("size letters", "POST", "/v1/videos", bad({"size": "axb"}), 400, "size"),
+    ("size number", "POST", "/v1/videos", bad({"size": 64}), 400, "size"),
+    ("size not multiple", "POST", "/v1/videos", bad({"size": "50x64"}), 400, "size"),
+    ("size too large", "POST", "/v1/videos", bad({"size": "4096x4096"}), 400, "size"),
+    ("size zero", "POST", "/v1/videos", bad({"size": "0x0"}), 400, "size"),
+    ("seconds text", "POST", "/v1/videos", bad({"seconds": "four"}, drop=("num_frames",)), 400, "seconds"),
+    ("seconds negative", "POST", "/v1/videos", bad({"seconds": "-1"}, drop=("num_frames",)), 400, "seconds"),
+    ("seconds zero", "POST", "/v1/videos", bad({"seconds": "0"}, drop=("num_frames",)), 400, "seconds"),
+    ("seconds too long", "POST", "/v1/videos", bad({"seconds": "1000"}, drop=("num_frames",)), 400, "seconds"),
+    ("seconds bool", "POST", "/v1/videos", bad({"seconds": True}, drop=("num_frames",)), 400, "seconds"),
+    ("seconds vs frames", "POST", "/v1/videos", bad({"seconds": "2", "num_frames": 5}), 400, "seconds"),
+    ("frames zero", "POST", "/v1/videos", bad({"num_frames": 0}), 400, "num_frames"),
+    ("frames too many", "POST", "/v1/videos", bad({"num_frames": 100000}), 400, "num_frames"),
+    ("frames text", "POST", "/v1/videos", bad({"num_frames": "ten"}), 400, "num_frames"),
+    ("frames fraction", "POST", "/v1/videos", bad({"num_frames": 2.5}), 400, "num_frames"),
+    ("frames bool", "POST", "/v1/videos", bad({"num_frames": True}), 400, "num_frames"),
+    ("steps zero", "POST", "/v1/videos", bad({"num_inference_steps": 0}), 400, "num_inference_steps"),
+    ("steps too many", "POST", "/v1/videos", bad({"num_inference_steps": 10**6}), 400, "num_inference_steps"),
+    ("guidance text", "POST", "/v1/videos", bad({"guidance_scale": "high"}), 400, "guidance_scale"),
+    ("guidance negative", "POST", "/v1/videos", bad({"guidance_scale": -1}), 400, "guidance_scale"),
+    ("guidance infinite", "POST", "/v1/videos", {"content": b'{"prompt": "a", "guidance_scale": 1e999}',
+                                                 "headers": JSON}, 400, "guidance_scale"),
+    ("seed negative", "POST", "/v1/videos", bad({"seed": -5}), 400, "seed"),
+    ("seed huge", "POST", "/v1/videos", bad({"seed": 2**70}), 400, "seed"),
+    ("fps zero", "POST", "/v1/videos", bad({"fps": 0}), 400, "fps"),
+    ("negative prompt type", "POST", "/v1/videos", bad({"negative_prompt": 3}), 400, "negative_prompt"),
+    ("unknown field", "POST", "/v1/videos", bad({"colour": "red"}), 400, "colour"),
+    ("unknown model", "POST", "/v1/videos", bad({"model": "sora-2"}), 404, "model"),
+    ("image reference", "POST", "/v1/videos", bad({"input_reference": "https://x/y.png"}), 400, "input_reference"),
+    ("text/plain", "POST", "/v1/videos", {"content": b"prompt=a", "headers": {"content-type": "text/plain"}}, 415,
+     None),
+    ("oversize body", "POST", "/v1/videos", bad({"prompt": "x" * (5 << 20)}), 413, None),
+    ("form bad steps", "POST", "/v1/videos", multipart({"prompt": "a", "num_inference_steps": "abc"}), 400,
+     "num_inference_steps"),
+    ("form bad seed", "POST", "/v1/videos", multipart({"prompt": "a", "seed": "1.5"}), 400, "seed"),
+    ("form no prompt", "POST", "/v1/videos", multipart({"size": "32x32"}), 400, "prompt"),
+    ("form file prompt", "POST", "/v1/videos", multipart({}, {"prompt": ("p.txt", b"a red ball")}), 400, "prompt"),
+    ("form urlencoded size", "POST", "/v1/videos", {"data": {"prompt": "a", "size": "big"}}, 400, "size"),
+    ("form garbage", "POST", "/v1/videos", {"content": b"--zz\r\nnonsense",
+                                            "headers": {"content-type": "multipart/form-data; boundary=zz"}}, 400,
+     "prompt"),
+    ("form no boundary", "POST", "/v1/videos", {"content": b"prompt=a",
+                                                "headers": {"content-type": "multipart/form-data"}}, 400, None),
+    ("unknown id", "GET", "/v1/videos/video_doesnotexist", {}, 404, "video_id"),
+    ("unknown id content", "GET", "/v1/videos/video_doesnotexist/content", {}, 404, "video_id"),
+    ("unknown id events", "GET", "/v1/videos/video_doesnotexist/events", {}, 404, "video_id"),
+    ("bad variant", "GET", "/v1/videos/video_doesnotexist/content?variant=spritesheet", {}, 400, "variant"),
+    ("bad stream flag", "GET", "/v1/videos/video_doesnotexist/content?stream=maybe", {}, 400, "stream"),
+    ("delete unknown", "DELETE", "/v1/videos/video_doesnotexist", {}, 404, "video_id"),
+    ("limit zero", "GET", "/v1/videos?limit=0", {}, 400, "limit"),
+    ("limit text", "GET", "/v1/videos?limit=lots", {}, 400, "limit"),
+    ("bad order", "GET", "/v1/videos?order=sideways", {}, 400, "order"),
+    ("unknown cursor", "GET", "/v1/videos?after=video_nope", {}, 404, "after"),
+    ("unknown route", "GET", "/v1/nothing", {}, 404, None),
+    ("wrong method", "PUT", "/v1/videos", {"json": VALID}, 405, None),
+    ("score no text", "POST", "/v1/score", {"json": {}}, 400, "text"),
+    ("score empty text", "POST", "/v1/score", {"json": {"text": ""}}, 400, "text"),
+    ("score number", "POST", "/v1/score", {"json": {"text": 5}}, 400, "text"),
+    ("score not utf-8", "POST", "/v1/score", {"content": b'{"text": "\xc3\x28"}',
+                                              "headers": JSON}, 400, None),
+    ("score unknown model", "POST", "/v1/score", {"json": {"text": "hi", "model": "gpt-4"}}, 404, "model"),
+]
+
+
+def test_malformed_requests_get_a_4xx_error_envelope_naming_the_field_and_the_server_stays_healthy(server, http):
+    restarts = metric(http, "longserve_worker_restarts")
+    before = http.get("/v1/videos", params={"limit": 100}).json()["data"]
+    assert len(MALFORMED) >= 30
+    for name, method, path, kwargs, status, param in MALFORMED:
+        r = http.request(method, path, **kwargs)
+        assert r.status_code == status, f"{name}: {r.status_code} {r.text[:300]}"
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, name
+        assert err["message"] and err["type"], name
+        assert err["param"] == param, f"{name}: param {err['param']!r} != {param!r}"
+        if param:
+            assert param in err["message"], f"{name}: the message should name {param}: {err['message']}"
+    after = http.get("/v1/videos", params={"limit": 100}).json()["data"]
+    assert len(after) == len(before), "no malformed request created a job"
+    assert http.get("/health").json()["status"] == "ok"
+    ok = create(http, **VALID)
+    assert wait(http, ok["id"])["status"] == "completed"
+    assert metric(http, "longserve_worker_restarts") == restarts, "no request crashed a worker"
+
+
+def test_a_multipart_form_request_with_extensions_is_accepted(server, http):
+    r = http.post("/v1/videos", **multipart({"prompt": "a green field", "size": "48x32", "seconds": "0.5", "fps": "8",
+                                             "num_inference_steps": "2", "guidance_scale": "3.5", "seed": "5",
+                                             "negative_prompt": "blurry"}))
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert (v["size"], v["num_frames"], v["seconds"], v["guidance_scale"], v["seed"]) == ("48x32", 4, "0.5", 3.5, 5)
+    done = wait(http, v["id"])
+    assert done["status"] == "completed"
+    frames = iio.imread(io.BytesIO(http.get(f"/v1/videos/{v['id']}/content").content), extension=".mp4")
+    assert frames.shape == (4, 32, 48, 3)
+
+
+def test_unusual_but_valid_prompts_complete_without_a_worker_restart(server, http):
+    restarts = metric(http, "longserve_worker_restarts")
+    prompts = ["\x00\x01 nul and control", "emoji \U0001F680\U0001F30A and \u202eRTL\u202c", "x" * 4000,
+               "<extra_id_0> </s> <pad> <unk>", "\n\t a prompt with leading whitespace"]
+    ids = [create(http, **dict(VALID, prompt=p, negative_prompt=p[::-1]))["id"] for p in prompts]
+    for vid in ids:
+        assert wait(http, vid)["status"] == "completed"
+    assert metric(http, "longserve_worker_restarts") == restarts
+
+
+def test_listing_pages_with_after_limit_and_order(server, http):
+    ids = [create(http, **VALID)["id"] for _ in range(3)]
+    desc = http.get("/v1/videos", params={"limit": 2}).json()
+    assert desc["object"] == "list" and [v["id"] for v in desc["data"]] == ids[::-1][:2] and desc["has_more"]
+    assert desc["first_id"] == ids[2] and desc["last_id"] == ids[1]
+    nxt = http.get("/v1/videos", params={"limit": 1, "after": desc["last_id"]}).json()
+    assert [v["id"] for v in nxt["data"]] == [ids[0]]
+    asc = http.get("/v1/videos", params={"order": "asc", "after": ids[0], "limit": 100}).json()
+    assert [v["id"] for v in asc["data"]] == ids[1:] and not asc["has_more"]
+    for vid in ids:
+        wait(http, vid)
+
+
+# -- a worker dies -----------------------------------------------------------------------------------------------
+
+
+def test_a_worker_killed_mid_batch_fails_that_batch_within_30s_and_the_next_video_completes(server, http):
+    service = server["service"]
+    restarts = metric(http, "longserve_worker_restarts")
+    jobs = [create(http, size="64x64", num_frames=16, num_inference_steps=1000, seed=s)["id"] for s in (1, 2)]
+    deadline = time.monotonic() + 60
+    while not all(http.get(f"/v1/videos/{j}").json()["progress"] >= 1 for j in jobs):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    victim = service.pipe.pool.pids[1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for j in jobs:
+        v = wait(http, j, timeout=30)
+        assert v["status"] == "failed"
+        assert v["error"]["code"] == "worker_crashed"
+        assert "SIGKILL" in v["error"]["message"] and "worker" in v["error"]["message"]
+    assert time.monotonic() - killed_at < 30
+    after = create(http, **VALID)
+    assert wait(http, after["id"], timeout=120)["status"] == "completed"
+    assert victim not in service.pipe.pool.pids
+    assert metric(http, "longserve_worker_restarts") == restarts + 1
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["workers_ready"]
+
+
+# -- the rest of the surface ----------------------------------------------------------------------------------------
+
+
+def test_health_models_and_prometheus_metrics(server, http):
+    h = http.get("/health")
+    assert h.status_code == 200 and h.json()["workers"] == 2
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert {m["id"] for m in models["data"]} == {"tiny-latte", "tiny-lm"}
+    r = http.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    m = parse_text(r.text)
+    for name in ("longserve_queue_depth", "longserve_running_requests", "longserve_batch_size",
+                 "longserve_step_latency_seconds_count", "longserve_step_batch_size_count",
+                 'longserve_jobs{status="queued"}', 'longserve_jobs{status="in_progress"}',
+                 'longserve_jobs{status="completed"}', 'longserve_jobs{status="failed"}'):
+        assert name in m, name
+    assert "# TYPE longserve_step_latency_seconds histogram" in r.text
+
+
+def test_score_returns_consistent_likelihood_numbers(server, http):
+    text = "The quick brown fox jumps over the lazy dog. " * 4
+    r = http.post("/v1/score", json={"model": "tiny-lm", "text": text})
+    assert r.status_code == 200, r.text
+    s = r.json()
+    assert s["object"] == "score" and s["model"] == "tiny-lm"
+    assert s["num_bytes"] == len(text.encode()) and s["num_tokens"] > 10
+    assert s["mean_nll"] == pytest.approx(s["total_nll"] / s["num_tokens"])
+    assert s["perplexity"] == pytest.approx(math.exp(s["mean_nll"]))
+    assert s["bits_per_byte"] == pytest.approx(s["total_nll"] / (math.log(2) * s["num_bytes"]))
+    again = http.post("/v1/score", json={"text": text}).json()
+    assert again["total_nll"] == pytest.approx(s["total_nll"], rel=1e-9)
+    shorter = http.post("/v1/score", json={"text": text[:40]}).json()
+    assert shorter["num_tokens"] < s["num_tokens"] and shorter["total_nll"] != s["total_nll"]

@@ -1,0 +1,83 @@
+"""The Dockerfile, checked without a Docker engine: what it copies exists (and is not ignored), what it
+installs is declared, its entrypoint is the declared console script, its default command parses."""
+
+import fnmatch
+import json
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def instructions():
+    """[(INSTRUCTION, argument text)] with line continuations joined and comments dropped."""
+    text = (ROOT / "Dockerfile").read_text()
+    text = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def pyproject():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def ignored(path: str) -> bool:
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    return any(fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path.split("/")[0], p) for p in patterns)
+
+
+def test_the_base_image_is_cuda_pytorch():
+    ins = instructions()
+    args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
+    base = next(a for k, a in ins if k == "FROM")
+    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+    assert base.startswith("pytorch/pytorch:") and "cuda" in base and "runtime" in base, base
+
+
+def test_every_copied_path_exists_is_not_dockerignored_and_covers_the_packages():
+    copied = []
+    for kind, arg in instructions():
+        if kind == "COPY":
+            *sources, _dest = shlex.split(arg)
+            for src in sources:
+                assert not src.startswith("--"), "no --from/--chown copies expected"
+                assert (ROOT / src).exists(), f"COPY {src}: missing"
+                assert not ignored(src), f"COPY {src}: excluded by .dockerignore"
+                copied.append(src.rstrip("/"))
+    meta = pyproject()
+    for package in meta["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert package.rstrip("*") in copied, f"package {package} is installed but not copied"
+    assert meta["project"]["readme"] in copied, "setuptools needs the readme to build"
+    assert "pyproject.toml" in copied
+
+
+def test_it_installs_the_declared_gpu_extra():
+    runs = " ".join(a for k, a in instructions() if k == "RUN")
+    extras = re.findall(r"pip install [^&]*?'\.\[([\w,]+)\]'", runs)
+    assert extras, "the image should pip install the project with an extra"
+    declared = pyproject()["project"]["optional-dependencies"]
+    for extra in extras[0].split(","):
+        assert extra in declared, f"extra {extra!r} is not declared in pyproject.toml"
+    assert any(dep.startswith("xformers") for dep in declared["gpu"])
+
+
+def test_the_entrypoint_is_the_declared_console_script_and_the_default_command_parses():
+    from server.cli import COMMANDS, build_parser
+
+    ins = dict(instructions())
+    entry = json.loads(ins["ENTRYPOINT"])
+    cmd = json.loads(ins["CMD"])
+    assert entry == ["longserve", "serve"]
+    assert pyproject()["project"]["scripts"]["longserve"] == "server.cli:main"
+    assert COMMANDS["serve"][0] == "server.cmd_serve"
+    args = build_parser().parse_args(entry[1:] + cmd)
+    assert args.model.startswith("/models/") and args.host == "0.0.0.0" and args.device == "cuda"
+    assert "make docker" not in ins and "docker build -t longserve:latest ." in (ROOT / "Makefile").read_text()

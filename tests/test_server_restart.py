@@ -1,0 +1,176 @@
+"""`longserve serve` as a process: API key, queue limit and queue positions, then a hard kill and a
+restart on the same --data-dir (completed videos stay downloadable, the interrupted job is failed
+with a clear error, queued jobs run)."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.app import free_port
+
+KEY = "sk-test-longserve"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def serve_command(port, data_dir):
+    script = Path(sys.executable).parent / "longserve"
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+    return head + ["serve", "--model", "tiny-latte", "--workers", "2", "--device", "cpu", "--host", "127.0.0.1",
+                   "--port", str(port), "--data-dir", str(data_dir), "--max-batch", "1", "--max-queue", "2",
+                   "--default-steps", "3", "--max-steps", "1000", "--api-key", KEY, "--score-model", "none",
+                   "--log-level", "warning"]
+
+
+class Server:
+    def __init__(self, data_dir):
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(serve_command(port, data_dir), cwd=ROOT)
+        deadline = time.monotonic() + 180
+        while True:
+            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
+
+    def create(self, **body):
+        body.setdefault("prompt", "a red ball bouncing")
+        body.setdefault("size", "32x32")
+        body.setdefault("num_frames", 4)
+        return self.http.post("/v1/videos", json=body)
+
+    def wait(self, vid, until=("completed", "failed"), timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v = self.http.get(f"/v1/videos/{vid}").json()
+            if v["status"] in until:
+                return v
+            time.sleep(0.05)
+        raise AssertionError(f"{vid} is still {v['status']}")
+
+    def stop(self, sig=signal.SIGTERM):
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def sse(url, vid, out, ready):
+    with httpx.Client(base_url=url, headers=AUTH, timeout=120) as c, c.stream("GET", f"/v1/videos/{vid}/events") as r:
+        ready.set()
+        event = None
+        try:
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: "):
+                    out.append((event, json.loads(line[6:])))
+                    if event in ("video.completed", "video.failed", "video.deleted"):
+                        return
+        except httpx.HTTPError:
+            return  # the server was killed under us
+
+
+@pytest.fixture
+def servers():
+    started = []
+    yield started
+    for s in started:
+        s.stop(signal.SIGKILL)
+
+
+def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the_queued(tmp_path, servers):
+    first = Server(tmp_path)
+    servers.append(first)
+
+    # --api-key: /v1 needs the bearer token; the probes do not
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.get(first.url + "/v1/videos", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.post(first.url + "/v1/videos", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(first.url + "/health").status_code == 200
+
+    done = first.create(num_inference_steps=3).json()
+    assert first.wait(done["id"])["status"] == "completed"
+    mp4 = first.http.get(f"/v1/videos/{done['id']}/content").content
+    assert mp4[4:8] == b"ftyp"
+
+    running = first.create(num_inference_steps=1000).json()   # max-batch 1: it holds the only slot
+    deadline = time.monotonic() + 60
+    while first.http.get(f"/v1/videos/{running['id']}").json()["progress"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    dropped = first.create().json()
+    waiting = first.create(num_inference_steps=3).json()
+    assert first.http.get(f"/v1/videos/{waiting['id']}").json()["status"] == "queued"
+
+    full = first.create()                                     # max-queue 2
+    assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+
+    events, ready = [], threading.Event()
+    watcher = threading.Thread(target=sse, args=(first.url, waiting["id"], events, ready), daemon=True)
+    watcher.start()
+    assert ready.wait(10)
+    deadline = time.monotonic() + 10
+    while not events:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert events[0] == ("video.queued", {"id": waiting["id"], "status": "queued", "progress": 0,
+                                          "queue_position": 1})
+    assert first.http.delete(f"/v1/videos/{dropped['id']}").json()["deleted"] is True
+    deadline = time.monotonic() + 10
+    while len(events) < 2:
+        assert time.monotonic() < deadline, events
+        time.sleep(0.01)
+    assert events[1][0] == "video.queued" and events[1][1]["queue_position"] == 0, "the queue moved up"
+    later = first.create(num_inference_steps=3).json()
+
+    first.stop(signal.SIGKILL)                                 # no chance to clean up
+    watcher.join(10)
+
+    second = Server(tmp_path)
+    servers.append(second)
+    kept = second.http.get(f"/v1/videos/{done['id']}")
+    assert kept.json()["status"] == "completed"
+    assert second.http.get(f"/v1/videos/{done['id']}/content").content == mp4
+    assert second.http.get(f"/v1/videos/{done['id']}/content", params={"variant": "thumbnail"}).status_code == 200
+
+    interrupted = second.http.get(f"/v1/videos/{running['id']}").json()
+    assert interrupted["status"] == "failed"
+    assert interrupted["error"]["code"] == "server_restarted" and "create it again" in interrupted["error"]["message"]
+    assert second.http.get(f"/v1/videos/{running['id']}/content").status_code == 409
+
+    for job in (waiting, later):                             # queued before the kill: run now
+        assert second.wait(job["id"])["status"] == "completed"
+    assert second.http.get(f"/v1/videos/{dropped['id']}").status_code == 404
+    listed = [v["id"] for v in second.http.get("/v1/videos", params={"order": "asc"}).json()["data"]]
+    assert listed == [done["id"], running["id"], waiting["id"], later["id"]]
+    assert second.stop() == 0, "SIGTERM shuts the server down cleanly"
+
+
+def test_the_cli_lists_serve_and_bench_serve_options():
+    for args in (["serve", "--help"], ["bench", "serve", "--help"]):
+        out = subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        for flag in (("--data-dir", "--api-key", "--max-queue", "--max-batch", "--parallel", "--max-frames",
+                      "--max-size", "--max-steps") if args[0] == "serve" else ("--concurrency", "--json")):
+            assert flag in out.stdout, flag
