@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from engine import comm
-from engine.dist import ParallelGroup
+from engine.dist import ParallelGroup, parse_dtype
 from engine.memory import PeakMemory
 
 ATTN_IMPLEMENTATION = "longserve_lss"
@@ -330,20 +330,6 @@ def output_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 # -- loading -----------------------------------------------------------------------------
-
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def load_causal_lm(path: str | None = None, config: dict | None = None, seed: int = 0,

@@ -28,19 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import comm
+from engine.dist import parse_dtype
 from engine.latte import check_strategy, make_cfg_groups, parallel_forward
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or a torch.dtype; got {dtype!r}")
-    return DTYPES[dtype]
-
 
 @dataclass
 class GenerationSpec:
@@ -87,7 +76,7 @@ def setup_video_worker(ctx, model_dir: str, strategy: str = "dsp", dtype: str = 
     check_strategy(strategy)
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = parse_dtype(dtype)
     skip = {} if ctx.pg.rank == 0 else {"text_encoder": None, "tokenizer": None}
     pipe = diffusers.LattePipeline.from_pretrained(model_dir, dtype=torch_dtype, **skip)
     pipe.to(ctx.pg.device)

@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 
 from engine import lss
+from engine.dist import parse_dtype
 from engine.pool import WorkerPool
 
 ProgressCallback = Callable[[int, int], None]
@@ -130,7 +131,7 @@ class TextScoringPipeline:
         _check_workers(workers)
         _check_strategy(strategy)
         device = _check_device(device)
-        lss.parse_dtype(dtype)
+        parse_dtype(dtype)
         path = resolve_causal_lm(model)
         tokenizer = AutoTokenizer.from_pretrained(path)
         tokenizer.model_max_length = int(1e30)  # length limits are ours to check (and to window)
@@ -151,7 +152,7 @@ class TextScoringPipeline:
         _check_workers(workers)
         _check_strategy(strategy)
         device = _check_device(device)
-        lss.parse_dtype(dtype)
+        parse_dtype(dtype)
         cfg = AutoConfig.for_model(**config)
         pool = WorkerPool(workers, setup=lss.setup_scoring_worker, setup_args=(None, dict(config), seed, dtype),
                           device=device)

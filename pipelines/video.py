@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from engine import video as runtime
+from engine.dist import parse_dtype
 from engine.latte import STRATEGIES
 from engine.pool import make_pool
 from weights import resolve_latte
@@ -88,7 +89,7 @@ class VideoPipeline:
             raise ValueError(f"parallel must be one of {', '.join(STRATEGIES)}; got {parallel!r}")
         if device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda' (default: cuda when available); got {device!r}")
-        runtime.resolve_dtype(dtype)
+        parse_dtype(dtype)
         if cfg_parallel and workers % 2:
             raise ValueError(f"cfg_parallel needs an even number of workers, got workers={workers}")
         model_dir = str(resolve_latte(model))
