@@ -1,0 +1,398 @@
+"""`longserve bench transformer`: DSP vs the embedded sequence-parallel baselines on one ST-DiT step.
+
+    longserve bench transformer --strategies dsp,ulysses,ring,megatron-sp --workers 1,2,4 \\
+        [--json out.json] [--plot out.png] [--steps 5 --warmup 2] [--config bench|tiny] \\
+        [--frames T] [--size HxW]
+
+What a "step" is: one `LatteTransformer3DModel` forward on a classifier-free-guidance
+batch of 2 (the latent duplicated, one timestep, negative and positive text embeddings),
+as one denoising step runs it; fp32, `torch.no_grad`, through
+`engine.latte.parallel_forward(model, x, t, enc, pg, strategy)`.
+
+The model (`CONFIGS["bench"]`): a Latte-shaped transformer with random weights built in
+every worker from a seed (same weights on every rank, no checkpoint; speed and bytes do
+not depend on the values) -- 8 heads x 48 = hidden 384, 4 spatial + 4 temporal blocks,
+MLP 4x, patch 2, 4 latent channels in / 8 out, captions of 120 tokens x 4096 channels
+(T5-XXL-shaped, as Latte-1). Input: 16 frames of a 24x24 *latent* (`--size` is the
+latent size; x8 through Latte's VAE it is a 192x192-pixel video), i.e. 12x12 = 144
+patches per frame. Latte-1 itself is 16 heads x 72, 28 block pairs, 64x64 latents: too
+big for a CPU benchmark; this one is sized so one step on 1 worker takes about a second on
+a 2-core CPU. `--config tiny` is a seconds-long smoke configuration for tests.
+
+How it is measured:
+- One `WorkerPool` per worker count, started once; every strategy is timed on it in the
+  same job, interleaved step by step (round r runs step r of every strategy), so that a
+  drift in the machine's load hits all strategies alike. `--warmup` rounds are discarded.
+- Step time: before each step all ranks meet at a barrier; each rank times its own
+  forward from the barrier's release to its end; a step's time is the *largest* of the
+  ranks' times (the forward ends in an all-gather, so the ranks finish together); the
+  reported `step_time_s` is the median over the `--steps` measured steps.
+- Bytes and collectives per step: `engine.comm.STATS` reset before the step and read
+  after it, per rank; `bytes_per_step` is the largest rank's bytes sent (standard
+  algorithm for each collective, see engine/comm.py), `collectives_per_step` rank 0's calls.
+- 1 worker is always measured, and *every* strategy runs on it (the parallel code paths
+  differ even with nothing to send, e.g. ring attention's own softmax), plus diffusers'
+  own `model(...)` forward as row "diffusers". `speedup` is over the same strategy on 1
+  worker; `speedup_vs_diffusers` over the diffusers row.
+- `comm_time_s`: wall time inside engine.comm's collectives during the step (packing,
+  the transfer, and waiting for slower peers), largest rank, median over steps.
+- `max_abs_err`: the last step's output against diffusers' output on the same inputs.
+- Workers share the machine: the pool gives each `cores // workers` torch threads (at
+  least 1), so more workers than cores oversubscribe the cores.
+- Other processes skew timings. Each row records `foreign_cpu_fraction`: the CPU time
+  *other* processes used during its pool's timed job, over the machine's core-seconds
+  (/proc/stat minus the benchmark's own processes); above 5% the run prints a warning.
+  `loadavg_before` / `loadavg_after` (which count the benchmark's own processes) too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import statistics
+import sys
+import time
+
+from server import benchutil
+
+STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")  # engine.latte.STRATEGIES (not imported: --help stays fast)
+REFERENCE = "diffusers"
+
+#: Model and input configurations. heads x head_dim = hidden; frames and latent size are
+#: the defaults of --frames / --size.
+CONFIGS: dict[str, dict] = {
+    "bench": dict(heads=8, head_dim=48, layers=4, frames=16, latent=(24, 24), caption_channels=4096, text_len=120),
+    "tiny": dict(heads=2, head_dim=16, layers=2, frames=8, latent=(8, 8), caption_channels=32, text_len=8),
+}
+PATCH = 2
+IN_CHANNELS, OUT_CHANNELS = 4, 8
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help=f"comma-separated, of {', '.join(STRATEGIES)} (default: all)")
+    parser.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (1 is always measured)")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per strategy (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="discarded steps per strategy before measuring")
+    parser.add_argument("--config", default="bench", choices=sorted(CONFIGS), help="model/input size")
+    parser.add_argument("--frames", type=int, default=None, help="frames T (default: the config's)")
+    parser.add_argument("--size", default=None, metavar="HxW",
+                        help=f"latent height x width, divisible by the patch size {PATCH} (default: the config's)")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if present")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as a JSON list")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: step time and bytes vs workers")
+
+
+# -- the model, built identically in every worker --------------------------------------
+
+
+def model_config(name: str, frames: int | None = None, size: tuple[int, int] | None = None) -> dict:
+    cfg = dict(CONFIGS[name])
+    if frames is not None:
+        cfg["frames"] = frames
+    if size is not None:
+        cfg["latent"] = tuple(size)
+    return cfg
+
+
+def build_model(cfg: dict, seed: int):
+    """A `LatteTransformer3DModel` with seeded random weights scaled to keep activations unit-size."""
+    import torch
+    from diffusers import LatteTransformer3DModel
+
+    hidden = cfg["heads"] * cfg["head_dim"]
+    torch.manual_seed(seed)
+    model = LatteTransformer3DModel(
+        num_attention_heads=cfg["heads"], attention_head_dim=cfg["head_dim"], in_channels=IN_CHANNELS,
+        out_channels=OUT_CHANNELS, num_layers=cfg["layers"], sample_size=cfg["latent"][0], patch_size=PATCH,
+        activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+        norm_elementwise_affine=False, norm_eps=1e-6, attention_bias=True,
+        caption_channels=cfg["caption_channels"], cross_attention_dim=hidden, video_length=cfg["frames"],
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            fan_in = param.shape[-1] if param.ndim > 1 else 1
+            std = 0.3 if param.ndim == 1 else 1.0 / fan_in ** 0.5
+            param.copy_(torch.randn(param.shape, generator=g) * std)
+    return model.eval()
+
+
+def step_inputs(cfg: dict, seed: int):
+    """A CFG batch of 2: the same latent twice, one timestep, negative + positive text embeddings.
+
+    -> x (2, C, T, H, W), t (2,), enc (2, text_len, caption_channels)
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 2)
+    H, W = cfg["latent"]
+    latent = torch.randn(1, IN_CHANNELS, cfg["frames"], H, W, generator=g)
+    x = torch.cat([latent, latent])                                         # (2, C, T, H, W)
+    t = torch.full((2,), 500, dtype=torch.long)
+    enc = torch.randn(2, cfg["text_len"], cfg["caption_channels"], generator=g)
+    return x, t, enc
+
+
+def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, warmup: int) -> dict:
+    """On every worker: time `warmup + steps` interleaved rounds of every strategy.
+
+    Returns this rank's {"times": {s: [s]}, "bytes": {s: [b]}, "calls": {s: {kind: n}},
+    "output": {s: last output (rank 0 only)}}.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from engine import comm
+    from engine.latte import parallel_forward
+
+    pg = ctx.pg
+    key = ("bench_model", tuple(sorted((k, str(v)) for k, v in cfg.items())), seed)
+    if ctx.state.get("model_key") != key:
+        ctx.state["model"] = build_model(cfg, seed).to(pg.device)
+        ctx.state["model_key"] = key
+    model = ctx.state["model"]
+    x, t, enc = (v.to(pg.device) for v in step_inputs(cfg, seed))
+    cuda = pg.device.type == "cuda"
+
+    def forward(strategy):
+        if strategy == REFERENCE:
+            return model(x, timestep=t, encoder_hidden_states=enc).sample
+        return parallel_forward(model, x, t, enc, pg, strategy)
+
+    times = {s: [] for s in strategies}
+    sent = {s: [] for s in strategies}
+    in_comm = {s: [] for s in strategies}
+    calls, outputs = {}, {}
+    with torch.no_grad(), _timed_collectives() as comm_clock:
+        for r in range(warmup + steps):
+            for s in strategies:
+                if pg.world_size > 1:
+                    dist.barrier(group=pg.group)
+                if cuda:
+                    torch.cuda.synchronize()
+                comm.STATS.reset()
+                comm_clock[0] = 0.0
+                t0 = time.perf_counter()
+                out = forward(s)                                            # (2, C_out, T, H, W)
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                stats = comm.STATS.snapshot()
+                if r >= warmup:
+                    times[s].append(dt)
+                    sent[s].append(stats["bytes_sent"])
+                    in_comm[s].append(comm_clock[0])
+                    calls[s] = stats["calls"]
+                if r == warmup + steps - 1 and pg.rank == 0:
+                    outputs[s] = out.cpu()
+    return {"times": times, "bytes": sent, "comm_s": in_comm, "calls": calls, "output": outputs}
+
+
+@contextlib.contextmanager
+def _timed_collectives():
+    """Accumulate the wall time spent inside engine.comm's collectives into clock[0].
+
+    Wraps the module attributes that the forwards call (`comm.gather` goes through
+    `comm.all_gather`); the time includes packing/unpacking and waiting for slower peers.
+    """
+    from engine import comm
+
+    clock = [0.0]
+    names = ("all_to_all_switch", "all_gather", "reduce_scatter", "ring_shift")
+    saved = {name: getattr(comm, name) for name in names}
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock[0] += time.perf_counter() - t0
+        return wrapper
+
+    try:
+        for name, fn in saved.items():
+            setattr(comm, name, timed(fn))
+        yield clock
+    finally:
+        for name, fn in saved.items():
+            setattr(comm, name, fn)
+
+
+# -- the sweep -----------------------------------------------------------------------
+
+
+def parse_size(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--size: expected HxW (latent height x width, e.g. 24x24), got {text!r}") from None
+    if h < PATCH or w < PATCH or h % PATCH or w % PATCH:
+        raise ValueError(f"--size: latent height and width must be positive multiples of the patch size {PATCH}, "
+                         f"got {text!r}")
+    return h, w
+
+
+def parse_strategies(text: str) -> list[str]:
+    strategies = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if not strategies or unknown:
+        raise ValueError(f"--strategies: must be a comma-separated list of {', '.join(STRATEGIES)}; got {text!r}")
+    return list(dict.fromkeys(strategies))
+
+
+def command_line(args) -> str:
+    cmd = f"longserve bench transformer --strategies {args.strategies} --workers {args.workers}"
+    if args.config != "bench":
+        cmd += f" --config {args.config}"
+    for opt in ("steps", "warmup", "frames", "size", "device", "seed"):
+        default = {"steps": 5, "warmup": 2, "seed": 0}.get(opt)
+        v = getattr(args, opt)
+        if v is not None and v != default:
+            cmd += f" --{opt} {v}"
+    for opt in ("json", "plot"):
+        if getattr(args, opt):
+            cmd += f" --{opt} {getattr(args, opt)}"
+    return cmd
+
+
+def measure(args) -> list[dict]:
+    import torch
+
+    from engine.dist import default_device
+    from engine.pool import WorkerPool
+
+    strategies = parse_strategies(args.strategies)
+    worker_counts = sorted(set(benchutil.int_list(args.workers, "--workers")) | {1})
+    if args.steps < 1:
+        raise ValueError(f"--steps: must be at least 1, got {args.steps}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup: must be at least 0, got {args.warmup}")
+    if args.frames is not None and args.frames < 1:
+        raise ValueError(f"--frames: must be at least 1, got {args.frames}")
+    cfg = model_config(args.config, args.frames, parse_size(args.size))
+    device = args.device or default_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda requested but no CUDA device is visible")
+    machine = benchutil.machine_info(device)
+    hidden = cfg["heads"] * cfg["head_dim"]
+    H, W = cfg["latent"]
+    model_desc = dict(cfg, hidden=hidden, patch=PATCH, in_channels=IN_CHANNELS, out_channels=OUT_CHANNELS,
+                      latent=[H, W], patches_per_frame=(H // PATCH) * (W // PATCH), batch=2, dtype="float32")
+    print(f"bench transformer: config {args.config} {model_desc}, {machine}", file=sys.stderr, flush=True)
+
+    rows: list[dict] = []
+    reference_out = None
+    for n in worker_counts:
+        jobs = ([REFERENCE] if n == 1 else []) + strategies
+        load = benchutil.load_average()
+        t_start = time.perf_counter()
+        with WorkerPool(n, device=device) as pool:
+            foreign = benchutil.ForeignLoad().start([os.getpid(), *pool.pids])
+            results = pool.run(_bench_job, cfg, args.seed, jobs, args.steps, args.warmup)
+            foreign.stop()
+        elapsed = time.perf_counter() - t_start
+        load_after = benchutil.load_average()
+        for s in jobs:
+            per_step = [max(r["times"][s][i] for r in results) for i in range(args.steps)]
+            out = results[0]["output"][s]
+            if s == REFERENCE:
+                reference_out = out
+            rows.append({
+                "strategy": s,
+                "workers": n,
+                "step_time_s": statistics.median(per_step),
+                "step_time_min_s": min(per_step),
+                "step_time_max_s": max(per_step),
+                "step_times_s": per_step,
+                "comm_time_s": statistics.median(max(r["comm_s"][s][i] for r in results) for i in range(args.steps)),
+                "bytes_per_step": max(r["bytes"][s][-1] for r in results),
+                "collectives_per_step": dict(sorted(results[0]["calls"][s].items())),
+                "max_abs_err": float((out - reference_out).abs().max()),
+                "config": args.config,
+                "model": model_desc,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "timing": "per step: max over ranks of barrier-release-to-forward-end wall time; median over steps",
+                "foreign_cpu_fraction": foreign.fraction,
+                "loadavg_before": load,
+                "loadavg_after": load_after,
+                "machine": machine,
+            })
+            _print_row(rows[-1])
+        print(f"  ({n} worker(s): {elapsed:.1f} s including pool start)", file=sys.stderr, flush=True)
+        if foreign.fraction is not None and foreign.fraction > 0.05:
+            print(f"  warning: other processes used {foreign.fraction:.0%} of the machine's CPU while "
+                  f"{n} worker(s) were measured; their timings are skewed", file=sys.stderr, flush=True)
+
+    one = {r["strategy"]: r["step_time_s"] for r in rows if r["workers"] == 1}
+    for r in rows:
+        r["speedup"] = one[r["strategy"]] / r["step_time_s"]
+        r["speedup_vs_diffusers"] = one[REFERENCE] / r["step_time_s"]
+    return rows
+
+
+def _print_row(r: dict) -> None:
+    print(f"  {r['strategy']:<12} workers={r['workers']}  {r['step_time_s']:7.3f} s/step  "
+          f"{r['bytes_per_step'] / 2**20:8.2f} MiB sent/rank  err {r['max_abs_err']:.1e}",
+          file=sys.stderr, flush=True)
+
+
+def _mib(v) -> str:
+    return f"{v / 2**20:.2f}"
+
+
+def _calls(calls: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(calls.items())) or "-"
+
+
+COLUMNS = [
+    benchutil.Column("strategy", "strategy"),
+    benchutil.Column("workers", "workers"),
+    benchutil.Column("step s (median)", "step_time_s", ".3f"),
+    benchutil.Column("min-max s", lambda r: f"{r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}"),
+    benchutil.Column("in collectives s", "comm_time_s", ".3f"),
+    benchutil.Column("speedup vs 1 worker", "speedup", ".2f"),
+    benchutil.Column("vs diffusers", "speedup_vs_diffusers", ".2f"),
+    benchutil.Column("MiB sent / rank / step", "bytes_per_step", _mib),
+    benchutil.Column("collectives / step", "collectives_per_step", _calls),
+    benchutil.Column("max abs err", "max_abs_err", ".1e"),
+]
+
+
+def plot(rows: list[dict], path: str) -> None:
+    ref = next(r for r in rows if r["strategy"] == REFERENCE)
+    parallel = [r for r in rows if r["strategy"] != REFERENCE]
+    # bytes are 0 on 1 worker: leave those points off the log-scale panel
+    plotted = [dict(r, bytes_plot=r["bytes_per_step"] or None) for r in parallel]
+    m = rows[0]["model"]
+    benchutil.plot_lines(
+        plotted, path, x="workers", group="strategy",
+        panels=[benchutil.Panel("step_time_s", "seconds per step (median)", "step time (lower is better)"),
+                benchutil.Panel("bytes_plot", "MiB sent per rank per step", "communication (log scale; 0 on 1 worker)",
+                                scale=2**20, log_y=True)],
+        hlines={0: [(ref["step_time_s"], "diffusers, 1 worker")]},
+        title=(f"Latte-shaped transformer step: {m['layers']} block pairs, hidden {m['hidden']}, "
+               f"{m['frames']} frames x {m['patches_per_frame']} patches, CFG batch 2, fp32, "
+               f"{ref['machine']['backend']} on {ref['machine']['cores']} {ref['machine']['device']} cores"),
+    )
+
+
+def run(args) -> int:
+    rows = measure(args)
+    print()
+    print(benchutil.text_table(rows, COLUMNS))
+    print()
+    print(benchutil.markdown_table(rows, COLUMNS))
+    if args.json:
+        benchutil.write_json(rows, args.json)
+    if args.plot:
+        plot(rows, args.plot)
+    print(f"\n{command_line(args)}", file=sys.stderr)
+    return 0

@@ -1,0 +1,77 @@
+"""`longserve bench transformer` runs end to end and reports every strategy at every worker count."""
+
+import json
+
+import pytest
+
+from server import benchutil
+from server.cli import main
+
+STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
+REQUIRED = ("strategy", "workers", "step_time_s", "bytes_per_step", "collectives_per_step", "speedup", "machine",
+            "comm_time_s", "max_abs_err")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = out / "bench.json", out / "bench.png"
+    rc = main(["bench", "transformer", "--config", "tiny", "--workers", "1,2", "--steps", "1", "--warmup", "0",
+               "--strategies", ",".join(STRATEGIES), "--json", str(json_path), "--plot", str(png_path)])
+    assert rc == 0
+    rows = json.loads(json_path.read_text())
+    return {(r["strategy"], r["workers"]): r for r in rows}, png_path
+
+
+def test_bench_transformer_reports_every_strategy_and_worker_count(tiny_run):
+    rows, _ = tiny_run
+    for strategy in STRATEGIES:
+        for n in (1, 2):
+            row = rows[(strategy, n)]
+            for key in REQUIRED:
+                assert key in row, (strategy, n, key)
+            assert row["step_time_s"] > 0
+            assert row["speedup"] > 0
+            assert row["max_abs_err"] < 1e-4, "every strategy computes diffusers' forward"
+            assert {"cpu", "cores", "torch", "backend"} <= set(row["machine"])
+        assert rows[(strategy, 1)]["bytes_per_step"] == 0
+        assert rows[(strategy, 1)]["collectives_per_step"] == {}
+        assert rows[(strategy, 1)]["speedup"] == 1.0
+        assert rows[(strategy, 2)]["bytes_per_step"] > 0
+        assert sum(rows[(strategy, 2)]["collectives_per_step"].values()) > 0
+
+
+def test_bench_transformer_dsp_sends_at_most_half_of_ulysses_and_least_of_all(tiny_run):
+    rows, _ = tiny_run
+    sent = {s: rows[(s, 2)]["bytes_per_step"] for s in STRATEGIES}
+    assert sent["dsp"] <= 0.5 * sent["ulysses"]
+    assert sent["dsp"] == min(sent.values())
+
+
+def test_bench_transformer_writes_a_png_plot(tiny_run):
+    _, png = tiny_run
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_transformer_rejects_bad_options_naming_the_option(capsys):
+    assert main(["bench", "transformer", "--strategies", "dsp,zigzag"]) == 2
+    assert "--strategies" in capsys.readouterr().err
+    assert main(["bench", "transformer", "--size", "7x8"]) == 2
+    assert "--size" in capsys.readouterr().err
+
+
+def test_markdown_table_right_aligns_numbers_and_formats_dicts():
+    rows = [{"name": "a", "n": 1.23456, "calls": {"x": 2, "a": 1}}]
+    table = benchutil.markdown_table(rows, ["name", ("value", "n", ".2f"), ("calls", "calls")])
+    assert table.splitlines() == ["| name | value | calls |", "|---|---:|---|", "| a | 1.23 | a: 1, x: 2 |"]
+
+
+def test_replace_markdown_section_keeps_other_sections(tmp_path):
+    doc = tmp_path / "b.md"
+    doc.write_text("# Benchmarks\n\n## Other\n\nkeep me\n\n## Mine\n\nold\n\n## Last\n\nkeep too\n")
+    benchutil.replace_markdown_section(doc, "## Mine", "new")
+    text = doc.read_text()
+    assert "old" not in text and "new" in text and "keep me" in text and "keep too" in text
+    assert text.index("## Other") < text.index("## Mine") < text.index("## Last")
+    benchutil.replace_markdown_section(doc, "## Added", "body")
+    assert doc.read_text().rstrip().endswith("## Added\n\nbody")
