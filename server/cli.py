@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # bad arguments, missing model: a message, not a traceback
         print(f"longserve {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
