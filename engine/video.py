@@ -25,6 +25,7 @@ import inspect
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine import comm
@@ -229,34 +230,45 @@ def step(ctx, request_ids: list[str]) -> dict:
     return {"done": done, "compute_s": elapsed}
 
 
-def decode(ctx, request_id: str, output_type: str = "np"):
-    """Decode a finished request's frames across the workers; rank 0 returns the video.
+def _decode_split(ctx, r: _Request, start: int, stop: int) -> np.ndarray | None:
+    """VAE-decode frames [start, stop) of every video in the request, split across the workers.
 
-    output_type "np": float32 (B, T, H, W, 3) in [0, 1], as diffusers; "latent": (B, C, T, h, w).
+    Each rank decodes its share of the B*(stop-start) frames (Latte's VAE is per-frame) in
+    chunks of `decode_chunk_size`; rank 0 gathers them and returns diffusers' "np" output,
+    float32 (B, stop - start, H, W, 3) in [0, 1]; other ranks return None.
     """
     pipe, pg = ctx.state["pipe"], ctx.pg
-    r = ctx.state["requests"][request_id]
-    if output_type == "latent":
-        return {"video": r.latents.cpu() if pg.rank == 0 else None, "timings": dict(r.timings)}
-    t0 = time.perf_counter()
     B, C, T, h, w = r.latents.shape
-    frames = r.latents.permute(0, 2, 1, 3, 4).flatten(0, 1)                   # (B*T, C, h, w)
+    t0 = time.perf_counter()
+    n = stop - start
+    frames = r.latents[:, :, start:stop].permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B*n, C, h, w)
     frames = frames / pipe.vae.config.scaling_factor
-    mine = comm.shard(frames, 0, pg)                                           # (ceil(B*T/N), C, h, w)
-    count = comm.valid_length(B * T, pg)                                       # real frames in my shard
+    mine = comm.shard(frames, 0, pg)                                           # (ceil(B*n/N), C, h, w)
+    count = comm.valid_length(B * n, pg)                                       # real frames in my shard
     chunk = max(1, r.spec.decode_chunk_size)
     with torch.no_grad():
         outs = [pipe.vae.decode(mine[i:min(i + chunk, count)]).sample for i in range(0, count, chunk)]
     f = pipe.vae_scale_factor
     decoded = torch.cat(outs) if outs else mine.new_zeros((0, pipe.vae.config.out_channels, h * f, w * f))
-    decoded = comm.pad_dim(decoded, 0, mine.shape[0])                          # (ceil(B*T/N), 3, H, W)
-    video = comm.gather(decoded, 0, B * T, pg)                                 # (B*T, 3, H, W)
+    decoded = comm.pad_dim(decoded, 0, mine.shape[0])                          # (ceil(B*n/N), 3, H, W)
+    video = comm.gather(decoded, 0, B * n, pg)                                 # (B*n, 3, H, W)
     r.timings["vae_s"] += time.perf_counter() - t0
     if pg.rank != 0:
         return None
-    video = video.reshape(B, T, *video.shape[1:]).permute(0, 2, 1, 3, 4).float()  # (B, 3, T, H, W)
-    video = pipe.video_processor.postprocess_video(video=video.cpu(), output_type="np")
-    return {"video": video, "timings": dict(r.timings)}
+    video = video.reshape(B, n, *video.shape[1:]).permute(0, 2, 1, 3, 4).float()  # (B, 3, n, H, W)
+    return pipe.video_processor.postprocess_video(video=video.cpu(), output_type="np")  # (B, n, H, W, 3)
+
+
+def decode(ctx, request_id: str, output_type: str = "np"):
+    """Decode a finished request's frames across the workers; rank 0 returns the video.
+
+    output_type "np": float32 (B, T, H, W, 3) in [0, 1], as diffusers; "latent": (B, C, T, h, w).
+    """
+    r = ctx.state["requests"][request_id]
+    if output_type == "latent":
+        return {"video": r.latents.cpu() if ctx.pg.rank == 0 else None, "timings": dict(r.timings)}
+    video = _decode_split(ctx, r, 0, r.latents.shape[2])
+    return None if video is None else {"video": video, "timings": dict(r.timings)}
 
 
 def release(ctx, request_ids: list[str]) -> None:
@@ -273,29 +285,13 @@ def decode_frames(ctx, request_id: str, start: int, stop: int) -> dict | None:
     quantized as `pipelines.video.save_video` does: round(clip(x, 0, 1) * 255).
     Rank 0 returns {"frames": uint8 (B, stop - start, H, W, 3), "vae_s": seconds}.
     """
-    pipe, pg = ctx.state["pipe"], ctx.pg
     r = ctx.state["requests"][request_id]
-    B, C, T, h, w = r.latents.shape
+    T = r.latents.shape[2]
     if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= T):
         raise ValueError(f"frame range must satisfy 0 <= start < stop <= {T}; got [{start}, {stop})")
-    t0 = time.perf_counter()
-    n = stop - start
-    frames = r.latents[:, :, start:stop].permute(0, 2, 1, 3, 4).flatten(0, 1)   # (B*n, C, h, w)
-    frames = frames / pipe.vae.config.scaling_factor
-    mine = comm.shard(frames, 0, pg)                                           # (ceil(B*n/N), C, h, w)
-    count = comm.valid_length(B * n, pg)                                       # real frames in my shard
-    chunk = max(1, r.spec.decode_chunk_size)
-    with torch.no_grad():
-        outs = [pipe.vae.decode(mine[i:min(i + chunk, count)]).sample for i in range(0, count, chunk)]
-    f = pipe.vae_scale_factor
-    decoded = torch.cat(outs) if outs else mine.new_zeros((0, pipe.vae.config.out_channels, h * f, w * f))
-    decoded = comm.pad_dim(decoded, 0, mine.shape[0])                          # (ceil(B*n/N), 3, H, W)
-    video = comm.gather(decoded, 0, B * n, pg)                                 # (B*n, 3, H, W)
-    elapsed = time.perf_counter() - t0
-    r.timings["vae_s"] += elapsed
-    if pg.rank != 0:
+    vae_before = r.timings["vae_s"]
+    video = _decode_split(ctx, r, start, stop)
+    if video is None:
         return None
-    video = video.reshape(B, n, *video.shape[1:]).permute(0, 2, 1, 3, 4).float()  # (B, 3, n, H, W)
-    video = pipe.video_processor.postprocess_video(video=video.cpu(), output_type="np")  # (B, n, H, W, 3)
     pixels = (video.clip(0, 1) * 255).round().astype("uint8")
-    return {"frames": pixels, "vae_s": elapsed}
+    return {"frames": pixels, "vae_s": r.timings["vae_s"] - vae_before}

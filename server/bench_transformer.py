@@ -98,26 +98,12 @@ def model_config(name: str, frames: int | None = None, size: tuple[int, int] | N
 
 
 def build_model(cfg: dict, seed: int):
-    """A `LatteTransformer3DModel` with seeded random weights scaled to keep activations unit-size."""
-    import torch
-    from diffusers import LatteTransformer3DModel
+    """The benchmark's `LatteTransformer3DModel`: seeded random weights, activations unit-size."""
+    from weights.latte import random_latte_transformer
 
-    hidden = cfg["heads"] * cfg["head_dim"]
-    torch.manual_seed(seed)
-    model = LatteTransformer3DModel(
-        num_attention_heads=cfg["heads"], attention_head_dim=cfg["head_dim"], in_channels=IN_CHANNELS,
-        out_channels=OUT_CHANNELS, num_layers=cfg["layers"], sample_size=cfg["latent"][0], patch_size=PATCH,
-        activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
-        norm_elementwise_affine=False, norm_eps=1e-6, attention_bias=True,
-        caption_channels=cfg["caption_channels"], cross_attention_dim=hidden, video_length=cfg["frames"],
-    )
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            fan_in = param.shape[-1] if param.ndim > 1 else 1
-            std = 0.3 if param.ndim == 1 else 1.0 / fan_in ** 0.5
-            param.copy_(torch.randn(param.shape, generator=g) * std)
-    return model.eval()
+    return random_latte_transformer(cfg["heads"], cfg["head_dim"], cfg["layers"], video_length=cfg["frames"],
+                                    sample_size=cfg["latent"][0], caption_channels=cfg["caption_channels"],
+                                    seed=seed)
 
 
 def step_inputs(cfg: dict, seed: int):
