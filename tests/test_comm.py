@@ -83,3 +83,51 @@ def test_error_on_one_rank_restarts_pool(pool3):
         pool3.run(_fail_on, 1)
     assert pool3.restarts == restarts + 1
     assert pool3.run(_fail_on, -1) == [0, 1, 2]
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for a reaper)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next(line for line in f if line.startswith("State:"))
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return " Z " not in state and "zombie" not in state
+
+
+def _wait_dead(pids, timeout=15.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def test_close_leaves_no_worker_processes():
+    pool = WorkerPool(2, device="cpu").start()
+    pids = pool.pids
+    assert all(_alive(p) for p in pids)
+    pool.close()
+    assert _wait_dead(pids) == []
+
+
+def test_workers_exit_when_their_coordinator_is_killed():
+    import signal
+    import subprocess
+    import sys
+
+    code = ("from engine.pool import WorkerPool\n"
+            "import time\n"
+            "pool = WorkerPool(2, device='cpu').start()\n"
+            "print(' '.join(map(str, pool.pids)), flush=True)\n"
+            "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGKILL)  # no atexit, no close(): the workers must notice on their own
+        proc.wait(timeout=10)
+        assert _wait_dead(pids) == []
+    finally:
+        proc.kill()
