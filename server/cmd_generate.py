@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 
-
-def parse_size(text: str) -> tuple[int, int]:
-    """'WxH' (OpenAI's order: width first) -> (width, height)."""
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
-    if not m:
-        raise ValueError(f"size must look like WIDTHxHEIGHT, e.g. 64x64; got {text!r}")
-    return int(m.group(1)), int(m.group(2))
+from server.protocol import parse_size
 
 
 def add_arguments(p) -> None:

@@ -9,9 +9,18 @@ Route handlers live in `server/routes.py`; nothing here does I/O.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+def parse_size(text: str) -> tuple[int, int]:
+    """A `size` string, "WxH" (OpenAI's order: width first) -> (width, height); ValueError otherwise."""
+    m = re.fullmatch(r"\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*", str(text))
+    if not m:
+        raise ValueError(f"size must look like WIDTHxHEIGHT, e.g. 64x64; got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
 
 # -- field types that accept JSON values and the strings of a multipart form alike --------
 

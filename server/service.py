@@ -37,7 +37,7 @@ from engine.video import GenerationSpec
 from server.errors import APIError
 from server.media import FragmentedMP4Writer, write_png
 from server.metrics import Counter, Gauge, Histogram, Registry
-from server.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList
+from server.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList, parse_size
 from server.store import JobStore, VideoRecord
 from server.streaming import EventBroker
 
@@ -234,11 +234,11 @@ class VideoService:
         lim = self.limits
         if size is None:
             return lim.default_size, lim.default_size
-        m = re.fullmatch(r"\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*", size)
-        if not m:
+        try:
+            width, height = parse_size(size)
+        except ValueError:
             raise APIError(400, f"size must look like WIDTHxHEIGHT, e.g. \"{lim.default_size}x{lim.default_size}\"; "
-                                f"got {size!r}", param="size", code="invalid_value")
-        width, height = int(m.group(1)), int(m.group(2))
+                                f"got {size!r}", param="size", code="invalid_value") from None
         for name, v in (("width", width), ("height", height)):
             if not lim.size_multiple <= v <= lim.max_size or v % lim.size_multiple:
                 raise APIError(400, f"size: {name} must be a multiple of {lim.size_multiple} in "
