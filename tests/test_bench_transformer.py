@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from server import benchutil
+from server.bench import util as benchutil
 from server.cli import main
 
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")

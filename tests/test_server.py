@@ -15,11 +15,11 @@ import httpx
 import imageio.v3 as iio
 import pytest
 
-from server import bench_serve
-from server.app import create_app, serve_in_thread
-from server.metrics import parse_text
-from server.score_service import ScoreService
-from server.service import ServeConfig, VideoService
+from server.bench import serve as bench_serve
+from server.api.app import create_app, serve_in_thread
+from server.api.metrics import parse_text
+from server.api.score_service import ScoreService
+from server.api.service import ServeConfig, VideoService
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
 

@@ -77,7 +77,7 @@ def test_the_entrypoint_is_the_declared_console_script_and_the_default_command_p
     cmd = json.loads(ins["CMD"])
     assert entry == ["longserve", "serve"]
     assert pyproject()["project"]["scripts"]["longserve"] == "server.cli:main"
-    assert COMMANDS["serve"][0] == "server.cmd_serve"
+    assert COMMANDS["serve"][0] == "server.cli.serve"
     args = build_parser().parse_args(entry[1:] + cmd)
     assert args.model.startswith("/models/") and args.host == "0.0.0.0" and args.device == "cuda"
     assert "make docker" not in ins and "docker build -t longserve:latest ." in (ROOT / "Makefile").read_text()

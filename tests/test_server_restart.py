@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.app import free_port
+from server.api.app import free_port
 
 KEY = "sk-test-longserve"
 AUTH = {"Authorization": f"Bearer {KEY}"}

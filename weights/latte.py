@@ -66,34 +66,6 @@ LATTE_1_TRANSFORMER_CONFIG: dict[str, Any] = {
 }
 
 
-def random_latte_transformer(heads: int, head_dim: int, layers: int, video_length: int, sample_size: int,
-                             caption_channels: int, seed: int = 0):
-    """A Latte-1-structured `LatteTransformer3DModel` with seeded random weights (same seed, same
-    weights in every process), for tests and benchmarks.
-
-    Every parameter is redrawn (std 1/sqrt(fan_in) for matrices, 0.3 for vectors) so the output
-    is unit-scale and depends on every weight: a wrong shard or a lost term shows as a large error.
-    """
-    import torch
-    from diffusers import LatteTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = LatteTransformer3DModel(
-        num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4, out_channels=8,
-        num_layers=layers, sample_size=sample_size, patch_size=2, activation_fn="gelu-approximate",
-        num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False,
-        norm_eps=1e-6, attention_bias=True, caption_channels=caption_channels,
-        cross_attention_dim=heads * head_dim, video_length=video_length,
-    )
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            fan_in = param.shape[-1] if param.ndim > 1 else 1
-            std = 0.3 if param.ndim == 1 else 1.0 / fan_in ** 0.5
-            param.copy_(torch.randn(param.shape, generator=g) * std)
-    return model.eval()
-
-
 def _read_json(path: Path, what: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
@@ -200,7 +172,6 @@ def validate_latte_dir(root: str | os.PathLike) -> dict[str, Any]:
 
 __all__ = [
     "LATTE_1_TRANSFORMER_CONFIG",
-    "random_latte_transformer",
     "TINY_LATTE_DIR",
     "TINY_MODELS",
     "resolve_latte",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from server.protocol import parse_size
+from server.api.protocol import parse_size
 
 
 def add_arguments(p) -> None:

@@ -60,9 +60,9 @@ def add_arguments(p) -> None:
 
 def build(args):
     """(video service, score service or None, app) from parsed arguments; the video workers are started."""
-    from server.app import create_app
-    from server.score_service import ScoreService
-    from server.service import ServeConfig, VideoService
+    from server.api.app import create_app
+    from server.api.score_service import ScoreService
+    from server.api.service import ServeConfig, VideoService
 
     config = ServeConfig(
         model=args.model, served_model_name=args.served_model_name, workers=args.workers, parallel=args.parallel,

@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from server.benchutil import (Column, int_list, load_average, machine_info, markdown_table, replace_markdown_section,
+from server.bench.util import (Column, int_list, load_average, machine_info, markdown_table, replace_markdown_section,
                               text_table)
 
 # Benchmark-sized Llama: large enough that activations, not weights (~10 MB), dominate

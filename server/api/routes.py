@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from server import metrics
-from server.errors import APIError, validation_error
-from server.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest
-from server.streaming import sse_stream, tail_file
+from server.api import metrics
+from server.api.errors import APIError, validation_error
+from server.api.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest
+from server.api.streaming import sse_stream, tail_file
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 

@@ -34,12 +34,12 @@ from pathlib import Path
 
 from engine.scheduler import QueueFullError, StepScheduler
 from engine.video import GenerationSpec
-from server.errors import APIError
-from server.media import FragmentedMP4Writer, write_png
-from server.metrics import Counter, Gauge, Histogram, Registry
-from server.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList, parse_size
-from server.store import JobStore, VideoRecord
-from server.streaming import EventBroker
+from server.api.errors import APIError
+from server.api.media import FragmentedMP4Writer, write_png
+from server.api.metrics import Counter, Gauge, Histogram, Registry
+from server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList, parse_size
+from server.api.store import JobStore, VideoRecord
+from server.api.streaming import EventBroker
 
 log = logging.getLogger("longserve.server")
 

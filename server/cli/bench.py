@@ -6,10 +6,10 @@ Targets register here by module; each has `add_arguments(parser)` and `run(args)
 from __future__ import annotations
 
 BENCHES = {
-    "transformer": ("server.bench_transformer", "DSP vs Ulysses, Ring, Megatron-SP on one ST-DiT denoising step"),
-    "generate": ("server.bench_generate", "seconds per video and worker-pool overhead"),
-    "serve": ("server.bench_serve", "HTTP server throughput and latency under concurrency"),
-    "score": ("server.bench_score", "LSS / ring long-text scoring: time, memory, bytes"),
+    "transformer": ("server.bench.transformer", "DSP vs Ulysses, Ring, Megatron-SP on one ST-DiT denoising step"),
+    "generate": ("server.bench.generate", "seconds per video and worker-pool overhead"),
+    "serve": ("server.bench.serve", "HTTP server throughput and latency under concurrency"),
+    "score": ("server.bench.score", "LSS / ring long-text scoring: time, memory, bytes"),
 }
 
 

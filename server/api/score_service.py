@@ -11,8 +11,8 @@ import math
 import threading
 from pathlib import Path
 
-from server.errors import APIError
-from server.protocol import ScoreResponse
+from server.api.errors import APIError
+from server.api.protocol import ScoreResponse
 
 
 class ScoreService:

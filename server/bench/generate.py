@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from server import benchutil
+from server.bench import util as benchutil
 
 CONFIGS = {
     "tiny": dict(model="tiny-latte", frames=16, size=64),
@@ -44,8 +44,8 @@ def add_arguments(parser) -> None:
 
 def build_bench_checkpoint(out_dir: Path) -> Path:
     """tiny-latte with its transformer replaced by the transformer benchmark's model."""
-    from server.bench_transformer import CONFIGS as TRANSFORMER_CONFIGS
-    from server.bench_transformer import build_model
+    from server.bench.transformer import CONFIGS as TRANSFORMER_CONFIGS
+    from server.bench.transformer import build_model
     from weights import resolve_latte
 
     src = resolve_latte("tiny-latte")

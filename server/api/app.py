@@ -17,15 +17,15 @@ import time
 
 from fastapi import FastAPI
 
-from server.errors import install_error_handlers
-from server.routes import router, v1
+from server.api.errors import install_error_handlers
+from server.api.routes import router, v1
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 def create_app(videos, score=None, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                poll_after_ms: int = 250) -> FastAPI:
-    """videos: a started `server.service.VideoService`; score: a `server.score_service.ScoreService` or None."""
+    """videos: a started `server.api.service.VideoService`; score: a `server.api.score_service.ScoreService` or None."""
     app = FastAPI(title="longserve", description="OpenAI-compatible video generation (and text scoring) server",
                   version="0.1.0", docs_url="/docs", redoc_url=None)
     app.state.videos = videos

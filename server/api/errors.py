@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.protocol import ErrorBody, ErrorResponse
+from server.api.protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger("longserve.server")
 

@@ -50,7 +50,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from server.benchutil import int_list, load_average, machine_info, text_table, write_json
+    from server.bench.util import int_list, load_average, machine_info, text_table, write_json
 
     levels = int_list(args.concurrency, "--concurrency")
     if levels[0] != 1:
@@ -166,7 +166,7 @@ def wait_for_video(http, video_id: str) -> str:
 
 def _step_counters(http) -> tuple[float, float, float]:
     """(requests stepped, steps, seconds stepping) so far, from the server's /metrics."""
-    from server.metrics import parse_text
+    from server.api.metrics import parse_text
 
     m = parse_text(http.get("/metrics").text)
     return (m.get("longserve_step_batch_size_sum", 0.0), m.get("longserve_step_batch_size_count", 0.0),
@@ -200,7 +200,7 @@ class _Server:
 def start_server(args, max_batch: int, timeout_s: float = 300.0) -> _Server:
     import httpx
 
-    from server.app import free_port
+    from server.api.app import free_port
 
     port = free_port()
     data_dir = tempfile.TemporaryDirectory(prefix="longserve-bench-")
@@ -234,7 +234,7 @@ def start_server(args, max_batch: int, timeout_s: float = 300.0) -> _Server:
 
 
 def write_docs_section(path: str, rows: list[dict], args, meta: dict) -> None:
-    from server.benchutil import markdown_table, replace_markdown_section
+    from server.bench.util import markdown_table, replace_markdown_section
 
     m = meta["machine"]
     base = rows[0]

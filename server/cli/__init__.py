@@ -12,10 +12,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "generate": ("server.cmd_generate", "generate a video from a prompt"),
-    "serve": ("server.cmd_serve", "run the OpenAI-compatible HTTP server"),
-    "score": ("server.cmd_score", "score a long text with a causal LM (LSS sequence parallel)"),
-    "bench": ("server.cmd_bench", "benchmarks: transformer | generate | serve | score"),
+    "generate": ("server.cli.generate", "generate a video from a prompt"),
+    "serve": ("server.cli.serve", "run the OpenAI-compatible HTTP server"),
+    "score": ("server.cli.score", "score a long text with a causal LM (LSS sequence parallel)"),
+    "bench": ("server.cli.bench", "benchmarks: transformer | generate | serve | score"),
 }
 
 

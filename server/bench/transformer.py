@@ -54,7 +54,7 @@ import statistics
 import sys
 import time
 
-from server import benchutil
+from server.bench import util as benchutil
 
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")  # engine.latte.STRATEGIES (not imported: --help stays fast)
 REFERENCE = "diffusers"
@@ -99,7 +99,7 @@ def model_config(name: str, frames: int | None = None, size: tuple[int, int] | N
 
 def build_model(cfg: dict, seed: int):
     """The benchmark's `LatteTransformer3DModel`: seeded random weights, activations unit-size."""
-    from weights.latte import random_latte_transformer
+    from server.bench.models import random_latte_transformer
 
     return random_latte_transformer(cfg["heads"], cfg["head_dim"], cfg["layers"], video_length=cfg["frames"],
                                     sample_size=cfg["latent"][0], caption_channels=cfg["caption_channels"],
