@@ -2,9 +2,11 @@
 
 A diffusion request is a loop of denoising steps, so, as vLLM does per decoding
 iteration, the scheduler decides at every *step boundary* which requests run the next
-step together. It drives the worker jobs of `engine.video` (`admit`, `step`,
-`decode_frames`, `release`) and never touches the model, HTTP or files: what happens to
-a request is reported through one callback, `on_event(kind, request, data)`.
+step together. It drives the worker jobs of `engine.worker` (`admit`, `step`,
+`decode_next`, `release`) and never touches the model, HTTP or files: what happens to a
+request is reported through one callback, `on_event(kind, request, data)`. It is the
+request lifecycle of `engine.engine.VideoEngine`, which the Python pipeline drives in its
+own thread and the HTTP server on a background thread.
 
 Lifecycle (`RequestState`), one way only except for the crash recovery noted below::
 
@@ -14,8 +16,9 @@ Lifecycle (`RequestState`), one way only except for the crash recovery noted bel
 
 - WAITING: submitted, no worker state; a FIFO queue.
 - RUNNING: admitted (prompt encoded on the workers, latents and a diffusers scheduler of
-  its own prepared there); it takes part in denoising batches.
-- DECODING: denoised; its frames are VAE-decoded a chunk at a time.
+  its own prepared there); it takes part in denoising batches. Frames that are already
+  final (a long video's finished segments) are decoded meanwhile.
+- DECODING: denoised; its remaining frames are VAE-decoded a chunk at a time.
 - FINISHED_*: its worker state is released.
 
 One iteration (`run_iteration`), i.e. one step boundary:
@@ -24,14 +27,16 @@ One iteration (`run_iteration`), i.e. one step boundary:
    a cancelled request leaves at the next boundary and its slot is free at once.
 2. Admit waiting requests, oldest first, while fewer than `max_running` are admitted
    (RUNNING + DECODING): a new request joins at the next step boundary.
-3. Decode one chunk of `decode_chunk_frames` frames of the oldest DECODING request, so a
-   long VAE decode is spread over several boundaries and never stalls the others' steps
-   for long; a request whose last chunk is out is released (FINISHED_COMPLETED).
-4. Pick the batch and run ONE denoising step for it. Requests with the same latent shape
-   (prompts per request, frames, height, width) share a batch, whatever their timesteps
-   and guidance scales (each keeps its own scheduler state on the workers); shape groups
-   take turns round-robin, and a group sends its oldest requests first, up to
-   `max_batch`. So no shape starves, and within a shape admission order is kept.
+3. Decode one chunk of at most `decode_chunk_frames` frames of the oldest request that
+   has final frames not yet decoded, so a long VAE decode is spread over several
+   boundaries and never stalls the others' steps for long; a request whose last chunk is
+   out is released (FINISHED_COMPLETED).
+4. Pick the batch and run ONE denoising step for it. Requests with the same batch key
+   (the family's: latent shape, and anything else one forward needs in common, such as
+   Wan 2.2's expert) share a batch, whatever their timesteps and guidance scales (each
+   keeps its own scheduler state on the workers); key groups take turns round-robin, and
+   a group sends its oldest requests first, up to `max_batch`. So no shape starves, and
+   within a shape admission order is kept.
 
 Failures (the pool raises `WorkerError`):
 
@@ -55,7 +60,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine import video as runtime
+from engine import worker as runtime
+from engine.request import GenerationSpec
 from engine.pool import WorkerError
 
 log = logging.getLogger("longserve.scheduler")
@@ -82,17 +88,21 @@ class QueueFullError(RuntimeError):
 
 @dataclass(eq=False)
 class ScheduledRequest:
-    """One request as the scheduler tracks it (the worker-side state lives in engine/video.py)."""
+    """One request as the scheduler tracks it (the worker-side state lives in the model family)."""
 
-    spec: runtime.GenerationSpec
+    spec: GenerationSpec
     seq: int                                   # arrival order: the "oldest first" key
     state: RequestState = RequestState.WAITING
     num_steps: int = 0                         # known once admitted
     steps_done: int = 0
-    frames_done: int = 0
+    num_frames: int = 0                        # output frames, known once admitted
+    frames_done: int = 0                       # output frames decoded and handed out
+    batch_key: tuple | None = None             # the family's: equal keys can share a step
+    decodable: bool = False                    # final frames wait to be decoded
     cancel_requested: bool = False
     error: dict | None = None                  # {"code", "message"} when FINISHED_FAILED
     admissions: int = 0                        # > 1 after a crash sent it back to the queue
+    timings: dict = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.time)
     finished_at: float | None = None
 
@@ -100,17 +110,14 @@ class ScheduledRequest:
     def id(self) -> str:
         return self.spec.request_id
 
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """Requests with equal shapes can share a denoising batch."""
-        s = self.spec
-        return (s.batch_size, s.num_frames, s.height, s.width)
+    def _progress(self, p: dict) -> None:
+        self.steps_done, self.batch_key, self.decodable = p["steps_done"], tuple(p["batch_key"]), p["decodable"]
 
 
 class StepScheduler:
     """Decides, at every denoising step boundary, which admitted requests run together.
 
-    pool: an `engine.pool.WorkerPool` whose workers ran `engine.video.setup_video_worker`.
+    pool: an `engine.pool.WorkerPool` whose workers ran `engine.worker.setup_worker`.
     max_batch: most requests in one denoising step.
     max_running: most admitted requests (worker memory holds their latents); default max_batch.
     max_waiting: most queued requests (`submit` raises QueueFullError beyond); None = unbounded.
@@ -145,7 +152,7 @@ class StepScheduler:
         self._requests: dict[str, ScheduledRequest] = {}      # every unfinished request
         self._waiting: collections.deque[ScheduledRequest] = collections.deque()
         self._admitted: list[ScheduledRequest] = []           # RUNNING + DECODING, in admission order
-        self._shape_turns: collections.deque[tuple] = collections.deque()  # round-robin order of shapes
+        self._key_turns: collections.deque[tuple] = collections.deque()  # round-robin order of batch keys
         self._thread: threading.Thread | None = None
         self._stopping = False
         # counters (read by the server's /metrics)
@@ -156,7 +163,7 @@ class StepScheduler:
 
     # -- the public face -------------------------------------------------------------------
 
-    def submit(self, spec: runtime.GenerationSpec) -> ScheduledRequest:
+    def submit(self, spec: GenerationSpec) -> ScheduledRequest:
         """Queue a validated request; it is admitted at a coming step boundary."""
         with self._lock:
             if spec.request_id in self._requests:
@@ -288,6 +295,7 @@ class StepScheduler:
                 req = self._waiting.popleft()
                 req.state = RequestState.RUNNING
                 req.steps_done = req.frames_done = 0
+                req.decodable = False
                 req.admissions += 1
                 self._admitted.append(req)
             admitted_any = True
@@ -296,50 +304,51 @@ class StepScheduler:
                 info = self._call(runtime.admit, req.spec, involved=[req])
             except _CallFailed:
                 continue
-            req.num_steps = int(info["steps"])
-            self._emit("admitted", req, {"num_steps": req.num_steps, "admissions": req.admissions})
+            req.num_steps, req.num_frames = int(info["num_steps"]), int(info["num_frames"])
+            req._progress(info)
+            self._emit("admitted", req, {"num_steps": req.num_steps, "num_frames": req.num_frames,
+                                         "admissions": req.admissions})
         return admitted_any
 
     def _decode_one_chunk(self) -> bool:
         with self._lock:
-            decoding = [r for r in self._admitted if r.state is RequestState.DECODING and not r.cancel_requested]
-            req = min(decoding, key=lambda r: r.seq) if decoding else None
+            ready = [r for r in self._admitted if r.decodable and not r.cancel_requested]
+            req = min(ready, key=lambda r: r.seq) if ready else None
         if req is None:
             return False
-        total = req.spec.num_frames
-        start = req.frames_done
-        stop = min(total, start + self.decode_chunk_frames)
         try:
-            out = self._call(runtime.decode_frames, req.id, start, stop, involved=[req])
+            out = self._call(runtime.decode_next, req.id, self.decode_chunk_frames, involved=[req])
         except _CallFailed:
             return True
         if req.cancel_requested:
             return True  # cancelled meanwhile: released (FINISHED_CANCELLED) at the next boundary
-        req.frames_done = stop
-        self._emit("frames", req, {"start": start, "stop": stop, "num_frames": total,
+        req._progress(out)
+        req.frames_done = out["stop"]
+        req.timings = out["timings"]
+        self._emit("frames", req, {"start": out["start"], "stop": out["stop"], "num_frames": out["num_frames"],
                                    "frames": out["frames"], "vae_s": out["vae_s"]})
-        if stop == total:
+        if out["done"]:
             with self._lock:
                 if req in self._admitted:
                     self._admitted.remove(req)
                 self._finish_locked(req, RequestState.FINISHED_COMPLETED)
             self._release_quietly([req.id])
-            self._emit("completed", req, {})
+            self._emit("completed", req, {"timings": dict(req.timings)})
         return True
 
     def _select_batch_locked(self) -> list[ScheduledRequest]:
         groups: dict[tuple, list[ScheduledRequest]] = {}
         for r in sorted(self._admitted, key=lambda r: r.seq):
-            if r.state is RequestState.RUNNING and not r.cancel_requested and r.num_steps:
-                groups.setdefault(r.shape, []).append(r)
+            if r.state is RequestState.RUNNING and not r.cancel_requested and r.steps_done < r.num_steps:
+                groups.setdefault(r.batch_key, []).append(r)
         if not groups:
             return []
-        # round-robin over shapes: new shapes join at the back of the rotation
-        self._shape_turns = collections.deque(s for s in self._shape_turns if s in groups)
-        self._shape_turns.extend(s for s in groups if s not in self._shape_turns)
-        shape = self._shape_turns[0]
-        self._shape_turns.rotate(-1)
-        return groups[shape][:self.max_batch]
+        # round-robin over batch keys: new keys join at the back of the rotation
+        self._key_turns = collections.deque(s for s in self._key_turns if s in groups)
+        self._key_turns.extend(s for s in groups if s not in self._key_turns)
+        key = self._key_turns[0]
+        self._key_turns.rotate(-1)
+        return groups[key][:self.max_batch]
 
     def _denoise_one_step(self) -> bool:
         with self._lock:
@@ -348,23 +357,23 @@ class StepScheduler:
             return False
         t0 = time.perf_counter()
         try:
-            self._call(runtime.step, [r.id for r in batch], involved=batch)
+            out = self._call(runtime.step, [r.id for r in batch], involved=batch)
         except _CallFailed:
             return True
         step_s = time.perf_counter() - t0
         self.steps_run += 1
         self.requests_stepped += len(batch)
         self.last_batch_size = len(batch)
-        self._emit("batch", None, {"batch_size": len(batch), "step_s": step_s, "shape": batch[0].shape,
+        self._emit("batch", None, {"batch_size": len(batch), "step_s": step_s, "batch_key": batch[0].batch_key,
                                    "request_ids": [r.id for r in batch]})
         for r in batch:
-            r.steps_done += 1
+            r._progress(out["progress"][r.id])
             self._emit("step", r, {"step": r.steps_done, "num_steps": r.num_steps, "batch_size": len(batch),
                                    "step_s": step_s})
             if r.steps_done >= r.num_steps:
                 with self._lock:
                     r.state = RequestState.DECODING
-                self._emit("decoding", r, {"num_frames": r.spec.num_frames})
+                self._emit("decoding", r, {"num_frames": r.num_frames, "frames_done": r.frames_done})
         return True
 
     # -- worker calls and their failures ---------------------------------------------------
@@ -413,6 +422,7 @@ class StepScheduler:
                 continue
             r.state = RequestState.WAITING
             r.steps_done = r.frames_done = 0
+            r.decodable = False
             self._waiting.appendleft(r)
         return back
 

@@ -1,14 +1,16 @@
-"""`VideoPipeline`: text-to-video with a Latte-format checkpoint on a pool of parallel workers.
+"""`VideoPipeline`: text-to-video with any supported checkpoint, on a pool of parallel workers.
 
     from pipelines import VideoPipeline
-    with VideoPipeline.from_pretrained("tiny-latte", workers=2, parallel="dsp") as pipe:
+    with VideoPipeline.from_pretrained("tiny-latte", workers=2) as pipe:      # parallel="auto": DSP here
         out = pipe("a red ball bouncing", num_frames=32, height=64, width=64,
                    num_inference_steps=20, guidance_scale=4.5, seed=0)
         out.save("ball.mp4", fps=8)
 
-`workers=1` gives the frames `diffusers.LattePipeline` gives for the same checkpoint,
-prompt, seed (`generator=torch.Generator("cpu").manual_seed(seed)`), steps and
-guidance scale; `workers=N` gives the frames `workers=1` gives.
+The checkpoint's `model_index.json` picks the model family (Latte, the Wan family, ...);
+`workers=1` gives the frames the family's diffusers pipeline gives for the same
+checkpoint, prompt, negative prompt and seed (`generator=torch.Generator("cpu").manual_seed(seed)`);
+`workers=N` gives the frames `workers=1` gives. The request lifecycle is the engine's
+(`engine.engine.VideoEngine`), the same one the HTTP server runs.
 """
 
 from __future__ import annotations
@@ -17,18 +19,16 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
-from engine import video as runtime
-from engine.dist import parse_dtype
-from engine.latte import STRATEGIES
-from engine.pool import make_pool
-from weights import resolve_latte
+from engine.engine import VideoEngine
+from engine.pool import WorkerError
+from engine.request import GenerationSpec, RequestError
 
 OUTPUT_TYPES = ("np", "latent")
-MAX_STEPS = 1000
+WHOLE_VIDEO = 1 << 30          # frames per decode call: everything that is final, split across the workers
 
 
 @dataclass
@@ -60,20 +60,18 @@ def save_video(frames: np.ndarray, path, fps: int = 8) -> None:
 
 
 class VideoPipeline:
-    """A Latte-format text-to-video pipeline whose transformer runs sharded across `workers` processes."""
+    """A text-to-video pipeline whose transformer runs sharded across `workers` processes."""
 
-    def __init__(self, pool, model_dir: str, parallel: str, info: dict):
-        self.pool = pool
-        self.model_dir = model_dir
-        self.parallel = parallel
-        self.info = info
+    def __init__(self, engine: VideoEngine):
+        self.engine = engine
 
     @classmethod
     def from_pretrained(
         cls,
         model: str = "tiny-latte",
         workers: int = 1,
-        parallel: str = "dsp",
+        parallel: str = "auto",
+        ulysses_degree: int | None = None,
         device: str | None = None,
         dtype: str = "float32",
         cfg_parallel: bool = False,
@@ -82,42 +80,41 @@ class VideoPipeline:
     ) -> "VideoPipeline":
         """Start `workers` processes that each load `model` (a name in `weights/` or a local directory).
 
-        Under `torchrun` (launcher "auto" or "torchrun") the pipeline instead joins the
-        torchrun group: rank 0 returns the pipeline, the other ranks serve it and exit.
+        parallel: "auto" (DSP for spatial-temporal models, Ulysses, or USP when the heads are
+        fewer than the workers, for full-attention ones) or a plan the model supports ("dsp",
+        "ulysses", "ring", "megatron-sp" for Latte; "ulysses", "ring", "usp" for the Wan
+        family); `ulysses_degree` for "usp". Under `torchrun` the pipeline joins the torchrun
+        group instead: rank 0 returns the pipeline, the other ranks serve it and exit.
         """
-        if parallel not in STRATEGIES:
-            raise ValueError(f"parallel must be one of {', '.join(STRATEGIES)}; got {parallel!r}")
-        if device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda' (default: cuda when available); got {device!r}")
-        parse_dtype(dtype)
-        if cfg_parallel and workers % 2:
-            raise ValueError(f"cfg_parallel needs an even number of workers, got workers={workers}")
-        model_dir = str(resolve_latte(model))
-        dtype_name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-        pool = make_pool(workers, setup=runtime.setup_video_worker,
-                         setup_args=(model_dir, parallel, dtype_name, cfg_parallel, attention), device=device,
-                         launcher=launcher)
-        try:
-            info = pool.run(runtime.model_info)[0]
-        except BaseException:
-            pool.close()
-            raise
-        return cls(pool, model_dir, parallel, info)
+        engine = VideoEngine.start(model, workers=workers, parallel=parallel, ulysses_degree=ulysses_degree,
+                                   device=device, dtype=dtype, cfg_parallel=cfg_parallel, attention=attention,
+                                   launcher=launcher, decode_chunk_frames=WHOLE_VIDEO)
+        return cls(engine)
 
-    def set_parallel(self, parallel: str) -> None:
-        """Switch the parallel strategy for later calls, without reloading the model."""
-        if parallel not in STRATEGIES:
-            raise ValueError(f"parallel must be one of {', '.join(STRATEGIES)}; got {parallel!r}")
-        self.pool.run(runtime.set_strategy, parallel)
-        # a restarted pool (after a worker crash) must come back with the same strategy
-        model_dir, _, *rest = self.pool.setup_args
-        self.pool.setup_args = (model_dir, parallel, *rest)
-        self.parallel = self.info["strategy"] = parallel
+    @property
+    def pool(self):
+        return self.engine.pool
 
-    # -- lifecycle -------------------------------------------------------------------
+    @property
+    def info(self) -> dict:
+        return self.engine.info
+
+    @property
+    def parallel(self) -> str:
+        return self.engine.plan.name
+
+    @property
+    def defaults(self) -> dict:
+        return self.info["defaults"]
+
+    def set_parallel(self, parallel: str, ulysses_degree: int | None = None) -> None:
+        """Switch the parallel plan for later calls, without reloading the model."""
+        self.engine.set_plan(parallel, ulysses_degree)
+
+    # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.pool.close()
+        self.engine.close()
 
     def __enter__(self) -> "VideoPipeline":
         return self
@@ -125,47 +122,32 @@ class VideoPipeline:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @property
-    def size_multiple(self) -> int:
-        """Height and width must be multiples of this (VAE downsampling x patch size)."""
-        return self.info["vae_scale_factor"] * self.info["patch_size"]
+    # -- the call, diffusers style -------------------------------------------------------------
 
-    @property
-    def default_size(self) -> int:
-        return self.info["sample_size"] * self.info["vae_scale_factor"]
-
-    # -- the call, diffusers style -----------------------------------------------------
-
-    def check_inputs(self, prompt, negative_prompt, num_frames, height, width, num_inference_steps,
-                     guidance_scale, seed, output_type, decode_chunk_size) -> list[str]:
+    def make_spec(self, prompt, negative_prompt="", num_frames=None, height=None, width=None,
+                  num_inference_steps=None, guidance_scale=None, seed=None, output_type="np",
+                  decode_chunk_size=8, **options) -> GenerationSpec:
+        """A validated request (RequestError, a ValueError, naming the argument at fault)."""
+        d = self.defaults
         if isinstance(prompt, str):
             prompts = [prompt]
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
             prompts = list(prompt)
         else:
-            raise ValueError(f"prompt must be a non-empty string or a non-empty list of strings; got {type(prompt).__name__}")
-        if any(not p.strip() for p in prompts):
-            raise ValueError("prompt must not be empty")
-        if isinstance(negative_prompt, (list, tuple)):
-            if len(negative_prompt) != len(prompts) or not all(isinstance(p, str) for p in negative_prompt):
-                raise ValueError(f"negative_prompt must be a string or a list of {len(prompts)} strings (one per prompt)")
-        elif not isinstance(negative_prompt, str):
-            raise ValueError(f"negative_prompt must be a string or a list of strings; got {type(negative_prompt).__name__}")
-        _check_int("num_frames", num_frames, 1, None)
-        m = self.size_multiple
-        for name, value in (("height", height), ("width", width)):
-            _check_int(name, value, m, None)
-            if value % m:
-                raise ValueError(f"{name} must be a multiple of {m} (VAE factor x patch size); got {value}")
-        _check_int("num_inference_steps", num_inference_steps, 1, MAX_STEPS)
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not 0 <= guidance_scale <= 100:
-            raise ValueError(f"guidance_scale must be a number in [0, 100]; got {guidance_scale!r}")
-        if seed is not None:
-            _check_int("seed", seed, 0, 2**63 - 1)
+            raise RequestError("prompt", f"prompt must be a non-empty string or a non-empty list of strings; "
+                                         f"got {type(prompt).__name__}")
         if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}; got {output_type!r}")
-        _check_int("decode_chunk_size", decode_chunk_size, 1, None)
-        return prompts
+            raise RequestError("output_type", f"output_type must be one of {', '.join(OUTPUT_TYPES)}; "
+                                              f"got {output_type!r}")
+        spec = GenerationSpec(
+            request_id=uuid.uuid4().hex, prompt=prompts, negative_prompt=negative_prompt,
+            num_frames=d["num_frames"] if num_frames is None else num_frames,
+            height=d["height"] if height is None else height, width=d["width"] if width is None else width,
+            num_inference_steps=d["num_inference_steps"] if num_inference_steps is None else num_inference_steps,
+            guidance_scale=d["guidance_scale"] if guidance_scale is None else guidance_scale,
+            seed=random.randrange(2**63) if seed is None else seed, output=output_type,
+            decode_chunk_size=decode_chunk_size, options={k: v for k, v in options.items() if v is not None})
+        return self.engine.check(spec)
 
     def __call__(
         self,
@@ -174,50 +156,62 @@ class VideoPipeline:
         num_frames: int | None = None,
         height: int | None = None,
         width: int | None = None,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
         seed: int | None = None,
         output_type: str = "np",
         callback: Callable[[int, int], None] | None = None,
         decode_chunk_size: int = 8,
+        **options,
     ) -> VideoOutput:
-        """Generate video(s). `callback(step, num_steps)` runs after every denoising step."""
+        """Generate video(s). `callback(step, num_steps)` runs after every denoising step.
+
+        `options` are the model family's own arguments (Wan 2.2: `guidance_scale_2`; ...);
+        defaults for frames, size, steps and guidance come from the checkpoint.
+        """
         # 1. Check inputs
-        num_frames = self.info["video_length"] if num_frames is None else num_frames
-        height = self.default_size if height is None else height
-        width = self.default_size if width is None else width
-        prompts = self.check_inputs(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
-                                    guidance_scale, seed, output_type, decode_chunk_size)
-        spec = runtime.GenerationSpec(
-            request_id=uuid.uuid4().hex, prompt=prompts, negative_prompt=negative_prompt,
-            num_frames=num_frames, height=height, width=width, num_inference_steps=num_inference_steps,
-            guidance_scale=float(guidance_scale), seed=random.randrange(2**63) if seed is None else seed,
-            decode_chunk_size=decode_chunk_size,
-        )
+        spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
+                              guidance_scale, seed, output_type, decode_chunk_size, **options)
+        # 2.-4. Encode, denoise (one parallel step at a time), decode (split across the workers)
         t_start = time.perf_counter()
-        try:
-            # 2. Encode the prompt and prepare latents (on the workers)
-            admitted = self.pool.run(runtime.admit, spec)[0]
-            # 3. Denoise, one parallel step at a time
-            steps = admitted["steps"]
-            for i in range(steps):
-                self.pool.run(runtime.step, [spec.request_id])
-                if callback is not None:
-                    callback(i + 1, steps)
-            # 4. Decode (frames split across workers)
-            result = self.pool.run(runtime.decode, spec.request_id, output_type)[0]
-        finally:
-            if self.pool.ready:
-                self.pool.run(runtime.release, [spec.request_id])
+        chunks, timings = [], {}
+        for kind, data in self._events(spec, callback):
+            if kind == "frames":
+                chunks.append(data["frames"])
+            elif kind == "completed":
+                timings = data["timings"]
+        video = chunks[0] if output_type == "latent" else np.concatenate(chunks, axis=1)
         wall = time.perf_counter() - t_start
-        timings = dict(result["timings"], wall_s=wall)
+        timings = dict(timings, wall_s=wall)
         timings["overhead_s"] = wall - timings["encode_s"] - timings["transformer_s"] - timings["vae_s"]
-        return VideoOutput(frames=result["video"], timings=timings)
+        return VideoOutput(frames=video, timings=timings)
 
+    def stream(self, prompt: str, negative_prompt: str = "", num_frames: int | None = None, height: int | None = None,
+               width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
+               seed: int | None = None, callback: Callable[[int, int], None] | None = None,
+               decode_chunk_size: int = 8, **options) -> Iterator[np.ndarray]:
+        """Generate one video and yield its frames as soon as they are final: float32 (T_i, H, W, 3) in [0, 1].
 
-def _check_int(name: str, value, low: int, high: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer; got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bound}; got {value}")
+        The chunks concatenate to what `__call__` returns for the same arguments. A long
+        video (diffusion forcing) yields each segment's frames while later segments are
+        still being denoised; closing the generator early cancels the request.
+        """
+        if not isinstance(prompt, str):
+            raise RequestError("prompt", "stream() takes one prompt (a string)")
+        spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
+                              guidance_scale, seed, "np", decode_chunk_size, **options)
+        for kind, data in self._events(spec, callback):
+            if kind == "frames":
+                yield data["frames"][0]
+
+    def _events(self, spec: GenerationSpec, callback):
+        for kind, data in self.engine.run(spec):
+            if kind == "step" and callback is not None:
+                callback(data["step"], data["num_steps"])
+            elif kind == "failed":
+                if data.get("code") == "invalid_request":
+                    raise RequestError(data.get("field") or "request", data["message"])
+                raise WorkerError(data["message"])
+            elif kind == "cancelled":
+                raise RuntimeError(f"request {spec.request_id} was cancelled")
+            yield kind, data

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from engine import comm
-from engine.latte import STRATEGIES, make_cfg_groups, parallel_forward, temporal_pos_embed
+from engine.families.latte import STRATEGIES, parallel_forward, temporal_pos_embed
+from engine.parallel import make_cfg_groups
 from engine.pool import WorkerPool
 from latte_models import latte_inputs, tiny_latte_transformer
 

@@ -14,7 +14,7 @@ import pytest
 
 from engine.pool import WorkerError
 from engine.scheduler import QueueFullError, RequestState, StepScheduler
-from engine.video import GenerationSpec
+from engine.request import GenerationSpec
 
 
 class ScriptedPool:
@@ -40,27 +40,37 @@ class ScriptedPool:
         self.calls.append((name, args))
         if name == "admit":
             spec = args[0]
-            self.state[spec.request_id] = {"spec": spec, "step": 0}
-            return [{"request_id": spec.request_id, "steps": spec.num_inference_steps, "encode_s": 0.0}, None]
+            self.state[spec.request_id] = {"spec": spec, "step": 0, "decoded": 0}
+            return [{"request_id": spec.request_id, "num_steps": spec.num_inference_steps,
+                     "num_frames": spec.num_frames, "encode_s": 0.0, **self.progress(spec.request_id)}, None]
         if name == "step":
-            done = {}
             for rid in args[0]:
                 st = self.state[rid]  # KeyError = stepping a request the workers do not hold
                 assert st["step"] < st["spec"].num_inference_steps, f"{rid} stepped past its last step"
                 st["step"] += 1
-                done[rid] = st["step"]
-            return [{"done": done, "compute_s": 0.0}, None]
-        if name == "decode_frames":
-            rid, start, stop = args
-            spec = self.state[rid]["spec"]
-            assert self.state[rid]["step"] == spec.num_inference_steps, "decoding before denoising finished"
+            return [{"progress": {rid: self.progress(rid) for rid in args[0]}, "compute_s": 0.0}, None]
+        if name == "decode_next":
+            rid, max_frames = args
+            st = self.state[rid]
+            spec = st["spec"]
+            assert st["step"] == spec.num_inference_steps, "decoding before denoising finished"
+            start, stop = st["decoded"], min(spec.num_frames, st["decoded"] + max_frames)
+            st["decoded"] = stop
             frames = np.full((1, stop - start, spec.height, spec.width, 3), start, dtype=np.uint8)
-            return [{"frames": frames, "vae_s": 0.0}, None]
+            return [{"frames": frames, "start": start, "stop": stop, "num_frames": spec.num_frames, "vae_s": 0.0,
+                     "done": stop == spec.num_frames, "timings": {}, **self.progress(rid)}, None]
         if name == "release":
             for rid in args[0]:
                 self.state.pop(rid, None)
             return [None, None]
         raise AssertionError(f"unexpected job {name}")
+
+    def progress(self, rid) -> dict:
+        st = self.state[rid]
+        spec = st["spec"]
+        denoised = st["step"] == spec.num_inference_steps
+        return {"steps_done": st["step"], "batch_key": (spec.batch_size, spec.num_frames, spec.height, spec.width),
+                "decodable": denoised and st["decoded"] < spec.num_frames}
 
     def batches(self) -> list[list[str]]:
         return [list(args[0]) for name, args in self.calls if name == "step"]
@@ -211,7 +221,7 @@ def test_a_crash_while_decoding_fails_that_request_only():
     sched, pool, rec = make(max_batch=2, decode_chunk_frames=2)
     sched.submit(spec("a", steps=1, frames=6))
     sched.submit(spec("b", steps=5, frames=6))
-    pool.crash_when = lambda name, args: name == "decode_frames" and args[0] == "a"
+    pool.crash_when = lambda name, args: name == "decode_next" and args[0] == "a"
     drain(sched)
     assert rec.kinds("a")[-1] == "failed" and rec.kinds("b")[-1] == "completed"
     assert "requeued" in rec.kinds("b")
@@ -254,9 +264,9 @@ def test_decoding_one_request_is_interleaved_with_the_denoising_steps_of_others(
     sched.submit(spec("done_soon", steps=1, frames=3))
     sched.submit(spec("long", steps=6, frames=3))
     drain(sched)
-    names = [n for n, args in pool.calls if n in ("step", "decode_frames")]
-    first_decode = names.index("decode_frames")
-    assert names[first_decode:first_decode + 4] == ["decode_frames", "step", "decode_frames", "step"]
+    names = [n for n, args in pool.calls if n in ("step", "decode_next")]
+    first_decode = names.index("decode_next")
+    assert names[first_decode:first_decode + 4] == ["decode_next", "step", "decode_next", "step"]
 
 
 def test_the_queue_refuses_beyond_max_waiting_and_a_duplicate_id():

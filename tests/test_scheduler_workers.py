@@ -5,7 +5,8 @@ the frames of a whole-video decode."""
 import numpy as np
 import pytest
 
-from engine import video as runtime
+from engine import worker as runtime
+from engine.request import GenerationSpec
 from engine.scheduler import StepScheduler
 from pipelines import VideoPipeline
 
@@ -20,10 +21,9 @@ def quantize(frames):
     return (np.clip(frames, 0, 1) * 255).round().astype(np.int16)
 
 
-def spec(rid, prompt, steps, guidance, seed, frames=9, size=32):
-    return runtime.GenerationSpec(request_id=rid, prompt=[prompt], negative_prompt="", num_frames=frames,
-                                  height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
-                                  seed=seed)
+def spec(rid, prompt, steps, guidance, seed, frames=9, size=32, output="uint8"):
+    return GenerationSpec(request_id=rid, prompt=[prompt], negative_prompt="", num_frames=frames, height=size,
+                          width=size, num_inference_steps=steps, guidance_scale=guidance, seed=seed, output=output)
 
 
 def test_batched_requests_at_different_timesteps_give_the_frames_each_gets_alone(pipe):
@@ -59,23 +59,30 @@ def test_batched_requests_at_different_timesteps_give_the_frames_each_gets_alone
         assert np.abs(got - want).max() <= 1, s.request_id
 
 
-def test_chunked_decode_frames_matches_the_whole_video_decode(pipe):
-    s = spec("chunks", "a red ball bouncing", steps=2, guidance=4.5, seed=7, frames=11)
+def test_chunked_decode_matches_the_whole_video_decode(pipe):
+    whole = spec("whole", "a red ball bouncing", steps=2, guidance=4.5, seed=7, frames=11, output="np")
+    chunked = spec("chunked", "a red ball bouncing", steps=2, guidance=4.5, seed=7, frames=11)
     pool = pipe.pool
-    pool.run(runtime.admit, s)
+    for s in (whole, chunked):
+        pool.run(runtime.admit, s)
     try:
+        with pytest.raises(Exception, match="no final frames"):
+            pool.run(runtime.decode_next, chunked.request_id, 3)      # not denoised yet
         for _ in range(2):
-            pool.run(runtime.step, [s.request_id])
-        whole = pool.run(runtime.decode, s.request_id, "np")[0]["video"]
-        parts = [pool.run(runtime.decode_frames, s.request_id, a, min(a + 3, 11))[0]["frames"]
-                 for a in range(0, 11, 3)]
-        with pytest.raises(Exception, match="frame range"):
-            pool.run(runtime.decode_frames, s.request_id, 5, 12)
+            pool.run(runtime.step, [whole.request_id, chunked.request_id])
+        video = pool.run(runtime.decode_next, whole.request_id, 1000)[0]
+        parts = []
+        while True:
+            out = pool.run(runtime.decode_next, chunked.request_id, 3)[0]
+            parts.append(out["frames"])
+            if out["done"]:
+                break
     finally:
-        pool.run(runtime.release, [s.request_id])
+        pool.run(runtime.release, [whole.request_id, chunked.request_id])
+    assert video["done"] and [p.shape[1] for p in parts] == [3, 3, 3, 2]
     got = np.concatenate(parts, axis=1).astype(np.int16)
     assert got.shape == (1, 11, 32, 32, 3)
-    assert np.abs(got - quantize(whole)).max() <= 1
+    assert np.abs(got - quantize(video["frames"])).max() <= 1
 
 
 def test_a_killed_worker_fails_the_running_batch_and_the_other_admitted_request_is_readmitted(pipe):

@@ -82,9 +82,14 @@ class ErrorResponse(BaseModel):
 
 
 class VideoCreateRequest(BaseModel):
-    """`POST /v1/videos` (JSON or multipart/form-data). Unknown fields are refused, naming them."""
+    """`POST /v1/videos` (JSON or multipart/form-data).
 
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+    Fields beyond the ones below are the served model's own options (Wan 2.2's
+    `guidance_scale_2`, diffusion forcing's `base_num_frames`, ...): they are handed to the
+    model family, which refuses, naming it, any field it does not know.
+    """
+
+    model_config = ConfigDict(extra="allow", str_strip_whitespace=False)
 
     prompt: str
     model: str | None = None
@@ -98,6 +103,24 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: FormFloat | None = None
     negative_prompt: str | None = None
     seed: FormInt | None = None
+
+    def options(self) -> dict:
+        """The model-specific fields, with form text ("5", "0.5", "true") read as the number or flag it spells."""
+        return {k: _form_value(v) for k, v in (self.model_extra or {}).items() if v is not None}
+
+
+def _form_value(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return value
 
 
 class VideoError(BaseModel):
@@ -131,6 +154,7 @@ class Video(BaseModel):
     guidance_scale: float
     seed: int
     negative_prompt: str = ""
+    options: dict[str, Any] = Field(default_factory=dict)   # the model's own options, as given
 
 
 class VideoList(BaseModel):

@@ -32,8 +32,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.scheduler import QueueFullError, StepScheduler
-from engine.video import GenerationSpec
+from engine.engine import VideoEngine
+from engine.families.base import MAX_STEPS
+from engine.request import GenerationSpec, RequestError
+from engine.scheduler import QueueFullError
 from server.api.errors import APIError
 from server.api.media import FragmentedMP4Writer, write_png
 from server.api.metrics import Counter, Gauge, Histogram, Registry
@@ -54,7 +56,8 @@ class ServeConfig:
     model: str = "tiny-latte"
     served_model_name: str | None = None   # default: the model directory's name
     workers: int = 1
-    parallel: str = "dsp"
+    parallel: str = "auto"
+    ulysses_degree: int | None = None
     device: str | None = None
     dtype: str = "float32"
     cfg_parallel: bool = False
@@ -63,12 +66,12 @@ class ServeConfig:
     max_queue: int = 256
     max_batch: int = 8
     max_running: int | None = None        # admitted requests at once; default max_batch
-    max_frames: int | None = None         # default: 4 x the model's video_length
-    max_size: int | None = None           # largest width/height in pixels; default: 2 x the model's native size
+    max_frames: int | None = None         # default: 4 x the model's default frame count
+    max_size: int | None = None           # largest width/height in pixels; default: 2 x the model's default size
     max_steps: int = 200
     default_steps: int = 20
-    default_guidance_scale: float = 7.5
-    fps: int = 8
+    default_guidance_scale: float | None = None   # default: the model's
+    fps: int | None = None                # default: the model's
     max_fps: int = 60
     decode_chunk_frames: int = 8
     job_timeout_s: float | None = 600.0
@@ -78,11 +81,15 @@ class ServeConfig:
 @dataclass
 class Limits:
     size_multiple: int
-    default_size: int
+    default_width: int
+    default_height: int
     max_size: int
+    frame_multiple: int      # frame counts are frame_multiple*k + 1 (1: any)
     default_frames: int
     max_frames: int
     max_steps: int
+    fps: int
+    guidance_scale: float
 
 
 @dataclass(eq=False)
@@ -101,8 +108,8 @@ class LiveJob:
 class VideoService:
     def __init__(self, config: ServeConfig):
         self.config = config
-        self.pipe = None
-        self.scheduler: StepScheduler | None = None
+        self.engine: VideoEngine | None = None
+        self.scheduler = None
         self.store: JobStore | None = None
         self.broker = EventBroker()
         self.limits: Limits | None = None
@@ -116,38 +123,43 @@ class VideoService:
 
     def start(self) -> "VideoService":
         """Start the workers (loads the model), open the store, recover old jobs, start scheduling."""
-        from pipelines.video import MAX_STEPS, VideoPipeline
-
         cfg = self.config
-        for name in ("max_queue", "max_batch", "max_steps", "default_steps", "fps", "decode_chunk_frames"):
+        for name in ("max_queue", "max_batch", "max_steps", "default_steps", "decode_chunk_frames"):
             value = getattr(cfg, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if cfg.fps is not None and (isinstance(cfg.fps, bool) or not isinstance(cfg.fps, int) or cfg.fps < 1):
+            raise ValueError(f"fps must be a positive integer, got {cfg.fps!r}")
         if cfg.default_steps > cfg.max_steps:
             raise ValueError(f"default_steps ({cfg.default_steps}) exceeds max_steps ({cfg.max_steps})")
         if cfg.max_steps > MAX_STEPS:
-            raise ValueError(f"max_steps must be <= {MAX_STEPS} (the pipeline's limit), got {cfg.max_steps}")
+            raise ValueError(f"max_steps must be <= {MAX_STEPS} (the engine's limit), got {cfg.max_steps}")
         self.store = JobStore(cfg.data_dir)
-        self.pipe = VideoPipeline.from_pretrained(cfg.model, workers=cfg.workers, parallel=cfg.parallel,
-                                                  device=cfg.device, dtype=cfg.dtype, cfg_parallel=cfg.cfg_parallel,
-                                                  attention=cfg.attention)
-        info = self.pipe.info
-        m = self.pipe.size_multiple
-        native = self.pipe.default_size
-        max_size = cfg.max_size if cfg.max_size is not None else 2 * native
-        max_frames = cfg.max_frames if cfg.max_frames is not None else 4 * info["video_length"]
+        self.engine = VideoEngine.start(
+            cfg.model, workers=cfg.workers, parallel=cfg.parallel, ulysses_degree=cfg.ulysses_degree,
+            device=cfg.device, dtype=cfg.dtype, cfg_parallel=cfg.cfg_parallel, attention=cfg.attention,
+            max_batch=cfg.max_batch, max_running=cfg.max_running, max_waiting=cfg.max_queue,
+            decode_chunk_frames=cfg.decode_chunk_frames, job_timeout_s=cfg.job_timeout_s)
+        self.scheduler = self.engine.scheduler
+        info = self.engine.info
+        d, m, rule = info["defaults"], info["size_multiple"], info["frame_multiple"]
+        max_size = cfg.max_size if cfg.max_size is not None else 2 * max(d["width"], d["height"])
+        max_frames = cfg.max_frames if cfg.max_frames is not None else 4 * d["num_frames"]
+        max_frames = (max_frames - 1) // rule * rule + 1
         if max_size < m or max_frames < 1:
             raise ValueError(f"max_size must be >= {m} and max_frames >= 1")
-        self.limits = Limits(size_multiple=m, default_size=min(native, max_size // m * m), max_size=max_size,
-                             default_frames=min(info["video_length"], max_frames), max_frames=max_frames,
-                             max_steps=cfg.max_steps)
+        fit = lambda v: max(m, min(v, max_size) // m * m)  # noqa: E731
+        self.limits = Limits(size_multiple=m, default_width=fit(d["width"]), default_height=fit(d["height"]),
+                             max_size=max_size, frame_multiple=rule, default_frames=min(d["num_frames"], max_frames),
+                             max_frames=max_frames, max_steps=cfg.max_steps,
+                             fps=cfg.fps if cfg.fps is not None else d["fps"],
+                             guidance_scale=(cfg.default_guidance_scale if cfg.default_guidance_scale is not None
+                                             else d["guidance_scale"]))
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
         self.model_names = {self.model_name, str(cfg.model)}
-        self.scheduler = StepScheduler(self.pipe.pool, max_batch=cfg.max_batch, max_running=cfg.max_running,
-                                       max_waiting=cfg.max_queue, decode_chunk_frames=cfg.decode_chunk_frames,
-                                       on_event=self._on_event, job_timeout_s=cfg.job_timeout_s)
+        self.engine.add_listener(self._on_event)
         self._recover()
-        self.scheduler.start()
+        self.engine.start_loop()
         return self
 
     def close(self) -> None:
@@ -157,8 +169,8 @@ class VideoService:
             writers = [j.writer for j in self._live.values() if j.writer is not None]
         for w in writers:
             w.abort()
-        if self.pipe is not None:
-            self.pipe.close()
+        if self.engine is not None:
+            self.engine.close()
         if self.store is not None:
             self.store.close()
 
@@ -204,40 +216,40 @@ class VideoService:
         if len(negative) > cfg.max_prompt_chars:
             raise APIError(400, f"negative_prompt is longer than {cfg.max_prompt_chars} characters",
                            param="negative_prompt", code="invalid_value")
-        fps = cfg.fps if req.fps is None else req.fps
+        fps = lim.fps if req.fps is None else req.fps
         _check_range("fps", fps, 1, cfg.max_fps)
         width, height = self._size(req.size)
         num_frames = self._frames(req.seconds, req.num_frames, fps)
         steps = cfg.default_steps if req.num_inference_steps is None else req.num_inference_steps
         _check_range("num_inference_steps", steps, 1, lim.max_steps)
-        guidance = cfg.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
+        guidance = lim.guidance_scale if req.guidance_scale is None else req.guidance_scale
         if not math.isfinite(guidance) or not 0 <= guidance <= 100:
             raise APIError(400, f"guidance_scale must be a number in [0, 100]; got {guidance!r}",
                            param="guidance_scale", code="invalid_value")
         seed = random.randrange(MAX_SEED) if req.seed is None else req.seed
         _check_range("seed", seed, 0, MAX_SEED)
-        try:  # the pipeline's own checks, last: nothing it would refuse may reach the workers
-            self.pipe.check_inputs(prompt, negative, num_frames, height, width, steps, float(guidance), seed, "np", 8)
-        except ValueError as e:
-            name = str(e).split(" ", 1)[0]
-            param = "size" if name in ("height", "width") else name
-            raise APIError(400, str(e), param=param, code="invalid_value") from None
         params = {"num_frames": num_frames, "fps": fps, "width": width, "height": height,
                   "num_inference_steps": steps, "guidance_scale": float(guidance), "seed": seed,
-                  "negative_prompt": negative}
+                  "negative_prompt": negative, "options": req.options()}
         video_id = f"video_{uuid.uuid4().hex}"
+        spec = self._spec_from(video_id, prompt, params)
+        try:  # the model family's own checks, last: nothing it would refuse may reach the workers
+            self.engine.check(spec)
+        except RequestError as e:
+            param = "size" if e.field in ("height", "width") else e.field
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
         fields = {"id": video_id, "prompt": prompt, "seconds": _format_seconds(num_frames, fps),
                   "size": f"{width}x{height}", "params": params}
-        return self._spec_from(video_id, prompt, params), fields
+        return spec, fields
 
     def _size(self, size: str | None) -> tuple[int, int]:
         lim = self.limits
         if size is None:
-            return lim.default_size, lim.default_size
+            return lim.default_width, lim.default_height
         try:
             width, height = parse_size(size)
         except ValueError:
-            raise APIError(400, f"size must look like WIDTHxHEIGHT, e.g. \"{lim.default_size}x{lim.default_size}\"; "
+            raise APIError(400, f"size must look like WIDTHxHEIGHT, e.g. \"{lim.default_width}x{lim.default_height}\"; "
                                 f"got {size!r}", param="size", code="invalid_value") from None
         for name, v in (("width", width), ("height", height)):
             if not lim.size_multiple <= v <= lim.max_size or v % lim.size_multiple:
@@ -257,7 +269,9 @@ class VideoService:
                                param="seconds", code="invalid_value") from None
             if not math.isfinite(value) or value <= 0:
                 raise APIError(400, f"seconds must be positive; got {seconds!r}", param="seconds", code="invalid_value")
-            from_seconds = max(1, round(value * fps))
+            # the nearest frame count the model can make (frame_multiple*k + 1 for a causal video VAE)
+            rule = lim.frame_multiple
+            from_seconds = max(1, round((value * fps - 1) / rule) * rule + 1 if rule > 1 else round(value * fps))
             if from_seconds > lim.max_frames:
                 raise APIError(400, f"seconds={seconds} at fps={fps} is {from_seconds} frames; the limit is "
                                     f"{lim.max_frames} frames ({lim.max_frames / fps:g} s at {fps} fps)",
@@ -275,7 +289,7 @@ class VideoService:
         return GenerationSpec(request_id=video_id, prompt=[prompt], negative_prompt=p["negative_prompt"],
                               num_frames=p["num_frames"], height=p["height"], width=p["width"],
                               num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
-                              seed=p["seed"])
+                              seed=p["seed"], output="uint8", options=dict(p.get("options") or {}))
 
     def _spec(self, rec: VideoRecord) -> GenerationSpec:
         return self._spec_from(rec.id, rec.prompt, rec.params)
@@ -521,7 +535,7 @@ class VideoService:
                      completed_at=rec.completed_at, error=VideoError(**rec.error) if rec.error else None,
                      prompt=rec.prompt, seconds=rec.seconds, size=rec.size, num_frames=p["num_frames"], fps=p["fps"],
                      num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
-                     seed=p["seed"], negative_prompt=p["negative_prompt"])
+                     seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {})
 
     @staticmethod
     def _event(rec: VideoRecord, **extra) -> dict:
@@ -530,7 +544,7 @@ class VideoService:
     # -- health and metrics ---------------------------------------------------------------------------
 
     def health(self) -> dict:
-        pool = self.pipe.pool
+        pool = self.engine.pool
         ok = self.scheduler is not None and self.scheduler.alive
         return {"status": "ok" if ok else "degraded", "model": self.model_name, "workers": pool.workers,
                 "workers_ready": pool.ready, "worker_restarts": pool.restarts,
@@ -556,9 +570,9 @@ class VideoService:
         self.m_requeued = r.add(Counter("longserve_jobs_requeued_total",
                                         "Admitted jobs queued again after a worker pool restart."))
         r.add(Gauge("longserve_worker_restarts", "Worker pool restarts since the server started.",
-                    lambda: self.pipe.pool.restarts if self.pipe else 0))
+                    lambda: self.engine.pool.restarts if self.engine else 0))
         r.add(Gauge("longserve_workers_ready", "1 while the worker pool is up.",
-                    lambda: 1 if self.pipe and self.pipe.pool.ready else 0))
+                    lambda: 1 if self.engine and self.engine.pool.ready else 0))
 
     def _jobs_by_status(self) -> dict:
         counts = {s: 0 for s in ("queued", "in_progress", "completed", "failed")}

@@ -33,3 +33,30 @@ def random_latte_transformer(heads: int, head_dim: int, layers: int, video_lengt
             std = 0.3 if param.ndim == 1 else 1.0 / fan_in ** 0.5
             param.copy_(torch.randn(param.shape, generator=g) * std)
     return model.eval()
+
+
+def random_wan_transformer(heads: int = 3, head_dim: int = 12, layers: int = 2, text_dim: int = 16,
+                           in_channels: int = 4, ffn_dim: int | None = None, skyreels: bool = False,
+                           frames_per_block: int = 1, inject_sample_info: bool = False, seed: int = 0, **config):
+    """A `WanTransformer3DModel` (or, `skyreels=True`, a `SkyReelsV2Transformer3DModel`) of the given
+    shape with seeded random weights, every parameter redrawn so that the output is unit-scale and
+    depends on every weight (diffusers zero-initialises some)."""
+    import torch
+    from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    kwargs = dict(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
+                  in_channels=in_channels, out_channels=in_channels, text_dim=text_dim, freq_dim=32,
+                  ffn_dim=ffn_dim or 4 * heads * head_dim, num_layers=layers, cross_attn_norm=True,
+                  rope_max_seq_len=1024, **config)
+    if skyreels:
+        model = SkyReelsV2Transformer3DModel(**kwargs, num_frame_per_block=frames_per_block,
+                                             inject_sample_info=inject_sample_info)
+    else:
+        model = WanTransformer3DModel(**kwargs)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            std = 0.3 if param.ndim == 1 else param.shape[-1] ** -0.5
+            param.copy_(torch.randn(param.shape, generator=g) * std)
+    return model.eval()

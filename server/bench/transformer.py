@@ -7,7 +7,7 @@
 What a "step" is: one `LatteTransformer3DModel` forward on a classifier-free-guidance
 batch of 2 (the latent duplicated, one timestep, negative and positive text embeddings),
 as one denoising step runs it; fp32, `torch.no_grad`, through
-`engine.latte.parallel_forward(model, x, t, enc, pg, strategy)`.
+`engine.families.latte.parallel_forward(model, x, t, enc, pg, strategy)`.
 
 The model (`CONFIGS["bench"]`): a Latte-shaped transformer with random weights built in
 every worker from a seed (same weights on every rank, no checkpoint; speed and bytes do
@@ -56,7 +56,7 @@ import time
 
 from server.bench import util as benchutil
 
-STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")  # engine.latte.STRATEGIES (not imported: --help stays fast)
+STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")  # engine.families.latte.STRATEGIES (not imported: --help stays fast)
 REFERENCE = "diffusers"
 
 #: Model and input configurations. heads x head_dim = hidden; frames and latent size are
@@ -132,7 +132,7 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
     import torch.distributed as dist
 
     from engine import comm
-    from engine.latte import parallel_forward
+    from engine.families.latte import parallel_forward
 
     pg = ctx.pg
     key = ("bench_model", tuple(sorted((k, str(v)) for k, v in cfg.items())), seed)

@@ -13,10 +13,13 @@ import sys
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("model and workers")
-    g.add_argument("--model", default="tiny-latte", help="tiny-latte, or a local Latte-format diffusers directory")
+    g.add_argument("--model", default="tiny-latte",
+                   help="a shipped model (tiny-latte, tiny-wan, ...) or a local diffusers checkpoint directory")
     g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
     g.add_argument("--workers", type=int, default=1, help="worker processes (one GPU each with CUDA)")
-    g.add_argument("--parallel", default="dsp", help="dsp | ulysses | ring | megatron-sp")
+    g.add_argument("--parallel", default="auto",
+                   help="auto | dsp | ulysses | ring | megatron-sp (Latte) | ulysses | ring | usp (Wan family)")
+    g.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses group size (ring = workers / it)")
     g.add_argument("--cfg-parallel", action="store_true", help="run the two CFG halves on two worker groups")
     g.add_argument("--device", default=None, choices=["cpu", "cuda"])
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
@@ -47,8 +50,9 @@ def add_arguments(p) -> None:
                    help="largest width or height in pixels; default: 2 x the model's native size")
     g.add_argument("--max-steps", type=int, default=200)
     g.add_argument("--default-steps", type=int, default=20, help="num_inference_steps when a request gives none")
-    g.add_argument("--guidance-scale", type=float, default=7.5, help="guidance_scale when a request gives none")
-    g.add_argument("--fps", type=int, default=8, help="frames per second: seconds x fps = frames")
+    g.add_argument("--guidance-scale", type=float, default=None,
+                   help="guidance_scale when a request gives none (default: the model's)")
+    g.add_argument("--fps", type=int, default=None, help="frames per second: seconds x fps = frames (default: the model's)")
 
     g = p.add_argument_group("scoring (POST /v1/score)")
     g.add_argument("--score-model", default="tiny-lm",
@@ -66,7 +70,7 @@ def build(args):
 
     config = ServeConfig(
         model=args.model, served_model_name=args.served_model_name, workers=args.workers, parallel=args.parallel,
-        device=args.device, dtype=args.dtype, cfg_parallel=args.cfg_parallel, attention=args.attention,
+        ulysses_degree=args.ulysses_degree, device=args.device, dtype=args.dtype, cfg_parallel=args.cfg_parallel, attention=args.attention,
         data_dir=args.data_dir, max_queue=args.max_queue, max_batch=args.max_batch, max_running=args.max_running,
         max_frames=args.max_frames, max_size=args.max_size, max_steps=args.max_steps,
         default_steps=args.default_steps, default_guidance_scale=args.guidance_scale, fps=args.fps,

@@ -1,4 +1,6 @@
-"""Parallel forwards of diffusers' `LatteTransformer3DModel` (a spatial-temporal DiT).
+"""The Latte family (`LattePipeline` checkpoints): parallel forwards of diffusers'
+`LatteTransformer3DModel` (a spatial-temporal DiT), and the family adapter the video engine
+drives (load, encode, latents, batched parallel steps, frame-split VAE decode).
 
 Every strategy drives the model's own sub-modules and weights (patch embedding,
 AdaLN-single, caption projection, `BasicTransformerBlock`s, final layer); only the
@@ -29,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -38,6 +42,10 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid
 
 from engine import comm
 from engine.dist import ParallelGroup
+from engine.families.base import (Timer, VideoFamily, WorkerRequest, generation_defaults, guided, read_json,
+                                  scheduler_step_kwargs, seeded_generator, to_pixels)
+from engine.parallel import CfgGroups, ParallelPlan, make_cfg_groups, ring_attention
+from engine.request import GenerationSpec
 
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
 
@@ -116,37 +124,6 @@ class RingSpatialAttention:
         out = ring_attention(q, kv, attn.scale, pg, key_len=self.S)      # (B*T, H, Sl, hd)
         out = out.to(hidden_states.dtype).transpose(1, 2).reshape(n, Sl, -1)
         return attn.to_out[1](attn.to_out[0](out))
-
-
-def ring_attention(q: torch.Tensor, kv: torch.Tensor, scale: float, pg: ParallelGroup, key_len: int) -> torch.Tensor:
-    """Exact softmax attention of local queries against keys sharded over the ring.
-
-    q: (n, H, Lq, hd); kv: (2, n, H, Lk_local, hd), this rank's padded shard of `key_len` keys.
-    Each of the N-1 steps sends the K/V block on in one message. Keys past `key_len`
-    (padding on the last ranks) are masked. Returns (n, H, Lq, hd) in float32.
-    """
-    n, H, Lq, hd = q.shape
-    m = torch.full((n, H, Lq, 1), float("-inf"), dtype=torch.float32, device=q.device)  # running max
-    l = torch.zeros_like(m)                                                             # running sum
-    acc = torch.zeros((n, H, Lq, kv.shape[-1]), dtype=torch.float32, device=q.device)
-    Lk = kv.shape[3]
-    for step in range(pg.world_size):
-        src = (pg.rank - step) % pg.world_size                        # whose keys we hold now
-        k, v = kv[0].float(), kv[1].float()
-        s = torch.matmul(q, k.transpose(-1, -2)) * scale              # (n, H, Lq, Lk)
-        valid = key_len - src * Lk
-        if valid < Lk:
-            s[..., max(valid, 0):] = float("-inf")
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # a block of pads only
-        p = torch.exp(s - m_safe)
-        correction = torch.exp(m - m_safe)
-        l = l * correction + p.sum(dim=-1, keepdim=True)
-        acc = acc * correction + torch.matmul(p, v)
-        m = m_new
-        if step < pg.world_size - 1:
-            kv = comm.ring_shift(kv, pg)
-    return acc / l
 
 
 class TensorParallelAttention:
@@ -243,43 +220,6 @@ def _swapped(block, pg, strategy: str, num_patches: int, spatial: bool):
 
 
 # -- the forward ---------------------------------------------------------------------
-
-
-@dataclass
-class CfgGroups:
-    """Worker groups for CFG-parallel: `half` runs one half of the batch, `pair` joins the halves."""
-
-    half: ParallelGroup
-    pair: ParallelGroup
-    index: int  # 0: first half of the batch (unconditional), 1: second
-
-
-def make_cfg_groups(pg: ParallelGroup, members: list[int] | None = None) -> CfgGroups | None:
-    """Split `members` (global ranks; default: the whole world) into two equal halves.
-
-    `torch.distributed.new_group` is collective over the world, so every process calls
-    this, members or not; non-members get None.
-    """
-    import torch.distributed as dist
-
-    members = list(range(dist.get_world_size())) if members is None else list(members)
-    N = len(members)
-    if N % 2:
-        raise ValueError(f"cfg_parallel needs an even number of workers, got {N}")
-    halves = [members[: N // 2], members[N // 2:]]
-    pairs = [[members[i], members[i + N // 2]] for i in range(N // 2)]
-    half_groups = [dist.new_group(r) for r in halves]
-    pair_groups = [dist.new_group(p) for p in pairs]
-    me = dist.get_rank()
-    if me not in members:
-        return None
-    index = members.index(me) // (N // 2)
-    mine = members.index(me) % (N // 2)
-    return CfgGroups(
-        half=pg.subgroup(halves[index], half_groups[index]),
-        pair=pg.subgroup(pairs[mine], pair_groups[mine]),
-        index=index,
-    )
 
 
 def parallel_forward(
@@ -412,3 +352,200 @@ def _embedded_forward(model, x, timestep, encoder_hidden_states, pg, strategy, t
     out = _final_layer(model, tokens.view(B, T, Sl, D), t_final)            # (B, T, Sl, p*p*C_out)
     out = comm.gather(out, 2, S, pg)                                        # (B, T, S, p*p*C_out)
     return _unpatchify(model, out, h, w)
+
+
+# -- the family: what the video engine drives on each worker ------------------------------------------
+
+
+def _pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate prompt embeddings of different lengths: zero-pad, and a mask when lengths differ.
+
+    [(b_i, L_i, C)] -> (sum b_i, max L_i, C), mask (sum b_i, max L_i) or None
+    """
+    L = max(t.shape[1] for t in texts)
+    if all(t.shape[1] == L for t in texts):
+        return torch.cat(texts), None
+    padded = torch.cat([comm.pad_dim(t, 1, L) for t in texts])
+    mask = torch.cat([(torch.arange(L, device=t.device) < t.shape[1]).expand(t.shape[0], L) for t in texts])
+    return padded, mask
+
+
+def _select_attention(transformer, device: torch.device, attention: str) -> str:
+    """xformers on CUDA when installed (and asked for or 'auto'); else PyTorch SDPA."""
+    if attention not in ("auto", "sdpa", "xformers"):
+        raise ValueError(f"attention must be auto, sdpa or xformers; got {attention!r}")
+    if device.type == "cuda" and attention in ("auto", "xformers"):
+        try:
+            import xformers  # noqa: F401
+
+            transformer.enable_xformers_memory_efficient_attention()
+            return "xformers"
+        except ImportError:
+            if attention == "xformers":
+                raise ValueError("attention='xformers' but xformers is not installed (pip install '.[gpu]')")
+    return "sdpa"
+
+
+@dataclass
+class LatteRequest(WorkerRequest):
+    scheduler: object = None
+    timesteps: torch.Tensor = None
+    latents: torch.Tensor = None       # (B, C, T, h, w), identical on every rank
+    text: torch.Tensor = None          # (2B or B, L, C_text): [negative; positive] when CFG
+    step_kwargs: dict = None
+
+
+class LatteFamily(VideoFamily):
+    """`LattePipeline` checkpoints (Latte-1 and the shipped tiny-latte)."""
+
+    name = "latte"
+    pipeline_classes = frozenset({"LattePipeline"})
+    plans = STRATEGIES
+    auto_plan = "dsp"
+
+    @classmethod
+    def describe(cls, model_dir: Path) -> dict:
+        cfg = read_json(Path(model_dir) / "transformer" / "config.json")
+        vae = read_json(Path(model_dir) / "vae" / "config.json")
+        vae_scale = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
+        native = cfg["sample_size"] * vae_scale
+        defaults = generation_defaults(model_dir, {
+            "num_frames": cfg["video_length"], "height": native, "width": native, "num_inference_steps": 50,
+            "guidance_scale": 7.5, "fps": 8})
+        return {"family": cls.name, "heads": cfg["num_attention_heads"], "size_multiple": vae_scale * cfg["patch_size"],
+                "frame_multiple": 1, "native_frames": cfg["video_length"], "defaults": defaults}
+
+    def __init__(self, ctx, model_dir: str, plan: ParallelPlan, dtype: torch.dtype, attention: str):
+        import diffusers
+        import transformers
+
+        super().__init__(ctx, model_dir, plan, dtype, attention)
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+        skip = {} if self.pg.rank == 0 else {"text_encoder": None, "tokenizer": None}
+        pipe = diffusers.LattePipeline.from_pretrained(model_dir, dtype=dtype, **skip)
+        pipe.to(self.pg.device)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe
+        self.attention = _select_attention(pipe.transformer, self.pg.device, attention)
+        self.cfg = None
+        self.set_plan(plan)
+
+    def set_plan(self, plan: ParallelPlan) -> None:
+        check_strategy(plan.name)
+        if plan.cfg_parallel and self.cfg is None and self.pg.world_size > 1:
+            self.cfg = make_cfg_groups(self.pg)
+        self.plan = plan
+
+    def info(self) -> dict:
+        pipe = self.pipe
+        return {"scheduler": type(pipe.scheduler).__name__, "attention": self.attention,
+                "in_channels": pipe.transformer.config.in_channels, "vae_scale_factor": pipe.vae_scale_factor}
+
+    def admit(self, spec: GenerationSpec) -> LatteRequest:
+        pipe, pg = self.pipe, self.pg
+        t0 = time.perf_counter()
+
+        def encode():
+            with torch.no_grad():
+                positive, negative = pipe.encode_prompt(
+                    spec.prompt, spec.use_cfg, negative_prompt=spec.negative_prompt, num_images_per_prompt=1,
+                    device=pg.device, clean_caption=False, mask_feature=True)
+            return (torch.cat([negative, positive]) if spec.use_cfg else positive).cpu()  # (2B or B, L, C_text)
+
+        text = self.broadcast_from_first(encode).to(pg.device, self.dtype)
+        encode_s = time.perf_counter() - t0
+        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        scheduler.set_timesteps(spec.num_inference_steps, device=pg.device)
+        shape = (spec.batch_size, pipe.transformer.config.in_channels, spec.num_frames,
+                 spec.height // pipe.vae_scale_factor, spec.width // pipe.vae_scale_factor)
+        # the noise diffusers draws with generator=torch.Generator("cpu").manual_seed(seed); the same
+        # generator then feeds samplers that add noise at every step
+        generator = seeded_generator(spec.seed)
+        noise = torch.randn(shape, generator=generator, dtype=self.dtype)
+        req = LatteRequest(spec=spec, num_steps=len(scheduler.timesteps), batch_key=("latte", *shape),
+                           num_frames=spec.num_frames, scheduler=scheduler, timesteps=scheduler.timesteps,
+                           latents=noise.to(pg.device) * scheduler.init_noise_sigma, text=text,
+                           step_kwargs=scheduler_step_kwargs(scheduler, generator))
+        req.timings["encode_s"] = encode_s
+        return req
+
+    def step(self, reqs: list[LatteRequest]) -> None:
+        """One denoising step for every request, batched into one parallel forward (any timesteps,
+        guidance scales and prompt lengths: padded prompt tokens are masked out of cross-attention)."""
+        pipe, pg = self.pipe, self.pg
+        t0 = time.perf_counter()
+        use_cfg_parallel = self.cfg is not None and self.plan.cfg_parallel and all(r.spec.use_cfg for r in reqs)
+        inputs, times, texts = [], [], []
+        for r in reqs:
+            t = r.timesteps[r.steps_done]
+            x = torch.cat([r.latents] * 2) if r.spec.use_cfg else r.latents           # (2B|B, C, T, h, w)
+            inputs.append(r.scheduler.scale_model_input(x, t))
+            times.append(t.reshape(1).expand(x.shape[0]))
+            texts.append(r.text)
+        if use_cfg_parallel:
+            # CFG-parallel wants every unconditional half first, then every conditional half.
+            halves = lambda xs: [h for part in (0, 1) for x in xs for h in [x.chunk(2)[part]]]  # noqa: E731
+            inputs, times, texts = halves(inputs), halves(times), halves(texts)
+        text, mask = _pad_text(texts)
+        with torch.no_grad():
+            noise = parallel_forward(pipe.transformer, torch.cat(inputs), torch.cat(times).to(pg.device), text, pg,
+                                     self.plan.name, cfg=self.cfg if use_cfg_parallel else None,
+                                     encoder_attention_mask=mask)                      # (sum, C_out, T, h, w)
+        sizes = [r.latents.shape[0] * (2 if r.spec.use_cfg else 1) for r in reqs]
+        if use_cfg_parallel:
+            uncond, cond = noise.chunk(2)
+            half_sizes = [s // 2 for s in sizes]
+            per_req = [torch.cat([u, c]) for u, c in zip(uncond.split(half_sizes), cond.split(half_sizes))]
+        else:
+            per_req = list(noise.split(sizes))
+        learned_sigma = getattr(pipe.scheduler.config, "variance_type", None) in ("learned", "learned_range")
+        with torch.no_grad():
+            for r, eps in zip(reqs, per_req):
+                eps = guided(eps, r.spec.use_cfg, r.spec.guidance_scale)
+                if not learned_sigma:
+                    eps = eps.chunk(2, dim=1)[0]
+                t = r.timesteps[r.steps_done]
+                r.latents = r.scheduler.step(eps, t, r.latents, **r.step_kwargs, return_dict=False)[0]
+                r.steps_done += 1
+        elapsed = time.perf_counter() - t0
+        for r in reqs:
+            r.timings["transformer_s"] += elapsed / len(reqs)
+
+    def decode_next(self, r: LatteRequest, max_frames: int) -> dict | None:
+        """Decode frames [done, done + max_frames) of every video in the request, split across the workers.
+
+        Latte's VAE is per frame: each rank decodes its share of the B*n frames in chunks of
+        `decode_chunk_size`; rank 0 gathers them.
+        """
+        pipe, pg = self.pipe, self.pg
+        start = r.decoded_frames
+        if r.spec.output == "latent":
+            r.decoded_frames = r.num_frames
+            return {"frames": r.latents.cpu(), "start": 0, "stop": r.num_frames, "vae_s": 0.0} \
+                if pg.rank == 0 else None
+        stop = min(r.num_frames, start + max_frames)
+        B, C, T, h, w = r.latents.shape
+        n = stop - start
+        vae_before = r.timings["vae_s"]
+        with Timer(r.timings, "vae_s"):
+            frames = r.latents[:, :, start:stop].permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B*n, C, h, w)
+            frames = frames / pipe.vae.config.scaling_factor
+            mine = comm.shard(frames, 0, pg)                                           # (ceil(B*n/N), C, h, w)
+            count = comm.valid_length(B * n, pg)                                       # real frames in my shard
+            chunk = r.spec.decode_chunk_size
+            with torch.no_grad():
+                outs = [pipe.vae.decode(mine[i:min(i + chunk, count)]).sample for i in range(0, count, chunk)]
+            f = pipe.vae_scale_factor
+            decoded = torch.cat(outs) if outs else mine.new_zeros((0, pipe.vae.config.out_channels, h * f, w * f))
+            decoded = comm.pad_dim(decoded, 0, mine.shape[0])                          # (ceil(B*n/N), 3, H, W)
+            video = comm.gather(decoded, 0, B * n, pg)                                 # (B*n, 3, H, W)
+        r.decoded_frames = stop
+        if pg.rank != 0:
+            return None
+        video = video.reshape(B, n, *video.shape[1:]).permute(0, 2, 1, 3, 4)           # (B, 3, n, H, W)
+        return {"frames": to_pixels(video, pipe.video_processor, r.spec.output), "start": start, "stop": stop,
+                "vae_s": r.timings["vae_s"] - vae_before}
+
+
+FAMILY = LatteFamily

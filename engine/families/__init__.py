@@ -1,0 +1,44 @@
+"""Model families: one module each in this package, found by the `_class_name` of a checkpoint's `model_index.json`.
+
+A family module defines `FAMILY`, a subclass of `engine.families.base.VideoFamily`.
+Adding a family is adding a module here (and its tests): the scheduler, the server and
+the CLI never name one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import cache
+from pathlib import Path
+
+from engine.families.base import VideoFamily
+
+
+@cache
+def all_families() -> tuple[type[VideoFamily], ...]:
+    found = []
+    for module in pkgutil.iter_modules(__path__):
+        if module.name == "base":
+            continue
+        family = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FAMILY", None)
+        if family is not None:
+            found.append(family)
+    return tuple(sorted(found, key=lambda f: f.name))
+
+
+def family_for(pipeline_class: str) -> type[VideoFamily]:
+    """The family that serves checkpoints whose `model_index.json` names `pipeline_class`."""
+    for family in all_families():
+        if pipeline_class in family.pipeline_classes:
+            return family
+    known = sorted(c for f in all_families() for c in f.pipeline_classes)
+    raise ValueError(f"no model family serves {pipeline_class!r} checkpoints; supported pipelines: "
+                     f"{', '.join(known)}")
+
+
+def detect_family(model_dir: str | Path) -> type[VideoFamily]:
+    """The family of a checkpoint directory, from its `model_index.json`."""
+    from engine.families.base import read_json
+
+    return family_for(read_json(Path(model_dir) / "model_index.json").get("_class_name", "?"))

@@ -1,0 +1,63 @@
+"""A video request as plain data (it travels to the workers), and the error that blames its input.
+
+`GenerationSpec` holds what every model family understands (prompts, frames, size, steps,
+guidance, seed, what to return); `options` holds what only some families understand
+(Wan 2.2's `guidance_scale_2`, diffusion forcing's `base_num_frames`, ...). A family's
+`check_request` validates a spec on the coordinator, before any worker sees it, and
+raises `RequestError` naming the field at fault.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OUTPUTS = ("np", "uint8", "latent")
+
+
+class RequestError(ValueError):
+    """The request's input is invalid: the caller's fault (HTTP 4xx), raised before any worker ran.
+
+    `field` names the argument at fault ("num_frames", "size", "ar_step", ...).
+    """
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class GenerationSpec:
+    """One request. `prompt` is a list (one video per prompt); frames/size are in pixels.
+
+    output: "np" -> float32 (B, n, H, W, 3) in [0, 1] per decoded chunk (diffusers' output_type="np");
+            "uint8" -> the same pixels quantized as an MP4 writer wants them, round(x * 255);
+            "latent" -> the final latents, in one chunk.
+    decode_chunk_size: frames one worker pushes through the VAE at once (bounds its memory).
+    """
+
+    request_id: str
+    prompt: list[str]
+    negative_prompt: list[str] | str
+    num_frames: int
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    output: str = "np"
+    decode_chunk_size: int = 8
+    options: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    def negative_prompts(self) -> list[str]:
+        """One negative prompt per prompt."""
+        if isinstance(self.negative_prompt, str):
+            return [self.negative_prompt] * self.batch_size
+        return list(self.negative_prompt)

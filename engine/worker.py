@@ -1,0 +1,85 @@
+"""The video engine's jobs on the workers: whatever the model, the same five.
+
+A request lives on the workers from `admit` to `release`. Every worker holds an identical
+copy of its state (latents, the diffusers scheduler, the prompt embeddings), so after each
+parallel forward, whose output every rank receives, all ranks take the same scheduler step
+and stay in lockstep. The model family (`engine/families/`) found from the checkpoint's
+`model_index.json` does the model-specific work:
+
+- `admit(spec)`: the prompt is encoded once, on rank 0 (the only rank that loads the text
+  encoder), broadcast, and latents and a scheduler are prepared;
+- `step(ids)`: one parallel denoising step for a batch of requests with the same batch key
+  (they may be at different timesteps, guidance scales and prompt lengths);
+- `decode_next(id, max_frames)`: the next final frames are VAE-decoded, split across the
+  workers, and handed to rank 0 (for a long video, while later segments still denoise);
+- `release(ids)`: the state is dropped.
+
+The coordinator (`engine.scheduler.StepScheduler`, under `engine.engine.VideoEngine`)
+decides which requests each job runs; it never touches the model.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.dist import parse_dtype
+from engine.families import detect_family
+from engine.parallel import ParallelPlan
+from engine.request import GenerationSpec
+
+
+def setup_worker(ctx, model_dir: str, plan: ParallelPlan, dtype: str = "float32", attention: str = "auto") -> None:
+    """Load the checkpoint's family on this worker (the text encoder on rank 0 only)."""
+    family = detect_family(model_dir)
+    ctx.state["family"] = family(ctx, model_dir, plan, parse_dtype(dtype), attention)
+    ctx.state["requests"] = {}
+
+
+def model_info(ctx) -> dict:
+    """What the coordinator reports about the loaded model (rank 0's view)."""
+    family = ctx.state["family"]
+    return {**family.info(), "family": family.name, "plan": family.plan, "device": str(ctx.pg.device),
+            "dtype": str(family.dtype).replace("torch.", ""), "workers": ctx.pg.world_size}
+
+
+def set_plan(ctx, plan: ParallelPlan) -> None:
+    """Switch the parallel plan of a running pool (weights stay loaded)."""
+    ctx.state["family"].set_plan(plan)
+
+
+def admit(ctx, spec: GenerationSpec) -> dict:
+    """Encode the prompt (rank 0), share it, prepare latents and a scheduler for one request."""
+    req = ctx.state["family"].admit(spec)
+    ctx.state["requests"][spec.request_id] = req
+    return {"request_id": spec.request_id, "num_steps": req.num_steps, "num_frames": req.num_frames,
+            "encode_s": req.timings["encode_s"], **req.progress()}
+
+
+def step(ctx, request_ids: list[str]) -> dict:
+    """One denoising step for every listed request, batched into one parallel forward."""
+    reqs = [ctx.state["requests"][rid] for rid in request_ids]
+    t0 = time.perf_counter()
+    ctx.state["family"].step(reqs)
+    return {"progress": {r.spec.request_id: r.progress() for r in reqs}, "compute_s": time.perf_counter() - t0}
+
+
+def decode_next(ctx, request_id: str, max_frames: int) -> dict | None:
+    """Decode the request's next final frames across the workers; rank 0 returns them.
+
+    Rank 0: {"frames", "start", "stop", "num_frames", "vae_s", "done", "timings", **progress};
+    "done" once every frame of the video was handed out.
+    """
+    req = ctx.state["requests"][request_id]
+    if not req.decodable():
+        raise RuntimeError(f"request {request_id!r} has no final frames to decode (steps {req.steps_done}/"
+                           f"{req.num_steps}, frames {req.decoded_frames}/{req.num_frames})")
+    out = ctx.state["family"].decode_next(req, max_frames)
+    if out is None:
+        return None
+    return {**out, "num_frames": req.num_frames, "done": req.decoded_frames >= req.num_frames,
+            "timings": dict(req.timings), **req.progress()}
+
+
+def release(ctx, request_ids: list[str]) -> None:
+    for rid in request_ids:
+        ctx.state["requests"].pop(rid, None)
