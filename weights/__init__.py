@@ -1,3 +1,10 @@
 """Model weights: locating checkpoints and the tiny random checkpoints shipped for tests and demos."""
 
 from .latte import TINY_LATTE_DIR, resolve_latte
+from .registry import (
+    TINY_MODELS,
+    generation_defaults,
+    pipeline_class,
+    read_model_index,
+    resolve_model,
+)
