@@ -37,10 +37,9 @@ Listener = Callable[[str, "ScheduledRequest | None", dict], None]
 
 def resolve_checkpoint(model: str | os.PathLike) -> Path:
     """A shipped model name or a local diffusers directory -> its validated absolute path."""
-    import weights
+    from weights import resolve_model
 
-    resolver = getattr(weights, "resolve_model", None) or weights.resolve_latte
-    return Path(resolver(model))
+    return Path(resolve_model(model))
 
 
 class VideoEngine:

@@ -134,8 +134,9 @@ def read_json(path: Path) -> dict:
 
 def generation_defaults(model_dir: Path, fallback: dict) -> dict:
     """The checkpoint's optional `generation_defaults.json` (longserve's; diffusers ignores it) over `fallback`."""
-    path = Path(model_dir) / "generation_defaults.json"
-    return {**fallback, **(read_json(path) if path.exists() else {})}
+    import weights
+
+    return {**fallback, **weights.generation_defaults(model_dir)}
 
 
 def seeded_generator(seed: int) -> torch.Generator:
