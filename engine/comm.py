@@ -10,6 +10,7 @@ the backend (gloo, NCCL) and of what the backend does internally:
     reduce-scatter  ring algorithm: (N-1)/N of its (full-size) input
     all-reduce      ring algorithm: 2 (N-1)/N of its input
     send (ring)     the whole tensor once
+    gather to dst   every rank but dst sends its input once; dst sends nothing
 
 Uneven sizes: a dimension that does not divide by N is zero-padded up to the next
 multiple of N before it is sharded and trimmed back after it is gathered, so callers
@@ -203,3 +204,21 @@ def broadcast_object(obj, pg: ParallelGroup, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=pg.global_rank(src), group=pg.group)
     return box[0]
+
+
+def gather_to(x: torch.Tensor, dst: int, pg: ParallelGroup) -> torch.Tensor | None:
+    """Stack every rank's equal-shaped `x` on rank `dst` (a group rank) only.
+
+    [...] -> [N, ...] on `dst` (row r is rank r's `x`); None on every other rank.
+    """
+    if pg.world_size == 1:
+        return x.unsqueeze(0)
+    x = x.contiguous()
+    if pg.rank != dst:
+        dist.gather(x, gather_list=None, group=pg.group, group_dst=dst)
+        STATS.record("gather", _nbytes(x))
+        return None
+    out = torch.empty((pg.world_size, *x.shape), dtype=x.dtype, device=x.device)  # (N, ...)
+    dist.gather(x, gather_list=list(out.unbind(0)), group=pg.group, group_dst=dst)
+    STATS.record("gather", 0)  # dst keeps its own row
+    return out

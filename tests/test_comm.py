@@ -27,6 +27,12 @@ def _reduce_scatter_and_ring(ctx, x):
     return rs, ring, comm.STATS.snapshot()
 
 
+def _gather_to(ctx, dst):
+    comm.STATS.reset()
+    got = comm.gather_to(torch.full((2, 3), float(ctx.pg.rank)), dst, ctx.pg)
+    return got, comm.STATS.snapshot()
+
+
 def _fail_on(ctx, bad_rank):
     if bad_rank is None or ctx.pg.rank == bad_rank:
         raise ValueError("num_frames must be positive")
@@ -67,6 +73,18 @@ def test_reduce_scatter_sums_partials_and_ring_shifts(pool3):
         torch.testing.assert_close(rs, padded[rank * 3:(rank + 1) * 3])
         assert torch.equal(ring, torch.full((3,), float((rank - 1) % 3)))
         assert stats["calls"] == {"reduce_scatter": 1, "send_recv": 1}
+
+
+def test_gather_to_stacks_every_rank_on_dst_only_and_counts_what_others_send(pool3):
+    out = pool3.run(_gather_to, 1)
+    for rank, (got, stats) in enumerate(out):
+        assert stats["calls"] == {"gather": 1}
+        if rank == 1:
+            assert torch.equal(got, torch.arange(3.0).view(3, 1, 1).expand(3, 2, 3))
+            assert stats["bytes_sent"] == 0  # dst keeps its own row
+        else:
+            assert got is None
+            assert stats["bytes_sent"] == 2 * 3 * 4
 
 
 def test_error_on_every_rank_keeps_pool_up(pool3):

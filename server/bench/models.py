@@ -60,3 +60,35 @@ def random_wan_transformer(heads: int = 3, head_dim: int = 12, layers: int = 2, 
             std = 0.3 if param.ndim == 1 else param.shape[-1] ** -0.5
             param.copy_(torch.randn(param.shape, generator=g) * std)
     return model.eval()
+
+
+def random_wan_vae(base_dim: int = 8, z_dim: int = 4, dim_mult: tuple[int, ...] = (1, 2, 2, 2), num_res_blocks: int = 1,
+                   patch_size: int | None = None, seed: int = 0):
+    """A Wan-structured `AutoencoderKLWan` with seeded random weights (same seed, same weights in every
+    process), for tests and benchmarks.
+
+    Wan 2.1's structure at a small width: 4 resolution levels (8x spatial compression), temporal
+    downsampling [False, True, True] (4x in time, so latent frame 0 decodes to 1 frame and every later
+    one to 4), causal 3D convolutions with per-conv caches, an attention block in the middle. With
+    `patch_size=2` it is Wan 2.2's residual variant instead (16x spatial, output unpatchified).
+    `latents_mean`/`latents_std` are the first `z_dim` entries of diffusers' Wan 2.1 defaults.
+    PyTorch's default initialisation is kept: it already gives a unit-scale, mostly unclamped output.
+    """
+    import inspect
+
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    defaults = inspect.signature(AutoencoderKLWan.__init__).parameters
+    residual = patch_size is not None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan(
+            base_dim=base_dim, z_dim=z_dim, dim_mult=list(dim_mult), num_res_blocks=num_res_blocks,
+            temperal_downsample=[False, True, True], is_residual=residual, patch_size=patch_size,
+            in_channels=3 * (patch_size or 1) ** 2, out_channels=3 * (patch_size or 1) ** 2,
+            scale_factor_spatial=8 * (patch_size or 1),
+            latents_mean=list(defaults["latents_mean"].default[:z_dim]),
+            latents_std=list(defaults["latents_std"].default[:z_dim]),
+        )
+    return vae.eval()
