@@ -75,3 +75,24 @@ def test_replace_markdown_section_keeps_other_sections(tmp_path):
     assert text.index("## Other") < text.index("## Mine") < text.index("## Last")
     benchutil.replace_markdown_section(doc, "## Added", "body")
     assert doc.read_text().rstrip().endswith("## Added\n\nbody")
+
+
+def test_bench_transformer_wan_reports_ulysses_ring_usp_with_bytes_equal_to_each_formula(tmp_path):
+    json_path = tmp_path / "wan.json"
+    rc = main(["bench", "transformer", "--model", "wan", "--config", "tiny", "--workers", "1,2,4", "--steps", "1",
+               "--warmup", "0", "--json", str(json_path)])
+    assert rc == 0
+    rows = {(r["strategy"], r["workers"]): r for r in json.loads(json_path.read_text())}
+    assert {s for s, _ in rows} == {"diffusers", "ulysses", "ring", "usp"}
+    for (strategy, n), row in rows.items():
+        assert row["max_abs_err"] < 1e-4, (strategy, n)
+        if strategy != "diffusers" and n > 1:
+            assert row["bytes_per_step"] > 0
+            assert abs(row["bytes_per_step"] - row["formula_bytes"]) <= 64, (strategy, n, row)
+    assert rows[("usp", 4)]["ulysses_degree"] == 2
+    assert rows[("usp", 4)]["collectives_per_step"] == {"all_to_all": 4, "send_recv": 2, "all_gather": 1}
+
+
+def test_bench_transformer_refuses_a_strategy_the_model_does_not_have(capsys):
+    assert main(["bench", "transformer", "--model", "wan", "--strategies", "dsp"]) == 2
+    assert "ulysses, ring, usp" in capsys.readouterr().err

@@ -101,19 +101,42 @@ def metric(http, name):
 # -- the official client -----------------------------------------------------------------------------------------
 
 
-def test_openai_client_creates_polls_downloads_lists_and_deletes(server):
+@pytest.fixture(scope="module")
+def wan_server(tmp_path_factory):
+    """tiny-wan (a full-attention Wan 2.1-format model) on 2 workers: the same API, another model family."""
+    data_dir = tmp_path_factory.mktemp("serve-wan")
+    config = ServeConfig(model="tiny-wan", workers=2, device="cpu", data_dir=str(data_dir), max_batch=4,
+                         default_steps=3, decode_chunk_frames=8)
+    service = VideoService(config).start()
+    app = create_app(service, None, poll_after_ms=50)
+    try:
+        with serve_in_thread(app) as url:
+            yield {"url": url, "service": service, "data_dir": data_dir}
+    finally:
+        service.close()
+
+
+# (fixture, model id, frames of 2 s, frames of 1 s at fps 4): tiny-latte makes any count at 8 fps; tiny-wan's
+# causal VAE makes 4k+1 frames at 16 fps, so 2 s is 33 frames (the nearest to 32) and 1 s at 4 fps is 5
+MODELS = [("server", "tiny-latte", 16, 4), ("wan_server", "tiny-wan", 33, 5)]
+
+
+@pytest.mark.parametrize("fixture, model, two_seconds, one_second_at_4", MODELS)
+def test_openai_client_creates_polls_downloads_lists_and_deletes(request, fixture, model, two_seconds,
+                                                                 one_second_at_4):
     from openai import NotFoundError, OpenAI
 
+    server = request.getfixturevalue(fixture)
     client = OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
     video = client.videos.create_and_poll(prompt="a red ball bouncing", size="64x64", seconds="2",
                                           poll_interval_ms=50)
     assert video.status == "completed", video.error
-    assert (video.object, video.progress, video.size, video.seconds) == ("video", 100, "64x64", "2")
-    assert video.model == "tiny-latte" and video.completed_at >= video.created_at
+    assert (video.object, video.progress, video.size) == ("video", 100, "64x64")
+    assert video.model == model and video.completed_at >= video.created_at
 
     mp4 = client.videos.download_content(video.id).read()
     frames = iio.imread(io.BytesIO(mp4), extension=".mp4")
-    assert frames.shape == (16, 64, 64, 3), "2 s at the default 8 fps is 16 frames"
+    assert frames.shape == (two_seconds, 64, 64, 3)
     assert frames.std() > 3, "a flat video means the frames were not written"
     png = client.videos.download_content(video.id, variant="thumbnail").read()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
@@ -122,7 +145,7 @@ def test_openai_client_creates_polls_downloads_lists_and_deletes(server):
     # multipart extensions through extra_body (the client sends form fields as strings)
     other = client.videos.create(prompt="a blue cube", size="32x32", seconds="1",
                                  extra_body={"num_inference_steps": 2, "fps": 4, "seed": 11})
-    assert other.model_extra["num_inference_steps"] == 2 and other.model_extra["num_frames"] == 4
+    assert other.model_extra["num_inference_steps"] == 2 and other.model_extra["num_frames"] == one_second_at_4
 
     listed = [v.id for v in client.videos.list(limit=1, order="desc")]   # auto-pagination, one per page
     assert video.id in listed and other.id in listed
@@ -134,6 +157,14 @@ def test_openai_client_creates_polls_downloads_lists_and_deletes(server):
         client.videos.retrieve(video.id)
     assert not list(server["data_dir"].glob(f"videos/{video.id}*")), "its files are removed"
     assert client.videos.poll(other.id, poll_interval_ms=50).status == "completed"
+
+
+def test_a_model_option_is_served_by_the_family_that_knows_it_and_refused_by_the_others(server, wan_server):
+    bad = httpx.post(server["url"] + "/v1/videos", json={"prompt": "x", "guidance_scale_2": 3.0}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guidance_scale_2"
+    bad = httpx.post(wan_server["url"] + "/v1/videos", json={"prompt": "x", "num_frames": 8}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_frames"
+    assert "4k+1" in bad.json()["error"]["message"]
 
 
 # -- batching under load -------------------------------------------------------------------------------------

@@ -1,8 +1,16 @@
-"""`longserve bench transformer`: DSP vs the embedded sequence-parallel baselines on one ST-DiT step.
+"""`longserve bench transformer`: parallel plans side by side on one denoising step of a video DiT.
 
-    longserve bench transformer --strategies dsp,ulysses,ring,megatron-sp --workers 1,2,4 \\
+    longserve bench transformer [--model latte] --strategies dsp,ulysses,ring,megatron-sp --workers 1,2,4 \\
         [--json out.json] [--plot out.png] [--steps 5 --warmup 2] [--config bench|tiny] \\
         [--frames T] [--size HxW]
+    longserve bench transformer --model wan --strategies ulysses,ring,usp --ulysses-degree 2 --workers 1,2,4
+
+`--model latte` (the default): DSP vs the embedded sequence-parallel baselines on a
+spatial-temporal DiT (below). `--model wan`: Ulysses, Ring and USP on a full-attention
+`WanTransformer3DModel` with Wan 2.1 1.3B's width (12 heads x 128 = 1536, FFN 8960, text
+dim 4096; `CONFIGS_WAN["bench"]`) but 2 blocks instead of 30, through
+`engine.families.wan.parallel_forward`; every row also carries `formula_bytes`, what the
+plan's formula (docs/design.md) says rank 0 sends per step, beside the measured bytes.
 
 What a "step" is: one `LatteTransformer3DModel` forward on a classifier-free-guidance
 batch of 2 (the latent duplicated, one timestep, negative and positive text embeddings),
@@ -57,6 +65,7 @@ import time
 from server.bench import util as benchutil
 
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")  # engine.families.latte.STRATEGIES (not imported: --help stays fast)
+WAN_STRATEGIES = ("ulysses", "ring", "usp")              # engine.families.wan.WanFamily.plans
 REFERENCE = "diffusers"
 
 #: Model and input configurations. heads x head_dim = hidden; frames and latent size are
@@ -68,10 +77,24 @@ CONFIGS: dict[str, dict] = {
 PATCH = 2
 IN_CHANNELS, OUT_CHANNELS = 4, 8
 
+#: Wan-shaped configurations: "bench" has Wan 2.1 T2V 1.3B's width, heads, FFN and text dim
+#: (weights.wan.WAN_2_1_T2V_1_3B_TRANSFORMER) with 2 of its 30 blocks; frames are latent frames.
+CONFIGS_WAN: dict[str, dict] = {
+    "bench": dict(heads=12, head_dim=128, layers=2, ffn=8960, text_dim=4096, in_channels=16, frames=5,
+                  latent=(16, 16), text_len=512),
+    "tiny": dict(heads=3, head_dim=12, layers=2, ffn=48, text_dim=16, in_channels=4, frames=5, latent=(10, 14),
+                 text_len=8),
+}
+
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--strategies", default=",".join(STRATEGIES),
-                        help=f"comma-separated, of {', '.join(STRATEGIES)} (default: all)")
+    parser.add_argument("--model", default="latte", choices=["latte", "wan"],
+                        help="latte: a spatial-temporal DiT (DSP and baselines); wan: a full-attention DiT")
+    parser.add_argument("--strategies", default=None,
+                        help=f"comma-separated, of {', '.join(STRATEGIES)} (latte) or {', '.join(WAN_STRATEGIES)} "
+                             f"(wan) (default: all of the model's)")
+    parser.add_argument("--ulysses-degree", type=int, default=2,
+                        help="usp: Ulysses group size (at N workers: gcd(it, N); ring degree N / that)")
     parser.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (1 is always measured)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per strategy (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="discarded steps per strategy before measuring")
@@ -88,8 +111,9 @@ def add_arguments(parser) -> None:
 # -- the model, built identically in every worker --------------------------------------
 
 
-def model_config(name: str, frames: int | None = None, size: tuple[int, int] | None = None) -> dict:
-    cfg = dict(CONFIGS[name])
+def model_config(name: str, frames: int | None = None, size: tuple[int, int] | None = None,
+                 model: str = "latte") -> dict:
+    cfg = dict((CONFIGS_WAN if model == "wan" else CONFIGS)[name], model=model)
     if frames is not None:
         cfg["frames"] = frames
     if size is not None:
@@ -98,9 +122,12 @@ def model_config(name: str, frames: int | None = None, size: tuple[int, int] | N
 
 
 def build_model(cfg: dict, seed: int):
-    """The benchmark's `LatteTransformer3DModel`: seeded random weights, activations unit-size."""
-    from server.bench.models import random_latte_transformer
+    """The benchmark's transformer: seeded random weights, activations unit-size."""
+    from server.bench.models import random_latte_transformer, random_wan_transformer
 
+    if cfg.get("model") == "wan":
+        return random_wan_transformer(cfg["heads"], cfg["head_dim"], cfg["layers"], cfg["text_dim"],
+                                      cfg["in_channels"], ffn_dim=cfg["ffn"], seed=seed)
     return random_latte_transformer(cfg["heads"], cfg["head_dim"], cfg["layers"], video_length=cfg["frames"],
                                     sample_size=cfg["latent"][0], caption_channels=cfg["caption_channels"],
                                     seed=seed)
@@ -115,14 +142,42 @@ def step_inputs(cfg: dict, seed: int):
 
     g = torch.Generator().manual_seed(seed + 2)
     H, W = cfg["latent"]
-    latent = torch.randn(1, IN_CHANNELS, cfg["frames"], H, W, generator=g)
+    wan = cfg.get("model") == "wan"
+    latent = torch.randn(1, cfg["in_channels"] if wan else IN_CHANNELS, cfg["frames"], H, W, generator=g)
     x = torch.cat([latent, latent])                                         # (2, C, T, H, W)
-    t = torch.full((2,), 500, dtype=torch.long)
-    enc = torch.randn(2, cfg["text_len"], cfg["caption_channels"], generator=g)
+    t = torch.full((2,), 500.0) if wan else torch.full((2,), 500, dtype=torch.long)
+    enc = torch.randn(2, cfg["text_len"], cfg["text_dim"] if wan else cfg["caption_channels"], generator=g)
     return x, t, enc
 
 
-def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, warmup: int) -> dict:
+def usp_degree(requested: int, workers: int) -> int:
+    import math
+
+    return math.gcd(requested, workers)
+
+
+def formula_bytes(cfg: dict, plan: str, n: int, k: int) -> float | None:
+    """Bytes rank 0 sends per step by the plan's formula (docs/design.md), fp32; None for Latte's plans."""
+    import math
+
+    if cfg.get("model") != "wan" or n == 1:
+        return None if cfg.get("model") != "wan" else 0.0
+    B, e, L, H, hd = 2, 4, cfg["layers"], cfg["heads"], cfg["head_dim"]
+    h, w = cfg["latent"][0] // PATCH, cfg["latent"][1] // PATCH
+    S = cfg["frames"] * h * w
+    Sl = math.ceil(S / n)
+    gather = (n - 1) * B * Sl * PATCH * PATCH * cfg["in_channels"] * e
+    if plan == "ulysses":
+        return L * 4 * B * Sl * math.ceil(H / n) * n * hd * e * (n - 1) / n + gather
+    if plan == "ring":
+        return L * (n - 1) * 2 * B * H * Sl * hd * e + gather
+    r = n // k
+    Hl = math.ceil(H / k)
+    return L * 4 * B * Sl * Hl * k * hd * e * (k - 1) / k + L * (r - 1) * 2 * B * Hl * k * Sl * hd * e + gather
+
+
+def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, warmup: int,
+               ulysses_degree: int = 2) -> dict:
     """On every worker: time `warmup + steps` interleaved rounds of every strategy.
 
     Returns this rank's {"times": {s: [s]}, "bytes": {s: [b]}, "calls": {s: {kind: n}},
@@ -132,7 +187,8 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
     import torch.distributed as dist
 
     from engine import comm
-    from engine.families.latte import parallel_forward
+    from engine.families import latte, wan
+    from engine.parallel import make_sequence_parallel
 
     pg = ctx.pg
     key = ("bench_model", tuple(sorted((k, str(v)) for k, v in cfg.items())), seed)
@@ -143,10 +199,16 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
     x, t, enc = (v.to(pg.device) for v in step_inputs(cfg, seed))
     cuda = pg.device.type == "cuda"
 
+    if cfg.get("model") == "wan":
+        sps = {s: make_sequence_parallel(pg, s, usp_degree(ulysses_degree, pg.world_size) if s == "usp" else None)
+               for s in strategies if s != REFERENCE}
+
     def forward(strategy):
         if strategy == REFERENCE:
-            return model(x, timestep=t, encoder_hidden_states=enc).sample
-        return parallel_forward(model, x, t, enc, pg, strategy)
+            return model(x, timestep=t, encoder_hidden_states=enc, return_dict=False)[0]
+        if cfg.get("model") == "wan":
+            return wan.parallel_forward(model, x, t, enc, sps[strategy])
+        return latte.parallel_forward(model, x, t, enc, pg, strategy)
 
     times = {s: [] for s in strategies}
     sent = {s: [] for s in strategies}
@@ -225,16 +287,23 @@ def parse_size(text: str | None) -> tuple[int, int] | None:
     return h, w
 
 
-def parse_strategies(text: str) -> list[str]:
+def parse_strategies(text: str | None, model: str = "latte") -> list[str]:
+    known = WAN_STRATEGIES if model == "wan" else STRATEGIES
+    if text is None:
+        return list(known)
     strategies = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in known]
     if not strategies or unknown:
-        raise ValueError(f"--strategies: must be a comma-separated list of {', '.join(STRATEGIES)}; got {text!r}")
+        raise ValueError(f"--strategies: must be a comma-separated list of {', '.join(known)} for --model {model}; "
+                         f"got {text!r}")
     return list(dict.fromkeys(strategies))
 
 
 def command_line(args) -> str:
-    cmd = f"longserve bench transformer --strategies {args.strategies} --workers {args.workers}"
+    cmd = "longserve bench transformer" + (f" --model {args.model}" if args.model != "latte" else "")
+    cmd += f" --strategies {','.join(parse_strategies(args.strategies, args.model))} --workers {args.workers}"
+    if args.model == "wan" and args.ulysses_degree != 2:
+        cmd += f" --ulysses-degree {args.ulysses_degree}"
     if args.config != "bench":
         cmd += f" --config {args.config}"
     for opt in ("steps", "warmup", "frames", "size", "device", "seed"):
@@ -254,7 +323,7 @@ def measure(args) -> list[dict]:
     from engine.dist import default_device
     from engine.pool import WorkerPool
 
-    strategies = parse_strategies(args.strategies)
+    strategies = parse_strategies(args.strategies, args.model)
     worker_counts = sorted(set(benchutil.int_list(args.workers, "--workers")) | {1})
     if args.steps < 1:
         raise ValueError(f"--steps: must be at least 1, got {args.steps}")
@@ -262,15 +331,15 @@ def measure(args) -> list[dict]:
         raise ValueError(f"--warmup: must be at least 0, got {args.warmup}")
     if args.frames is not None and args.frames < 1:
         raise ValueError(f"--frames: must be at least 1, got {args.frames}")
-    cfg = model_config(args.config, args.frames, parse_size(args.size))
+    cfg = model_config(args.config, args.frames, parse_size(args.size), args.model)
     device = args.device or default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: cuda requested but no CUDA device is visible")
     machine = benchutil.machine_info(device)
     hidden = cfg["heads"] * cfg["head_dim"]
     H, W = cfg["latent"]
-    model_desc = dict(cfg, hidden=hidden, patch=PATCH, in_channels=IN_CHANNELS, out_channels=OUT_CHANNELS,
-                      latent=[H, W], patches_per_frame=(H // PATCH) * (W // PATCH), batch=2, dtype="float32")
+    model_desc = {"in_channels": IN_CHANNELS, "out_channels": OUT_CHANNELS, **cfg, "hidden": hidden, "patch": PATCH,
+                  "latent": [H, W], "patches_per_frame": (H // PATCH) * (W // PATCH), "batch": 2, "dtype": "float32"}
     print(f"bench transformer: config {args.config} {model_desc}, {machine}", file=sys.stderr, flush=True)
 
     rows: list[dict] = []
@@ -281,7 +350,7 @@ def measure(args) -> list[dict]:
         t_start = time.perf_counter()
         with WorkerPool(n, device=device) as pool:
             foreign = benchutil.ForeignLoad().start([os.getpid(), *pool.pids])
-            results = pool.run(_bench_job, cfg, args.seed, jobs, args.steps, args.warmup)
+            results = pool.run(_bench_job, cfg, args.seed, jobs, args.steps, args.warmup, args.ulysses_degree)
             foreign.stop()
         elapsed = time.perf_counter() - t_start
         load_after = benchutil.load_average()
@@ -301,6 +370,8 @@ def measure(args) -> list[dict]:
                 "bytes_per_step": max(r["bytes"][s][-1] for r in results),
                 "collectives_per_step": dict(sorted(results[0]["calls"][s].items())),
                 "max_abs_err": float((out - reference_out).abs().max()),
+                "formula_bytes": formula_bytes(cfg, s, n, usp_degree(args.ulysses_degree, n)),
+                "ulysses_degree": usp_degree(args.ulysses_degree, n) if s == "usp" else None,
                 "config": args.config,
                 "model": model_desc,
                 "steps": args.steps,
@@ -347,6 +418,7 @@ COLUMNS = [
     benchutil.Column("speedup vs 1 worker", "speedup", ".2f"),
     benchutil.Column("vs diffusers", "speedup_vs_diffusers", ".2f"),
     benchutil.Column("MiB sent / rank / step", "bytes_per_step", _mib),
+    benchutil.Column("formula MiB", lambda r: "-" if r.get("formula_bytes") is None else _mib(r["formula_bytes"])),
     benchutil.Column("collectives / step", "collectives_per_step", _calls),
     benchutil.Column("max abs err", "max_abs_err", ".1e"),
 ]
@@ -364,7 +436,8 @@ def plot(rows: list[dict], path: str) -> None:
                 benchutil.Panel("bytes_plot", "MiB sent per rank per step", "communication (log scale; 0 on 1 worker)",
                                 scale=2**20, log_y=True)],
         hlines={0: [(ref["step_time_s"], "diffusers, 1 worker")]},
-        title=(f"Latte-shaped transformer step: {m['layers']} block pairs, hidden {m['hidden']}, "
+        title=(f"{'Wan' if m.get('model') == 'wan' else 'Latte'}-shaped transformer step: {m['layers']} blocks, "
+               f"hidden {m['hidden']}, "
                f"{m['frames']} frames x {m['patches_per_frame']} patches, CFG batch 2, fp32, "
                f"{ref['machine']['backend']} on {ref['machine']['cores']} {ref['machine']['device']} cores"),
     )
