@@ -101,7 +101,7 @@ class StreamingVAEDecoder:
     video: its tiled decode (after `vae.enable_tiling` with `tiling`'s four numbers) when
     `tiling` is given and the latent frame is larger than one tile (diffusers' own test in
     `_decode`), its plain per-frame decode otherwise. Bitwise equal to diffusers' decode of
-    each video alone; diffusers' decode of a batch differs from that by rounding (~3e-6 fp32).
+    each video alone; diffusers' decode of a batch differs from that by rounding only.
 
     Work items are (video, tile) pairs, placed on ranks by `assign_items`. Without tiling,
     or when the frame fits one tile, an item is a whole video, so the split is by video

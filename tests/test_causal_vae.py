@@ -8,7 +8,7 @@ Reference: diffusers' `AutoencoderKLWan.decode` on the whole video, with `enable
 settings)` for the tiled cases. diffusers decodes the batch together; the streaming decoder
 decodes one video per work item, so it is bitwise equal to diffusers' decode of each video
 alone and within ATOL of the batched decode (batched and per-video convolutions round
-differently by a few 1e-6).
+differently).
 """
 
 import pytest

@@ -10,6 +10,7 @@ BENCHES = {
     "generate": ("server.bench.generate", "seconds per video and worker-pool overhead"),
     "serve": ("server.bench.serve", "HTTP server throughput and latency under concurrency"),
     "score": ("server.bench.score", "LSS / ring long-text scoring: time, memory, bytes"),
+    "vae": ("server.bench.vae", "Wan VAE decode across workers, chunk by chunk: peak memory per worker"),
 }
 
 
