@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench docker clean
+.PHONY: install test demo demo-long bench docker clean
 
 install: $(STAMP)
 
@@ -25,6 +25,12 @@ demo: install
 	mkdir -p out
 	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-latte --workers 2 \
 		--frames 16 --size 64x64 --steps 10 --seed 0 -o out/demo.mp4
+
+# long video by diffusion forcing: 89 frames = 10 segments of tiny-skyreels-df, written as they are made
+demo-long: install
+	mkdir -p out
+	$(VENV)/bin/longserve generate "a ship sailing along a coast at sunset" --model tiny-skyreels-df --workers 2 \
+		--frames 89 --size 64x64 --steps 10 --seed 0 -o out/demo-long.mp4
 
 bench: install
 	$(VENV)/bin/longserve bench transformer --strategies dsp,ulysses,ring,megatron-sp \

@@ -83,3 +83,17 @@ def decode_next(ctx, request_id: str, max_frames: int) -> dict | None:
 def release(ctx, request_ids: list[str]) -> None:
     for rid in request_ids:
         ctx.state["requests"].pop(rid, None)
+
+
+def memory_start(ctx) -> None:
+    """Start counting this worker's peak tensor memory (engine.memory.PeakMemory) across the jobs that follow."""
+    from engine.memory import PeakMemory
+
+    ctx.state["memory"] = PeakMemory(ctx.pg.device).__enter__()
+
+
+def memory_stop(ctx) -> int:
+    """Peak tensor bytes allocated (and alive at once) since `memory_start`, on this worker."""
+    memory = ctx.state.pop("memory")
+    memory.__exit__(None, None, None)
+    return memory.peak_bytes

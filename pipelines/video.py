@@ -189,12 +189,13 @@ class VideoPipeline:
     def stream(self, prompt: str, negative_prompt: str = "", num_frames: int | None = None, height: int | None = None,
                width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
                seed: int | None = None, callback: Callable[[int, int], None] | None = None,
-               decode_chunk_size: int = 8, **options) -> Iterator[np.ndarray]:
+               decode_chunk_size: int = 8, timings: dict | None = None, **options) -> Iterator[np.ndarray]:
         """Generate one video and yield its frames as soon as they are final: float32 (T_i, H, W, 3) in [0, 1].
 
         The chunks concatenate to what `__call__` returns for the same arguments. A long
         video (diffusion forcing) yields each segment's frames while later segments are
-        still being denoised; closing the generator early cancels the request.
+        still being denoised; closing the generator early cancels the request. Pass a dict as
+        `timings` to receive the request's timings once it is done.
         """
         if not isinstance(prompt, str):
             raise RequestError("prompt", "stream() takes one prompt (a string)")
@@ -203,6 +204,8 @@ class VideoPipeline:
         for kind, data in self._events(spec, callback):
             if kind == "frames":
                 yield data["frames"][0]
+            elif kind == "completed" and timings is not None:
+                timings.update(data["timings"])
 
     def _events(self, spec: GenerationSpec, callback):
         for kind, data in self.engine.run(spec):

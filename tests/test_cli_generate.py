@@ -32,3 +32,34 @@ def test_generate_rejects_a_missing_model_naming_it(tmp_path):
     proc = _longserve("generate", "x", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "x.mp4"))
     assert proc.returncode != 0
     assert "nope" in proc.stderr
+
+
+def test_generate_a_long_video_writes_every_segment_with_a_bar_over_all_steps(tmp_path):
+    out = tmp_path / "long.mp4"
+    proc = _longserve("generate", "a ship at sea", "--model", "tiny-skyreels-df", "--frames", "37", "--base-frames",
+                      "17", "--overlap", "9", "--ar-step", "0", "--causal-block", "1", "--size", "64x64", "--steps",
+                      "2", "--seed", "0", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert iio.imread(out).shape == (37, 64, 64, 3)
+    assert "8/8" in proc.stderr, "the bar counts the 2 steps of each of the 4 segments"
+
+
+def test_an_interrupted_long_video_leaves_a_playable_file_of_the_frames_made_so_far(tmp_path):
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "partial.mp4"
+    # 10 segments: 17 frames, then 8 more per segment
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "generate", "waves", "--model", "tiny-skyreels-df",
+                             "--frames", "89", "--size", "64x64", "--steps", "8", "--seed", "0", "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (out.exists() and out.stat().st_size > 0):     # the first segment is being written
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    frames = iio.imread(out)
+    assert 17 <= frames.shape[0] < 89 and frames.shape[1:] == (64, 64, 3)

@@ -112,6 +112,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         cfg = read_json(model_dir / "transformer" / "config.json")
         scheduler = read_json(model_dir / "scheduler" / "scheduler_config.json")
         desc.update(family=cls.name, options=list(DF_OPTIONS), frames_per_block=cfg.get("num_frame_per_block", 1),
+                    long_video=True,
                     scheduler_class=scheduler["_class_name"], scheduler_config=scheduler)
         return desc
 

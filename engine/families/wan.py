@@ -377,17 +377,18 @@ class WanFamily(VideoFamily):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / inv_std + mean
 
-    def start_decoder(self, r: "WanRequest"):
+    def start_decoder(self, latents: torch.Tensor):
+        """A streaming decoder for videos shaped like `latents` (B, C, k, h, w); tiles of diffusers' default size."""
         from engine.causal_vae import StreamingVAEDecoder
 
-        B, _, _, h, w = r.latents.shape
+        B, _, _, h, w = latents.shape
         return StreamingVAEDecoder(self.pipe.vae, self.pg, B, h, w)
 
     def decode_latents(self, r: "WanRequest", latents: torch.Tensor):
         """Push the next latent frames (B, C, k, h, w) through the request's streaming decoder (collective);
         rank 0 gets pixels (B, n, H, W, 3) as the spec's output asks."""
         if r.decoder is None:
-            r.decoder = self.start_decoder(r)
+            r.decoder = self.start_decoder(latents)
         with torch.no_grad():
             video = r.decoder.decode(self.unnormalize(latents))                  # (B, 3, n, H, W) on rank 0
         r.latents_decoded += latents.shape[2]

@@ -37,7 +37,7 @@ from engine.families.base import MAX_STEPS
 from engine.request import GenerationSpec, RequestError
 from engine.scheduler import QueueFullError
 from server.api.errors import APIError
-from server.api.media import FragmentedMP4Writer, write_png
+from server.media import FragmentedMP4Writer, write_png
 from server.api.metrics import Counter, Gauge, Histogram, Registry
 from server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList, parse_size
 from server.api.store import JobStore, VideoRecord
@@ -45,7 +45,7 @@ from server.api.streaming import EventBroker
 
 log = logging.getLogger("longserve.server")
 
-DENOISE_SHARE = 90   # progress points for denoising; decoding+writing take 90..99; 100 = downloadable
+DENOISE_SHARE = 90   # progress points for denoising steps; decoded frames take 9 more; 100 = downloadable
 MAX_SEED = 2**63 - 1
 
 
@@ -66,7 +66,8 @@ class ServeConfig:
     max_queue: int = 256
     max_batch: int = 8
     max_running: int | None = None        # admitted requests at once; default max_batch
-    max_frames: int | None = None         # default: 4 x the model's default frame count
+    max_frames: int | None = None         # default: 4 x the model's default frame count, or max_seconds of long video
+    max_seconds: float = 60.0             # longest video of a long-video model (diffusion forcing), at its fps
     max_size: int | None = None           # largest width/height in pixels; default: 2 x the model's default size
     max_steps: int = 200
     default_steps: int = 20
@@ -99,6 +100,7 @@ class LiveJob:
     record: VideoRecord
     num_steps: int = 0
     step: int = 0
+    num_frames: int = 0
     frames_done: int = 0
     queue_position: int | None = None
     writer: FragmentedMP4Writer | None = None
@@ -144,7 +146,15 @@ class VideoService:
         info = self.engine.info
         d, m, rule = info["defaults"], info["size_multiple"], info["frame_multiple"]
         max_size = cfg.max_size if cfg.max_size is not None else 2 * max(d["width"], d["height"])
-        max_frames = cfg.max_frames if cfg.max_frames is not None else 4 * d["num_frames"]
+        fps = cfg.fps if cfg.fps is not None else d["fps"]
+        if cfg.max_frames is not None:
+            max_frames = cfg.max_frames
+        elif info.get("long_video"):
+            if not cfg.max_seconds > 0:
+                raise ValueError(f"max_seconds must be positive, got {cfg.max_seconds!r}")
+            max_frames = max(d["num_frames"], round(cfg.max_seconds * fps) + rule)
+        else:
+            max_frames = 4 * d["num_frames"]
         max_frames = (max_frames - 1) // rule * rule + 1
         if max_size < m or max_frames < 1:
             raise ValueError(f"max_size must be >= {m} and max_frames >= 1")
@@ -152,7 +162,7 @@ class VideoService:
         self.limits = Limits(size_multiple=m, default_width=fit(d["width"]), default_height=fit(d["height"]),
                              max_size=max_size, frame_multiple=rule, default_frames=min(d["num_frames"], max_frames),
                              max_frames=max_frames, max_steps=cfg.max_steps,
-                             fps=cfg.fps if cfg.fps is not None else d["fps"],
+                             fps=fps,
                              guidance_scale=(cfg.default_guidance_scale if cfg.default_guidance_scale is not None
                                              else d["guidance_scale"]))
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
@@ -230,7 +240,7 @@ class VideoService:
         _check_range("seed", seed, 0, MAX_SEED)
         params = {"num_frames": num_frames, "fps": fps, "width": width, "height": height,
                   "num_inference_steps": steps, "guidance_scale": float(guidance), "seed": seed,
-                  "negative_prompt": negative, "options": req.options()}
+                  "negative_prompt": negative, "options": self._options(req, fps)}
         video_id = f"video_{uuid.uuid4().hex}"
         spec = self._spec_from(video_id, prompt, params)
         try:  # the model family's own checks, last: nothing it would refuse may reach the workers
@@ -238,9 +248,17 @@ class VideoService:
         except RequestError as e:
             param = "size" if e.field in ("height", "width") else e.field
             raise APIError(400, str(e), param=param, code="invalid_value") from None
+        params["options"] = dict(spec.options)          # as the family completed them (its defaults filled in)
         fields = {"id": video_id, "prompt": prompt, "seconds": _format_seconds(num_frames, fps),
                   "size": f"{width}x{height}", "params": params}
         return spec, fields
+
+    def _options(self, req: VideoCreateRequest, fps: int) -> dict:
+        """The model's own options from the request; a model conditioned on fps gets the video's."""
+        options = req.options()
+        if "fps" in self.engine.info.get("options", ()):
+            options.setdefault("fps", fps)
+        return options
 
     def _size(self, size: str | None) -> tuple[int, int]:
         lim = self.limits
@@ -398,7 +416,7 @@ class VideoService:
             return "video.queued", self._event(rec, queue_position=pos)
         extra = {}
         if live is not None:
-            if live.frames_done:
+            if live.frames_done and live.step >= live.num_steps:
                 return "video.decoding", self._event(rec, frames_done=live.frames_done,
                                                      num_frames=rec.params["num_frames"])
             extra = {"step": live.step, "num_steps": live.num_steps}
@@ -431,12 +449,13 @@ class VideoService:
         rec = live.record
         if kind == "admitted":
             live.num_steps, live.step, live.frames_done, live.queue_position = data["num_steps"], 0, 0, None
+            live.num_frames = data["num_frames"]
             self._set(rec, status="in_progress", progress=0)
             self.store.update(rec.id, status="in_progress", progress=0)
             self.broker.publish(rec.id, "video.in_progress", self._event(rec, step=0, num_steps=live.num_steps))
         elif kind == "step":
             live.step = data["step"]
-            self._set(rec, progress=min(DENOISE_SHARE, DENOISE_SHARE * data["step"] // max(1, data["num_steps"])))
+            self._set(rec, progress=self._progress(live))
             self.broker.publish(rec.id, "video.progress", self._event(
                 rec, step=data["step"], num_steps=data["num_steps"], batch_size=data["batch_size"],
                 step_ms=round(1000 * data["step_s"], 2)))
@@ -470,9 +489,17 @@ class VideoService:
             live.writer_ready.set()
         live.writer.write(frames)
         live.frames_done = data["stop"]
-        total = data["num_frames"]
-        self._set(rec, progress=min(99, DENOISE_SHARE + (99 - DENOISE_SHARE) * data["stop"] // total))
+        total = live.num_frames = data["num_frames"]
+        self._set(rec, progress=self._progress(live))
         self.broker.publish(rec.id, "video.decoding", self._event(rec, frames_done=data["stop"], num_frames=total))
+
+    @staticmethod
+    def _progress(live: LiveJob) -> int:
+        """90 points over every denoising step (all segments' for long video), 9 over the frames decoded so far
+        (a long video's first segments are decoded while later ones denoise), 100 once the file is complete."""
+        steps = live.step / max(1, live.num_steps)
+        frames = live.frames_done / max(1, live.num_frames)
+        return min(99, int(DENOISE_SHARE * steps + (99 - DENOISE_SHARE) * frames))
 
     def _written(self, video_id: str, ok: bool, error: str | None) -> None:
         """The MP4 writer finished (its own thread)."""

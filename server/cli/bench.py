@@ -6,11 +6,13 @@ Targets register here by module; each has `add_arguments(parser)` and `run(args)
 from __future__ import annotations
 
 BENCHES = {
-    "transformer": ("server.bench.transformer", "DSP vs Ulysses, Ring, Megatron-SP on one ST-DiT denoising step"),
+    "transformer": ("server.bench.transformer", "parallel plans on one DiT denoising step (Latte: DSP and baselines; "
+                                                "Wan: Ulysses, Ring, USP)"),
     "generate": ("server.bench.generate", "seconds per video and worker-pool overhead"),
     "serve": ("server.bench.serve", "HTTP server throughput and latency under concurrency"),
     "score": ("server.bench.score", "LSS / ring long-text scoring: time, memory, bytes"),
     "vae": ("server.bench.vae", "Wan VAE decode across workers, chunk by chunk: peak memory per worker"),
+    "long": ("server.bench.long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),
 }
 
 

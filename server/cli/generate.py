@@ -1,17 +1,35 @@
-"""`longserve generate "prompt" --model tiny-latte --workers 2 --frames 32 --size 64x64 --steps 20 --seed 0 -o out.mp4`"""
+"""`longserve generate "prompt" --model tiny-latte --workers 2 --frames 32 --size 64x64 --steps 20 --seed 0 -o out.mp4`
+
+Long video (a diffusion-forcing checkpoint)::
+
+    longserve generate "a ship at sea" --model tiny-skyreels-df --frames 481 --base-frames 97 --overlap 17 \\
+        --ar-step 5 --causal-block 5 -o long.mp4
+
+The MP4 is written while the video is generated: every chunk of final frames (a long
+video's segment) is encoded into a fragmented MP4 at once, so an interrupted run leaves a
+playable file of the frames made so far. A tqdm bar counts every denoising step (of every
+segment).
+"""
 
 from __future__ import annotations
 
 import sys
 import time
 
+import numpy as np
+
 from server.api.protocol import parse_size
+
+#: diffusion forcing's options, as flags (the names diffusers gives them in the comments)
+LONG_VIDEO_FLAGS = {"base_frames": "base_num_frames", "overlap": "overlap_history", "ar_step": "ar_step",
+                    "causal_block": "causal_block_size", "addnoise": "addnoise_condition"}
 
 
 def add_arguments(p) -> None:
     p.add_argument("prompt", help="what the video shows")
     p.add_argument("--model", default="tiny-latte",
-                   help="a shipped model (tiny-latte, tiny-wan, ...) or a local diffusers checkpoint directory")
+                   help="a shipped model (tiny-latte, tiny-wan, tiny-skyreels-df) or a local diffusers checkpoint "
+                        "directory")
     p.add_argument("--workers", type=int, default=1, help="worker processes (one GPU each with CUDA)")
     p.add_argument("--parallel", default="auto",
                    help="auto | dsp | ulysses | ring | megatron-sp (Latte) | ulysses | ring | usp (Wan family)")
@@ -19,11 +37,19 @@ def add_arguments(p) -> None:
     p.add_argument("--cfg-parallel", action="store_true", help="run the two CFG halves on two worker groups")
     p.add_argument("--frames", type=int, default=None, help="number of frames (default: the model's)")
     p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels (default: the model's)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (of each segment; default: the model's)")
     p.add_argument("--guidance-scale", type=float, default=None, help="(default: the model's)")
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--fps", type=int, default=None, help="frames per second of the MP4 (default: the model's)")
+    g = p.add_argument_group("long video (diffusion-forcing checkpoints)")
+    g.add_argument("--base-frames", type=int, default=None, help="frames per segment (base_num_frames)")
+    g.add_argument("--overlap", type=int, default=None, help="frames a segment shares with the one before "
+                                                             "(overlap_history)")
+    g.add_argument("--ar-step", type=int, default=None, help="0: synchronous; > 0: later blocks lag by this many steps")
+    g.add_argument("--causal-block", type=int, default=None, help="latent frames per causal block (causal_block_size)")
+    g.add_argument("--addnoise", type=float, default=None, help="noise on the conditioning frames "
+                                                                "(addnoise_condition)")
     p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
                    help="a model-specific option, e.g. --opt guidance_scale_2=3 (Wan 2.2); repeatable")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
@@ -38,11 +64,14 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from pipelines import VideoPipeline
+    from server.media import FragmentedMP4Writer
 
     width = height = None
     if args.size is not None:
         width, height = parse_size(args.size)
     options = parse_options(args.opt)
+    options.update({name: getattr(args, flag) for flag, name in LONG_VIDEO_FLAGS.items()
+                    if getattr(args, flag) is not None})
     t0 = time.perf_counter()
     with VideoPipeline.from_pretrained(args.model, workers=args.workers, parallel=args.parallel,
                                        ulysses_degree=args.ulysses_degree, device=args.device, dtype=args.dtype,
@@ -58,18 +87,31 @@ def run(args) -> int:
             bar.total = total
             bar.update(step - bar.n)
 
+        writer, frames, timings = None, 0, {}
         try:
-            out = pipe(args.prompt, negative_prompt=args.negative_prompt, num_frames=args.frames,
-                       height=height, width=width, num_inference_steps=args.steps,
-                       guidance_scale=args.guidance_scale, seed=args.seed, callback=on_step, **options)
+            for chunk in pipe.stream(args.prompt, negative_prompt=args.negative_prompt, num_frames=args.frames,
+                                     height=height, width=width, num_inference_steps=args.steps,
+                                     guidance_scale=args.guidance_scale, seed=args.seed, callback=on_step,
+                                     timings=timings, **options):
+                pixels = (np.clip(chunk, 0, 1) * 255).round().astype(np.uint8)        # (n, H, W, 3)
+                if writer is None:
+                    # one file, grown in place: every keyframe starts a fragment a player can show
+                    writer = FragmentedMP4Writer(args.output, args.output, pixels.shape[2], pixels.shape[1], fps,
+                                                 keyframe_interval=fps)
+                writer.write(pixels)
+                frames += len(pixels)
         finally:
             bar.close()
-        out.save(args.output, fps=fps)
-    T, H, W = out.frames.shape[1:4]
-    t = out.timings
-    print(f"wrote {args.output}: {T} frames {W}x{H} at {fps} fps")
-    print(f"generation {t['wall_s']:.2f} s (transformer {t['transformer_s']:.2f} s, vae {t['vae_s']:.2f} s, "
-          f"encode {t['encode_s']:.2f} s, pool overhead {t['overhead_s']:.2f} s); "
+            if writer is not None:
+                writer.finish()
+                writer.done.wait(120)
+        if writer is None or not writer.ok:
+            raise RuntimeError(f"writing {args.output} failed: {writer.error if writer else 'no frames'}")
+    t = timings
+    wall = time.perf_counter() - loaded
+    print(f"wrote {args.output}: {frames} frames {writer.width}x{writer.height} at {fps} fps")
+    print(f"generation {wall:.2f} s (transformer {t['transformer_s']:.2f} s, vae {t['vae_s']:.2f} s, "
+          f"encode {t['encode_s']:.2f} s, pool overhead {wall - t['transformer_s'] - t['vae_s'] - t['encode_s']:.2f} s); "
           f"model load {loaded - t0:.1f} s; total {time.perf_counter() - t0:.1f} s")
     return 0
 

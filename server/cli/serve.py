@@ -45,7 +45,11 @@ def add_arguments(p) -> None:
                    help="a worker call taking longer fails its batch and restarts the pool (seconds)")
 
     g = p.add_argument_group("request limits and defaults (limits default from the model)")
-    g.add_argument("--max-frames", type=int, default=None, help="default: 4 x the model's video_length")
+    g.add_argument("--max-frames", type=int, default=None,
+                   help="longest video in frames (default: 4 x the model's default frame count; for a long-video "
+                        "model, --max-seconds at its fps)")
+    g.add_argument("--max-seconds", type=float, default=60.0,
+                   help="longest video of a long-video (diffusion forcing) model, in seconds at its fps")
     g.add_argument("--max-size", type=int, default=None,
                    help="largest width or height in pixels; default: 2 x the model's native size")
     g.add_argument("--max-steps", type=int, default=200)
@@ -72,7 +76,7 @@ def build(args):
         model=args.model, served_model_name=args.served_model_name, workers=args.workers, parallel=args.parallel,
         ulysses_degree=args.ulysses_degree, device=args.device, dtype=args.dtype, cfg_parallel=args.cfg_parallel, attention=args.attention,
         data_dir=args.data_dir, max_queue=args.max_queue, max_batch=args.max_batch, max_running=args.max_running,
-        max_frames=args.max_frames, max_size=args.max_size, max_steps=args.max_steps,
+        max_frames=args.max_frames, max_seconds=args.max_seconds, max_size=args.max_size, max_steps=args.max_steps,
         default_steps=args.default_steps, default_guidance_scale=args.guidance_scale, fps=args.fps,
         decode_chunk_frames=args.decode_chunk_frames, job_timeout_s=args.job_timeout)
     videos = VideoService(config).start()
