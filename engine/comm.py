@@ -49,6 +49,15 @@ class CommStats:
 
 STATS = CommStats()
 
+#: Collectives this process has entered, ever (control broadcasts included, unlike STATS). The worker
+#: pool compares it before and after a failed job: a job that failed before entering any collective
+#: left nothing pending on the other ranks, so the group is still in step without a restart.
+ISSUED = [0]
+
+
+def _issue() -> None:
+    ISSUED[0] += 1
+
 # Newer torch names the tensor collectives `*_single` and deprecates the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -111,6 +120,7 @@ def all_gather(x: torch.Tensor, dim: int, pg: ParallelGroup, size: int | None = 
     """
     if pg.world_size == 1:
         return x if size is None else x.narrow(dim, 0, size)
+    _issue()
     dim = dim % x.ndim
     chunk = x.movedim(dim, 0).contiguous()  # (l, ...)
     out = torch.empty((pg.world_size * chunk.shape[0], *chunk.shape[1:]), dtype=x.dtype, device=x.device)
@@ -140,6 +150,7 @@ def all_to_all_switch(
     """
     if pg.world_size == 1:
         return x.narrow(gather_dim, 0, gather_size)
+    _issue()
     N = pg.world_size
     scatter_dim, gather_dim = scatter_dim % x.ndim, gather_dim % x.ndim
     a = shard_size(x.shape[scatter_dim], N)
@@ -159,6 +170,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, pg: ParallelGroup) -> torch.Tensor
     """
     if pg.world_size == 1:
         return x
+    _issue()
     N = pg.world_size
     dim = dim % x.ndim
     n = shard_size(x.shape[dim], N)
@@ -173,6 +185,7 @@ def all_reduce(x: torch.Tensor, pg: ParallelGroup) -> torch.Tensor:
     """Elementwise sum over ranks (returns a new tensor; `x` is untouched)."""
     if pg.world_size == 1:
         return x
+    _issue()
     out = x.clone()
     dist.all_reduce(out, group=pg.group)
     STATS.record("all_reduce", 2 * _nbytes(out) * (pg.world_size - 1) / pg.world_size)
@@ -183,6 +196,7 @@ def ring_shift(x: torch.Tensor, pg: ParallelGroup) -> torch.Tensor:
     """Send `x` to rank+1 and receive rank-1's tensor of the same shape (one ring step)."""
     if pg.world_size == 1:
         return x
+    _issue()
     x = x.contiguous()
     recv = torch.empty_like(x)
     nxt = pg.global_rank((pg.rank + 1) % pg.world_size)
@@ -201,6 +215,7 @@ def broadcast_object(obj, pg: ParallelGroup, src: int = 0):
     """Rank `src`'s Python object on every rank (control data, not accounted as activations)."""
     if pg.world_size == 1:
         return obj
+    _issue()
     box = [obj]
     dist.broadcast_object_list(box, src=pg.global_rank(src), group=pg.group)
     return box[0]
@@ -213,6 +228,7 @@ def gather_to(x: torch.Tensor, dst: int, pg: ParallelGroup) -> torch.Tensor | No
     """
     if pg.world_size == 1:
         return x.unsqueeze(0)
+    _issue()
     x = x.contiguous()
     if pg.rank != dst:
         dist.gather(x, gather_list=None, group=pg.group, group_dst=dst)

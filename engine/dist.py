@@ -112,7 +112,9 @@ def init_from_torchrun(device: str | None = None) -> ParallelGroup:
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(device), init_method="env://")
+        # a rank that fails exits (see engine.pool.TorchrunPool); its peers' collectives give up after this long
+        timeout = datetime.timedelta(seconds=float(os.environ.get("LONGSERVE_COLLECTIVE_TIMEOUT_S", 600)))
+        dist.init_process_group(backend=backend_for(device), init_method="env://", timeout=timeout)
     return ParallelGroup(rank=dist.get_rank(), world_size=dist.get_world_size(), device=dev)
 
 

@@ -45,9 +45,7 @@ def resolve_checkpoint(model: str | os.PathLike) -> Path:
 class VideoEngine:
     """A model family on a worker pool plus its step scheduler. Build it with `VideoEngine.start`."""
 
-    def __init__(self, pool, family, info: dict, model_dir: Path, *, max_batch: int = 8,
-                 max_running: int | None = None, max_waiting: int | None = None, decode_chunk_frames: int = 8,
-                 job_timeout_s: float | None = None):
+    def __init__(self, pool, family, info: dict, model_dir: Path, **scheduler_options):
         self.pool = pool
         self.family = family
         self.info = info
@@ -55,9 +53,8 @@ class VideoEngine:
         self._listeners: list[Listener] = []
         self._request_listeners: dict[str, Listener] = {}
         self._lock = threading.Lock()
-        self.scheduler = StepScheduler(pool, max_batch=max_batch, max_running=max_running, max_waiting=max_waiting,
-                                       decode_chunk_frames=decode_chunk_frames, on_event=self._dispatch,
-                                       job_timeout_s=job_timeout_s)
+        # max_batch, max_running, max_waiting, decode_chunk_frames, job_timeout_s, oom_retry, ...
+        self.scheduler = StepScheduler(pool, on_event=self._dispatch, **scheduler_options)
 
     @classmethod
     def start(cls, model: str | os.PathLike = "tiny-latte", workers: int = 1, parallel: str = "auto",

@@ -7,11 +7,20 @@ module-level function plus picklable arguments; each worker calls
 send progress events back). Workers load models once, in ``setup(ctx, *setup_args)``,
 and stay up between jobs.
 
-Failure model: a job that raises on *every* worker (for instance a validation error
-that all ranks see alike) fails with that error and the pool stays up. A worker that
-dies, or that raises while its peers are still inside a collective, fails the job with
-a clear `WorkerError`, and the pool is restarted (all workers killed and started anew,
-``setup`` run again) so the next job runs on a healthy group.
+Failure model (it must hold under NCCL, where collectives are queued asynchronously and a
+rank that fails can leave its peers waiting in a collective that will never complete):
+
+- Failures are typed (`WorkerError.kind`), with the rank where they happened:
+  "input" (a `RequestError`: the request's fault), "out_of_memory", "internal" (any other
+  exception, a library's `ValueError` deep inside a forward included), "worker_died",
+  "timeout", and "setup" (the workers could not load the model).
+- The pool stays up only when *every* rank failed with an input error *before entering any
+  collective* in that job (`engine.comm.ISSUED`): then nothing is pending anywhere. After
+  any other failure the pool is restarted (every worker killed, a fresh group on a new
+  port, ``setup`` run again), so no later job can meet a collective left pending by the
+  failed one.
+- `state` ("starting", "ready", "restarting", "unavailable", "closed") is readable at any
+  time without waiting for a running job: health checks read it.
 """
 
 from __future__ import annotations
@@ -31,11 +40,45 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from engine import comm
 from engine.dist import ParallelGroup, default_device, destroy, find_free_port, init_local_group
 
 
+FAILURE_KINDS = ("input", "out_of_memory", "internal", "worker_died", "timeout", "setup")
+
+
 class WorkerError(RuntimeError):
-    """A job failed on the worker pool: a worker raised, died, or the job timed out."""
+    """A job failed on the worker pool.
+
+    kind: one of FAILURE_KINDS; rank: the worker it happened on (None: the pool as a whole);
+    field: for an input error, the request field at fault.
+    """
+
+    def __init__(self, message: str, kind: str = "internal", rank: int | None = None, field: str | None = None):
+        super().__init__(message)
+        self.kind, self.rank, self.field = kind, rank, field
+
+    def __reduce__(self):  # keep the type's fields when the error crosses a process boundary
+        return (type(self), (str(self), self.kind, self.rank, self.field))
+
+
+def classify(e: BaseException) -> str:
+    """The failure kind of an exception raised by a job."""
+    from engine.request import RequestError
+
+    if isinstance(e, RequestError):
+        return "input"
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower():
+        return "out_of_memory"
+    return "internal"
+
+
+def describe_failure(e: BaseException, collectives_entered: bool) -> dict:
+    """What a worker reports about a failed job (plain data: it crosses the result queue)."""
+    kind = classify(e)
+    return {"kind": kind, "message": f"{type(e).__name__}: {e}", "field": getattr(e, "field", None),
+            "traceback": "" if kind == "input" else "".join(traceback.format_exception(e)).strip(),
+            "collectives": collectives_entered}
 
 
 @dataclass
@@ -71,8 +114,8 @@ def _worker_main(rank, world_size, port, device, threads, setup, setup_args, tas
         if setup is not None:
             setup(ctx, *setup_args)
         results.put((rank, "ready", None, None))
-    except BaseException:
-        results.put((rank, "error", None, traceback.format_exc()))
+    except BaseException as e:
+        results.put((rank, "error", None, describe_failure(e, True)))
         return
     while True:
         msg = tasks.get()
@@ -80,18 +123,13 @@ def _worker_main(rank, world_size, port, device, threads, setup, setup_args, tas
             break
         job_id, fn, args = msg
         ctx.job_id = job_id
+        issued = comm.ISSUED[0]
         try:
             out = fn(ctx, *args)
             results.put((rank, "result", job_id, out))
         except BaseException as e:  # report, keep serving; the coordinator decides on restart
-            results.put((rank, "error", job_id, _describe(e)))
+            results.put((rank, "error", job_id, describe_failure(e, comm.ISSUED[0] != issued)))
     destroy()
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, (ValueError, WorkerError)):
-        return f"{type(e).__name__}: {e}"
-    return "".join(traceback.format_exception(e)).strip()
 
 
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
@@ -128,10 +166,13 @@ class WorkerPool:
         self.start_timeout_s = start_timeout_s
         self.error_grace_s = error_grace_s
         self.restarts = 0
+        self.last_error: WorkerError | None = None
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._procs: list = []
         self._ready = False
+        self._ever_ready = False
+        self._state = "starting"
         _LIVE_POOLS.add(self)
 
     # -- lifecycle ---------------------------------------------------------------
@@ -163,24 +204,34 @@ class WorkerPool:
             try:
                 rank, kind, _, payload = self._results.get(timeout=0.2)
             except queue.Empty:
-                self._raise_if_dead("while starting")
+                self._raise_if_dead("while starting", restart=False)
                 if time.monotonic() > deadline:
                     self._kill()
-                    raise WorkerError(f"workers did not start within {self.start_timeout_s:.0f} s")
+                    self._fail_start(WorkerError(f"workers did not start within {self.start_timeout_s:.0f} s",
+                                                 kind="setup"))
                 continue
             if kind == "ready":
                 ready.add(rank)
             elif kind == "error":
                 self._kill()
-                raise WorkerError(f"worker {rank} failed to start:\n{payload}")
+                self._fail_start(WorkerError(f"worker {rank} failed to start: {payload['message']}\n"
+                                             f"{payload['traceback']}", kind="setup", rank=rank))
         self._ready = True
+        self._state = "ready"
+
+    def _fail_start(self, error: WorkerError):
+        self._state = "unavailable"
+        self.last_error = error
+        raise error
 
     def start(self) -> "WorkerPool":
         with self._lock:
             if not self._procs:
                 self._spawn()
+                self._state = "restarting" if self._ever_ready else "starting"
             if not self._ready:
                 self._wait_ready()
+                self._ever_ready = True
         return self
 
     def _kill(self) -> None:
@@ -198,6 +249,7 @@ class WorkerPool:
             self._kill()
             self.restarts += 1
             self._spawn()
+            self._state = "restarting"
 
     def close(self) -> None:
         with self._lock:
@@ -211,6 +263,7 @@ class WorkerPool:
             for p in self._procs:
                 p.join(timeout=10)
             self._kill()
+            self._state = "closed"
         _LIVE_POOLS.discard(self)
 
     def __enter__(self) -> "WorkerPool":
@@ -225,18 +278,37 @@ class WorkerPool:
         return self._ready
 
     @property
+    def state(self) -> str:
+        """"starting" | "ready" | "restarting" | "unavailable" (setup failed) | "closed"; never blocks.
+
+        A worker that died before a job noticed makes a "ready" pool "restarting" at once: it will be."""
+        state = self._state
+        if state == "ready" and not all(p.is_alive() for p in list(self._procs)):
+            return "restarting"
+        return state
+
+    @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
     # -- jobs --------------------------------------------------------------------
 
-    def _raise_if_dead(self, when: str) -> None:
+    def _raise_if_dead(self, when: str, restart: bool = True) -> None:
         for rank, p in enumerate(self._procs):
             if not p.is_alive():
                 code = p.exitcode
                 how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-                self.restart()
-                raise WorkerError(f"worker {rank} (pid {p.pid}) died {when} ({how}); the pool was restarted")
+                if restart:
+                    self.restart()
+                    raise self._failed(WorkerError(f"worker {rank} (pid {p.pid}) died {when} ({how}); the pool was "
+                                                   f"restarted", kind="worker_died", rank=rank))
+                self._kill()
+                self._fail_start(WorkerError(f"worker {rank} (pid {p.pid}) died {when} ({how})", kind="setup",
+                                             rank=rank))
+
+    def _failed(self, error: WorkerError) -> WorkerError:
+        self.last_error = error
+        return error
 
     def run(
         self,
@@ -252,7 +324,7 @@ class WorkerPool:
             for q in self._tasks:
                 q.put((job_id, fn, args))
             results: dict[int, Any] = {}
-            errors: dict[int, str] = {}
+            errors: dict[int, dict] = {}
             first_error_at = None
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             while len(results) + len(errors) < self.workers:
@@ -261,12 +333,14 @@ class WorkerPool:
                 except queue.Empty:
                     self._raise_if_dead(f"during {fn.__name__}")
                     if first_error_at is not None and time.monotonic() - first_error_at > self.error_grace_s:
+                        # some ranks failed, the others are still inside the job (a collective waiting for them)
+                        rank, failure = min(errors.items())
                         self.restart()
-                        rank, msg = next(iter(errors.items()))
-                        raise WorkerError(f"worker {rank} failed in {fn.__name__}; the pool was restarted:\n{msg}")
+                        raise self._failed(_job_error(fn, rank, failure, restarted=True))
                     if deadline is not None and time.monotonic() > deadline:
                         self.restart()
-                        raise WorkerError(f"{fn.__name__} timed out after {timeout_s:.0f} s; the pool was restarted")
+                        raise self._failed(WorkerError(f"{fn.__name__} timed out after {timeout_s:.0f} s; the pool "
+                                                       f"was restarted", kind="timeout"))
                     continue
                 if jid != job_id:
                     continue  # a late message from an earlier, abandoned job
@@ -279,11 +353,29 @@ class WorkerPool:
                     errors[rank] = payload
                     first_error_at = first_error_at or time.monotonic()
             if errors:
-                rank, msg = min(errors.items())
-                if len(errors) < self.workers:  # peers may have left a collective half done
+                rank, failure = min(errors.items())
+                kinds = {f["kind"] for f in errors.values()}
+                # in step without a restart only if every rank refused the input before any collective
+                in_step = len(errors) == self.workers and kinds == {"input"} and \
+                    not any(f["collectives"] for f in errors.values())
+                if not in_step:
                     self.restart()
-                raise WorkerError(msg if msg.startswith("ValueError") else f"worker {rank} failed in {fn.__name__}:\n{msg}")
+                if "out_of_memory" in kinds:
+                    rank, failure = min((r, f) for r, f in errors.items() if f["kind"] == "out_of_memory")
+                raise self._failed(_job_error(fn, rank, failure, restarted=not in_step))
             return [results[r] for r in range(self.workers)]
+
+
+def _job_error(fn: Callable, rank: int, failure: dict, restarted: bool) -> WorkerError:
+    """The WorkerError for a job that failed on `rank` with `failure` (a `describe_failure` dict)."""
+    return job_error(rank, failure, f"in {fn.__name__}" + ("; the pool was restarted" if restarted else ""))
+
+
+def job_error(rank: int, failure: dict, note: str) -> WorkerError:
+    if failure["kind"] == "input":
+        return WorkerError(failure["message"].split(": ", 1)[-1], kind="input", rank=rank, field=failure["field"])
+    return WorkerError(f"worker {rank} failed ({failure['kind']}) {note}: {failure['message']}\n"
+                       f"{failure['traceback']}", kind=failure["kind"], rank=rank)
 
 
 class TorchrunPool:
@@ -294,6 +386,15 @@ class TorchrunPool:
     enters `serve_forever` from the constructor and exits the process when rank 0 closes
     the pool, so the same program (`longserve generate ...`, `longserve serve ...`) runs
     unchanged under `torchrun --nproc-per-node N -m server.cli ...`.
+
+    Failures: a group torchrun started cannot restart itself, so any failure breaks the
+    pool (`state` "unavailable"; the deployment restarts it: torchrun --max-restarts, or a
+    liveness probe on /health). A non-zero rank whose job raises writes its typed failure
+    to the rendezvous store and exits at once, so its peers' pending collectives fail
+    instead of waiting forever (gloo: at once; NCCL: at the group's timeout, which
+    `init_from_torchrun` sets); rank 0 then raises a `WorkerError` naming that rank. After
+    every job all ranks report to rank 0 on the control group, so a rank that fails after
+    its last collective is found in the same job.
     """
 
     def __init__(self, setup: Callable | None = None, setup_args: tuple = (), device: str | None = None):
@@ -307,7 +408,10 @@ class TorchrunPool:
         self.workers = pg.world_size
         self.restarts = 0
         self.setup_args = setup_args
-        self._control = dist.new_group(backend="gloo")  # job descriptions travel on CPU
+        self.last_error: WorkerError | None = None
+        self._ids = itertools.count()
+        self._control = dist.new_group(backend="gloo")  # job descriptions and job outcomes travel on CPU
+        self._store = dist.distributed_c10d._get_default_store()
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.ctx = WorkerContext(pg=pg, _events=self._events)
         if setup is not None:
@@ -325,17 +429,77 @@ class TorchrunPool:
         dist.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
 
+    def _report_outcome(self, ok: bool) -> list | None:
+        """Every rank tells rank 0 that its part of the job ended (rank 0 gets the list)."""
+        import torch.distributed as dist
+
+        out = [None] * self.workers if self.ctx.pg.rank == 0 else None
+        dist.gather_object(ok, out, dst=0, group=self._control)
+        return out
+
     def serve_forever(self) -> None:
+        import json
+
         while True:
             msg = self._broadcast(None)
             if msg is None:
                 return
-            fn, args = msg
-            fn(self.ctx, *args)
+            fn, args, job_id = msg
+            issued = comm.ISSUED[0]
+            try:
+                fn(self.ctx, *args)
+            except BaseException as e:
+                failure = describe_failure(e, comm.ISSUED[0] != issued)
+                failure.update(rank=self.ctx.pg.rank, time=time.time())
+                self._store.set(f"longserve/failure/{job_id}/{self.ctx.pg.rank}", json.dumps(failure))
+                os._exit(1)  # peers waiting for us in a collective must fail, not hang
+            self._report_outcome(True)
+
+    def _peer_failure(self, job_id: int, wait_s: float) -> WorkerError | None:
+        """The earliest failure a peer recorded for `job_id` (waiting up to `wait_s` for one to appear)."""
+        import json
+
+        keys = [f"longserve/failure/{job_id}/{r}" for r in range(1, self.workers)]
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = [json.loads(self._store.get(k)) for k in keys if self._store.check([k])]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not found:
+            return None
+        first = min(found, key=lambda f: f["time"])
+        return job_error(first["rank"], first, "; the torchrun group is broken and must be restarted")
+
+    def _break(self, error: WorkerError) -> WorkerError:
+        self._open = False
+        self.last_error = error
+        return error
 
     def run(self, fn: Callable, *args, on_event=None, timeout_s=None) -> list:
-        self._broadcast((fn, args))
-        out = fn(self.ctx, *args)
+        if not self._open:
+            raise WorkerError(f"the torchrun group is broken ({self.last_error}); restart the deployment",
+                              kind="setup")
+        job_id = next(self._ids)
+        issued = comm.ISSUED[0]
+        try:
+            self._broadcast((fn, args, job_id))
+            try:
+                out = fn(self.ctx, *args)
+            except BaseException as e:
+                peer = self._peer_failure(job_id, wait_s=2.0)    # our error may only be the echo of a peer's
+                if peer is not None:
+                    raise self._break(peer) from e
+                failure = describe_failure(e, comm.ISSUED[0] != issued)
+                raise self._break(job_error(0, failure, f"in {fn.__name__}; the torchrun group is broken and "
+                                                        f"must be restarted")) from e
+            self._report_outcome(True)
+        except WorkerError:
+            raise
+        except Exception as e:  # a collective or the outcome report failed: a peer left
+            peer = self._peer_failure(job_id, wait_s=10.0)
+            raise self._break(peer or WorkerError(f"the torchrun group failed during {fn.__name__}: {e}",
+                                                  kind="worker_died")) from e
         while not self._events.empty():
             _, _, _, event = self._events.get()
             if on_event is not None:
@@ -343,11 +507,18 @@ class TorchrunPool:
         return [out] + [None] * (self.workers - 1)  # only rank 0's result comes back
 
     def start(self) -> "TorchrunPool":
+        if not self._open:
+            raise WorkerError(f"the torchrun group is broken ({self.last_error}); restart the deployment",
+                              kind="setup")
         return self
 
     @property
     def ready(self) -> bool:
         return self._open
+
+    @property
+    def state(self) -> str:
+        return "ready" if self._open else "unavailable"
 
     @property
     def pids(self) -> list[int]:

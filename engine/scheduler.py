@@ -100,7 +100,8 @@ class ScheduledRequest:
     batch_key: tuple | None = None             # the family's: equal keys can share a step
     decodable: bool = False                    # final frames wait to be decoded
     cancel_requested: bool = False
-    error: dict | None = None                  # {"code", "message"} when FINISHED_FAILED
+    solo: bool = False                         # runs in a batch of its own (after an out-of-memory batch)
+    error: dict | None = None                  # {"code", "message", ...} when FINISHED_FAILED
     admissions: int = 0                        # > 1 after a crash sent it back to the queue
     timings: dict = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.time)
@@ -129,7 +130,8 @@ class StepScheduler:
 
     def __init__(self, pool, *, max_batch: int = 8, max_running: int | None = None,
                  max_waiting: int | None = None, decode_chunk_frames: int = 8,
-                 on_event: EventCallback | None = None, job_timeout_s: float | None = None):
+                 on_event: EventCallback | None = None, job_timeout_s: float | None = None,
+                 oom_retry: bool = False, setup_retry_max_s: float = 60.0):
         for name, value in (("max_batch", max_batch), ("decode_chunk_frames", decode_chunk_frames)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -145,6 +147,10 @@ class StepScheduler:
         self.max_waiting = max_waiting
         self.decode_chunk_frames = decode_chunk_frames
         self.job_timeout_s = job_timeout_s
+        self.oom_retry = oom_retry
+        self.setup_retry_max_s = setup_retry_max_s
+        self.setup_failures = 0          # consecutive times the workers failed to (re)load the model
+        self._retry_at = 0.0
         self._on_event = on_event
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -250,12 +256,14 @@ class StepScheduler:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._has_work_locked():
+                while not self._stopping and not self._has_work_locked() and self.pool.ready:
                     self._wake.wait(timeout=1.0)
                 if self._stopping:
                     return
             try:
-                self.run_iteration()
+                if not self.run_iteration() and not self.pool.ready:
+                    with self._lock:  # the workers are down: wait for the next attempt (or a cancellation)
+                        self._wake.wait(timeout=max(0.05, min(1.0, self._retry_at - time.monotonic())))
             except Exception:  # the loop must outlive any bug in one iteration
                 log.exception("scheduler iteration failed")
                 time.sleep(0.1)
@@ -268,10 +276,31 @@ class StepScheduler:
     def run_iteration(self) -> bool:
         """Run one step boundary (see the module docstring). Returns whether anything was done."""
         worked = self._release_cancelled()
+        if not self._ensure_pool():
+            return worked        # requests wait in line (none is failed) while the workers are down
         worked |= self._admit_waiting()
         worked |= self._decode_one_chunk()
         worked |= self._denoise_one_step()
         return worked
+
+    def _ensure_pool(self) -> bool:
+        """The workers are up, or (re)start them now; a failed start is retried with exponential backoff."""
+        if self.pool.ready:
+            return True
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            self.pool.start()
+        except WorkerError as e:
+            self.setup_failures += 1
+            self._retry_at = time.monotonic() + min(self.setup_retry_max_s, 2.0 ** self.setup_failures)
+            log.warning("the workers failed to start (%d in a row): %s", self.setup_failures,
+                        str(e).splitlines()[0] if str(e) else e)
+            self._emit("pool", None, {"state": self.pool.state, "error": str(e), "failures": self.setup_failures})
+            return False
+        self.setup_failures = 0
+        self._emit("pool", None, {"state": self.pool.state})
+        return True
 
     def _release_cancelled(self) -> bool:
         with self._lock:
@@ -340,7 +369,7 @@ class StepScheduler:
         groups: dict[tuple, list[ScheduledRequest]] = {}
         for r in sorted(self._admitted, key=lambda r: r.seq):
             if r.state is RequestState.RUNNING and not r.cancel_requested and r.steps_done < r.num_steps:
-                groups.setdefault(r.batch_key, []).append(r)
+                groups.setdefault(("solo", r.id) if r.solo else r.batch_key, []).append(r)
         if not groups:
             return []
         # round-robin over batch keys: new keys join at the back of the rotation
@@ -379,37 +408,55 @@ class StepScheduler:
     # -- worker calls and their failures ---------------------------------------------------
 
     def _call(self, fn, *args, involved: list[ScheduledRequest]):
-        """pool.run(fn, *args), rank 0's result; on WorkerError fail `involved` and recover, then raise _CallFailed."""
+        """pool.run(fn, *args), rank 0's result; on WorkerError deal with `involved` and recover, then raise
+        _CallFailed. What happens depends on the failure's kind:
+
+        - setup (the workers could not load the model): nobody's fault; `involved` go back to the queue;
+        - input (the request's fault, refused on every worker before any collective): `involved` fail;
+        - out_of_memory: `involved` fail, or with `oom_retry` and more than one of them in a denoising
+          batch, each goes back to the front of the queue to run alone;
+        - worker_died, timeout, internal: `involved` fail.
+        When the pool was restarted, every other admitted request lost its worker state and is queued
+        again, in front.
+        """
         restarts = self.pool.restarts
         try:
             return self.pool.run(fn, *args, timeout_s=self.job_timeout_s)[0]
         except WorkerError as e:
-            crashed = self.pool.restarts != restarts or not self.pool.ready
+            restarted = self.pool.restarts != restarts or not self.pool.ready
             detail = str(e).strip()
-            if crashed:
-                code = "worker_crashed"
-                message = (f"a worker process failed while this video was in the running batch ({fn.__name__}); "
-                           f"the job was stopped and the worker pool restarted; other jobs were not affected. "
-                           f"Cause: {detail}")
-            elif detail.startswith("ValueError"):
-                code, message = "invalid_request", detail
-            else:
-                code, message = "generation_failed", f"generation failed in {fn.__name__}: {detail}"
-            log.warning("%s failed for %s: %s", fn.__name__, [r.id for r in involved], detail.splitlines()[0])
+            log.warning("%s failed for %s (%s): %s", fn.__name__, [r.id for r in involved], e.kind,
+                        detail.splitlines()[0] if detail else "")
+            retry = e.kind == "setup" or (e.kind == "out_of_memory" and self.oom_retry
+                                          and fn is runtime.step and len(involved) > 1)
+            error = None if retry else _error_for(e, fn, detail)
             with self._lock:
                 for r in involved:
                     if r in self._admitted:
                         self._admitted.remove(r)
-                    self._finish_locked(r, RequestState.FINISHED_FAILED, {"code": code, "message": message})
-                lost = self._requeue_admitted_locked() if crashed else []
-            if crashed:
+                    if retry:
+                        r.solo = r.solo or e.kind == "out_of_memory"
+                        self._requeue_locked(r)
+                    else:
+                        self._finish_locked(r, RequestState.FINISHED_FAILED, error)
+                lost = self._requeue_admitted_locked() if restarted else []
+            if restarted:
                 self.crashes += 1
-            else:
+            elif not retry:
                 self._release_quietly([r.id for r in involved])
             for r in involved:
-                self._emit("failed", r, dict(r.error))
+                if retry:
+                    lost.insert(0, r)
+                else:
+                    self._emit("failed", r, dict(r.error))
             self._emit_requeued(lost)
             raise _CallFailed from e
+
+    def _requeue_locked(self, r: ScheduledRequest) -> None:
+        r.state = RequestState.WAITING
+        r.steps_done = r.frames_done = 0
+        r.decodable = False
+        self._waiting.appendleft(r)
 
     def _requeue_admitted_locked(self) -> list[ScheduledRequest]:
         """After a pool restart every admitted request lost its worker state: queue it again, in front
@@ -420,10 +467,7 @@ class StepScheduler:
             if r.cancel_requested:
                 self._finish_locked(r, RequestState.FINISHED_CANCELLED)
                 continue
-            r.state = RequestState.WAITING
-            r.steps_done = r.frames_done = 0
-            r.decodable = False
-            self._waiting.appendleft(r)
+            self._requeue_locked(r)
         return back
 
     def _emit_requeued(self, lost: list[ScheduledRequest]) -> None:
@@ -461,6 +505,28 @@ class StepScheduler:
             self._on_event(kind, req, data)
         except Exception:  # a listener bug must not stop the scheduling of everyone else
             log.exception("scheduler event listener failed on %r", kind)
+
+
+#: the `code` of a failed request, by failure kind
+ERROR_CODES = {"input": "invalid_request", "out_of_memory": "out_of_memory", "worker_died": "worker_crashed",
+               "timeout": "timeout", "internal": "internal_error"}
+
+
+def _error_for(e: WorkerError, fn, detail: str) -> dict:
+    """{"code", "message", "kind", "rank", "field"} for a request failed by `e` in job `fn`."""
+    where = f"worker {e.rank}" if e.rank is not None else "the worker pool"
+    messages = {
+        "input": detail,
+        "out_of_memory": f"{where} ran out of memory in {fn.__name__} while this video was in the batch; the "
+                         f"worker pool was restarted and other jobs were not affected. Cause: {detail}",
+        "worker_died": f"a worker process failed while this video was in the running batch ({fn.__name__}); the job "
+                       f"was stopped and the worker pool restarted; other jobs were not affected. Cause: {detail}",
+        "timeout": f"{fn.__name__} took longer than the job timeout; the worker pool was restarted. {detail}",
+        "internal": f"generation failed on {where} in {fn.__name__} (an internal error, not the request's fault); "
+                    f"the worker pool was restarted. Cause: {detail}",
+    }
+    return {"code": ERROR_CODES[e.kind], "message": messages[e.kind], "kind": e.kind, "rank": e.rank,
+            "field": e.field}
 
 
 class _CallFailed(Exception):

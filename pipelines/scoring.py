@@ -43,16 +43,16 @@ import torch
 from engine import lss
 from engine.dist import parse_dtype
 from engine.pool import WorkerPool
+from engine.request import RequestError
 
 ProgressCallback = Callable[[int, int], None]
 
 
-class ScoringInputError(ValueError):
+class ScoringInputError(RequestError):
     """Bad input to the scoring pipeline; `field` names the argument (for a 4xx reply)."""
 
     def __init__(self, field: str, message: str):
-        super().__init__(message if field in message else f"{field}: {message}")
-        self.field = field
+        super().__init__(field, message if field in message else f"{field}: {message}")
 
 
 @dataclass

@@ -212,9 +212,9 @@ class VideoPipeline:
             if kind == "step" and callback is not None:
                 callback(data["step"], data["num_steps"])
             elif kind == "failed":
-                if data.get("code") == "invalid_request":
+                if data.get("kind") == "input":
                     raise RequestError(data.get("field") or "request", data["message"])
-                raise WorkerError(data["message"])
+                raise WorkerError(data["message"], kind=data.get("kind", "internal"), rank=data.get("rank"))
             elif kind == "cancelled":
                 raise RuntimeError(f"request {spec.request_id} was cancelled")
             yield kind, data

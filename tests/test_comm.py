@@ -1,5 +1,7 @@
 """Collectives: shapes, padding of uneven sizes, and exact byte accounting, on gloo."""
 
+import os
+
 import pytest
 import torch
 
@@ -33,10 +35,30 @@ def _gather_to(ctx, dst):
     return got, comm.STATS.snapshot()
 
 
-def _fail_on(ctx, bad_rank):
+def _fail_on(ctx, bad_rank, error="input"):
+    """Fail on `bad_rank` (None: every rank) before any collective: an input error, or a library's ValueError."""
+    from engine.request import RequestError
+
     if bad_rank is None or ctx.pg.rank == bad_rank:
-        raise ValueError("num_frames must be positive")
+        raise RequestError("num_frames", "num_frames must be positive") if error == "input" else \
+            ValueError("a library's check deep inside a forward")
     return ctx.pg.rank
+
+
+def _sum_of_ranks_then_fail(ctx, bad_rank, how):
+    """Rank `bad_rank` fails (`how`) *before* the all-reduce its peers enter: they are left waiting in it."""
+    if ctx.pg.rank == bad_rank:
+        if how == "raise":
+            raise RuntimeError("a bug on one rank")
+        if how == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if how == "exit":
+            os._exit(3)
+    return comm.all_reduce(torch.tensor([float(ctx.pg.rank)]), ctx.pg)
+
+
+def _sum_of_ranks(ctx, offset):
+    return comm.all_reduce(torch.tensor([float(ctx.pg.rank + offset)]), ctx.pg).item()
 
 
 @pytest.fixture(scope="module")
@@ -87,20 +109,41 @@ def test_gather_to_stacks_every_rank_on_dst_only_and_counts_what_others_send(poo
             assert stats["bytes_sent"] == 2 * 3 * 4
 
 
-def test_error_on_every_rank_keeps_pool_up(pool3):
+def test_an_input_error_on_every_rank_before_any_collective_keeps_the_pool(pool3):
     restarts = pool3.restarts
-    with pytest.raises(WorkerError, match="num_frames"):
+    with pytest.raises(WorkerError, match="num_frames") as e:
         pool3.run(_fail_on, None)
-    assert pool3.restarts == restarts
+    assert (e.value.kind, e.value.field) == ("input", "num_frames")
+    assert pool3.restarts == restarts, "nothing is pending anywhere: the group is in step"
     assert pool3.run(_fail_on, -1) == [0, 1, 2]
 
 
-def test_error_on_one_rank_restarts_pool(pool3):
+def test_a_library_value_error_is_an_internal_error_and_restarts_the_pool(pool3):
+    restarts = pool3.restarts
+    with pytest.raises(WorkerError, match="deep inside") as e:
+        pool3.run(_fail_on, None, "library")
+    assert e.value.kind == "internal", "only the request's own input error is the client's fault"
+    assert pool3.restarts == restarts + 1
+
+
+def test_an_input_error_on_one_rank_restarts_the_pool(pool3):
     restarts = pool3.restarts
     with pytest.raises(WorkerError, match="num_frames"):
         pool3.run(_fail_on, 1)
     assert pool3.restarts == restarts + 1
     assert pool3.run(_fail_on, -1) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("how, kind", [("raise", "internal"), ("oom", "out_of_memory"), ("exit", "worker_died")])
+def test_a_failure_on_one_rank_never_leaves_a_collective_for_the_next_job(pool3, how, kind):
+    """Rank 1 fails while ranks 0 and 2 wait for it in an all-reduce. Had the pool not been restarted, the
+    next job's all-reduce on rank 1 would meet its peers' pending one and mix the two jobs' values."""
+    restarts = pool3.restarts
+    with pytest.raises(WorkerError) as e:
+        pool3.run(_sum_of_ranks_then_fail, 1, how)
+    assert (e.value.kind, e.value.rank) == (kind, 1), str(e.value)
+    assert pool3.restarts == restarts + 1
+    assert pool3.run(_sum_of_ranks, 10) == [33.0, 33.0, 33.0], "10 + 11 + 12 on every rank: nothing mixed in"
 
 
 def _alive(pid: int) -> bool:
@@ -149,3 +192,22 @@ def test_workers_exit_when_their_coordinator_is_killed():
         assert _wait_dead(pids) == []
     finally:
         proc.kill()
+
+
+def test_under_torchrun_a_failing_non_zero_rank_surfaces_on_rank_0_instead_of_hanging(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from engine.dist import find_free_port
+
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+           "--master-port", str(find_free_port()), os.path.join(os.path.dirname(__file__), "torchrun_failure.py"),
+           str(out)]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    result = json.loads(out.read_text())
+    assert result["first_job"] == 3.0
+    assert result["raised"] and (result["kind"], result["rank"]) == ("internal", 1), result
+    assert "rank 1 broke" in result["message"]
+    assert result["seconds"] < 60 and result["state"] == "unavailable"

@@ -24,34 +24,54 @@ class ScriptedPool:
         self.restarts = 0
         self.ready = True
         self.calls: list[tuple[str, tuple]] = []
-        self.state: dict[str, dict] = {}
+        self.held: dict[str, dict] = {}
         self.crash_when = None      # fn(name, args) -> True: a worker dies during this call
-        self.raise_when = None      # fn(name, args) -> message: every worker raises it (pool stays up)
+        self.oom_when = None        # fn(name, args) -> True: a worker runs out of memory (the pool restarts)
+        self.start_failures = 0     # the next start() calls that fail to load the model
+        self.raise_when = None      # fn(name, args) -> failure dict: every worker raises it (pool stays up)
+
+    @property
+    def state(self):
+        return "ready" if self.ready else "restarting"
+
+    def start(self):
+        if self.start_failures:
+            self.start_failures -= 1
+            raise WorkerError("worker 0 failed to start: OSError: weights missing", kind="setup", rank=0)
+        self.ready = True
+        return self
 
     def run(self, fn, *args, timeout_s=None):
         name = fn.__name__
+        assert self.ready, f"{name} sent to a pool that is not up"
+        if self.oom_when and self.oom_when(name, args):
+            self.oom_when = None
+            self.restarts += 1
+            self.held.clear()
+            raise WorkerError("worker 1 failed (out_of_memory): OutOfMemoryError", kind="out_of_memory", rank=1)
         if self.crash_when and self.crash_when(name, args):
             self.crash_when = None
             self.restarts += 1
-            self.state.clear()
-            raise WorkerError(f"worker 1 (pid 4242) died during {name} (killed by SIGKILL); the pool was restarted")
-        if self.raise_when and (msg := self.raise_when(name, args)):
-            raise WorkerError(msg)
+            self.held.clear()
+            raise WorkerError(f"worker 1 (pid 4242) died during {name} (killed by SIGKILL); the pool was restarted",
+                              kind="worker_died", rank=1)
+        if self.raise_when and (failure := self.raise_when(name, args)):
+            raise WorkerError(failure["message"], kind=failure["kind"], rank=0, field=failure.get("field"))
         self.calls.append((name, args))
         if name == "admit":
             spec = args[0]
-            self.state[spec.request_id] = {"spec": spec, "step": 0, "decoded": 0}
+            self.held[spec.request_id] = {"spec": spec, "step": 0, "decoded": 0}
             return [{"request_id": spec.request_id, "num_steps": spec.num_inference_steps,
                      "num_frames": spec.num_frames, "encode_s": 0.0, **self.progress(spec.request_id)}, None]
         if name == "step":
             for rid in args[0]:
-                st = self.state[rid]  # KeyError = stepping a request the workers do not hold
+                st = self.held[rid]  # KeyError = stepping a request the workers do not hold
                 assert st["step"] < st["spec"].num_inference_steps, f"{rid} stepped past its last step"
                 st["step"] += 1
             return [{"progress": {rid: self.progress(rid) for rid in args[0]}, "compute_s": 0.0}, None]
         if name == "decode_next":
             rid, max_frames = args
-            st = self.state[rid]
+            st = self.held[rid]
             spec = st["spec"]
             assert st["step"] == spec.num_inference_steps, "decoding before denoising finished"
             start, stop = st["decoded"], min(spec.num_frames, st["decoded"] + max_frames)
@@ -61,12 +81,12 @@ class ScriptedPool:
                      "done": stop == spec.num_frames, "timings": {}, **self.progress(rid)}, None]
         if name == "release":
             for rid in args[0]:
-                self.state.pop(rid, None)
+                self.held.pop(rid, None)
             return [None, None]
         raise AssertionError(f"unexpected job {name}")
 
     def progress(self, rid) -> dict:
-        st = self.state[rid]
+        st = self.held[rid]
         spec = st["spec"]
         denoised = st["step"] == spec.num_inference_steps
         return {"steps_done": st["step"], "batch_key": (spec.batch_size, spec.num_frames, spec.height, spec.width),
@@ -116,7 +136,7 @@ def test_same_shape_requests_share_a_batch_at_different_timesteps_and_guidance()
     sched.submit(spec("b", steps=3, guidance=9.0))
     sched.run_iteration()                       # b joins at this boundary
     assert pool.batches()[:3] == [["a"], ["a"], ["a", "b"]]
-    assert pool.state["a"]["step"] == 3 and pool.state["b"]["step"] == 1
+    assert pool.held["a"]["step"] == 3 and pool.held["b"]["step"] == 1
     drain(sched)
     assert rec.kinds("a")[-1] == rec.kinds("b")[-1] == "completed"
 
@@ -176,7 +196,7 @@ def test_cancelling_a_running_request_frees_its_slot_at_the_next_step_and_its_ba
     sched.run_iteration()                       # next boundary: a released, c admitted, b+c step
     assert ("release", (["a"],)) in pool.calls
     assert pool.batches()[-1] == ["b", "c"]
-    assert "a" not in pool.state
+    assert "a" not in pool.held
     drain(sched)
     assert rec.kinds("a")[-1] == "cancelled" and "step" not in rec.kinds("a")[2:]
     assert rec.kinds("b")[-1] == rec.kinds("c")[-1] == "completed"
@@ -230,7 +250,8 @@ def test_a_crash_while_decoding_fails_that_request_only():
 def test_an_error_raised_on_every_worker_fails_that_request_and_keeps_the_pool():
     sched, pool, rec = make(max_batch=4)
     pool.raise_when = lambda name, args: (name == "admit" and args[0].request_id == "bad"
-                                          and "ValueError: negative_prompt must be a string")
+                                          and {"message": "negative_prompt must be a string", "kind": "input",
+                                               "field": "negative_prompt"})
     sched.submit(spec("good"))
     sched.submit(spec("bad"))
     drain(sched)
@@ -256,7 +277,7 @@ def test_lifecycle_goes_waiting_running_decoding_finished_with_every_step_and_ch
     assert steps == [1, 2, 3]
     chunks = [(d["start"], d["stop"]) for r, d in rec.of("frames")]
     assert chunks == [(0, 3), (3, 6), (6, 7)]
-    assert "a" not in pool.state, "a finished request's worker state is released"
+    assert "a" not in pool.held, "a finished request's worker state is released"
 
 
 def test_decoding_one_request_is_interleaved_with_the_denoising_steps_of_others():
@@ -307,3 +328,40 @@ def test_the_background_thread_runs_submissions_to_completion_and_stops():
         sched.stop()
     assert not sched.alive
     assert sorted(finished) == [f"r{i}" for i in range(5)]
+
+
+def test_out_of_memory_fails_only_the_batch_that_hit_it_and_requeues_the_others():
+    sched, pool, rec = make(max_batch=2, max_running=3)
+    sched.submit(spec("x1", steps=3, size=32))
+    sched.submit(spec("x2", steps=3, size=32))
+    sched.submit(spec("y", steps=3, size=64))
+    pool.oom_when = lambda name, args: name == "step" and "x1" in args[0]
+    drain(sched)
+    failed = dict(rec.of("failed"))
+    assert set(failed) == {"x1", "x2"} and failed["x1"]["code"] == "out_of_memory" and failed["x1"]["rank"] == 1
+    assert rec.kinds("y")[-1] == "completed" and "requeued" in rec.kinds("y"), "its state died with the pool"
+
+
+def test_with_oom_retry_the_requests_of_an_out_of_memory_batch_run_again_one_at_a_time():
+    sched, pool, rec = make(max_batch=4, oom_retry=True)
+    for rid in ("a", "b", "c"):
+        sched.submit(spec(rid, steps=2))
+    pool.oom_when = lambda name, args: name == "step" and len(args[0]) == 3
+    drain(sched)
+    assert [r for r, _ in rec.of("completed")] == ["a", "b", "c"] and not rec.of("failed")
+    after = pool.batches()          # the 3-request batch that ran out of memory raised before it was recorded
+    assert after and all(len(b) == 1 for b in after), after
+
+
+def test_a_model_that_fails_to_load_keeps_requests_queued_and_retries_with_backoff():
+    sched, pool, rec = make(max_batch=2, setup_retry_max_s=0.0)
+    sched.submit(spec("a", steps=2))
+    sched.submit(spec("b", steps=2))
+    pool.ready, pool.start_failures = False, 3
+    for _ in range(3):
+        sched.run_iteration()
+    assert sched.setup_failures == 3 and sched.waiting_ids() == ["a", "b"], "nobody's request fails for it"
+    assert not rec.of("failed") and [d["failures"] for _, d in rec.of("pool")] == [1, 2, 3]
+    drain(sched)
+    assert sched.setup_failures == 0
+    assert [r for r, _ in rec.of("completed")] == ["a", "b"]

@@ -334,3 +334,34 @@ def test_cli_scores_stdin_as_json(monkeypatch, capsys, hf, text):
     assert out["num_tokens"] == len(ids_with_bos(hf[0], text)) - 1
     assert abs(out["total_nll"] - want_total) <= RTOL * want_total
     assert out["bits_per_byte"] == pytest.approx(want_total / (math.log(2) * len(text.encode())), rel=RTOL)
+
+
+def _all_gather_after_failing_on_rank_1(ctx, how):
+    """Rank 1 fails while its peers wait for it in an all-gather (the fused K/V exchange's collective)."""
+    from engine import comm
+
+    if ctx.pg.rank == 1:
+        if how == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        if how == "exit":
+            import os
+
+            os._exit(3)
+        raise RuntimeError("a bug on one rank")
+    return comm.all_gather(torch.ones(2), 0, ctx.pg)
+
+
+@pytest.mark.parametrize("how, kind", [("raise", "internal"), ("oom", "out_of_memory"), ("exit", "worker_died")])
+def test_a_failure_on_one_scoring_worker_restarts_the_pool_and_the_next_score_is_exact(how, kind, scorer_for, hf,
+                                                                                       text):
+    from engine.pool import WorkerError
+
+    scorer = scorer_for(3)
+    restarts = scorer.pool.restarts
+    with pytest.raises(WorkerError) as e:
+        scorer.pool.run(_all_gather_after_failing_on_rank_1, how)
+    assert (e.value.kind, e.value.rank) == (kind, 1)
+    assert scorer.pool.restarts == restarts + 1, "a collective may be pending: the pool must not be reused as is"
+    tokenizer, model = hf
+    want_total, _ = hf_full(model, ids_with_bos(tokenizer, text))
+    assert abs(scorer.score(text).total_nll - want_total) <= RTOL * abs(want_total)

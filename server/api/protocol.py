@@ -189,14 +189,25 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class HealthError(BaseModel):
+    kind: str
+    rank: int | None = None
+    message: str
+
+
 class Health(BaseModel):
-    status: Literal["ok", "degraded"]
+    """`GET /health`: 200 with status "ok" only while every worker is up and loaded; 503 otherwise."""
+
+    status: Literal["ok", "starting", "restarting", "unavailable"]
     model: str
     workers: int
     workers_ready: bool
+    worker_state: str
     worker_restarts: int
+    setup_failures: int
     queued: int
     running: int
+    last_error: HealthError | None = None
 
 
 # -- scoring ----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Route handlers: parse and check the HTTP request, call the service, shape the answer.
 
 Request and response bodies are the models of `server/protocol.py`; the work is done by
-`server/service.py` (videos) and `server/score_service.py` (scoring). Every error is an
+`server/api/service.py` (videos) and `server/api/score_service.py` (scoring). Every error is an
 `APIError`, answered in the OpenAI envelope by `server/errors.py`.
 """
 
@@ -125,19 +125,20 @@ async def create_video(request: Request):
         req = VideoCreateRequest.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    video = request.app.state.videos.create(req)
+    video = await run_in_threadpool(request.app.state.videos.create, req)
     return JSONResponse(video.model_dump())
 
 
 @v1.get("/videos")
 async def list_videos(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100),
                       order: Literal["asc", "desc"] = "desc"):
-    return JSONResponse(request.app.state.videos.list(after, limit, order).model_dump())
+    page = await run_in_threadpool(request.app.state.videos.list, after, limit, order)
+    return JSONResponse(page.model_dump())
 
 
 @v1.get("/videos/{video_id}")
 async def retrieve_video(request: Request, video_id: str):
-    video = request.app.state.videos.get(video_id)
+    video = await run_in_threadpool(request.app.state.videos.get, video_id)
     headers = {}
     if video.status in ("queued", "in_progress"):  # the openai client's poll() honours this
         headers["openai-poll-after-ms"] = str(request.app.state.poll_after_ms)
@@ -146,7 +147,8 @@ async def retrieve_video(request: Request, video_id: str):
 
 @v1.delete("/videos/{video_id}")
 async def delete_video(request: Request, video_id: str):
-    return JSONResponse(request.app.state.videos.delete(video_id).model_dump())
+    deleted = await run_in_threadpool(request.app.state.videos.delete, video_id)
+    return JSONResponse(deleted.model_dump())
 
 
 @v1.get("/videos/{video_id}/content")
@@ -157,7 +159,7 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
     if variant not in ("video", "thumbnail"):
         raise APIError(400, f"variant must be 'video' or 'thumbnail'; got {variant!r}", param="variant",
                        code="invalid_value")
-    rec = service.record(video_id)
+    rec = await run_in_threadpool(service.record, video_id)
     if stream and variant == "video" and rec.status in ("queued", "in_progress"):
         writer = None
         while writer is None:
@@ -172,7 +174,7 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
         if writer is not None:
             return StreamingResponse(tail_file(writer.part_path, writer.final_path, writer.done),
                                      media_type="video/mp4", headers={"Cache-Control": "no-store"})
-    path = service.content_path(video_id, variant)
+    path = await run_in_threadpool(service.content_path, video_id, variant)
     media_type = "video/mp4" if variant == "video" else "image/png"
     return FileResponse(path, media_type=media_type, filename=path.name)
 
@@ -181,10 +183,10 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
 async def video_events(request: Request, video_id: str):
     """Server-Sent Events: queue position, every denoising step, decoding, then completed or failed."""
     service = request.app.state.videos
-    service.record(video_id)  # 404 before subscribing
+    await run_in_threadpool(service.record, video_id)  # 404 before subscribing
     sub = service.broker.subscribe(video_id)
     try:
-        first = service.event_snapshot(video_id)
+        first = await run_in_threadpool(service.event_snapshot, video_id)
     except APIError:
         service.broker.unsubscribe(sub)
         raise
@@ -231,10 +233,11 @@ async def score_text(request: Request):
 
 @router.get("/health")
 async def health(request: Request):
-    h = Health(**request.app.state.videos.health())
-    return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
+    status, body = request.app.state.videos.health()
+    return JSONResponse(Health(**body).model_dump(), status_code=status)
 
 
 @router.get("/metrics")
 async def prometheus_metrics(request: Request):
-    return PlainTextResponse(request.app.state.videos.metrics_text(), media_type=metrics.CONTENT_TYPE)
+    text = await run_in_threadpool(request.app.state.videos.metrics_text)   # reads job counts from SQLite
+    return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)

@@ -58,13 +58,13 @@ class ScoreService:
         except ScoringInputError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_value") from None
         except WorkerError as e:
-            msg = str(e)
-            if msg.startswith("ValueError"):
-                raise APIError(400, msg, param="text", code="invalid_value") from None
-            raise APIError(503, f"scoring failed on the worker pool (it restarts itself): {msg.splitlines()[0]}",
-                           code="worker_failed") from None
-        except ValueError as e:
-            raise APIError(400, str(e), param="text", code="invalid_value") from None
+            if e.kind == "input":
+                raise APIError(400, str(e), param=e.field or "text", code="invalid_value") from None
+            where = f"worker {e.rank}" if e.rank is not None else "the worker pool"
+            status, code = {"out_of_memory": (503, "out_of_memory"), "internal": (500, "internal_error")}.get(
+                e.kind, (503, "worker_failed"))
+            raise APIError(status, f"scoring failed on {where} ({e.kind}); the pool was restarted: "
+                                   f"{str(e).splitlines()[0]}", code=code) from None
         finite = lambda v: v if v is not None and math.isfinite(v) else None  # noqa: E731
         return ScoreResponse(model=self.model_name, num_tokens=r.num_tokens, num_bytes=r.num_bytes,
                              total_nll=r.total_nll, mean_nll=r.mean_nll, perplexity=finite(r.perplexity),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import random
 import re
 import threading
@@ -76,6 +77,7 @@ class ServeConfig:
     max_fps: int = 60
     decode_chunk_frames: int = 8
     job_timeout_s: float | None = 600.0
+    oom_retry: bool = False               # a batch that runs out of memory: retry its requests one at a time
     max_prompt_chars: int = 4000
 
 
@@ -118,6 +120,7 @@ class VideoService:
         self._live: dict[str, LiveJob] = {}
         self._cancelling: dict[str, LiveJob] = {}
         self._lock = threading.RLock()
+        self._output = OutputThread()
         self.started_at = int(time.time())
         self._build_metrics()
 
@@ -141,7 +144,7 @@ class VideoService:
             cfg.model, workers=cfg.workers, parallel=cfg.parallel, ulysses_degree=cfg.ulysses_degree,
             device=cfg.device, dtype=cfg.dtype, cfg_parallel=cfg.cfg_parallel, attention=cfg.attention,
             max_batch=cfg.max_batch, max_running=cfg.max_running, max_waiting=cfg.max_queue,
-            decode_chunk_frames=cfg.decode_chunk_frames, job_timeout_s=cfg.job_timeout_s)
+            decode_chunk_frames=cfg.decode_chunk_frames, job_timeout_s=cfg.job_timeout_s, oom_retry=cfg.oom_retry)
         self.scheduler = self.engine.scheduler
         info = self.engine.info
         d, m, rule = info["defaults"], info["size_multiple"], info["frame_multiple"]
@@ -175,6 +178,7 @@ class VideoService:
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
+        self._output.close()
         with self._lock:
             writers = [j.writer for j in self._live.values() if j.writer is not None]
         for w in writers:
@@ -374,14 +378,14 @@ class VideoService:
         if live is not None:
             live.writer_ready.set()
             if not self.scheduler.cancel(video_id):
-                # the scheduler was already done with it (its video is being written): stop that here
+                # the scheduler was already done with it (its video is being written): stop that, in turn
                 with self._lock:
                     self._cancelling.pop(video_id, None)
-                if live.writer is not None:
-                    live.writer.abort()
+                self._output.put(self._drop_output, live)
             self.m_finished.inc(outcome="cancelled")
-        self.store.remove_files(video_id)
-        self.broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted", "deleted": True})
+        self._output.put(self.store.remove_files, video_id)
+        self._output.put(self.broker.publish, video_id, "video.deleted",
+                         {"id": video_id, "object": "video.deleted", "deleted": True})
         return VideoDeleted(id=video_id)
 
     def content_path(self, video_id: str, variant: str) -> Path:
@@ -425,9 +429,18 @@ class VideoService:
     # -- scheduler events (the scheduler's thread) ---------------------------------------------------
 
     def _on_event(self, kind: str, req, data: dict) -> None:
+        """The scheduler thread's only call into the service: counters, then the rest is queued for the
+        output thread (SQLite, PNG, MP4 encoding, SSE fan-out), so the thread that drives the workers never
+        waits for I/O."""
         if kind == "batch":
             self.m_batch.observe(data["batch_size"])
             self.m_step_latency.observe(data["step_s"])
+            return
+        self._output.put(self._handle_event, kind, req, data)
+
+    def _handle_event(self, kind: str, req, data: dict) -> None:
+        """A scheduler event's side effects (the output thread)."""
+        if kind == "pool":
             return
         if kind == "queue":
             self._publish_positions(data["waiting"])
@@ -570,12 +583,30 @@ class VideoService:
 
     # -- health and metrics ---------------------------------------------------------------------------
 
-    def health(self) -> dict:
-        pool = self.engine.pool
-        ok = self.scheduler is not None and self.scheduler.alive
-        return {"status": "ok" if ok else "degraded", "model": self.model_name, "workers": pool.workers,
-                "workers_ready": pool.ready, "worker_restarts": pool.restarts,
-                "queued": self.scheduler.num_waiting, "running": self.scheduler.num_admitted}
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body): 200 "ok" only while every worker is up with the model loaded; 503 "starting",
+        "restarting" (after a failure) or "unavailable" (the workers fail to load, or the scheduler stopped).
+        Reads attributes only: never waits for a running job."""
+        engine, sched = self.engine, self.scheduler
+        pool = engine.pool if engine else None
+        state = pool.state if pool is not None else "starting"
+        if sched is None or not sched.alive or state in ("unavailable", "closed") or sched.setup_failures >= 3:
+            status = "unavailable"
+        elif state == "ready":
+            status = "ok"
+        else:
+            status = state if state in ("starting", "restarting") else "unavailable"
+        error = (pool.last_error if pool is not None else None) or None
+        body = {"status": status, "model": getattr(self, "model_name", self.config.model),
+                "workers": pool.workers if pool is not None else self.config.workers,
+                "workers_ready": bool(pool is not None and pool.ready), "worker_state": state,
+                "worker_restarts": pool.restarts if pool is not None else 0,
+                "setup_failures": sched.setup_failures if sched is not None else 0,
+                "queued": sched.num_waiting if sched is not None else 0,
+                "running": sched.num_admitted if sched is not None else 0,
+                "last_error": None if error is None else {"kind": error.kind, "rank": error.rank,
+                                                          "message": str(error).splitlines()[0][:500]}}
+        return (200 if status == "ok" else 503), body
 
     def _build_metrics(self) -> None:
         r = self.registry = Registry()
@@ -609,6 +640,38 @@ class VideoService:
 
     def metrics_text(self) -> str:
         return self.registry.render()
+
+
+class OutputThread:
+    """Runs the service's side effects in order, on one thread of their own."""
+
+    def __init__(self):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="longserve-output", daemon=True)
+        self._thread.start()
+
+    def put(self, fn, *args) -> None:
+        self._tasks.put((fn, args))
+
+    def _run(self) -> None:
+        while True:
+            fn, args = self._tasks.get()
+            if fn is None:
+                return
+            try:
+                fn(*args)
+            except Exception:  # one job's failed write must not stop everyone else's
+                log.exception("output task %s failed", getattr(fn, "__name__", fn))
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every task queued so far is done."""
+        done = threading.Event()
+        self.put(done.set)
+        done.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.put(None)
+        self._thread.join(timeout)
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:

@@ -43,6 +43,8 @@ def add_arguments(p) -> None:
     g.add_argument("--decode-chunk-frames", type=int, default=8, help="frames per VAE decode call (and MP4 fragment)")
     g.add_argument("--job-timeout", type=float, default=600.0,
                    help="a worker call taking longer fails its batch and restarts the pool (seconds)")
+    g.add_argument("--oom-retry", action="store_true",
+                   help="when a batch runs out of memory, run its requests again one at a time instead of failing them")
 
     g = p.add_argument_group("request limits and defaults (limits default from the model)")
     g.add_argument("--max-frames", type=int, default=None,
@@ -78,7 +80,8 @@ def build(args):
         data_dir=args.data_dir, max_queue=args.max_queue, max_batch=args.max_batch, max_running=args.max_running,
         max_frames=args.max_frames, max_seconds=args.max_seconds, max_size=args.max_size, max_steps=args.max_steps,
         default_steps=args.default_steps, default_guidance_scale=args.guidance_scale, fps=args.fps,
-        decode_chunk_frames=args.decode_chunk_frames, job_timeout_s=args.job_timeout)
+        decode_chunk_frames=args.decode_chunk_frames, job_timeout_s=args.job_timeout,
+        oom_retry=args.oom_retry)
     videos = VideoService(config).start()
     score = None
     if args.score_model and args.score_model.lower() != "none":
