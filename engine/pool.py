@@ -469,7 +469,7 @@ class TorchrunPool:
         if not found:
             return None
         first = min(found, key=lambda f: f["time"])
-        return job_error(first["rank"], first, "; the torchrun group is broken and must be restarted")
+        return job_error(first["rank"], first, "and the torchrun group is broken (restart it)")
 
     def _break(self, error: WorkerError) -> WorkerError:
         self._open = False
