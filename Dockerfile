@@ -3,7 +3,7 @@
 #   make docker                       # docker build -t longserve:latest .
 #   docker run --gpus all -p 8000:8000 \
 #       -v /path/to/checkpoints:/models:ro -v longserve-data:/data \
-#       longserve:latest --model /models/Latte-1 --workers 4 --host 0.0.0.0 --dtype bfloat16
+#       longserve:latest --model /models/Wan2.1-T2V-1.3B-Diffusers --workers 4 --host 0.0.0.0
 #
 # Weights are not baked in: mount a directory of diffusers-format checkpoints at /models.
 # Jobs and videos go to /data (a volume, so completed videos survive a container restart).
@@ -41,4 +41,5 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=300s CMD \
     python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)" || exit 1
 
 ENTRYPOINT ["longserve", "serve"]
-CMD ["--model", "/models/Latte-1", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/data", "--device", "cuda"]
+CMD ["--model", "/models/Wan2.1-T2V-1.3B-Diffusers", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/data", \
+     "--device", "cuda", "--dtype", "bfloat16"]

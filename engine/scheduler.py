@@ -31,7 +31,12 @@ One iteration (`run_iteration`), i.e. one step boundary:
    has final frames not yet decoded, so a long VAE decode is spread over several
    boundaries and never stalls the others' steps for long; a request whose last chunk is
    out is released (FINISHED_COMPLETED).
-4. Pick the batch and run ONE denoising step for it. Requests with the same batch key
+4. Pick the batch and run ONE denoising step for it -- or, while nothing else could happen
+   at the boundaries in between (nobody waits, nothing is cancelled or has frames to
+   decode, no other batch takes turns), up to `max_steps_per_job` steps in one worker job,
+   which saves the pool's per-job overhead; the job stops early when a request finishes
+   or its batch key changes. So a request that arrives or is cancelled during such a job
+   waits at most `max_steps_per_job - 1` extra steps. Requests with the same batch key
    (the family's: latent shape, and anything else one forward needs in common, such as
    Wan 2.2's expert) share a batch, whatever their timesteps and guidance scales (each
    keeps its own scheduler state on the workers); key groups take turns round-robin, and
@@ -131,7 +136,7 @@ class StepScheduler:
     def __init__(self, pool, *, max_batch: int = 8, max_running: int | None = None,
                  max_waiting: int | None = None, decode_chunk_frames: int = 8,
                  on_event: EventCallback | None = None, job_timeout_s: float | None = None,
-                 oom_retry: bool = False, setup_retry_max_s: float = 60.0):
+                 oom_retry: bool = False, setup_retry_max_s: float = 60.0, max_steps_per_job: int = 4):
         for name, value in (("max_batch", max_batch), ("decode_chunk_frames", decode_chunk_frames)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -147,6 +152,9 @@ class StepScheduler:
         self.max_waiting = max_waiting
         self.decode_chunk_frames = decode_chunk_frames
         self.job_timeout_s = job_timeout_s
+        if isinstance(max_steps_per_job, bool) or not isinstance(max_steps_per_job, int) or max_steps_per_job < 1:
+            raise ValueError(f"max_steps_per_job must be a positive integer, got {max_steps_per_job!r}")
+        self.max_steps_per_job = max_steps_per_job
         self.oom_retry = oom_retry
         self.setup_retry_max_s = setup_retry_max_s
         self.setup_failures = 0          # consecutive times the workers failed to (re)load the model
@@ -379,30 +387,42 @@ class StepScheduler:
         self._key_turns.rotate(-1)
         return groups[key][:self.max_batch]
 
+    def _steps_for(self, batch: list[ScheduledRequest]) -> int:
+        """Steps the next job may run: several only while nothing else could happen at the boundaries in
+        between (nobody waits, nothing to cancel or decode, no other batch's turn)."""
+        with self._lock:
+            quiet = (not self._waiting and not any(r.cancel_requested or r.decodable for r in self._admitted)
+                     and all(r in batch for r in self._admitted if r.state is RequestState.RUNNING))
+        if not quiet:
+            return 1
+        return max(1, min(self.max_steps_per_job, *(r.num_steps - r.steps_done for r in batch)))
+
     def _denoise_one_step(self) -> bool:
         with self._lock:
             batch = self._select_batch_locked()
         if not batch:
             return False
+        steps = self._steps_for(batch)
         t0 = time.perf_counter()
         try:
-            out = self._call(runtime.step, [r.id for r in batch], involved=batch)
+            out = self._call(runtime.step, [r.id for r in batch], steps, involved=batch)
         except _CallFailed:
             return True
-        step_s = time.perf_counter() - t0
-        self.steps_run += 1
-        self.requests_stepped += len(batch)
-        self.last_batch_size = len(batch)
-        self._emit("batch", None, {"batch_size": len(batch), "step_s": step_s, "batch_key": batch[0].batch_key,
-                                   "request_ids": [r.id for r in batch]})
-        for r in batch:
-            r._progress(out["progress"][r.id])
-            self._emit("step", r, {"step": r.steps_done, "num_steps": r.num_steps, "batch_size": len(batch),
-                                   "step_s": step_s})
-            if r.steps_done >= r.num_steps:
-                with self._lock:
-                    r.state = RequestState.DECODING
-                self._emit("decoding", r, {"num_frames": r.num_frames, "frames_done": r.frames_done})
+        step_s = (time.perf_counter() - t0) / len(out["progress"])
+        for progress in out["progress"]:
+            self.steps_run += 1
+            self.requests_stepped += len(batch)
+            self.last_batch_size = len(batch)
+            self._emit("batch", None, {"batch_size": len(batch), "step_s": step_s, "batch_key": batch[0].batch_key,
+                                       "request_ids": [r.id for r in batch]})
+            for r in batch:
+                r._progress(progress[r.id])
+                self._emit("step", r, {"step": r.steps_done, "num_steps": r.num_steps, "batch_size": len(batch),
+                                       "step_s": step_s})
+                if r.steps_done >= r.num_steps:
+                    with self._lock:
+                        r.state = RequestState.DECODING
+                    self._emit("decoding", r, {"num_frames": r.num_frames, "frames_done": r.frames_done})
         return True
 
     # -- worker calls and their failures ---------------------------------------------------

@@ -55,12 +55,25 @@ def admit(ctx, spec: GenerationSpec) -> dict:
             "encode_s": req.timings["encode_s"], **req.progress()}
 
 
-def step(ctx, request_ids: list[str]) -> dict:
-    """One denoising step for every listed request, batched into one parallel forward."""
+def step(ctx, request_ids: list[str], max_steps: int = 1) -> dict:
+    """Denoising steps for the listed requests, each step one batched parallel forward.
+
+    Runs up to `max_steps` steps, and stops after the step at which anything the scheduler
+    must see happens: a request finishes denoising, has final frames to decode (a long
+    video's segment ended), or the batch's key changes (another expert, another interval).
+    Returns {"progress": [{request_id: progress} per step run], "compute_s"}.
+    """
     reqs = [ctx.state["requests"][rid] for rid in request_ids]
+    family = ctx.state["family"]
     t0 = time.perf_counter()
-    ctx.state["family"].step(reqs)
-    return {"progress": {r.spec.request_id: r.progress() for r in reqs}, "compute_s": time.perf_counter() - t0}
+    progress = []
+    for _ in range(max_steps):
+        key = reqs[0].batch_key
+        family.step(reqs)
+        progress.append({r.spec.request_id: r.progress() for r in reqs})
+        if any(r.denoised or r.decodable() or r.batch_key != key for r in reqs):
+            break
+    return {"progress": progress, "compute_s": time.perf_counter() - t0}
 
 
 def decode_next(ctx, request_id: str, max_frames: int) -> dict | None:

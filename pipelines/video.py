@@ -77,6 +77,7 @@ class VideoPipeline:
         cfg_parallel: bool = False,
         attention: str = "auto",
         launcher: str = "auto",
+        max_steps_per_job: int = 8,
     ) -> "VideoPipeline":
         """Start `workers` processes that each load `model` (a name in `weights/` or a local directory).
 
@@ -85,10 +86,12 @@ class VideoPipeline:
         "ulysses", "ring", "megatron-sp" for Latte; "ulysses", "ring", "usp" for the Wan
         family); `ulysses_degree` for "usp". Under `torchrun` the pipeline joins the torchrun
         group instead: rank 0 returns the pipeline, the other ranks serve it and exit.
+        `max_steps_per_job`: denoising steps one worker job may run (fewer round trips to the workers).
         """
         engine = VideoEngine.start(model, workers=workers, parallel=parallel, ulysses_degree=ulysses_degree,
                                    device=device, dtype=dtype, cfg_parallel=cfg_parallel, attention=attention,
-                                   launcher=launcher, decode_chunk_frames=WHOLE_VIDEO)
+                                   launcher=launcher, decode_chunk_frames=WHOLE_VIDEO,
+                                   max_steps_per_job=max_steps_per_job)
         return cls(engine)
 
     @property

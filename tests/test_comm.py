@@ -211,3 +211,39 @@ def test_under_torchrun_a_failing_non_zero_rank_surfaces_on_rank_0_instead_of_ha
     assert result["raised"] and (result["kind"], result["rank"]) == ("internal", 1), result
     assert "rank 1 broke" in result["message"]
     assert result["seconds"] < 60 and result["state"] == "unavailable"
+
+
+def _accounted_and_real_bytes(ctx, n):
+    """{kind: (bytes engine.comm accounts for, bytes this process really wrote to its sockets)} per collective."""
+    def written():  # bytes passed to write()/send() by this process: gloo's sockets, nothing else runs here
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("wchar")).split()[1])
+
+    N = ctx.pg.world_size
+    x = torch.randn(n * N)
+    calls = {"all_to_all": lambda: comm.all_to_all_switch(x.view(N, -1), 0, 1, n, ctx.pg),
+             "all_gather": lambda: comm.all_gather(x[:n], 0, ctx.pg),
+             "reduce_scatter": lambda: comm.reduce_scatter(x, 0, ctx.pg),
+             "all_reduce": lambda: comm.all_reduce(x[:n], ctx.pg),
+             "send_recv": lambda: comm.ring_shift(x[:n], ctx.pg),
+             "gather": lambda: comm.gather_to(x[:n], 0, ctx.pg)}
+    out = {}
+    for kind, call in calls.items():
+        comm.STATS.reset()
+        before = written()
+        call()
+        out[kind] = (comm.STATS.bytes_sent, written() - before)
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's per-process I/O counters")
+def test_the_accounted_bytes_are_the_bytes_the_backend_really_sends(pool3):
+    n = 1 << 19                                               # 2 MiB of float32 per rank chunk
+    for rank, got in enumerate(pool3.run(_accounted_and_real_bytes, n)):
+        for kind, (accounted, real) in got.items():
+            if kind == "reduce_scatter":
+                # engine.comm accounts for the ring algorithm NCCL runs, (N-1)/N of the input; gloo sends twice that
+                assert abs(real - 2 * accounted) <= 4096, (rank, kind, accounted, real)
+            else:
+                assert abs(real - accounted) <= 4096, (rank, kind, accounted, real)   # headers: about 1 KiB
+        assert got["all_to_all"][0] == round(4 * n * 3 * 2 / 3), "the formula itself: (N-1)/N of the input"

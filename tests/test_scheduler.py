@@ -64,11 +64,17 @@ class ScriptedPool:
             return [{"request_id": spec.request_id, "num_steps": spec.num_inference_steps,
                      "num_frames": spec.num_frames, "encode_s": 0.0, **self.progress(spec.request_id)}, None]
         if name == "step":
-            for rid in args[0]:
-                st = self.held[rid]  # KeyError = stepping a request the workers do not hold
-                assert st["step"] < st["spec"].num_inference_steps, f"{rid} stepped past its last step"
-                st["step"] += 1
-            return [{"progress": {rid: self.progress(rid) for rid in args[0]}, "compute_s": 0.0}, None]
+            ids, max_steps = args
+            progress = []
+            for _ in range(max_steps):
+                for rid in ids:
+                    st = self.held[rid]  # KeyError = stepping a request the workers do not hold
+                    assert st["step"] < st["spec"].num_inference_steps, f"{rid} stepped past its last step"
+                    st["step"] += 1
+                progress.append({rid: self.progress(rid) for rid in ids})
+                if any(self.held[rid]["step"] == self.held[rid]["spec"].num_inference_steps for rid in ids):
+                    break
+            return [{"progress": progress, "compute_s": 0.0}, None]
         if name == "decode_next":
             rid, max_frames = args
             st = self.held[rid]
@@ -118,6 +124,7 @@ class Recorder:
 def make(pool=None, **kw):
     pool = pool or ScriptedPool()
     rec = Recorder()
+    kw.setdefault("max_steps_per_job", 1)    # the policy tests count one job per step
     return StepScheduler(pool, on_event=rec, **kw), pool, rec
 
 
@@ -365,3 +372,23 @@ def test_a_model_that_fails_to_load_keeps_requests_queued_and_retries_with_backo
     drain(sched)
     assert sched.setup_failures == 0
     assert [r for r, _ in rec.of("completed")] == ["a", "b"]
+
+
+def test_a_quiet_batch_runs_several_steps_per_job_and_a_newcomer_joins_at_the_next_boundary():
+    sched, pool, rec = make(max_batch=4, max_steps_per_job=4)
+    sched.submit(spec("a", steps=10))
+    sched.run_iteration()                        # admitted; nothing else waits: 4 steps in one job
+    assert pool.batches() == [["a"]] and pool.held["a"]["step"] == 4
+    assert [d["step"] for _, d in rec.of("step")] == [1, 2, 3, 4], "progress is still reported per step"
+    sched.submit(spec("b", steps=3))             # arrives during (after) that job: joins at the next boundary
+    sched.run_iteration()                        # admits b; a and b run min(4, 6, 3) = 3 steps together
+    assert pool.batches()[-1] == ["a", "b"] and (pool.held["a"]["step"], pool.held["b"]["step"]) == (7, 3)
+    sched.submit(spec("c", steps=9))
+    sched.run_iteration()                        # admits c, decodes b (done), then a and c run 3 steps
+    assert pool.batches()[-1] == ["a", "c"] and (pool.held["a"]["step"], pool.held["c"]["step"]) == (10, 3)
+    assert sched.cancel("c")
+    sched.run_iteration()                        # cancelled at the next boundary
+    assert "c" not in pool.held
+    drain(sched)
+    assert [d["step"] for r, d in rec.of("step") if r == "a"] == list(range(1, 11))
+    assert rec.kinds("a")[-1] == rec.kinds("b")[-1] == "completed" and rec.kinds("c")[-1] == "cancelled"

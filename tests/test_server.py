@@ -276,7 +276,9 @@ def test_deleting_a_running_video_frees_its_slot_at_the_next_step_and_its_batchm
         assert time.monotonic() < deadline, "a and b never shared a step"
         time.sleep(0.005)
     step_at_delete = max(d["step"] for e, d in list(b_events) if e == "video.progress")
+    tracked = server["service"].scheduler.get(a["id"])          # the scheduler's own view of a
     r = http.delete(f"/v1/videos/{a['id']}")
+    steps_when_deleted = tracked.steps_done
     assert r.status_code == 200 and r.json() == {"id": a["id"], "object": "video.deleted", "deleted": True}
     assert http.get(f"/v1/videos/{a['id']}").status_code == 404
     deadline = time.monotonic() + 10
@@ -291,7 +293,9 @@ def test_deleting_a_running_video_frees_its_slot_at_the_next_step_and_its_batchm
     sizes = [(d["step"], d["batch_size"]) for e, d in b_events if e == "video.progress"]
     after = [s for step, s in sizes if step > step_at_delete]
     assert after == sorted(after, reverse=True) and after[-1] == 1, "b runs alone once a is gone"
-    assert after.count(2) <= 3, f"a kept running for {after.count(2)} steps after its delete"
+    # counted by the scheduler, not timed: a ran at most the rest of the job that was in flight
+    assert tracked.state.value == "finished_cancelled"
+    assert tracked.steps_done - steps_when_deleted <= server["service"].scheduler.max_steps_per_job
     assert not list(server["data_dir"].glob(f"videos/{a['id']}*"))
 
 
@@ -394,7 +398,11 @@ MALFORMED = [
 def test_malformed_requests_get_a_4xx_error_envelope_naming_the_field_and_the_server_stays_healthy(server, http):
     restarts = metric(http, "longserve_worker_restarts")
     before = http.get("/v1/videos", params={"limit": 100}).json()["data"]
-    assert len(MALFORMED) >= 30
+    # every field of the create body has a malformed case that names it (a new field needs one)
+    from server.api.protocol import VideoCreateRequest
+
+    named = {param for *_, param in MALFORMED}
+    assert set(VideoCreateRequest.model_fields) <= named, set(VideoCreateRequest.model_fields) - named
     for name, method, path, kwargs, status, param in MALFORMED:
         r = http.request(method, path, **kwargs)
         assert r.status_code == status, f"{name}: {r.status_code} {r.text[:300]}"

@@ -80,4 +80,20 @@ def test_the_entrypoint_is_the_declared_console_script_and_the_default_command_p
     assert COMMANDS["serve"][0] == "server.cli.serve"
     args = build_parser().parse_args(entry[1:] + cmd)
     assert args.model.startswith("/models/") and args.host == "0.0.0.0" and args.device == "cuda"
-    assert "make docker" not in ins and "docker build -t longserve:latest ." in (ROOT / "Makefile").read_text()
+    assert args.dtype == "bfloat16", "a GPU deployment serves in bf16 by default"
+
+
+def test_make_docker_builds_the_image_the_dockerfile_documents():
+    recipe = re.search(r"^docker:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert recipe, "the Makefile has a docker target"
+    assert recipe.group(1).strip() == "docker build -t longserve:latest ."
+    header = (ROOT / "Dockerfile").read_text().split("ARG ", 1)[0]
+    assert "make docker" in header and "longserve:latest" in header
+
+
+def test_the_gpu_image_installs_no_benchmark_only_dependency():
+    meta = pyproject()["project"]
+    core = [d.split(">")[0].split("=")[0].split("<")[0].strip().lower() for d in meta["dependencies"]]
+    assert "matplotlib" not in core and "matplotlib" in " ".join(meta["optional-dependencies"]["bench"])
+    runs = " ".join(a for k, a in instructions() if k == "RUN")
+    assert "bench" not in re.findall(r"'\.\[([\w,]+)\]'", runs)[0]

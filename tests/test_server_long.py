@@ -82,14 +82,17 @@ def test_delete_cancels_a_long_video_in_a_later_segment(server, http):
             break
         assert time.monotonic() < deadline, "the job never reached its second segment"
         time.sleep(0.01)
-    steps_before = service.scheduler.steps_run
+    tracked = service.scheduler.get(v["id"])
     assert http.delete(f"/v1/videos/{v['id']}").json()["deleted"] is True
+    steps_when_deleted = tracked.steps_done
     assert http.get(f"/v1/videos/{v['id']}").status_code == 404
     deadline = time.monotonic() + 30
     while service.scheduler.num_admitted:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert service.scheduler.steps_run - steps_before <= 2, "cancelled at the next step boundary"
+    assert tracked.state.value == "finished_cancelled"
+    assert tracked.steps_done - steps_when_deleted <= service.scheduler.max_steps_per_job, \
+        "cancelled at the next step boundary after the job in flight"
 
 
 @pytest.mark.parametrize("extra, param", [

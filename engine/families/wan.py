@@ -196,6 +196,7 @@ def decoded_frames(latent_frames: int, temporal: int) -> int:
 class WanRequest(WorkerRequest):
     scheduler: object = None
     timesteps: torch.Tensor = None
+    timesteps_cpu: list = None         # the same as floats: scheduling decisions without a device sync
     latents: torch.Tensor = None       # (B, C, F, h, w) float32, identical on every rank
     text: torch.Tensor = None          # (2B or B, 512, C_text): [negative; positive] when CFG
     step_kwargs: dict = None
@@ -283,12 +284,12 @@ class WanFamily(VideoFamily):
 
     # -- requests ------------------------------------------------------------------------------
 
-    def _expert(self, t: torch.Tensor) -> int:
+    def _expert(self, t: float) -> int:
         """Wan 2.2: the high-noise expert for t >= boundary, the low-noise one below (index 0 / 1)."""
         return 0 if self.boundary is None or t >= self.boundary else 1
 
     def _key(self, r: "WanRequest") -> tuple:
-        expert = self._expert(r.timesteps[r.steps_done]) if r.steps_done < r.num_steps else -1
+        expert = self._expert(r.timesteps_cpu[r.steps_done]) if r.steps_done < r.num_steps else -1
         return ("wan", *r.latents.shape, expert)
 
     def encode(self, spec: GenerationSpec) -> torch.Tensor:
@@ -318,7 +319,8 @@ class WanFamily(VideoFamily):
         generator = seeded_generator(spec.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(pg.device)  # as prepare_latents
         req = WanRequest(spec=spec, num_steps=len(scheduler.timesteps), batch_key=(), num_frames=spec.num_frames,
-                         scheduler=scheduler, timesteps=scheduler.timesteps, latents=latents, text=text,
+                         scheduler=scheduler, timesteps=scheduler.timesteps,
+                         timesteps_cpu=scheduler.timesteps.tolist(), latents=latents, text=text,
                          step_kwargs=scheduler_step_kwargs(scheduler, generator))
         req.batch_key = self._key(req)
         req.timings["encode_s"] = encode_s
@@ -328,7 +330,7 @@ class WanFamily(VideoFamily):
         """One denoising step for a batch (same latent shape and expert), one parallel forward."""
         pg = self.pg
         t0 = time.perf_counter()
-        expert = self._expert(reqs[0].timesteps[reqs[0].steps_done])
+        expert = self._expert(reqs[0].timesteps_cpu[reqs[0].steps_done])
         model = self.experts[expert]
         use_cfg_parallel = self.cfg_groups is not None and all(r.spec.use_cfg for r in reqs)
         inputs, times, texts = [], [], []

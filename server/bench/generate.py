@@ -37,7 +37,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--configs", default="tiny,bench", help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--steps", type=int, default=10, help="denoising steps per video")
     parser.add_argument("--runs", type=int, default=2, help="timed videos per point (after one warm-up)")
-    parser.add_argument("--parallel", default="dsp")
+    parser.add_argument("--parallel", default="auto")
+    parser.add_argument("--steps-per-job", default="1,8",
+                        help="denoising steps one worker job may run, comma-separated (1: one pool job per step)")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
     parser.add_argument("--json", default=None, metavar="PATH")
 
@@ -62,6 +64,7 @@ def run(args) -> int:
     from pipelines import VideoPipeline
 
     workers = benchutil.int_list(args.workers, "--workers")
+    steps_per_job = benchutil.int_list(args.steps_per_job, "--steps-per-job")
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
@@ -71,29 +74,34 @@ def run(args) -> int:
         for name in names:
             cfg = CONFIGS[name]
             model = cfg["model"] or str(build_bench_checkpoint(Path(tmp) / "bench-latte"))
-            for n in workers:
-                print(f"[{name}] {n} worker(s) ...", file=sys.stderr)
-                with VideoPipeline.from_pretrained(model, workers=n, parallel=args.parallel,
-                                                   device=args.device) as pipe:
+            for n, per_job in ((n, k) for n in workers for k in steps_per_job):
+                print(f"[{name}] {n} worker(s), up to {per_job} step(s) per job ...", file=sys.stderr)
+                with VideoPipeline.from_pretrained(model, workers=n, parallel=args.parallel, device=args.device,
+                                                   max_steps_per_job=per_job) as pipe:
                     kw = dict(num_frames=cfg["frames"], height=cfg["size"], width=cfg["size"],
                               num_inference_steps=args.steps, guidance_scale=4.5, seed=0)
                     pipe("warm-up", **kw)
                     timings = [pipe("a red ball bouncing", **kw).timings for _ in range(args.runs)]
                 med = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
                 overhead = med["wall_s"] - med["transformer_s"] - med["vae_s"]
-                rows.append(dict(config=name, workers=n, frames=cfg["frames"], size=cfg["size"], steps=args.steps,
+                rows.append(dict(config=name, workers=n, steps_per_job=per_job, frames=cfg["frames"],
+                                 size=cfg["size"], steps=args.steps,
                                  video_s=med["wall_s"], transformer_s=med["transformer_s"], vae_s=med["vae_s"],
                                  encode_s=med["encode_s"], overhead_s=overhead,
+                                 overhead_per_step_ms=1000 * (overhead - med["encode_s"]) / args.steps,
                                  overhead_frac=overhead / med["wall_s"]))
     machine = benchutil.machine_info(args.device or "cpu")
     for r in rows:
-        base = next(b for b in rows if b["config"] == r["config"] and b["workers"] == min(workers))
+        base = next(b for b in rows if b["config"] == r["config"] and b["workers"] == min(workers)
+                    and b["steps_per_job"] == r["steps_per_job"])
         r["speedup"] = base["video_s"] / r["video_s"]
         r["machine"] = machine
-    columns = [("config", "config"), ("workers", "workers"), ("s / video", "video_s", ".3f"),
+    columns = [("config", "config"), ("workers", "workers"), ("steps / job", "steps_per_job"),
+               ("s / video", "video_s", ".3f"),
                ("transformer s", "transformer_s", ".3f"), ("VAE s", "vae_s", ".3f"),
                ("encode s", "encode_s", ".4f"), ("pool overhead s", "overhead_s", ".4f"),
-               ("overhead %", lambda r: 100 * r["overhead_frac"], ".1f"), ("speedup", "speedup", ".2f")]
+               ("overhead %", lambda r: 100 * r["overhead_frac"], ".1f"),
+               ("overhead / step ms", "overhead_per_step_ms", ".2f"), ("speedup", "speedup", ".2f")]
     print(benchutil.text_table(rows, columns))
     print()
     print(benchutil.markdown_table(rows, columns))

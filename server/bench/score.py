@@ -181,7 +181,10 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'longserve[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -227,7 +227,10 @@ def plot_lines(
     `hlines` maps a panel index to horizontal reference lines [(y, label), ...] (already scaled).
     Rows whose y is None are skipped.
     """
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'longserve[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

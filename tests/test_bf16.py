@@ -1,0 +1,45 @@
+"""bf16 numerics, on CPU: our forward in bf16 is as close to diffusers' fp32 forward as diffusers' own bf16
+forward is (the GPU run of the same comparison is in tests/test_gpu.py)."""
+
+import pytest
+import torch
+
+from engine.dist import ParallelGroup
+from engine.families import latte, wan
+from engine.parallel import make_sequence_parallel
+from latte_models import latte_inputs, tiny_latte_transformer
+from server.bench.models import random_wan_transformer
+
+SOLO = ParallelGroup(rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).abs().mean() / want.abs().mean()).item()
+
+
+def bf16(*tensors):
+    return [t.to(torch.bfloat16) if t.is_floating_point() else t for t in tensors]
+
+
+@pytest.mark.parametrize("family", ["latte", "wan"])
+def test_our_bf16_forward_is_no_further_from_fp32_than_diffusers_own_bf16_forward(family):
+    if family == "latte":
+        model = tiny_latte_transformer(heads=3, video_length=9)
+        inputs = latte_inputs(batch=2, frames=9, grid_h=3, grid_w=5, seed=3)
+        reference = lambda m, x, t, e: m(x, timestep=t, encoder_hidden_states=e).sample  # noqa: E731
+        ours = lambda m, x, t, e: latte.parallel_forward(m, x, t, e, SOLO, "dsp")  # noqa: E731
+    else:
+        model = random_wan_transformer(heads=3)
+        g = torch.Generator().manual_seed(3)
+        inputs = (torch.randn(2, 4, 5, 10, 14, generator=g), torch.tensor([900.0, 300.0]),
+                  torch.randn(2, 6, 16, generator=g))
+        reference = lambda m, x, t, e: m(x, t, e, return_dict=False)[0]  # noqa: E731
+        sp = make_sequence_parallel(SOLO, "ulysses")
+        ours = lambda m, x, t, e: wan.parallel_forward(m, x, t, e, sp)  # noqa: E731
+    with torch.no_grad():
+        want = reference(model, *inputs)
+        model = model.to(torch.bfloat16)
+        theirs = relative_error(reference(model, *bf16(*inputs)), want)
+        mine = relative_error(ours(model, *bf16(*inputs)), want)
+    assert 0 < theirs < 0.1, f"diffusers' own bf16 error {theirs:.2e} should be a bf16 rounding error"
+    assert mine <= 1.25 * theirs, f"ours {mine:.2e} vs diffusers' bf16 {theirs:.2e}"
