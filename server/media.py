@@ -54,8 +54,9 @@ class FragmentedMP4Writer:
                "-movflags", "frag_keyframe+empty_moov+default_base_moof", "-f", "mp4", "pipe:1"]
         self.part_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.part_path, "wb")
+        # the encoder yields the CPU to the workers: a video written a little later, never slower steps
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                      bufsize=0)
+                                      bufsize=0, preexec_fn=_lower_priority if os.name == "posix" else None)
         self._pump = threading.Thread(target=self._pump_output, name=f"mp4-writer-{self.final_path.stem}",
                                       daemon=True)
         self._pump.start()
@@ -128,6 +129,13 @@ class FragmentedMP4Writer:
                     on_done(self.ok, self.error)
                 except Exception:
                     log.exception("video writer completion callback failed")
+
+
+ENCODER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    os.nice(ENCODER_NICENESS)
 
 
 def write_png(path: Path, frame: np.ndarray) -> None:

@@ -299,6 +299,32 @@ def test_deleting_a_running_video_frees_its_slot_at_the_next_step_and_its_batchm
     assert not list(server["data_dir"].glob(f"videos/{a['id']}*"))
 
 
+def test_a_stalled_video_writer_does_not_stall_the_denoising_of_other_videos(server, http):
+    """Writing a video's frames (MP4 encoding, thumbnail, SQLite, SSE) happens off the scheduler thread: while
+    one video's output is stuck, another keeps denoising."""
+    service = server["service"]
+    write_frames = service._write_frames
+    stuck = threading.Event()
+
+    def stuck_writer(live, data):
+        stuck.set()
+        time.sleep(2.0)
+        write_frames(live, data)
+
+    service._write_frames = stuck_writer
+    try:
+        long = create(http, size="64x64", num_frames=16, num_inference_steps=1000, seed=5)
+        create(http, size="32x32", num_frames=4, num_inference_steps=2, seed=6)
+        assert stuck.wait(60), "the short video's frames never reached the writer"
+        tracked = service.scheduler.get(long["id"])
+        before = tracked.steps_done
+        time.sleep(1.0)                                    # the writer is stuck all this while
+        assert tracked.steps_done - before >= 3, "the long video kept denoising"
+    finally:
+        service._write_frames = write_frames
+    assert http.delete(f"/v1/videos/{long['id']}").status_code == 200
+
+
 # -- robustness ------------------------------------------------------------------------------------------------
 
 VALID = {"prompt": "a red ball", "size": "32x32", "num_frames": 4, "num_inference_steps": 2}

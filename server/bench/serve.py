@@ -45,11 +45,17 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=20, help="num_inference_steps of every request")
     p.add_argument("--size", default="64x64")
     p.add_argument("--frames", type=int, default=16)
+    p.add_argument("--interference", action="store_true",
+                   help="instead: a long video's denoising rate alone and while another video's MP4 is encoded "
+                        "and streamed, and the latency of GET /health and GET /v1/videos/{id} meanwhile")
+    p.add_argument("--encode-size", default="256x256", help="--interference: size of the video being encoded")
+    p.add_argument("--encode-frames", type=int, default=97, help="--interference: frames of the video being encoded")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--docs", default=None, help="replace the '## Serving (bench serve)' section of this markdown file")
 
 
 def run(args) -> int:
+    from server.api.protocol import parse_size
     from server.bench.util import int_list, load_average, machine_info, text_table, write_json
 
     levels = int_list(args.concurrency, "--concurrency")
@@ -60,12 +66,17 @@ def run(args) -> int:
     load_before = load_average()
     server = None
     url = args.url
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if url is None:
-            server = start_server(args, max_batch=args.max_batch or max(levels))
+            extra = (["--decode-chunk-frames", str(args.encode_frames), "--max-steps", "1000", "--max-frames",
+                      str(args.encode_frames), "--max-size", str(max(parse_size(args.encode_size)))]
+                     if args.interference else [])
+            server = start_server(args, max_batch=args.max_batch or max(levels), extra=extra)
             url = server.url
-        rows = measure(url, levels, n, body, api_key=args.api_key,
-                       progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if args.interference:
+            return _report_interference(args, measure_interference(url, body, args, say), load_before)
+        rows = measure(url, levels, n, body, api_key=args.api_key, progress=say)
     finally:
         if server is not None:
             server.stop()
@@ -181,6 +192,108 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q))
 
 
+# -- denoising while a stream encodes -----------------------------------------------------------------------------
+
+
+def measure_interference(url: str, body: dict, args, progress) -> dict:
+    """A long video denoises alone for a while; then a second video (another shape, so another batch) is
+    created and streamed; once it is denoised and decoded (one decode chunk: the server runs with
+    --decode-chunk-frames = its frames), its MP4 is encoded and streamed while the long one denoises. The long
+    video's steps per second in each window, from /metrics' step counter, and the latency of GET /health and
+    GET /v1/videos/{id} (30 of each, alternating) in each window."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+        long = http.post("/v1/videos", json=dict(body, prompt="the long one", num_inference_steps=1000,
+                                                 seed=1)).json()["id"]
+        while http.get(f"/v1/videos/{long}").json()["progress"] < 1:
+            time.sleep(0.01)
+        alone = _window(http, long, until=lambda: None, min_s=3.0)
+        progress(f"alone: {alone['steps_per_s']:.2f} steps/s")
+        encoded = http.post("/v1/videos", json={"prompt": "the encoded one", "size": args.encode_size,
+                                                "num_frames": args.encode_frames, "num_inference_steps": 2,
+                                                "seed": 2}).json()["id"]
+        streamed = bytearray()
+
+        def stream():
+            with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
+                with c.stream("GET", f"/v1/videos/{encoded}/content", params={"stream": "true"}) as r:
+                    for chunk in r.iter_bytes():
+                        streamed.extend(chunk)
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        while http.get(f"/v1/videos/{encoded}").json()["progress"] < 99:    # denoised and decoded
+            time.sleep(0.005)
+        done = lambda: http.get(f"/v1/videos/{encoded}").json()["status"] in ("completed", "failed")  # noqa: E731
+        encoding = _window(http, long, until=done, min_s=0.0)
+        reader.join(60)
+        progress(f"while encoding: {encoding['steps_per_s']:.2f} steps/s over {encoding['seconds']:.2f} s, "
+                 f"{len(streamed)} bytes streamed")
+        http.delete(f"/v1/videos/{long}")
+    return {"alone": alone, "encoding": encoding, "streamed_bytes": len(streamed),
+            "ratio": encoding["steps_per_s"] / alone["steps_per_s"]}
+
+
+def _window(http, video_id: str, until, min_s: float) -> dict:
+    """Steps per second (all batches: only `video_id` denoises) and request latencies until `until()` (or for
+    `min_s` seconds when `until` returns None), with 30 GETs of /health and 30 of the video meanwhile."""
+    import numpy as np
+
+    def steps():
+        return _step_counters(http)[1]
+
+    s0, t0 = steps(), time.perf_counter()
+    health, video = [], []
+    while True:
+        for path, out in (("/health", health), (f"/v1/videos/{video_id}", video)):
+            if len(out) < 30:
+                t = time.perf_counter()
+                http.get(path)
+                out.append(time.perf_counter() - t)
+        elapsed = time.perf_counter() - t0
+        finished = until()
+        if (finished is None and elapsed >= min_s and len(video) >= 30) or finished:
+            break
+        time.sleep(0.01)
+    s1, t1 = steps(), time.perf_counter()
+    ms = lambda xs: {"median_ms": 1000 * float(np.median(xs)), "worst_ms": 1000 * max(xs), "n": len(xs)}  # noqa: E731
+    return {"steps_per_s": (s1 - s0) / (t1 - t0), "seconds": t1 - t0, "health": ms(health), "video": ms(video)}
+
+
+def _report_interference(args, result: dict, load_before) -> int:
+    from server.bench.util import machine_info, replace_markdown_section, write_json
+
+    rows = [dict(window=name, steps_per_s=w["steps_per_s"], seconds=w["seconds"],
+                 health_median_ms=w["health"]["median_ms"], health_worst_ms=w["health"]["worst_ms"],
+                 health_n=w["health"]["n"], video_median_ms=w["video"]["median_ms"],
+                 video_worst_ms=w["video"]["worst_ms"], video_n=w["video"]["n"])
+            for name, w in (("nothing encoding", result["alone"]), ("a stream encoding", result["encoding"]))]
+    from server.bench.util import markdown_table
+
+    columns = [("window", "window"), ("steps/s", "steps_per_s", ".2f"), ("window s", "seconds", ".2f"),
+               ("GET /health median ms", "health_median_ms", ".1f"), ("worst ms", "health_worst_ms", ".1f"),
+               ("GET /v1/videos/{id} median ms", "video_median_ms", ".1f"), ("worst ms", "video_worst_ms", ".1f")]
+    table = markdown_table(rows, columns)
+    machine = machine_info("cpu")
+    command = "longserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    print(table)
+    print(f"steps/s while encoding / alone: {result['ratio']:.3f}")
+    if args.json:
+        write_json([dict(r, ratio=result["ratio"], machine=machine, load_average=load_before) for r in rows],
+                   args.json)
+    if args.docs:
+        body = (f"Measured with `{command}` on {machine['cpu']} ({machine['cores']} cores, torch {machine['torch']}), "
+                f"load average before {load_before}. A {args.size} video of {args.frames} frames denoises (model "
+                f"{args.model}, {args.workers} workers) alone, then while a {args.encode_size} video of "
+                f"{args.encode_frames} frames is MP4-encoded and streamed to a client; the latencies are of 30 "
+                f"requests of each kind per window.\n\n{table}\n\nSteps per second while encoding / alone: "
+                f"**{result['ratio']:.3f}**.")
+        replace_markdown_section(args.docs, "## Serving: denoising while a stream encodes", body)
+    return 0
+
+
 # -- a server to bench ----------------------------------------------------------------------------------------
 
 
@@ -197,7 +310,7 @@ class _Server:
         self._data_dir.cleanup()
 
 
-def start_server(args, max_batch: int, timeout_s: float = 300.0) -> _Server:
+def start_server(args, max_batch: int, timeout_s: float = 300.0, extra: list[str] = ()) -> _Server:
     import httpx
 
     from server.api.app import free_port
@@ -207,7 +320,7 @@ def start_server(args, max_batch: int, timeout_s: float = 300.0) -> _Server:
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--workers", str(args.workers),
            "--parallel", args.parallel, "--host", "127.0.0.1", "--port", str(port), "--data-dir", data_dir.name,
            "--max-batch", str(max_batch), "--max-queue", "1024", "--max-steps", str(max(args.steps, 200)),
-           "--log-level", "warning", "--score-model", "none"]
+           "--log-level", "warning", "--score-model", "none", *extra]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -338,7 +338,9 @@ def measure(args) -> list[dict]:
     machine = benchutil.machine_info(device)
     hidden = cfg["heads"] * cfg["head_dim"]
     H, W = cfg["latent"]
-    model_desc = {"in_channels": IN_CHANNELS, "out_channels": OUT_CHANNELS, **cfg, "hidden": hidden, "patch": PATCH,
+    channels = ({"in_channels": cfg["in_channels"], "out_channels": cfg["in_channels"]} if args.model == "wan"
+                else {"in_channels": IN_CHANNELS, "out_channels": OUT_CHANNELS})
+    model_desc = {**cfg, **channels, "hidden": hidden, "patch": PATCH,
                   "latent": [H, W], "patches_per_frame": (H // PATCH) * (W // PATCH), "batch": 2, "dtype": "float32"}
     print(f"bench transformer: config {args.config} {model_desc}, {machine}", file=sys.stderr, flush=True)
 
