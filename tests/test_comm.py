@@ -139,6 +139,7 @@ def test_a_failure_on_one_rank_never_leaves_a_collective_for_the_next_job(pool3,
     """Rank 1 fails while ranks 0 and 2 wait for it in an all-reduce. Had the pool not been restarted, the
     next job's all-reduce on rank 1 would meet its peers' pending one and mix the two jobs' values."""
     restarts = pool3.restarts
+    pool3.error_grace_s = 1.0                # how long the pool waits for ranks 0 and 2, stuck in the all-reduce
     with pytest.raises(WorkerError) as e:
         pool3.run(_sum_of_ranks_then_fail, 1, how)
     assert (e.value.kind, e.value.rank) == (kind, 1), str(e.value)

@@ -30,34 +30,11 @@ def test_one_gpu_fp32_matches_cpu(cpu_frames):
 
 @pytest.mark.parametrize("family", ["latte", "wan"])
 def test_one_gpu_bf16_forward_is_no_further_from_fp32_than_diffusers_own_bf16(family):
-    """tests/test_bf16.py's comparison, on the GPU (SDPA flash / efficient kernels, TF32 off for the fp32 reference)."""
-    from test_bf16 import SOLO, bf16, relative_error
-
-    from engine.families import latte, wan
-    from engine.parallel import make_sequence_parallel
-    from latte_models import latte_inputs, tiny_latte_transformer
-    from server.bench.models import random_wan_transformer
+    """tests/test_bf16.py's comparison, on the GPU (its SDPA kernels; TF32 off for the fp32 reference)."""
+    from test_bf16 import bf16_relative_errors
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    solo = type(SOLO)(rank=0, world_size=1, device=torch.device("cuda"))
-    if family == "latte":
-        model = tiny_latte_transformer(heads=3, video_length=9).cuda()
-        inputs = [t.cuda() for t in latte_inputs(batch=2, frames=9, grid_h=3, grid_w=5, seed=3)]
-        reference = lambda m, x, t, e: m(x, timestep=t, encoder_hidden_states=e).sample  # noqa: E731
-        ours = lambda m, x, t, e: latte.parallel_forward(m, x, t, e, solo, "dsp")  # noqa: E731
-    else:
-        model = random_wan_transformer(heads=3).cuda()
-        g = torch.Generator().manual_seed(3)
-        inputs = [t.cuda() for t in (torch.randn(2, 4, 5, 10, 14, generator=g), torch.tensor([900.0, 300.0]),
-                                     torch.randn(2, 6, 16, generator=g))]
-        reference = lambda m, x, t, e: m(x, t, e, return_dict=False)[0]  # noqa: E731
-        sp = make_sequence_parallel(solo, "ulysses")
-        ours = lambda m, x, t, e: wan.parallel_forward(m, x, t, e, sp)  # noqa: E731
-    with torch.no_grad():
-        want = reference(model, *inputs)
-        model = model.to(torch.bfloat16)
-        theirs = relative_error(reference(model, *bf16(*inputs)), want)
-        mine = relative_error(ours(model, *bf16(*inputs)), want)
+    mine, theirs = bf16_relative_errors(family, "cuda")
     assert mine <= 1.25 * theirs, f"ours {mine:.2e} vs diffusers' bf16 {theirs:.2e}"
 
 

@@ -13,7 +13,7 @@ from weights import resolve_model
 ATOL = 1e-4
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry"
 # 80x112 pixels -> a 5x7 patch grid (35 patches per latent frame: divisible by none of 2, 3, 4)
-SIZE = dict(height=80, width=112, num_inference_steps=3, guidance_scale=6.0)
+SIZE = dict(height=80, width=112, num_inference_steps=2, guidance_scale=6.0)
 # 37 frames = 10 latent frames in 4 segments of <= 5, each after the first conditioned on 3 latent frames
 SYNC = dict(num_frames=37, base_num_frames=17, overlap_history=9, ar_step=0, causal_block_size=1, **SIZE)
 # 73 frames = 19 latent frames in 3 segments of 9 = 3 causal blocks of 3; later blocks lag 2 steps

@@ -13,7 +13,7 @@ from pipelines import VideoPipeline
 from weights import resolve_model
 
 PROMPT = "a red ball bouncing"
-KW = dict(num_frames=16, height=48, width=80, num_inference_steps=4, guidance_scale=4.5)  # LattePipeline: 16 frames
+KW = dict(num_frames=16, height=32, width=48, num_inference_steps=3, guidance_scale=4.5)  # LattePipeline: 16 frames
 
 
 def with_scheduler(tmp_path, name: str):

@@ -157,6 +157,25 @@ def scheduler_step_kwargs(scheduler, generator: torch.Generator) -> dict:
     return kwargs
 
 
+def order_rows(per_request: list[list[torch.Tensor]], cfg_parallel: bool) -> list[list[torch.Tensor]]:
+    """Per request, its row tensors ([uncond; cond] rows with CFG) field by field -> per field, the list of
+    parts in the order the batched forward takes them: request after request, or, with CFG-parallel, every
+    request's unconditional half first, then every conditional half."""
+    fields = [list(f) for f in zip(*per_request)]
+    if cfg_parallel:
+        fields = [[x.chunk(2)[part] for part in (0, 1) for x in f] for f in fields]
+    return fields
+
+
+def split_rows(out: torch.Tensor, sizes: list[int], cfg_parallel: bool) -> list[torch.Tensor]:
+    """The inverse of `order_rows` for the forward's output: each request's rows, [uncond; cond]."""
+    if not cfg_parallel:
+        return list(out.split(sizes))
+    uncond, cond = out.chunk(2)
+    halves = [n // 2 for n in sizes]
+    return [torch.cat([u, c]) for u, c in zip(uncond.split(halves), cond.split(halves))]
+
+
 def guided(noise: torch.Tensor, use_cfg: bool, scale: float) -> torch.Tensor:
     """[uncond; cond] model output -> the guided prediction (or the output itself without CFG)."""
     if not use_cfg:

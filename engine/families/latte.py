@@ -42,8 +42,8 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid
 
 from engine import comm
 from engine.dist import ParallelGroup
-from engine.families.base import (Timer, VideoFamily, WorkerRequest, generation_defaults, guided, read_json,
-                                  scheduler_step_kwargs, seeded_generator, to_pixels)
+from engine.families.base import (Timer, VideoFamily, WorkerRequest, generation_defaults, guided, order_rows,
+                                  read_json, scheduler_step_kwargs, seeded_generator, split_rows, to_pixels)
 from engine.parallel import CfgGroups, ParallelPlan, make_cfg_groups, ring_attention
 from engine.request import GenerationSpec
 
@@ -476,29 +476,18 @@ class LatteFamily(VideoFamily):
         pipe, pg = self.pipe, self.pg
         t0 = time.perf_counter()
         use_cfg_parallel = self.cfg is not None and self.plan.cfg_parallel and all(r.spec.use_cfg for r in reqs)
-        inputs, times, texts = [], [], []
+        rows = []
         for r in reqs:
             t = r.timesteps[r.steps_done]
             x = torch.cat([r.latents] * 2) if r.spec.use_cfg else r.latents           # (2B|B, C, T, h, w)
-            inputs.append(r.scheduler.scale_model_input(x, t))
-            times.append(t.reshape(1).expand(x.shape[0]))
-            texts.append(r.text)
-        if use_cfg_parallel:
-            # CFG-parallel wants every unconditional half first, then every conditional half.
-            halves = lambda xs: [h for part in (0, 1) for x in xs for h in [x.chunk(2)[part]]]  # noqa: E731
-            inputs, times, texts = halves(inputs), halves(times), halves(texts)
+            rows.append([r.scheduler.scale_model_input(x, t), t.reshape(1).expand(x.shape[0]), r.text])
+        inputs, times, texts = order_rows(rows, use_cfg_parallel)
         text, mask = _pad_text(texts)
         with torch.no_grad():
             noise = parallel_forward(pipe.transformer, torch.cat(inputs), torch.cat(times).to(pg.device), text, pg,
                                      self.plan.name, cfg=self.cfg if use_cfg_parallel else None,
                                      encoder_attention_mask=mask)                      # (sum, C_out, T, h, w)
-        sizes = [r.latents.shape[0] * (2 if r.spec.use_cfg else 1) for r in reqs]
-        if use_cfg_parallel:
-            uncond, cond = noise.chunk(2)
-            half_sizes = [s // 2 for s in sizes]
-            per_req = [torch.cat([u, c]) for u, c in zip(uncond.split(half_sizes), cond.split(half_sizes))]
-        else:
-            per_req = list(noise.split(sizes))
+        per_req = split_rows(noise, [len(x) for x, _, _ in rows], use_cfg_parallel)
         learned_sigma = getattr(pipe.scheduler.config, "variance_type", None) in ("learned", "learned_range")
         with torch.no_grad():
             for r, eps in zip(reqs, per_req):

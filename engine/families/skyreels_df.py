@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.families.base import Timer, check_common, check_int, check_number, guided, seeded_generator
+from engine.families.base import (Timer, check_common, check_int, check_number, guided, order_rows,
+                                  seeded_generator, split_rows)
 from engine.families.wan import PIPELINE_DEFAULTS, WanFamily, WanRequest, decoded_frames, parallel_forward
 from engine.request import GenerationSpec, RequestError
 
@@ -207,7 +208,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         t0 = time.perf_counter()
         model = self.experts[0]
         use_cfg_parallel = self.cfg_groups is not None and all(r.spec.use_cfg for r in reqs)
-        inputs, times, texts, fps = [], [], [], []
+        rows = []
         for r in reqs:
             step_matrix, _, interval = r.matrices[r.segment]
             s, e = interval[r.row]
@@ -220,26 +221,16 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                 noise = torch.randn(x[:, :, :prefix - s].shape, generator=r.noise_generator).to(x)
                 x[:, :, :prefix - s] = x[:, :, :prefix - s] * (1.0 - factor) + noise * factor
                 timestep[:, :prefix - s] = r.addnoise
-            rows = 2 if r.spec.use_cfg else 1
-            inputs.append(torch.cat([x] * rows))
-            times.append(torch.cat([timestep] * rows))
-            texts.append(r.text)
-            fps += [r.fps_id] * (x.shape[0] * rows)
-        if use_cfg_parallel:
-            halves = lambda xs: [h for part in (0, 1) for x in xs for h in [x.chunk(2)[part]]]  # noqa: E731
-            inputs, times, texts = halves(inputs), halves(times), halves(texts)
+            copies = 2 if r.spec.use_cfg else 1
+            rows.append([torch.cat([x] * copies), torch.cat([timestep] * copies), r.text,
+                         torch.full((x.shape[0] * copies,), r.fps_id)])
+        inputs, times, texts, fps = order_rows(rows, use_cfg_parallel)
         with torch.no_grad():
             noise = parallel_forward(model, torch.cat(inputs), torch.cat(times).to(pg.device), torch.cat(texts),
                                      self.sp_cfg if use_cfg_parallel else self.sp,
-                                     cfg=self.cfg_groups if use_cfg_parallel else None, fps=fps,
-                                     frames_per_block=reqs[0].cbs)                 # (rows, C, e-s, h, w)
-        sizes = [r.latents.shape[0] * (2 if r.spec.use_cfg else 1) for r in reqs]
-        if use_cfg_parallel:
-            uncond, cond = noise.chunk(2)
-            half_sizes = [n // 2 for n in sizes]
-            per_req = [torch.cat([u, c]) for u, c in zip(uncond.split(half_sizes), cond.split(half_sizes))]
-        else:
-            per_req = list(noise.split(sizes))
+                                     cfg=self.cfg_groups if use_cfg_parallel else None,
+                                     fps=torch.cat(fps).tolist(), frames_per_block=reqs[0].cbs)  # (rows, C, e-s, h, w)
+        per_req = split_rows(noise, [len(x) for x, *_ in rows], use_cfg_parallel)
         with torch.no_grad():
             for r, out in zip(reqs, per_req):
                 self._advance(r, guided(out, r.spec.use_cfg, r.spec.guidance_scale))

@@ -29,7 +29,8 @@ import torch
 
 from engine import comm
 from engine.families.base import (Timer, VideoFamily, WorkerRequest, check_number, generation_defaults, guided,
-                                  read_json, scheduler_step_kwargs, seeded_generator, to_pixels)
+                                  order_rows, read_json, scheduler_step_kwargs, seeded_generator, split_rows,
+                                  to_pixels)
 from engine.parallel import (BlockCausal, CfgGroups, ParallelPlan, SequenceParallel, make_cfg_groups,
                              make_sequence_parallel, sequence_parallel_attention)
 from engine.request import GenerationSpec, RequestError
@@ -333,28 +334,16 @@ class WanFamily(VideoFamily):
         expert = self._expert(reqs[0].timesteps_cpu[reqs[0].steps_done])
         model = self.experts[expert]
         use_cfg_parallel = self.cfg_groups is not None and all(r.spec.use_cfg for r in reqs)
-        inputs, times, texts = [], [], []
+        rows = []
         for r in reqs:
-            t = r.timesteps[r.steps_done]
-            rows = 2 if r.spec.use_cfg else 1
-            inputs.append(torch.cat([r.latents] * rows).to(self.dtype))                # (2B|B, C, F, h, w)
-            times.append(t.reshape(1).expand(inputs[-1].shape[0]))
-            texts.append(r.text)
-        if use_cfg_parallel:
-            # CFG-parallel wants every unconditional half first, then every conditional half
-            halves = lambda xs: [h for part in (0, 1) for x in xs for h in [x.chunk(2)[part]]]  # noqa: E731
-            inputs, times, texts = halves(inputs), halves(times), halves(texts)
+            x = torch.cat([r.latents] * (2 if r.spec.use_cfg else 1)).to(self.dtype)  # (2B|B, C, F, h, w)
+            rows.append([x, r.timesteps[r.steps_done].reshape(1).expand(x.shape[0]), r.text])
+        inputs, times, texts = order_rows(rows, use_cfg_parallel)
         with torch.no_grad():
             noise = parallel_forward(model, torch.cat(inputs), torch.cat(times).to(pg.device), torch.cat(texts),
                                      self.sp_cfg if use_cfg_parallel else self.sp,
                                      cfg=self.cfg_groups if use_cfg_parallel else None)  # (rows, C, F, h, w)
-        sizes = [r.latents.shape[0] * (2 if r.spec.use_cfg else 1) for r in reqs]
-        if use_cfg_parallel:
-            uncond, cond = noise.chunk(2)
-            half_sizes = [s // 2 for s in sizes]
-            per_req = [torch.cat([u, c]) for u, c in zip(uncond.split(half_sizes), cond.split(half_sizes))]
-        else:
-            per_req = list(noise.split(sizes))
+        per_req = split_rows(noise, [len(x) for x, _, _ in rows], use_cfg_parallel)
         with torch.no_grad():
             for r, out in zip(reqs, per_req):
                 scale = r.spec.guidance_scale if expert == 0 else r.spec.options.get("guidance_scale_2",
