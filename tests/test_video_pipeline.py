@@ -163,3 +163,30 @@ def test_latte1_shaped_checkpoint_runs_sharded_and_matches_diffusers(tmp_path):
         got = pipe(PROMPT, num_frames=16, seed=0, output_type="latent", **kw).frames
     assert got.shape == want.shape == (1, 4, 16, 6, 10)
     assert (got - want).abs().max().item() <= ATOL
+
+
+def _all_reduce_after_failing_on_rank_1(ctx, how):
+    """Rank 1 fails while its peers wait for it in an all-reduce on the video workers' own group."""
+    from engine import comm
+
+    if ctx.pg.rank == 1:
+        if how == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        if how == "exit":
+            os._exit(3)
+        raise RuntimeError("a bug on one rank")
+    return comm.all_reduce(torch.ones(1), ctx.pg)
+
+
+@pytest.mark.parametrize("how, kind", [("raise", "internal"), ("oom", "out_of_memory"), ("exit", "worker_died")])
+def test_a_failure_on_one_video_worker_restarts_the_pool_and_the_next_video_is_exact(pipe1, how, kind):
+    kw = dict(num_frames=7, height=32, width=48, num_inference_steps=2, guidance_scale=4.5, seed=9)
+    want = pipe1(PROMPT, **kw).frames
+    with VideoPipeline.from_pretrained("tiny-latte", workers=2, device="cpu") as pipe:
+        pipe.pool.error_grace_s = 1.0
+        restarts = pipe.pool.restarts
+        with pytest.raises(WorkerError) as e:
+            pipe.pool.run(_all_reduce_after_failing_on_rank_1, how)
+        assert (e.value.kind, e.value.rank) == (kind, 1)
+        assert pipe.pool.restarts == restarts + 1, "a collective may be pending: the pool must not be reused as is"
+        assert np.abs(pipe(PROMPT, **kw).frames - want).max() <= ATOL

@@ -4,6 +4,7 @@
 
 Models:
 - `tiny`: the shipped `weights/tiny-latte` checkpoint, 16 frames at 64x64.
+- `tiny-wan`: the shipped `weights/tiny-wan` checkpoint (a Wan 2.1-format model), 17 frames at 64x64.
 - `bench`: the transformer of `longserve bench transformer --config bench` (8 heads x 48,
   4 block pairs, random weights) with tiny-latte's VAE, T5 and scheduler, assembled in a
   temporary Latte-format directory; 16 frames at 192x192 pixels (a 24x24 latent).
@@ -28,6 +29,7 @@ from server.bench import util as benchutil
 
 CONFIGS = {
     "tiny": dict(model="tiny-latte", frames=16, size=64),
+    "tiny-wan": dict(model="tiny-wan", frames=17, size=64),
     "bench": dict(model=None, frames=16, size=192),
 }
 

@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default="tiny-latte")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--parallel", default="dsp")
+    p.add_argument("--parallel", default="auto")
     p.add_argument("--max-batch", type=int, default=None, help="server --max-batch (default: the largest concurrency)")
     p.add_argument("--steps", type=int, default=20, help="num_inference_steps of every request")
     p.add_argument("--size", default="64x64")
