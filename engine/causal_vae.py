@@ -183,15 +183,20 @@ class StreamingVAEDecoder:
 
     @torch.no_grad()
     def _probe_decoder(self) -> None:
-        """Read the decoder's output geometry off what it returns for two frames of a 1x1 latent:
-        pixel frames for latent frame 0 and for every later one, channels, pixels per latent pixel."""
+        """Read the decoder's output geometry off what it returns for two frames of a 2x2 latent:
+        pixel frames for latent frame 0 and for every later one, channels, pixels per latent pixel.
+
+        2x2, not 1x1: the decoder's middle attention block attends over the latent's h*w positions,
+        and a sequence of length 1 reaches SDPA with a degenerate stride that CUDA's memory-efficient
+        kernel rejects ("query is not correctly aligned (strideM)"; found on an H100, docs/gpu.md)."""
         self._conv_count = _decoder_conv_count(self.vae)
         cache = [None] * self._conv_count
-        z = torch.zeros(1, self.vae.config.z_dim, 1, 1, 1, dtype=self.dtype, device=self.device)
+        z = torch.zeros(1, self.vae.config.z_dim, 1, 2, 2, dtype=self.dtype, device=self.device)
         first = self.vae.decoder(self.vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0], first_chunk=True)
         later = self.vae.decoder(self.vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0])
         self.frames_first, self.frames_later = first.shape[2], later.shape[2]
-        self.out_channels, self.scale_h, self.scale_w = first.shape[1], first.shape[3], first.shape[4]
+        self.out_channels = first.shape[1]
+        self.scale_h, self.scale_w = first.shape[3] // z.shape[3], first.shape[4] // z.shape[4]
         if not self.tiled:
             self.out_height, self.out_width = self.latent_height * self.scale_h, self.latent_width * self.scale_w
 

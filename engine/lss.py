@@ -48,10 +48,24 @@ from engine.memory import PeakMemory
 
 ATTN_IMPLEMENTATION = "longserve_lss"
 STRATEGIES = ("lss", "ring")
+ATTN_KERNELS = ("blocks", "sdpa")
 
 DEFAULT_ATTN_CHUNK_ELEMS = 1 << 20   # scores per (query chunk x key chunk) block, all heads: 4 MiB fp32
 DEFAULT_LOGITS_CHUNK_ELEMS = 1 << 19  # logits per chunk of tokens: 2 MiB fp32
 DEFAULT_MLP_CHUNK_TOKENS = 512
+
+# On CUDA the CPU-sized chunks make the GPU wait on Python: with a 128k-token vocabulary a 2 MiB logits
+# chunk is 4 tokens, and a 4 MiB score block of a 32-head model is 64 x 512 (first seen on an H100,
+# docs/gpu.md). CUDA chunks are sized for launch count, not for a few MiB of host memory.
+CUDA_ATTN_CHUNK_ELEMS = 1 << 26      # 256 MiB fp32 of scores per block (ring / "blocks" on CUDA)
+CUDA_LOGITS_CHUNK_ELEMS = 1 << 28    # 1 GiB fp32 of logits per chunk (about 2k tokens at a 128k vocabulary)
+CUDA_MLP_CHUNK_TOKENS = 8192
+
+
+def default_attn_kernel(device) -> str:
+    """"sdpa" on CUDA (torch's flash / memory-efficient kernels), "blocks" elsewhere (the online-softmax
+    loop, whose CPU peak memory is what docs/benchmarks.md reports)."""
+    return "sdpa" if torch.device(device).type == "cuda" else "blocks"
 
 
 # -- which positions a rank holds ------------------------------------------------
@@ -120,6 +134,7 @@ class LSSContext:
     attn_chunk_elems: int = DEFAULT_ATTN_CHUNK_ELEMS
     on_layer: Callable[[int], None] | None = None  # called after each attention layer
     layers_done: int = 0
+    attn_kernel: str = "blocks"  # "sdpa": strategy "lss" attends with torch's SDPA kernels (see sdpa_segments)
 
 
 _CONTEXT: contextvars.ContextVar[LSSContext | None] = contextvars.ContextVar("lss_context", default=None)
@@ -227,6 +242,58 @@ def _fuse_kv(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.stack((key, value)).permute(3, 0, 1, 2, 4).contiguous()
 
 
+def gathered_rows(layout: SequenceLayout, device) -> torch.Tensor | None:
+    """(length,) row of the all-gathered K/V (rank r's rows at r*l ...) holding each position, in position
+    order; None when that is the identity (contiguous layout: rank r holds positions [r*l, (r+1)*l))."""
+    if not layout.zigzag:
+        return None
+    rows = torch.empty(layout.length, dtype=torch.long)
+    l = layout.local_length
+    for r in range(layout.world_size):
+        for off, p0, n in layout.segments(r):
+            rows[p0:p0 + n] = torch.arange(r * l + off, r * l + off + n)
+    return rows.to(device)
+
+
+def sdpa_segments(query: torch.Tensor, kv_all: torch.Tensor, layout: SequenceLayout, rank: int,
+                  scale: float) -> torch.Tensor:
+    """Exact causal attention of this rank's queries with torch's SDPA, one call per query segment.
+
+    A segment holds the queries of positions [p0, p0 + n); the keys any of them may see are exactly
+    positions [0, p0 + n), so one SDPA call per segment over that key prefix (in position order) with
+    a *lower-right* causal mask (`causal_lower_right(n, p0 + n)`: query i sees keys <= p0 + i; the
+    top-left `is_causal=True` would be wrong whenever p0 > 0). On CUDA that runs the flash or
+    memory-efficient kernel (no score matrix in memory). K/V heads are repeated for grouped-query
+    models (the lower-right path of torch's SDPA takes no `enable_gqa`). Padding rows give 0.
+
+    query (B, H, l, D); kv_all (N*l, 2, B, H_kv, D) -> (B, l, H, D)
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    B, H, l, D = query.shape
+    rep = H // kv_all.shape[3]
+    rows = gathered_rows(layout, kv_all.device)
+    out = query.new_zeros((B, l, H, D))
+    for q_off, p0, n in layout.segments(rank):
+        keys = kv_all[:p0 + n] if rows is None else kv_all.index_select(0, rows[:p0 + n])  # (Lk, 2, B, H_kv, D)
+        k, v = (keys[:, i].permute(1, 2, 0, 3) for i in (0, 1))                       # (B, H_kv, Lk, D) each
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)   # (B, H, Lk, D)
+        q = query[:, :, q_off:q_off + n]                                              # (B, H, n, D)
+        if _get_current_dispatch_mode() is None:
+            mask = causal_lower_right(n, p0 + n)
+        else:
+            # under a TorchDispatchMode (engine/memory.py's CPU tracker) the CausalBias tensor subclass
+            # cannot be created: the same mask, materialised (n, p0 + n) bool
+            mask = torch.ones(n, p0 + n, dtype=torch.bool, device=q.device).tril_(diagonal=p0)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        out[:, q_off:q_off + n] = o.transpose(1, 2)                                   # (B, n, H, D)
+        del keys, k, v, o
+    return out
+
+
 def lss_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """transformers attention function: query (B, H, l, D), key/value (B, H_kv, l, D) ->
@@ -245,6 +312,15 @@ def lss_attention_forward(module, query, key, value, attention_mask, scaling=Non
                                   ctx.attn_chunk_elems)
     kv = _fuse_kv(key, value)                                          # (l, 2, B, H_kv, D)
     l = layout.local_length
+    if ctx.strategy == "lss" and ctx.attn_kernel == "sdpa" and sliding_window is None:
+        kv_all = comm.all_gather(kv, 0, pg)                            # (N*l, 2, B, H_kv, D): ONE collective
+        del kv
+        out = sdpa_segments(query, kv_all, layout, pg.rank, scale)     # (B, l, H, D)
+        del kv_all
+        ctx.layers_done += 1
+        if ctx.on_layer is not None:
+            ctx.on_layer(ctx.layers_done)
+        return out, None
     if ctx.strategy == "lss":
         kv_all = comm.all_gather(kv, 0, pg)                            # (N*l, 2, B, H_kv, D): ONE collective
         del kv                                                         # only the gathered copy is needed now
@@ -393,9 +469,23 @@ class ScoreJob:
     zigzag: bool = False
     return_logprobs: bool = False
     measure_memory: bool = False
-    attn_chunk_elems: int = DEFAULT_ATTN_CHUNK_ELEMS
-    logits_chunk_elems: int = DEFAULT_LOGITS_CHUNK_ELEMS
-    mlp_chunk_tokens: int | None = DEFAULT_MLP_CHUNK_TOKENS
+    attn_chunk_elems: int | None = None      # None: DEFAULT_* on CPU, CUDA_* on CUDA
+    logits_chunk_elems: int | None = None
+    mlp_chunk_tokens: int | None = None      # 0: no MLP chunking
+    attn_kernel: str | None = None           # None: default_attn_kernel(device)
+
+    def resolved(self, device) -> "ScoreJob":
+        """This job with every automatic (None) setting chosen for `device`."""
+        import dataclasses
+
+        cuda = torch.device(device).type == "cuda"
+        pick = lambda value, cpu, gpu: (gpu if cuda else cpu) if value is None else value  # noqa: E731
+        return dataclasses.replace(
+            self,
+            attn_chunk_elems=pick(self.attn_chunk_elems, DEFAULT_ATTN_CHUNK_ELEMS, CUDA_ATTN_CHUNK_ELEMS),
+            logits_chunk_elems=pick(self.logits_chunk_elems, DEFAULT_LOGITS_CHUNK_ELEMS, CUDA_LOGITS_CHUNK_ELEMS),
+            mlp_chunk_tokens=pick(self.mlp_chunk_tokens, DEFAULT_MLP_CHUNK_TOKENS, CUDA_MLP_CHUNK_TOKENS),
+            attn_kernel=self.attn_kernel or default_attn_kernel(device))
 
 
 @dataclass
@@ -430,6 +520,7 @@ def shifted_targets(ids: torch.Tensor, begin: int, end: int, first_scored: int) 
 def score_tokens_job(ctx, job: ScoreJob) -> ScoreShard:
     """Worker job: LSS/ring-sharded scoring of `job.ids`; every rank returns the totals."""
     pg = ctx.pg
+    job = job.resolved(pg.device)
     model = ctx.state["model"]
     base = model.base_model
     logits_of = output_head(model)
@@ -454,7 +545,7 @@ def score_tokens_job(ctx, job: ScoreJob) -> ScoreShard:
                 if pg.is_first:
                     ctx.emit({"window": w + 1, "windows": len(job.windows), "layer": i, "layers": num_layers})
 
-            lctx = LSSContext(pg, layout, job.strategy, job.attn_chunk_elems, on_layer)
+            lctx = LSSContext(pg, layout, job.strategy, job.attn_chunk_elems, on_layer, attn_kernel=job.attn_kernel)
             with lss_context(lctx):
                 hidden = base(input_ids=local_ids[None].to(dev), position_ids=pos[None].to(dev),
                               use_cache=False).last_hidden_state             # (1, l, C)

@@ -197,7 +197,7 @@ class TextScoringPipeline:
 
     def score(self, text: str, *, window: int | None = None, stride: int | None = None,
               return_token_logprobs: bool = False, progress: ProgressCallback | bool | None = None,
-              strategy: str | None = None, zigzag: bool | None = None) -> ScoreResult:
+              strategy: str | None = None, zigzag: bool | None = None, attn_kernel: str | None = None) -> ScoreResult:
         """Score `text` (see the module docstring for what is scored and the window semantics).
 
         progress: a callable(done, total) called as attention layers finish (total =
@@ -213,7 +213,8 @@ class TextScoringPipeline:
         ids, add_bos = self.tokenize(text)
         # 3. score
         result = self.score_ids(ids, window=window, stride=stride, return_token_logprobs=return_token_logprobs,
-                                progress=progress, strategy=strategy, zigzag=zigzag, _field="text")
+                                progress=progress, strategy=strategy, zigzag=zigzag, attn_kernel=attn_kernel,
+                                _field="text")
         result.num_bytes = len(text.encode("utf-8"))
         result.add_bos = add_bos
         return result
@@ -223,8 +224,11 @@ class TextScoringPipeline:
     def score_ids(self, ids, *, window: int | None = None, stride: int | None = None,
                   return_token_logprobs: bool = False, progress: ProgressCallback | bool | None = None,
                   strategy: str | None = None, zigzag: bool | None = None, measure_memory: bool = False,
-                  _field: str = "ids") -> ScoreResult:
+                  attn_kernel: str | None = None, _field: str = "ids") -> ScoreResult:
         """Score token ids as given (no BOS added): every id but the first is scored.
+
+        attn_kernel: "sdpa" (torch's SDPA kernels, the CUDA default), "blocks" (an online-softmax loop
+        over (query x key) blocks, the CPU default), or None for the device's default (engine/lss.py).
 
         measure_memory: also report each worker's peak activation memory (`peak_bytes`,
         see engine/memory.py; on CPU it slows the run down a little).
@@ -232,11 +236,15 @@ class TextScoringPipeline:
         # 1. check inputs
         strategy = self.strategy if strategy is None else _check_strategy(strategy)
         zigzag = self.zigzag if zigzag is None else _check_bool("zigzag", zigzag)
+        if attn_kernel is not None and attn_kernel not in lss.ATTN_KERNELS:
+            raise ScoringInputError("attn_kernel", f"attn_kernel must be one of {', '.join(lss.ATTN_KERNELS)} or "
+                                                   f"None (the device's default), got {attn_kernel!r}")
         ids = _check_ids(ids, _field, getattr(self.config, "vocab_size", None))
         windows = self._plan(len(ids), window, stride, _field)
         # 2. run on the workers
         job = lss.ScoreJob(ids=ids, windows=windows, strategy=strategy, zigzag=zigzag,
-                           return_logprobs=bool(return_token_logprobs), measure_memory=bool(measure_memory))
+                           return_logprobs=bool(return_token_logprobs), measure_memory=bool(measure_memory),
+                           attn_kernel=attn_kernel)
         t0 = time.perf_counter()
         with _progress_sink(progress, len(windows) * self.num_layers) as on_event:
             shards = self.pool.run(lss.score_tokens_job, job, on_event=on_event)

@@ -262,3 +262,25 @@ def test_peak_memory_per_worker_at_two_workers_is_below_one_worker(pool):
     one = pool.run(_stream_on, 1, z, 1, TILING, 0, True)[0]["peak"]
     two = [r["peak"] for r in pool.run(_stream_on, 2, z, 1, TILING, 0, True)[:2]]
     assert max(two) < 0.85 * one, (two, one)
+
+
+def test_the_decoder_never_gives_sdpa_a_stride_cuda_memory_efficient_attention_rejects(monkeypatch):
+    """Found on an H100 (docs/gpu.md): the decoder's geometry probe decoded a 1x1 latent, so the VAE's
+    middle attention saw a length-1 sequence whose (degenerate) stride is 1, and CUDA's memory-efficient
+    SDPA kernel refuses it ("query is not correctly aligned (strideM)"). CPU SDPA has no such rule, so
+    the rule is checked here: every q/k/v sequence stride a multiple of 4 elements (16 bytes of fp32)."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    seen = []
+
+    def strict_sdpa(q, k, v, *args, **kwargs):
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            seen.append(t.shape[-2])
+            assert t.stride(-2) % 4 == 0, f"{name} is not correctly aligned (strideM): {tuple(t.stride())}"
+        return original(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", strict_sdpa)
+    z = latents(1, 2, height=4, width=3)
+    got, _ = stream(random_wan_vae(), single_rank(), z, 1, None)
+    assert seen and got.shape == (1, 3, 5, 32, 24)

@@ -24,18 +24,42 @@ def test_one_gpu_fp32_matches_cpu(cpu_frames):
     with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cuda", attention="sdpa") as pipe:
         assert pipe.info["device"].startswith("cuda")
         got = pipe(PROMPT, **KW).frames
-    # TF32 matmuls and different kernels: close, not bitwise
-    assert np.abs(got - cpu_frames).max() <= 2e-2
+    # cuDNN convolutions may use TF32 (PyTorch's default) and other kernels: close, not bitwise
+    err = float(np.abs(got - cpu_frames).max())
+    print(f"one GPU fp32 vs CPU: max abs frame difference {err:.2e}")
+    assert err <= 2e-2
+
+
+def test_one_gpu_wan_family_fp32_matches_cpu():
+    """The Wan path on CUDA end to end (transformer, UniPC, the streaming causal VAE decode). Its first
+    run on an H100 failed in the VAE ("query is not correctly aligned (strideM)", see
+    tests/test_causal_vae.py); this is the GPU half of that regression test."""
+    from pipelines import VideoPipeline
+
+    kw = dict(num_frames=9, height=48, width=80, num_inference_steps=3, guidance_scale=5.0, seed=3)
+    with VideoPipeline.from_pretrained("tiny-wan", workers=1, device="cpu") as pipe:
+        want = pipe(PROMPT, **kw).frames
+    with VideoPipeline.from_pretrained("tiny-wan", workers=1, device="cuda") as pipe:
+        got = pipe(PROMPT, **kw).frames
+    err = float(np.abs(got - want).max())
+    print(f"tiny-wan one GPU fp32 vs CPU: max abs frame difference {err:.2e}")
+    assert got.shape == want.shape and err <= 2e-2
 
 
 @pytest.mark.parametrize("family", ["latte", "wan"])
 def test_one_gpu_bf16_forward_is_no_further_from_fp32_than_diffusers_own_bf16(family):
-    """tests/test_bf16.py's comparison, on the GPU (its SDPA kernels; TF32 off for the fp32 reference)."""
+    """tests/test_bf16.py's comparison, on the GPU (its SDPA kernels; TF32 off for the fp32 reference).
+
+    On an H100 (docs/gpu.md, `longserve bench gpu --sections numerics`) our bf16 error equals diffusers' own
+    at real Latte-1 / Wan 1.3B widths (ratio 1.000): the same kernels in the same order. 1% slack."""
     from test_bf16 import bf16_relative_errors
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     mine, theirs = bf16_relative_errors(family, "cuda")
-    assert mine <= 1.25 * theirs, f"ours {mine:.2e} vs diffusers' bf16 {theirs:.2e}"
+    print(f"{family}: bf16 relative error ours {mine:.3e}, diffusers' {theirs:.3e}")
+    assert 0 < theirs < 0.1
+    assert mine <= 1.01 * theirs, f"ours {mine:.2e} vs diffusers' bf16 {theirs:.2e}"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL, one GPU per worker)")

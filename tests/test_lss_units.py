@@ -74,6 +74,41 @@ def test_online_softmax_over_shuffled_key_blocks_equals_global_causal_attention(
             torch.testing.assert_close(out[:, off:off + n].transpose(1, 2), want[:, :, p0:p0 + n], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("zigzag", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3)])
+def test_sdpa_kernel_on_gathered_kv_equals_global_causal_attention(zigzag, heads, kv_heads):
+    """The "sdpa" kernel of strategy lss: per query segment one SDPA call over the key prefix with a
+    lower-right causal mask. Segments start at p0 > 0 on every rank but the first (top-left would be
+    wrong there, see the next test); zigzag gathers keys out of position order; GQA; NaN padding."""
+    torch.manual_seed(0)
+    L, N, B, D = 37, 3, 2, 8
+    q, k, v = torch.randn(B, heads, L, D), torch.randn(B, kv_heads, L, D), torch.randn(B, kv_heads, L, D)
+    want = _naive_attention(q, k, v)
+    layout = lss.SequenceLayout(L, N, zigzag)
+    P = layout.padded_length
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, P - L), value=float("nan"))  # noqa: E731
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    kv_all = torch.cat([lss._fuse_kv(kp[:, :, layout.positions(r)], vp[:, :, layout.positions(r)])
+                        for r in range(N)])  # what the all-gather returns: rank 0's rows, then rank 1's, ...
+    for r in range(N):
+        out = lss.sdpa_segments(qp[:, :, layout.positions(r)], kv_all, layout, r, D ** -0.5)  # (B, l, H, D)
+        for off, p0, n in layout.segments(r):
+            torch.testing.assert_close(out[:, off:off + n].transpose(1, 2), want[:, :, p0:p0 + n], rtol=1e-5, atol=1e-5)
+
+
+def test_score_job_settings_are_sized_for_the_device():
+    job = lss.ScoreJob(ids=torch.arange(4), windows=[(0, 4, 1)])
+    cpu, cuda = job.resolved("cpu"), job.resolved(torch.device("cuda", 0))
+    assert (cpu.attn_kernel, cpu.logits_chunk_elems, cpu.mlp_chunk_tokens) == (
+        "blocks", lss.DEFAULT_LOGITS_CHUNK_ELEMS, lss.DEFAULT_MLP_CHUNK_TOKENS)
+    assert (cuda.attn_kernel, cuda.attn_chunk_elems, cuda.logits_chunk_elems, cuda.mlp_chunk_tokens) == (
+        "sdpa", lss.CUDA_ATTN_CHUNK_ELEMS, lss.CUDA_LOGITS_CHUNK_ELEMS, lss.CUDA_MLP_CHUNK_TOKENS)
+    # at a 128k vocabulary a CUDA logits chunk is thousands of tokens, not 4 (one launch per chunk)
+    assert cuda.logits_chunk_elems // 128256 >= 2048 > cpu.logits_chunk_elems // 128256
+    explicit = lss.ScoreJob(ids=torch.arange(4), windows=[(0, 4, 1)], attn_kernel="blocks", mlp_chunk_tokens=0)
+    assert explicit.resolved("cuda").attn_kernel == "blocks" and explicit.resolved("cuda").mlp_chunk_tokens == 0
+
+
 def test_top_left_causal_alignment_would_be_wrong_for_a_later_segment():
     # The trap the global-position mask avoids: is_causal=True with Lq < Lk aligns the
     # query block to keys 0..Lq-1, so a later segment's queries would miss their keys.

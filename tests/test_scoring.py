@@ -144,10 +144,12 @@ def test_total_nll_and_token_logprobs_match_transformers_for_every_strategy(work
     assert math.gcd(len(ids), 12) == 1  # the sharded length divides by none of N, 2N
     want_total, want_logprobs = hf_full(model, ids)
     scorer = scorer_for(workers)
-    for strategy in ("lss", "ring"):
+    # lss with both attention kernels (the online-softmax blocks, CPU's default; torch's SDPA with a
+    # lower-right causal mask, CUDA's default); ring merges blocks whatever the kernel
+    for strategy, kernel in (("lss", "blocks"), ("lss", "sdpa"), ("ring", None)):
         for zigzag in (False, True):
-            r = scorer.score(text, strategy=strategy, zigzag=zigzag, return_token_logprobs=True)
-            where = f"{strategy}, zigzag={zigzag}, {workers} workers"
+            r = scorer.score(text, strategy=strategy, zigzag=zigzag, return_token_logprobs=True, attn_kernel=kernel)
+            where = f"{strategy}, attn_kernel={kernel}, zigzag={zigzag}, {workers} workers"
             assert r.num_tokens == len(ids) - 1 == len(tokenizer(text, add_special_tokens=False)["input_ids"]), where
             assert abs(r.total_nll - want_total) <= RTOL * abs(want_total), where
             torch.testing.assert_close(torch.tensor(r.token_logprobs, dtype=torch.float64), want_logprobs,

@@ -43,7 +43,7 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid
 from engine import comm
 from engine.dist import ParallelGroup
 from engine.families.base import (Timer, VideoFamily, WorkerRequest, generation_defaults, guided, order_rows,
-                                  read_json, scheduler_step_kwargs, seeded_generator, split_rows, to_pixels)
+                                  read_json, scheduler_step_kwargs, seeded_generator, split_rows, sync_cuda, to_pixels)
 from engine.parallel import CfgGroups, ParallelPlan, make_cfg_groups, ring_attention
 from engine.request import GenerationSpec
 
@@ -497,6 +497,7 @@ class LatteFamily(VideoFamily):
                 t = r.timesteps[r.steps_done]
                 r.latents = r.scheduler.step(eps, t, r.latents, **r.step_kwargs, return_dict=False)[0]
                 r.steps_done += 1
+        sync_cuda()  # one wait per step (not per request): the step's kernels count in its time
         elapsed = time.perf_counter() - t0
         for r in reqs:
             r.timings["transformer_s"] += elapsed / len(reqs)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.families.base import (Timer, check_common, check_int, check_number, guided, order_rows,
-                                  seeded_generator, split_rows)
+                                  seeded_generator, split_rows, sync_cuda)
 from engine.families.wan import PIPELINE_DEFAULTS, WanFamily, WanRequest, decoded_frames, parallel_forward
 from engine.request import GenerationSpec, RequestError
 
@@ -234,6 +234,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         with torch.no_grad():
             for r, out in zip(reqs, per_req):
                 self._advance(r, guided(out, r.spec.use_cfg, r.spec.guidance_scale))
+        sync_cuda()  # one wait per step (not per request): the step's kernels count in its time
         elapsed = time.perf_counter() - t0
         for r in reqs:
             r.timings["transformer_s"] += elapsed / len(reqs)

@@ -30,7 +30,7 @@ import torch
 from engine import comm
 from engine.families.base import (Timer, VideoFamily, WorkerRequest, check_number, generation_defaults, guided,
                                   order_rows, read_json, scheduler_step_kwargs, seeded_generator, split_rows,
-                                  to_pixels)
+                                  sync_cuda, to_pixels)
 from engine.parallel import (BlockCausal, CfgGroups, ParallelPlan, SequenceParallel, make_cfg_groups,
                              make_sequence_parallel, sequence_parallel_attention)
 from engine.request import GenerationSpec, RequestError
@@ -353,6 +353,7 @@ class WanFamily(VideoFamily):
                 r.latents = r.scheduler.step(pred, t, r.latents, **r.step_kwargs, return_dict=False)[0]
                 r.steps_done += 1
                 r.batch_key = self._key(r)
+        sync_cuda()  # one wait per step (not per request): the step's kernels count in its time
         elapsed = time.perf_counter() - t0
         for r in reqs:
             r.timings["transformer_s"] += elapsed / len(reqs)

@@ -62,6 +62,12 @@ def build_bench_checkpoint(out_dir: Path) -> Path:
     return out_dir
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(args) -> int:
     from pipelines import VideoPipeline
 
@@ -92,7 +98,7 @@ def run(args) -> int:
                                  encode_s=med["encode_s"], overhead_s=overhead,
                                  overhead_per_step_ms=1000 * (overhead - med["encode_s"]) / args.steps,
                                  overhead_frac=overhead / med["wall_s"]))
-    machine = benchutil.machine_info(args.device or "cpu")
+    machine = benchutil.machine_info(args.device or ("cuda" if _cuda() else "cpu"))
     for r in rows:
         base = next(b for b in rows if b["config"] == r["config"] and b["workers"] == min(workers)
                     and b["steps_per_job"] == r["steps_per_job"])

@@ -143,7 +143,9 @@ def run(args) -> int:
             rows += _longserve_rows(pipe, n, plan, dict(kw, **options))
     if not args.no_diffusers:
         rows += _diffusers_rows(model_dir, plan, kw, options)
-    machine = machine_info(args.device or "cpu")
+    import torch
+
+    machine = machine_info(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     for r in rows:
         one = next(b for b in rows if b["impl"] == r["impl"] and b["workers"] == r["workers"]
                    and b["segments"] == min(segment_counts))

@@ -45,6 +45,23 @@ BENCH_CONFIG = dict(
     tie_word_embeddings=False,
 )
 
+# Llama-3.2-1B's shape (random weights): the 1B-class model of docs/gpu.md's CUDA measurements.
+LLAMA_1B_CONFIG = dict(
+    model_type="llama",
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+CONFIGS = {"bench": BENCH_CONFIG, "llama-1b": LLAMA_1B_CONFIG}
+
 SECTION = "## LSS long-text scoring"
 
 METHODS = {  # --strategies name -> TextScoringPipeline.score_ids options
@@ -61,6 +78,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--strategies", default="lss,ring",
                         help="comma-separated: lss, ring, lss-zigzag, ring-zigzag (zigzag sharding)")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    parser.add_argument("--config", default="bench", choices=sorted(CONFIGS),
+                        help="bench: a small Llama for CPU sweeps; llama-1b: Llama-3.2-1B's shape (for a GPU)")
+    parser.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float16")
+    parser.add_argument("--attn-kernel", default=None, choices=["blocks", "sdpa"],
+                        help="LSS attention kernel (default: sdpa on CUDA, blocks on CPU; engine/lss.py)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip transformers' own forward")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per row; the fastest is reported")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
@@ -80,9 +103,9 @@ def machine(device: str | None) -> str:
 def command_line(args) -> str:
     cmd = (f"longserve bench score --tokens {args.tokens} --workers {args.workers} "
            f"--strategies {args.strategies}")
-    for opt in ("device", "json", "plot", "markdown"):
+    for opt in ("device", "config", "dtype", "attn_kernel", "json", "plot", "markdown"):
         if getattr(args, opt):
-            cmd += f" --{opt} {getattr(args, opt)}"
+            cmd += f" --{opt.replace('_', '-')} {getattr(args, opt)}"
     if args.seed:
         cmd += f" --seed {args.seed}"
     if args.repeat != 3:
@@ -91,11 +114,28 @@ def command_line(args) -> str:
 
 
 def _row(tokens, method, workers, seconds, peak, bytes_sent, calls, nll, base_nll):
+    """One table row; seconds/peak/nll None: it ran out of memory."""
     return {
         "tokens": tokens, "method": method, "workers": workers, "seconds": seconds,
-        "peak_mib_per_worker": peak / 2**20, "bytes_sent_per_worker": bytes_sent, "calls": calls,
-        "total_nll": nll, "nll_rel_diff": abs(nll - base_nll) / abs(base_nll) if base_nll else 0.0,
+        "tokens_per_s": tokens / seconds if seconds else None,
+        "peak_mib_per_worker": None if peak is None else peak / 2**20, "bytes_sent_per_worker": bytes_sent,
+        "calls": calls, "total_nll": nll,
+        "nll_rel_diff": abs(nll - base_nll) / abs(base_nll) if nll is not None and base_nll else None,
     }
+
+
+def _or_oom(fn):
+    """fn() or None when a worker runs out of (CUDA) memory (the pool restarts its workers, so the next
+    row starts with the whole GPU)."""
+    from engine.pool import WorkerError
+
+    try:
+        return fn()
+    except WorkerError as e:
+        if e.kind != "out_of_memory":
+            raise
+        print(f"  out of memory: {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+        return None
 
 
 def measure(args) -> list[dict]:
@@ -110,51 +150,64 @@ def measure(args) -> list[dict]:
     for s in methods:
         if s not in METHODS:
             raise ValueError(f"strategies: unknown strategy {s!r} ({', '.join(METHODS)})")
-    vocab = BENCH_CONFIG["vocab_size"]
+    config = CONFIGS[getattr(args, "config", "bench")]
+    vocab = config["vocab_size"]
+    kernel = {"attn_kernel": args.attn_kernel} if getattr(args, "attn_kernel", None) else {}
+    baseline_on = not getattr(args, "no_baseline", False)
     texts = {T: torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(args.seed + T)) for T in tokens}
     baseline: dict[int, dict] = {}
     rows: list[dict] = []
     for n in sorted(set(worker_counts) | {1}):
-        with TextScoringPipeline.from_config(BENCH_CONFIG, seed=args.seed, workers=n, device=args.device) as scorer:
+        with TextScoringPipeline.from_config(config, seed=args.seed, workers=n, device=args.device,
+                                             dtype=getattr(args, "dtype", None)) as scorer:
             warm = texts[min(tokens)][:512]  # first calls pay one-off kernel and allocator set-up
-            if n == 1:
+            if n == 1 and baseline_on:
                 scorer.reference_score_ids(warm)
             for method in methods:
-                scorer.score_ids(warm, **METHODS[method])
+                scorer.score_ids(warm, **METHODS[method], **kernel)
             for T in tokens:
                 ids = texts[T]
-                if n == 1:
-                    timed = min((scorer.reference_score_ids(ids) for _ in range(args.repeat)),
-                                key=lambda t: t["seconds"])
-                    mem = scorer.reference_score_ids(ids, measure_memory=True)
-                    baseline[T] = timed
-                    rows.append(_row(T, "transformers (baseline)", 1, timed["seconds"], mem["peak_bytes"], 0, {},
-                                     timed["total_nll"], timed["total_nll"]))
+                if n == 1 and baseline_on:
+                    timed = _or_oom(lambda: min((scorer.reference_score_ids(ids) for _ in range(args.repeat)),
+                                                key=lambda t: t["seconds"]))
+                    mem = timed and _or_oom(lambda: scorer.reference_score_ids(ids, measure_memory=True))
+                    baseline[T] = timed or {"total_nll": None}
+                    rows.append(_row(T, "transformers (baseline)", 1, timed and timed["seconds"],
+                                     mem and mem["peak_bytes"], 0, {}, baseline[T]["total_nll"],
+                                     baseline[T]["total_nll"]))
                     _print_row(rows[-1])
                 if n not in worker_counts:
                     continue
                 for method in methods:
-                    timed = min((scorer.score_ids(ids, **METHODS[method]) for _ in range(args.repeat)),
-                                key=lambda t: max(t.worker_seconds))
-                    mem = scorer.score_ids(ids, **METHODS[method], measure_memory=True)
-                    calls = dict(timed.comm[0]["calls"])
-                    rows.append(_row(T, method, n, max(timed.worker_seconds), max(mem.peak_bytes),
-                                     max(c["bytes_sent"] for c in timed.comm), calls, timed.total_nll,
-                                     baseline[T]["total_nll"]))
+                    timed = _or_oom(lambda: min((scorer.score_ids(ids, **METHODS[method], **kernel)
+                                                 for _ in range(args.repeat)), key=lambda t: max(t.worker_seconds)))
+                    mem = timed and _or_oom(lambda: scorer.score_ids(ids, **METHODS[method], **kernel,
+                                                                     measure_memory=True))
+                    rows.append(_row(T, method, n, timed and max(timed.worker_seconds),
+                                     mem and max(mem.peak_bytes), timed and max(c["bytes_sent"] for c in timed.comm),
+                                     dict(timed.comm[0]["calls"]) if timed else {}, timed and timed.total_nll,
+                                     baseline.get(T, {}).get("total_nll")))
                     _print_row(rows[-1])
+    ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731 - None: OOM or not measured
     for r in rows:  # ratios against the baseline and against the same method on one worker
         ones = [b for b in rows if b["tokens"] == r["tokens"] and b["workers"] == 1]
-        base = next(b for b in ones if b["method"].startswith("transformers"))
-        one = next((b for b in ones if b["method"] == r["method"]), None)
-        r["peak_vs_baseline"] = r["peak_mib_per_worker"] / base["peak_mib_per_worker"]
-        r["peak_vs_1_worker"] = r["peak_mib_per_worker"] / one["peak_mib_per_worker"] if one else None
+        base = next((b for b in ones if b["method"].startswith("transformers")), {})
+        one = next((b for b in ones if b["method"] == r["method"]), {})
+        r["peak_vs_baseline"] = ratio(r["peak_mib_per_worker"], base.get("peak_mib_per_worker"))
+        r["peak_vs_1_worker"] = ratio(r["peak_mib_per_worker"], one.get("peak_mib_per_worker"))
+        r["speed_vs_baseline"] = ratio(r["tokens_per_s"], base.get("tokens_per_s"))
     order = ["transformers (baseline)", *methods]
     return sorted(rows, key=lambda r: (r["tokens"], r["workers"], order.index(r["method"])))
 
 
 def _print_row(r: dict) -> None:
+    if r["seconds"] is None:
+        print(f"  {r['tokens']:>6} tokens  {r['method']:<24} workers={r['workers']}  out of memory",
+              file=sys.stderr, flush=True)
+        return
+    peak = "-" if r["peak_mib_per_worker"] is None else f"{r['peak_mib_per_worker']:8.1f}"
     print(f"  {r['tokens']:>6} tokens  {r['method']:<24} workers={r['workers']}  {r['seconds']:7.2f} s  "
-          f"peak {r['peak_mib_per_worker']:8.1f} MiB/worker  sent {r['bytes_sent_per_worker'] / 2**20:7.2f} MiB/worker",
+          f"peak {peak} MiB/worker  sent {(r['bytes_sent_per_worker'] or 0) / 2**20:7.2f} MiB/worker",
           file=sys.stderr, flush=True)
 
 
@@ -166,14 +219,20 @@ COLUMNS = [
     Column("tokens", "tokens"),
     Column("method", "method"),
     Column("workers", "workers"),
-    Column("seconds", "seconds", ".2f"),
-    Column("peak act. MiB / worker", "peak_mib_per_worker", ".1f"),
-    Column("vs baseline", "peak_vs_baseline", lambda v: f"{v:.2f}x"),
-    Column("vs same, 1 worker", "peak_vs_1_worker", lambda v: f"{v:.2f}x"),
-    Column("MiB sent / worker", lambda r: r["bytes_sent_per_worker"] / 2**20, ".2f"),
+    Column("seconds", lambda r: "OOM" if r["seconds"] is None else f"{r['seconds']:.2f}"),
+    Column("tokens / s", lambda r: "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"),
+    Column("peak act. MiB / worker", lambda r: _fmt(r["peak_mib_per_worker"], ".1f")),
+    Column("vs baseline", lambda r: _fmt(r["peak_vs_baseline"], ".2f", "x")),
+    Column("vs same, 1 worker", lambda r: _fmt(r["peak_vs_1_worker"], ".2f", "x")),
+    Column("MiB sent / worker", lambda r: _fmt(r["bytes_sent_per_worker"] and r["bytes_sent_per_worker"] / 2**20,
+                                               ".2f")),
     Column("collectives / worker", lambda r: _calls(r["calls"])),
-    Column("NLL rel. diff", "nll_rel_diff", ".1e"),
+    Column("NLL rel. diff", lambda r: _fmt(r["nll_rel_diff"], ".1e")),
 ]
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
 def table(rows: list[dict]) -> str:
@@ -202,7 +261,8 @@ def plot(rows: list[dict], path: str) -> None:
             if key != "bytes_sent_per_worker":
                 ax.axhline(base[key] / scale, color=color, linestyle=":", label=f"{T} transformers, 1 worker")
             for j, m in enumerate(methods):
-                pts = sorted((r["workers"], r[key] / scale) for r in rows if r["tokens"] == T and r["method"] == m)
+                pts = sorted((r["workers"], r[key] / scale) for r in rows
+                             if r["tokens"] == T and r["method"] == m and r[key] is not None)
                 ax.plot(*zip(*pts), marker="os^v"[j % 4], color=color, linestyle="-" if j == 0 else "--",
                         label=f"{T} {m}")
         ax.set_xlabel("workers")

@@ -39,7 +39,9 @@ def add_arguments(p) -> None:
     p.add_argument("--url", default=None, help="bench this running server instead of starting one")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default="tiny-latte")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--dtype", default=None, help="server --dtype (default: the server's)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="server workers (default: 2 on CPU; with CUDA, 2 or the GPU count if fewer)")
     p.add_argument("--parallel", default="auto")
     p.add_argument("--max-batch", type=int, default=None, help="server --max-batch (default: the largest concurrency)")
     p.add_argument("--steps", type=int, default=20, help="num_inference_steps of every request")
@@ -55,6 +57,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.workers is None:
+        import torch
+
+        args.workers = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
     from server.api.protocol import parse_size
     from server.bench.util import int_list, load_average, machine_info, text_table, write_json
 
@@ -81,7 +87,7 @@ def run(args) -> int:
         if server is not None:
             server.stop()
     print(text_table(rows, COLUMNS))
-    meta = {"machine": machine_info("cpu"), "load_average": load_before,
+    meta = {"machine": machine_info(_server_device(args)), "load_average": load_before,
             "command": "longserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
     if args.json:
         write_json([dict(r, **meta) for r in rows], args.json)
@@ -276,7 +282,7 @@ def _report_interference(args, result: dict, load_before) -> int:
                ("GET /health median ms", "health_median_ms", ".1f"), ("worst ms", "health_worst_ms", ".1f"),
                ("GET /v1/videos/{id} median ms", "video_median_ms", ".1f"), ("worst ms", "video_worst_ms", ".1f")]
     table = markdown_table(rows, columns)
-    machine = machine_info("cpu")
+    machine = machine_info(_server_device(args))
     command = "longserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print(table)
     print(f"steps/s while encoding / alone: {result['ratio']:.3f}")
@@ -310,6 +316,14 @@ class _Server:
         self._data_dir.cleanup()
 
 
+def _server_device(args) -> str:
+    """Where a server started by this bench runs (its --device default: CUDA when present); a --url server: unknown
+    here, so this machine's CPU is what is recorded."""
+    import torch
+
+    return "cuda" if args.url is None and torch.cuda.is_available() else "cpu"
+
+
 def start_server(args, max_batch: int, timeout_s: float = 300.0, extra: list[str] = ()) -> _Server:
     import httpx
 
@@ -321,6 +335,8 @@ def start_server(args, max_batch: int, timeout_s: float = 300.0, extra: list[str
            "--parallel", args.parallel, "--host", "127.0.0.1", "--port", str(port), "--data-dir", data_dir.name,
            "--max-batch", str(max_batch), "--max-queue", "1024", "--max-steps", str(max(args.steps, 200)),
            "--log-level", "warning", "--score-model", "none", *extra]
+    if getattr(args, "dtype", None):
+        cmd += ["--dtype", args.dtype]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

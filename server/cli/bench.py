@@ -12,6 +12,7 @@ BENCHES = {
     "serve": ("server.bench.serve", "HTTP server throughput and latency under concurrency"),
     "score": ("server.bench.score", "LSS / ring long-text scoring: time, memory, bytes"),
     "vae": ("server.bench.vae", "Wan VAE decode across workers, chunk by chunk: peak memory per worker"),
+    "gpu": ("server.bench.gpu", "one GPU: bf16 error, step time vs diffusers, SDPA backends, memory by video length"),
     "long": ("server.bench.long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),
 }
 

@@ -1,0 +1,603 @@
+"""`longserve bench gpu`: what one GPU shows about the CUDA path (docs/gpu.md).
+
+    longserve bench gpu --sections numerics,speed,memory,video [--json out.json] [--budget-s 480]
+    longserve bench gpu --smoke --device cpu          # tiny shapes: checks this script on a CPU
+
+Sections (each row is printed, and appended to --json, as soon as it is measured):
+
+- numerics: a Latte-1-shaped (16 heads x 72, caption 4096) and a Wan 2.1 1.3B-shaped
+  (`weights.wan.WAN_2_1_T2V_1_3B_TRANSFORMER`) transformer, real configs with 2 layers and
+  seeded random weights: relative error (mean |x - ref| / mean |ref|) of our 1-worker bf16
+  forward against diffusers' fp32 forward (TF32 off) on the same inputs, beside diffusers'
+  own bf16 forward's.
+- speed: one denoising step (the CFG batch of 2), bf16, full depth (Latte-1: 28 block pairs;
+  Wan 1.3B: 30 blocks): our 1-worker step (`engine.families.*.parallel_forward`) against
+  diffusers' `model(...)`, interleaved, median over the timed repeats; then our step under
+  each SDPA backend (flash, memory-efficient, cuDNN; `sdpa_kernel`), xformers if installed.
+- memory: peak memory of one step (batch 2, bf16, our step) as the video grows, until the
+  GPU runs out or one step takes longer than --step-limit-s; and the Latte VAE (Stable
+  Diffusion's AutoencoderKL config, bf16) decoding T frames in one call vs in chunks.
+- video: whole videos at 50 steps through `VideoPipeline` (1 worker, bf16) against diffusers'
+  own pipeline on the same checkpoint directory (built here: the full-size transformer with
+  random weights, a random full-size VAE, a one-layer text encoder as wide as the real one);
+  wall time, and our pool overhead per step (`VideoOutput.timings`).
+
+Peak memory: `engine.memory.PeakMemory` (CUDA: max_memory_allocated minus memory at entry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SECTIONS = ("numerics", "speed", "memory", "video", "wan-vae")
+
+LATTE_1 = dict(heads=16, head_dim=72, layers=28, caption_channels=4096, text_len=120, latent=64)
+LATTE_SMOKE = dict(heads=3, head_dim=8, layers=2, caption_channels=32, text_len=8, latent=8)
+WAN_SMOKE = dict(num_attention_heads=3, attention_head_dim=12, ffn_dim=48, text_dim=16, in_channels=4,
+                 out_channels=4, num_layers=2, freq_dim=32)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and few repeats (checks the script)")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if present")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per speed row (after 2 warm-ups)")
+    parser.add_argument("--step-limit-s", type=float, default=20.0,
+                        help="memory sweeps stop after a step longer than this")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
+    parser.add_argument("--models", default="latte-1,wan2.1-1.3b", help="video section: which models")
+    parser.add_argument("--json", default=None, metavar="PATH", help="append every row here (JSON lines)")
+
+
+class _Out:
+    def __init__(self, args):
+        self.args, self.t0 = args, time.monotonic()
+        self.path = Path(args.json) if args.json else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def row(self, **row) -> None:
+        print(json.dumps(row), flush=True)
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def over_budget(self) -> bool:
+        return time.monotonic() - self.t0 > self.args.budget_s
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time(fn, dev) -> float:
+    _sync(dev)
+    t = time.perf_counter()
+    fn()
+    _sync(dev)
+    return time.perf_counter() - t
+
+
+def _peak(fn, dev) -> tuple[float, float]:
+    """(peak bytes above the memory at entry, seconds) of fn()."""
+    from engine.memory import PeakMemory
+
+    _sync(dev)
+    t = time.perf_counter()
+    with PeakMemory(dev) as mem:
+        fn()
+        _sync(dev)
+    return mem.peak_bytes, time.perf_counter() - t
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _free(dev) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -- models ---------------------------------------------------------------------------------------------------
+
+
+def latte_cfg(smoke: bool) -> dict:
+    return dict(LATTE_SMOKE if smoke else LATTE_1)
+
+
+def wan_config(smoke: bool, layers: int | None = None) -> dict:
+    from weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER, init_kwargs
+
+    cfg = init_kwargs(WAN_2_1_T2V_1_3B_TRANSFORMER)
+    if smoke:
+        cfg.update(WAN_SMOKE)
+    if layers is not None:
+        cfg["num_layers"] = layers
+    return cfg
+
+
+def build_latte(cfg: dict, layers: int | None = None, video_length: int = 16):
+    from server.bench.models import random_latte_transformer
+
+    return random_latte_transformer(cfg["heads"], cfg["head_dim"], layers or cfg["layers"], video_length=video_length,
+                                    sample_size=cfg["latent"], caption_channels=cfg["caption_channels"])
+
+
+def build_wan(cfg: dict):
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from weights.build_tiny_wan import redraw_
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return redraw_(WanTransformer3DModel(**cfg).eval(), 0)
+
+
+def latte_inputs(cfg: dict, frames: int, latent: int, dev, dtype, batch: int = 2, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 4, frames, latent, latent, generator=g)
+    t = torch.tensor([900.0, 300.0] * (batch // 2) + [500.0] * (batch % 2))
+    e = torch.randn(batch, cfg["text_len"], cfg["caption_channels"], generator=g)
+    return x.to(dev, dtype), t.to(dev), e.to(dev, dtype)
+
+
+def wan_inputs(cfg: dict, latent_frames: int, h: int, w: int, dev, dtype, batch: int = 2, seed: int = 0,
+               text_len: int = 512):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, cfg["in_channels"], latent_frames, h, w, generator=g)
+    t = torch.tensor([900.0, 300.0] * (batch // 2) + [500.0] * (batch % 2))
+    e = torch.randn(batch, text_len, cfg["text_dim"], generator=g)
+    return x.to(dev, dtype), t.to(dev), e.to(dev, dtype)
+
+
+def _solo(dev):
+    from engine.dist import ParallelGroup
+
+    return ParallelGroup(rank=0, world_size=1, device=dev)
+
+
+def latte_ours(model, dev):
+    from engine.families import latte
+
+    pg = _solo(dev)
+    return lambda x, t, e: latte.parallel_forward(model, x, t, e, pg, "dsp")
+
+
+def latte_theirs(model):
+    return lambda x, t, e: model(x, timestep=t, encoder_hidden_states=e).sample
+
+
+def wan_ours(model, dev):
+    from engine.families import wan
+    from engine.parallel import make_sequence_parallel
+
+    sp = make_sequence_parallel(_solo(dev), "ulysses")
+    return lambda x, t, e: wan.parallel_forward(model, x, t, e, sp)
+
+
+def wan_theirs(model):
+    return lambda x, t, e: model(x, t, e, return_dict=False)[0]
+
+
+# -- sections -------------------------------------------------------------------------------------------------
+
+
+def numerics(args, out: _Out, dev) -> None:
+    import torch
+
+    def rel(a, b):
+        return ((a.float() - b).abs().mean() / b.abs().mean()).item()
+
+    lc = latte_cfg(args.smoke)
+    wc = wan_config(args.smoke, layers=2)
+    cases = [
+        ("latte-1 (2 layers)", lambda: build_latte(lc, layers=2),
+         lambda: latte_inputs(lc, 16, 8 if args.smoke else 32, "cpu", torch.float32), latte_ours, latte_theirs),
+        ("wan2.1-1.3b (2 layers)", lambda: build_wan(wc),
+         lambda: wan_inputs(wc, 5, 6 if args.smoke else 30, 10 if args.smoke else 52, "cpu", torch.float32,
+                            text_len=8 if args.smoke else 512), wan_ours, wan_theirs),
+    ]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        for name, build, inputs, ours, theirs in cases:
+            model = build().to(dev)
+            x, t, e = (v.to(dev) for v in inputs())
+            with torch.no_grad():
+                want = theirs(model)(x, t, e).float()
+                model = model.to(torch.bfloat16)
+                xb, eb = x.to(torch.bfloat16), e.to(torch.bfloat16)
+                d_bf16 = rel(theirs(model)(xb, t, eb), want)
+                o_bf16 = rel(ours(model, dev)(xb, t, eb), want)
+            out.row(section="numerics", model=name, input=list(x.shape), diffusers_bf16_rel_err=d_bf16,
+                    ours_bf16_rel_err=o_bf16, ratio=o_bf16 / d_bf16)
+            del model, want
+            _free(dev)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _speed_cases(args):
+    import torch
+
+    lc, wc = latte_cfg(args.smoke), wan_config(args.smoke)
+    s = args.smoke
+    return [
+        ("latte-1", "16 frames 512x512", lambda: build_latte(lc),
+         lambda dev: latte_inputs(lc, 16, lc["latent"], dev, torch.bfloat16), latte_ours, latte_theirs),
+        ("latte-1", "64 frames 512x512", lambda: build_latte(lc, video_length=64 if not s else 24),
+         lambda dev: latte_inputs(lc, 64 if not s else 24, lc["latent"], dev, torch.bfloat16), latte_ours,
+         latte_theirs),
+        ("wan2.1-1.3b", "81 frames 480x832", lambda: build_wan(wc),
+         lambda dev: wan_inputs(wc, 21 if not s else 3, 60 if not s else 6, 104 if not s else 10, dev,
+                                torch.bfloat16, text_len=8 if s else 512), wan_ours, wan_theirs),
+    ]
+
+
+def speed(args, out: _Out, dev) -> None:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = None
+    for family, size, build, inputs, ours, theirs in _speed_cases(args):
+        if out.over_budget():
+            return
+        if build is not None:
+            model = None
+            _free(dev)
+            model = build().to(dev, torch.bfloat16)
+        x, t, e = inputs(dev)
+        fns = {"ours": ours(model, dev), "diffusers": theirs(model)}
+        times = {k: [] for k in fns}
+        with torch.no_grad():
+            for r in range(2 + args.repeats):
+                for k, fn in fns.items():
+                    s = _time(lambda: fn(x, t, e), dev)
+                    if r >= 2:
+                        times[k].append(s)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            out.row(section="speed", model=family, size=size, input=list(x.shape), ours_s=med["ours"],
+                    diffusers_s=med["diffusers"], ratio=med["ours"] / med["diffusers"], repeats=args.repeats)
+            if dev.type != "cuda":
+                continue
+            backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+            for name, backend in backends.items():
+                if name == "math" and family == "wan2.1-1.3b":
+                    continue  # a (32760 x 32760) score matrix per head: minutes, not a backend anyone would pick
+                try:
+                    with sdpa_kernel(backend):
+                        ts = [_time(lambda: fns["ours"](x, t, e), dev) for _ in range(1 + 3)][1:]
+                    out.row(section="attention", model=family, size=size, backend=name, ours_s=statistics.median(ts))
+                except Exception as err:  # noqa: BLE001 - a backend that cannot run these shapes is a finding
+                    out.row(section="attention", model=family, size=size, backend=name,
+                            error=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                    _free(dev)
+            try:
+                import xformers  # noqa: F401
+            except ImportError:
+                out.row(section="attention", model=family, size=size, backend="xformers", error="not installed")
+        del x, e
+        _free(dev)
+    del model
+    _free(dev)
+
+
+def memory(args, out: _Out, dev) -> None:
+    import torch
+
+    s = args.smoke
+    lc, wc = latte_cfg(s), wan_config(s)
+    sweeps = [
+        ("latte-1", "512x512", lambda: build_latte(lc), [16, 64, 128, 256, 512, 1024, 2048] if not s else [4, 8],
+         lambda f: latte_inputs(lc, f, lc["latent"], dev, torch.bfloat16), latte_ours, lambda f: f),
+        ("wan2.1-1.3b", "480x832", lambda: build_wan(wc), [81, 161, 321, 641] if not s else [5, 9],
+         lambda f: wan_inputs(wc, (f - 1) // 4 + 1, 60 if not s else 6, 104 if not s else 10, dev, torch.bfloat16,
+                              text_len=8 if s else 512), wan_ours, lambda f: (f - 1) // 4 + 1),
+    ]
+    for family, size, build, frames, inputs, ours, latent_frames in sweeps:
+        if out.over_budget():
+            return
+        model = build().to(dev, torch.bfloat16)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        fn = ours(model, dev)
+        for f in frames:
+            if out.over_budget():
+                break
+            try:
+                x, t, e = inputs(f)
+                with torch.no_grad():
+                    fn(x[:, :, :1], t, e)  # warm-up (kernels, allocator) on one frame
+                    peak, secs = _peak(lambda: fn(x, t, e), dev)
+                out.row(section="memory", component="transformer step (batch 2)", model=family, size=size, frames=f,
+                        latent_frames=latent_frames(f), peak_gib=peak / 2**30, weights_gib=weights / 2**30,
+                        seconds=secs)
+                del x, e
+            except Exception as err:  # noqa: BLE001
+                if not _is_oom(err):
+                    raise
+                out.row(section="memory", component="transformer step (batch 2)", model=family, size=size, frames=f,
+                        latent_frames=latent_frames(f), peak_gib=None, error="out of memory")
+                _free(dev)
+                break
+            _free(dev)
+            if secs > args.step_limit_s:
+                break
+        del model, fn
+        _free(dev)
+    if not out.over_budget():
+        latte_vae_memory(args, out, dev)
+
+
+def build_sd_vae(smoke: bool):
+    import torch
+    from diffusers import AutoencoderKL
+
+    channels = (8, 8, 16, 16) if smoke else (128, 256, 512, 512)
+    torch.manual_seed(0)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=channels, layers_per_block=2,
+                         latent_channels=4, norm_num_groups=8 if smoke else 32, sample_size=512,
+                         scaling_factor=0.18215).eval()
+
+
+def latte_vae_memory(args, out: _Out, dev, chunk: int = 16) -> None:
+    """Stable Diffusion's VAE (Latte's) decoding T frames of 64x64 latents in one call, until OOM; then the
+    largest T in chunks of `chunk` frames, each chunk moved to the CPU as uint8 (what a streaming decoder keeps)."""
+    import torch
+
+    vae = build_sd_vae(args.smoke).to(dev, torch.bfloat16)
+    lat = 8 if args.smoke else 64
+    largest = None
+    for T in ([2, 4] if args.smoke else [16, 32, 64, 128, 256]):
+        z = torch.randn(T, 4, lat, lat, device=dev, dtype=torch.bfloat16)
+        try:
+            with torch.no_grad():
+                peak, secs = _peak(lambda: vae.decode(z).sample, dev)
+            out.row(section="memory", component="Latte VAE decode, one call", model="sd-vae", size=f"{lat * 8}px",
+                    frames=T, peak_gib=peak / 2**30, seconds=secs)
+            largest = T
+        except Exception as err:  # noqa: BLE001
+            if not _is_oom(err):
+                raise
+            out.row(section="memory", component="Latte VAE decode, one call", model="sd-vae", size=f"{lat * 8}px",
+                    frames=T, peak_gib=None, error="out of memory")
+            _free(dev)
+            break
+        del z
+        _free(dev)
+        if out.over_budget():
+            break
+    T = 2 * (largest or 16)
+    z = torch.randn(T, 4, lat, lat, device=dev, dtype=torch.bfloat16)
+
+    def chunked():
+        for a in range(0, T, chunk):
+            frames = vae.decode(z[a:a + chunk]).sample
+            (frames.float().clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8)).cpu()
+
+    with torch.no_grad():
+        peak, secs = _peak(chunked, dev)
+    out.row(section="memory", component=f"Latte VAE decode, chunks of {chunk}", model="sd-vae", size=f"{lat * 8}px",
+            frames=T, peak_gib=peak / 2**30, seconds=secs)
+    del vae, z
+    _free(dev)
+
+
+# -- whole videos ----------------------------------------------------------------------------------------------
+
+
+def build_latte_dir(out_dir: Path, smoke: bool) -> Path:
+    import torch
+    from transformers import T5Config, T5EncoderModel
+
+    from weights import resolve_latte
+
+    src = resolve_latte("tiny-latte")
+    for part in ("tokenizer", "scheduler", "model_index.json"):
+        (shutil.copytree if (src / part).is_dir() else shutil.copy)(src / part, out_dir / part)
+    cfg = latte_cfg(smoke)
+    build_latte(cfg).to(torch.bfloat16).save_pretrained(out_dir / "transformer")
+    t5 = T5Config.from_pretrained(src / "text_encoder")
+    torch.manual_seed(0)
+    T5EncoderModel(T5Config(**{**t5.to_dict(), "d_model": cfg["caption_channels"], "num_layers": 1, "num_heads": 2,
+                               "d_kv": 32, "d_ff": 256})).to(torch.bfloat16).save_pretrained(out_dir / "text_encoder")
+    build_sd_vae(smoke).to(torch.bfloat16).save_pretrained(out_dir / "vae")
+    return out_dir
+
+
+def build_wan_dir(out_dir: Path, smoke: bool) -> Path:
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from weights.build_tiny_wan import build_text_encoder
+    from weights.registry import resolve_model
+    from weights.wan import UMT5_XXL_ENCODER, WAN_2_1_VAE, init_kwargs
+
+    src = resolve_model("tiny-wan")
+    for part in ("tokenizer", "scheduler", "model_index.json"):
+        (shutil.copytree if (src / part).is_dir() else shutil.copy)(src / part, out_dir / part)
+    cfg = wan_config(smoke)
+    build_wan(cfg).to(torch.bfloat16).save_pretrained(out_dir / "transformer")
+    width = cfg["text_dim"]
+    build_text_encoder(d_model=width, d_kv=8, num_heads=2, d_ff=16, num_layers=1).to(torch.bfloat16).save_pretrained(
+        out_dir / "text_encoder")
+    vae_cfg = init_kwargs(WAN_2_1_VAE)
+    if smoke:
+        vae_cfg.update(base_dim=16, z_dim=4, latents_mean=vae_cfg["latents_mean"][:4],
+                       latents_std=vae_cfg["latents_std"][:4])
+    torch.manual_seed(0)
+    AutoencoderKLWan(**vae_cfg).eval().to(torch.bfloat16).save_pretrained(out_dir / "vae")
+    del UMT5_XXL_ENCODER
+    return out_dir
+
+
+def video(args, out: _Out, dev) -> None:
+    import numpy as np
+    import torch
+    from diffusers import LattePipeline, WanPipeline
+
+    from pipelines import VideoPipeline
+
+    s = args.smoke
+    steps = 3 if s else 50
+    cases = [
+        ("latte-1", build_latte_dir, LattePipeline,
+         dict(num_frames=16, height=64 if s else 512, width=64 if s else 512, guidance_scale=7.5)),
+        ("wan2.1-1.3b", build_wan_dir, WanPipeline,
+         dict(num_frames=17 if not s else 5, height=48 if s else 480, width=80 if s else 832, guidance_scale=5.0)),
+    ]
+    prompt = "a red ball bouncing"
+    with tempfile.TemporaryDirectory(prefix="longserve-gpu-") as tmp:
+        for name, build, cls, kw in cases:
+            if out.over_budget():
+                return
+            if name not in args.models.split(","):
+                continue
+            d = Path(tmp) / name
+            d.mkdir()
+            t = time.perf_counter()
+            build(d, s)
+            build_s = time.perf_counter() - t
+            # ours
+            with VideoPipeline.from_pretrained(str(d), workers=1, device=dev.type, dtype="bfloat16") as pipe:
+                pipe(prompt, num_inference_steps=2, seed=0, **kw)  # warm-up
+                t = time.perf_counter()
+                res = pipe(prompt, num_inference_steps=steps, seed=0, **kw)
+                ours_s = time.perf_counter() - t
+                attention = pipe.info.get("attention")
+            tm = res.timings
+            _free(dev)
+            # diffusers
+            ref = cls.from_pretrained(str(d), torch_dtype=torch.bfloat16).to(dev)
+            ref.set_progress_bar_config(disable=True)
+            gen = lambda: torch.Generator("cpu").manual_seed(0)  # noqa: E731
+            ref_kw = dict(kw)
+            if cls is LattePipeline:  # diffusers' Latte names the frame count video_length
+                ref_kw["video_length"] = ref_kw.pop("num_frames")
+            ref(prompt, num_inference_steps=2, generator=gen(), output_type="np", **ref_kw)
+            _sync(dev)
+            t = time.perf_counter()
+            theirs = ref(prompt, num_inference_steps=steps, generator=gen(), output_type="np", **ref_kw).frames
+            _sync(dev)
+            theirs_s = time.perf_counter() - t
+            theirs = np.asarray(theirs[0] if isinstance(theirs, list) else theirs)
+            diff = float(np.abs(res.frames.reshape(theirs.shape) - theirs).max()) if res.frames.size == theirs.size \
+                else None
+            out.row(section="video", model=name, steps=steps, attention=attention, build_s=build_s,
+                    ours_s=ours_s, diffusers_s=theirs_s, ratio=ours_s / theirs_s,
+                    transformer_s=tm.get("transformer_s"), vae_s=tm.get("vae_s"), encode_s=tm.get("encode_s"),
+                    overhead_per_step_ms=1000 * tm["overhead_s"] / steps,
+                    max_abs_diff_vs_diffusers=diff, **kw)
+            del ref
+            _free(dev)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def wan_vae_memory(args, out: _Out, dev) -> None:
+    """Wan 2.1's VAE (diffusers' default config, random weights, bf16) at 480x832: diffusers' one-shot
+    `vae.decode` of the whole video by length until OOM or --step-limit-s, then our streaming decoder
+    (engine/causal_vae.py, one latent frame per call, each chunk's frames moved to the CPU) on the longest."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from engine.causal_vae import StreamingVAEDecoder
+    from weights.wan import WAN_2_1_VAE, init_kwargs
+
+    cfg = init_kwargs(WAN_2_1_VAE)
+    if args.smoke:
+        cfg.update(base_dim=16, z_dim=4, latents_mean=cfg["latents_mean"][:4], latents_std=cfg["latents_std"][:4])
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**cfg).eval().to(dev, torch.bfloat16)
+    h, w = (6, 10) if args.smoke else (60, 104)
+    longest = None
+    for frames in ([5, 9] if args.smoke else [81, 161, 321]):
+        if out.over_budget():
+            break
+        z = torch.randn(1, cfg["z_dim"], (frames - 1) // 4 + 1, h, w, device=dev, dtype=torch.bfloat16)
+        try:
+            with torch.no_grad():
+                peak, secs = _peak(lambda: vae.decode(z).sample, dev)
+            out.row(section="memory", component="Wan VAE decode, diffusers one call", model="wan2.1-vae",
+                    size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=peak / 2**30, seconds=secs)
+            longest = frames
+        except Exception as err:  # noqa: BLE001
+            if not _is_oom(err):
+                raise
+            out.row(section="memory", component="Wan VAE decode, diffusers one call", model="wan2.1-vae",
+                    size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=None, error="out of memory")
+            _free(dev)
+            break
+        del z
+        _free(dev)
+        if secs > args.step_limit_s:
+            break
+    frames = longest or 81
+    z = torch.randn(1, cfg["z_dim"], (frames - 1) // 4 + 1, h, w, device=dev, dtype=torch.bfloat16)
+
+    def streamed():
+        dec = StreamingVAEDecoder(vae, _solo(dev), 1, h, w)
+        for a in range(z.shape[2]):
+            dec.decode(z[:, :, a:a + 1]).float().cpu()
+        dec.close()
+
+    with torch.no_grad():
+        peak, secs = _peak(streamed, dev)
+    out.row(section="memory", component="Wan VAE decode, ours streamed (1 latent frame per call, tiled)",
+            model="wan2.1-vae", size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=peak / 2**30, seconds=secs)
+    del vae, z
+    _free(dev)
+
+
+def run(args) -> int:
+    import torch
+
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = _Out(args)
+    from server.bench.util import machine_info
+
+    out.row(section="machine", **machine_info(dev.type))
+    sections = [s for s in args.sections.split(",") if s]
+    for s in sections:
+        if s not in SECTIONS:
+            raise ValueError(f"--sections: unknown {s!r}; choose from {', '.join(SECTIONS)}")
+    funcs = {"numerics": numerics, "speed": speed, "memory": memory, "video": video, "wan-vae": wan_vae_memory}
+    for s in sections:
+        if out.over_budget():
+            out.row(section=s, skipped="over --budget-s")
+            continue
+        t = time.perf_counter()
+        with contextlib.suppress(KeyboardInterrupt):
+            try:
+                funcs[s](args, out, dev)
+            except Exception as err:  # noqa: BLE001 - one section failing must not lose the others' figures
+                import traceback
+
+                traceback.print_exc()
+                out.row(section=s, error=f"{type(err).__name__}: {err}"[:400])
+        out.row(section=s, seconds=time.perf_counter() - t, done=True)
+    return 0

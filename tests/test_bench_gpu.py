@@ -1,0 +1,24 @@
+"""`longserve bench gpu` (docs/gpu.md's measurements) at smoke sizes on the CPU: every section runs, and the
+figures it reports say what they claim (our 1-worker forward is diffusers' forward)."""
+
+import json
+
+from server.cli import main
+
+
+def test_bench_gpu_smoke_reports_each_section(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "gpu", "--smoke", "--device", "cpu", "--repeats", "1", "--sections", "numerics,speed,memory",
+                 "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [r for r in rows if "error" in r], rows
+    numerics = [r for r in rows if r["section"] == "numerics" and "model" in r]
+    assert {r["model"].split(" ")[0] for r in numerics} == {"latte-1", "wan2.1-1.3b"}
+    for r in numerics:  # bf16 rounding error, and ours the same arithmetic as diffusers'
+        assert 0 < r["diffusers_bf16_rel_err"] < 0.05
+        assert r["ours_bf16_rel_err"] <= 1.01 * r["diffusers_bf16_rel_err"]
+    speed = [r for r in rows if r["section"] == "speed" and "model" in r]
+    assert len(speed) == 3 and all(r["ours_s"] > 0 and r["diffusers_s"] > 0 for r in speed)
+    memory = [r for r in rows if r["section"] == "memory" and "component" in r]
+    steps = [r for r in memory if r["component"].startswith("transformer") and r["model"] == "latte-1"]
+    assert len(steps) == 2 and steps[1]["peak_gib"] > steps[0]["peak_gib"]  # more frames, more memory
