@@ -1,0 +1,49 @@
+"""The procedural clips of `weights/clips.py` follow issue 11's rules, and the content helper
+(`tests/content.py`) reads them back: every clip is recognised as its own prompt, never as another
+colour or motion, and noise or a still object is recognised as nothing."""
+
+import numpy as np
+import pytest
+
+from content import describe, recognises
+from weights.clips import COLOURS, FRAMES, MOTIONS, PROMPTS, SHAPES, SIZE, parse_prompt, render_clip
+
+
+def test_vocabulary_is_four_colours_two_shapes_five_motions():
+    assert len(PROMPTS) == 40 == len(COLOURS) * len(SHAPES) * len(MOTIONS)
+    assert parse_prompt("a yellow square moving up") == ("yellow", "square", "moving up")
+    with pytest.raises(ValueError):
+        parse_prompt("a purple ball moving right")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_every_rendered_clip_is_recognised_as_its_prompt_and_only_its_prompt(prompt):
+    rng = np.random.default_rng(PROMPTS.index(prompt))
+    colour, shape, motion = parse_prompt(prompt)
+    for _ in range(3):
+        clip = render_clip(prompt, rng)
+        assert clip.shape == (FRAMES, SIZE, SIZE, 3) and clip.dtype == np.float32
+        assert 0.0 <= clip.min() and clip.max() <= 1.0
+        d = describe(clip)
+        assert (d.colour, d.shape, d.motion) == (colour, shape, motion), d
+        track = d.track
+        if motion == "bouncing":  # falls, then rises again; little horizontal travel
+            y = track[:, 1]
+            low = int(np.argmax(y))
+            assert y[low] - y[:low + 1].min() >= 0.1 * SIZE and y[low] - y[low:].min() >= 0.1 * SIZE
+            assert np.ptp(track[:, 0]) <= 0.2 * SIZE
+        else:  # crosses at least 40% of the frame in the named direction
+            net = track[-1] - track[0]
+            axis, sign = {"moving right": (0, 1), "moving left": (0, -1), "moving up": (1, -1),
+                          "moving down": (1, 1)}[motion]
+            assert sign * net[axis] >= 0.4 * SIZE
+        assert recognises(clip, prompt)
+
+
+def test_noise_and_a_still_object_are_recognised_as_nothing():
+    rng = np.random.default_rng(0)
+    noise = rng.random((FRAMES, SIZE, SIZE, 3), dtype=np.float32)
+    d = describe(noise)
+    assert d.colour is None or d.motion is None
+    still = np.repeat(render_clip("a red ball moving right", rng)[:1], FRAMES, axis=0)
+    assert describe(still).motion is None

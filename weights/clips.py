@@ -1,0 +1,124 @@
+"""Procedural clips that `weights/tiny-latte` is trained on: one coloured object moving on grey.
+
+Every clip is 16 frames of 64x64 RGB, float32 in [0, 1], (T, H, W, 3), showing one object on
+the plain `BACKGROUND` and described by ``"a {colour} {shape} {motion}"``:
+
+- colour: red, green, blue, yellow -- the pure RGB primaries and red+green (`PALETTE`);
+- shape: ball (a disc) or square (axis-aligned);
+- motion:
+  * "moving right" / "left" / "up" / "down": a straight line at constant speed whose
+    travel along that direction is `MIN_TRAVEL`..`MAX_TRAVEL` of the frame (the rule is
+    at least 40%; the clips keep a margin above it), perpendicular travel zero;
+  * "bouncing": the object falls and rises on parabolic arcs off a floor (image y grows
+    downwards, so it falls while y increases); at least one floor contact falls inside the
+    clip with at least `MIN_BOUNCE_DROP` of the frame of fall before it and of rise after
+    it, and the horizontal drift is at most `MAX_BOUNCE_DRIFT` of the frame.
+
+Object size, start position, speed, floor height, bounce period and drift vary from clip to
+clip; the object always lies wholly inside the frame, so its centroid is where it is drawn.
+Edges are antialiased (coverage of each pixel by the shape), which keeps sub-pixel motion
+visible and the VAE's job smooth.
+
+`render_clip(prompt, rng)` draws one clip; the rules are checked for many clips in
+`tests/test_clips.py` with the analysis helper of the content tests (`tests/content.py`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FRAMES = 16
+SIZE = 64
+
+COLOURS = ("red", "green", "blue", "yellow")
+SHAPES = ("ball", "square")
+MOTIONS = ("moving right", "moving left", "moving up", "moving down", "bouncing")
+
+#: name -> RGB in [0, 1]
+PALETTE: dict[str, tuple[float, float, float]] = {
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 1.0, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 1.0, 0.0),
+}
+#: Mid grey is equally far (sqrt(3)/2) from every palette colour, and it is the VAE's 0.
+BACKGROUND = (0.5, 0.5, 0.5)
+
+#: All 40 prompts, colour-major: "a red ball moving right", ..., "a yellow square bouncing".
+PROMPTS: tuple[str, ...] = tuple(f"a {c} {s} {m}" for c in COLOURS for s in SHAPES for m in MOTIONS)
+
+# Object size: ball radius / square half side, in pixels.
+MIN_RADIUS, MAX_RADIUS = 6.0, 9.0
+# Straight motion: travel along the named direction, as a fraction of the frame.
+MIN_TRAVEL, MAX_TRAVEL = 0.45, 0.75
+# Bouncing: fall before and rise after a floor contact, and horizontal drift, as fractions of the frame.
+MIN_BOUNCE_DROP = 0.2
+MAX_BOUNCE_DRIFT = 0.08
+
+_DIRECTIONS = {"moving right": (1, 0), "moving left": (-1, 0), "moving up": (0, -1), "moving down": (0, 1)}
+
+
+def parse_prompt(prompt: str) -> tuple[str, str, str]:
+    """"a red ball moving right" -> ("red", "ball", "moving right"); ValueError outside the vocabulary."""
+    words = prompt.split()
+    if len(words) < 4 or words[0] != "a" or words[1] not in COLOURS or words[2] not in SHAPES \
+            or " ".join(words[3:]) not in MOTIONS:
+        raise ValueError(f"{prompt!r} is not 'a <colour> <shape> <motion>' with colour in {COLOURS}, "
+                         f"shape in {SHAPES}, motion in {MOTIONS}")
+    return words[1], words[2], " ".join(words[3:])
+
+
+def straight_track(direction: str, radius: float, rng: np.random.Generator) -> np.ndarray:
+    """Centre positions (T, 2) as (x, y) pixels for a straight, constant-speed crossing."""
+    dx, dy = _DIRECTIONS[direction]
+    lo, hi = radius, SIZE - radius                                # centre range keeping the object inside
+    travel = min(rng.uniform(MIN_TRAVEL, MAX_TRAVEL) * SIZE, hi - lo)
+    start_along = lo + rng.uniform() * (hi - lo - travel)          # in the direction of motion
+    across = rng.uniform(lo, hi)
+    along = start_along + travel * np.linspace(0.0, 1.0, FRAMES)  # (T,)
+    if dx + dy < 0:                                               # left / up: run the line backwards
+        along = lo + hi - along
+    track = np.empty((FRAMES, 2))
+    track[:, 0], track[:, 1] = (along, across) if dx else (across, along)
+    return track
+
+
+def bounce_track(radius: float, rng: np.random.Generator) -> np.ndarray:
+    """Centre positions (T, 2) of an object bouncing off a floor on parabolic arcs (rejection-sampled)."""
+    t = np.arange(FRAMES, dtype=np.float64)
+    min_drop = MIN_BOUNCE_DROP * SIZE
+    while True:
+        floor = rng.uniform(SIZE * 0.55, SIZE - radius)          # centre height at contact (y grows down)
+        height = rng.uniform(min_drop + 4.0, floor - radius)       # arc height; the top stays inside
+        period = rng.uniform(9.0, 15.0)                            # frames between floor contacts
+        contact = rng.uniform(3.0, FRAMES - 4.0)                   # one contact inside the clip
+        phase = ((t - contact) / period) % 1.0                     # 0 at every contact
+        y = floor - 4.0 * height * phase * (1.0 - phase)           # (T,) parabolic arcs
+        lowest = int(np.argmax(y))
+        if y[lowest] - y[:lowest + 1].min() >= min_drop and y[lowest] - y[lowest:].min() >= min_drop:
+            break
+    drift = rng.uniform(-MAX_BOUNCE_DRIFT, MAX_BOUNCE_DRIFT) * SIZE
+    x0 = rng.uniform(radius + max(0.0, -drift), SIZE - radius - max(0.0, drift))
+    return np.stack([x0 + drift * t / (FRAMES - 1), y], axis=1)
+
+
+def draw_frame(centre: tuple[float, float], radius: float, shape: str, colour: str) -> np.ndarray:
+    """One frame (H, W, 3): the object's pixel coverage blends its colour over the background."""
+    px = np.arange(SIZE) + 0.5                                     # pixel centres
+    dx = np.abs(px[None, :] - centre[0])                           # (1, W)
+    dy = np.abs(px[:, None] - centre[1])                           # (H, 1)
+    if shape == "ball":
+        coverage = np.clip(radius - np.hypot(dx, dy) + 0.5, 0.0, 1.0)                       # (H, W)
+    else:
+        coverage = np.clip(radius - dx + 0.5, 0.0, 1.0) * np.clip(radius - dy + 0.5, 0.0, 1.0)
+    colour_rgb = np.asarray(PALETTE[colour])
+    background = np.asarray(BACKGROUND)
+    return background + coverage[..., None] * (colour_rgb - background)
+
+
+def render_clip(prompt: str, rng: np.random.Generator) -> np.ndarray:
+    """A clip of `prompt` (in `PROMPTS`): float32 (16, 64, 64, 3) in [0, 1], drawn with `rng`."""
+    colour, shape, motion = parse_prompt(prompt)
+    radius = rng.uniform(MIN_RADIUS, MAX_RADIUS)
+    track = bounce_track(radius, rng) if motion == "bouncing" else straight_track(motion, radius, rng)
+    return np.stack([draw_frame(tuple(c), radius, shape, colour) for c in track]).astype(np.float32)

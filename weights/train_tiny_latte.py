@@ -1,0 +1,396 @@
+"""Train `weights/tiny-latte`: a tiny Latte that draws the procedural clips of `weights.clips`.
+
+Usage::
+
+    python -m weights.train_tiny_latte                # rewrites weights/tiny-latte/ (see weights/README.md for the time)
+    python -m weights.train_tiny_latte --out DIR      # writes DIR instead
+    python -m weights.train_tiny_latte --out DIR --vae-steps 4 --steps 4 --clips-per-prompt 1   # a smoke run
+
+Everything runs on the CPU, seeded (python, numpy and torch generators, deterministic torch
+algorithms, a fixed thread count), so the same seed, thread count, CPU and library versions
+give the same weights. The recipe, in order:
+
+1. Text: the tiny T5 encoder and tokenizer of `weights.build_tiny_latte` (rebuilt from their
+   seeds, byte-identical to before; frozen). Every prompt of the vocabulary is encoded once,
+   exactly as inference encodes it: `LattePipeline.encode_prompt(prompt,
+   do_classifier_free_guidance=True, negative_prompt="", mask_feature=True)` gives the prompt's
+   tokens and the empty negative prompt cut to the same length.
+2. VAE: diffusers' `AutoencoderKL` (8x downsampling, 4 latent channels), trained on frames of
+   random clips: squared error in [-1, 1] pixels, weighted up on the object's pixels (they are a
+   few percent of a frame but are all that matters), plus a small KL term. Its log-variance
+   output starts small, so the latents carry information from the first step. Then
+   `scaling_factor` = 1 / std of the encoded training latents, as Stable Diffusion's was set.
+3. Latents: `--clips-per-prompt` clips of every prompt, encoded (posterior mean x scaling_factor).
+4. Transformer: `LatteTransformer3DModel` (Latte-1's options at toy width) trained on the DDPM
+   objective of the shipped DDIMScheduler's schedule (linear betas, 1000 steps): uniform
+   timesteps, the epsilon half of the learned-sigma output regressed on the noise (MSE; the
+   variance half is dropped by the pipeline for DDIM and is not trained), prompts replaced by
+   the negative ("") embedding `--uncond-prob` of the time so classifier-free guidance works.
+   AdamW with linear warm-up and cosine decay, gradient clipping at 1.
+5. Output: a diffusers `LattePipeline` directory (plus `tokenizer/spiece.model`), its
+   `TRAINING.json` (seed, steps, losses, wall time, versions) and the loss curves as a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from weights import build_tiny_latte as random_build
+from weights.clips import FRAMES, PROMPTS, SIZE, render_clip
+
+SEED = 0
+DEFAULT_OUT = Path(__file__).resolve().parent / "tiny-latte"
+DEFAULT_PLOT = Path(__file__).resolve().parent / "train_tiny_latte_loss.png"
+
+TRANSFORMER_CONFIG = dict(
+    random_build.TRANSFORMER_CONFIG,
+    num_attention_heads=3,        # odd on purpose: divides by neither 2 nor 4 workers
+    attention_head_dim=32,
+    num_layers=3,
+    cross_attention_dim=96,       # == inner dim, as in Latte-1
+)
+VAE_CONFIG = dict(random_build.VAE_CONFIG)   # (16, 16, 32, 32) channels, 4 latent channels, 8x down
+
+# VAE training
+VAE_BATCH_CLIPS, VAE_FRAMES_PER_CLIP = 8, 4   # 32 frames a step
+VAE_LR = 1e-3
+VAE_KL_WEIGHT = 1e-5                          # per latent element, against the per-pixel squared error
+VAE_OBJECT_WEIGHT = 4.0                       # extra loss weight on pixels the object covers
+VAE_INITIAL_LOGVAR = -6.0                     # posterior std starts at e^-3 instead of 1
+# transformer training
+BATCH = 32
+LR = 1e-3
+WARMUP = 100
+UNCOND_PROB = 0.1
+WEIGHT_DECAY = 0.01
+
+
+def seed_everything(seed: int, threads: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+
+
+def cosine_lr(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up to `peak`, then cosine decay to 5% of it at `steps`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def to_vae_pixels(clips: np.ndarray) -> torch.Tensor:
+    """float (N, H, W, 3) in [0, 1] -> (N, 3, H, W) in [-1, 1], as the VAE sees images."""
+    return torch.from_numpy(clips).permute(0, 3, 1, 2) * 2 - 1
+
+
+# -- 1. text ---------------------------------------------------------------------------------------
+
+def encode_vocabulary(pipe, prompts=PROMPTS) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """prompt -> (positive (L, C_text), negative (L, C_text)), exactly as inference encodes it."""
+    out = {}
+    with torch.no_grad():
+        for prompt in prompts:
+            positive, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=True, negative_prompt="",
+                                                    device=torch.device("cpu"), clean_caption=False,
+                                                    mask_feature=True)
+            out[prompt] = (positive[0], negative[0])
+    return out
+
+
+# -- 2. VAE ----------------------------------------------------------------------------------------
+
+def random_frames(rng: np.random.Generator, clips: int, per_clip: int) -> np.ndarray:
+    """`per_clip` distinct frames of each of `clips` random clips: float32 (clips*per_clip, H, W, 3)."""
+    frames = []
+    for _ in range(clips):
+        clip = render_clip(PROMPTS[rng.integers(len(PROMPTS))], rng)
+        frames.append(clip[rng.choice(FRAMES, per_clip, replace=False)])
+    return np.concatenate(frames)
+
+
+def train_vae(vae, steps: int, rng: np.random.Generator, log) -> list[float]:
+    """Train `vae` in place; returns the per-step reconstruction loss."""
+    with torch.no_grad():
+        vae.quant_conv.bias[vae.config.latent_channels:] += VAE_INITIAL_LOGVAR
+    vae.train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=VAE_LR, betas=(0.9, 0.99), weight_decay=0.0)
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, steps, VAE_LR, min(WARMUP, steps // 10 + 1))
+        x = to_vae_pixels(random_frames(rng, VAE_BATCH_CLIPS, VAE_FRAMES_PER_CLIP))   # (B, 3, H, W)
+        posterior = vae.encode(x).latent_dist
+        recon = vae.decode(posterior.sample(generator=torch.Generator().manual_seed(step))).sample
+        on_object = (x.abs().amax(dim=1, keepdim=True) > 0.05).float()               # (B, 1, H, W); grey is 0
+        weight = 1 + VAE_OBJECT_WEIGHT * on_object
+        rec = ((recon - x) ** 2 * weight).mean() / weight.mean()
+        kl = posterior.kl().mean() / posterior.mean[0].numel()
+        loss = rec + VAE_KL_WEIGHT * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        losses.append(rec.item())
+        if step % 50 == 0 or step == steps - 1:
+            log(f"vae {step + 1}/{steps}: reconstruction {np.mean(losses[-50:]):.4f}, kl {kl.item():.3f}, "
+                f"{time.perf_counter() - t0:.0f} s")
+    vae.eval()
+    return losses
+
+
+# -- 3. latents ------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def encode_clips(vae, clips_per_prompt: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Render and encode clips: unscaled latents (N, C, T, h, w) and prompt indices (N,), N = 40 x clips_per_prompt."""
+    latents, labels = [], []
+    for _ in range(clips_per_prompt):
+        for index, prompt in enumerate(PROMPTS):
+            frames = to_vae_pixels(render_clip(prompt, rng))                         # (T, 3, H, W)
+            z = vae.encode(frames).latent_dist.mean                                  # (T, C, h, w)
+            latents.append(z.permute(1, 0, 2, 3))                                    # (C, T, h, w)
+            labels.append(index)
+    return torch.stack(latents), torch.tensor(labels)
+
+
+# -- 4. transformer --------------------------------------------------------------------------------
+
+def batch_text(conditioning, prompts: list[str], uncond: torch.Tensor, frames: int):
+    """Text for a batch: padded embeddings (B, L, C) and the cross-attention bias (B*frames, 1, L)
+    that masks the padding for every frame, as `engine.latte.parallel_forward` builds it."""
+    texts = [conditioning[p][1] if u else conditioning[p][0] for p, u in zip(prompts, uncond.tolist())]
+    L = max(t.shape[0] for t in texts)
+    text = torch.stack([F.pad(t, (0, 0, 0, L - t.shape[0])) for t in texts])         # (B, L, C)
+    keep = torch.stack([torch.arange(L) < t.shape[0] for t in texts])                # (B, L)
+    bias = torch.zeros(keep.shape).masked_fill(~keep, -10000.0)[:, None, :]         # (B, 1, L)
+    return text, bias.repeat_interleave(frames, dim=0)                               # (B*T, 1, L)
+
+
+def train_transformer(transformer, scheduler, latents, labels, conditioning, steps: int,
+                      generator: torch.Generator, log) -> list[float]:
+    """DDPM epsilon-prediction training of `transformer` in place on scaled latents (N, C, T, h, w)."""
+    alphas_cumprod = scheduler.alphas_cumprod                                        # (1000,)
+    C = latents.shape[1]
+    transformer.train()
+    opt = torch.optim.AdamW(transformer.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=WEIGHT_DECAY)
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, steps, LR, min(WARMUP, steps // 10 + 1))
+        pick = torch.randint(len(latents), (BATCH,), generator=generator)
+        x0 = latents[pick]                                                           # (B, C, T, h, w)
+        t = torch.randint(scheduler.config.num_train_timesteps, (BATCH,), generator=generator)
+        noise = torch.randn(x0.shape, generator=generator)
+        a = alphas_cumprod[t].view(-1, 1, 1, 1, 1)
+        xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
+        uncond = torch.rand(BATCH, generator=generator) < UNCOND_PROB
+        text, bias = batch_text(conditioning, [PROMPTS[i] for i in labels[pick].tolist()], uncond, x0.shape[2])
+        out = transformer(xt, timestep=t, encoder_hidden_states=text, encoder_attention_mask=bias,
+                          return_dict=False)[0]                                      # (B, 2C, T, h, w)
+        loss = F.mse_loss(out[:, :C], noise)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            log(f"transformer {step + 1}/{steps}: loss {np.mean(losses[-50:]):.4f}, "
+                f"{time.perf_counter() - t0:.0f} s")
+    transformer.eval()
+    return losses
+
+
+def new_transformer(seed: int):
+    """The untrained transformer: diffusers' initialisation from `seed`, output projection zeroed
+    (it starts by predicting no noise, the usual DiT start)."""
+    from diffusers import LatteTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = LatteTransformer3DModel(**TRANSFORMER_CONFIG)
+    with torch.no_grad():
+        model.proj_out.weight.zero_()
+        model.proj_out.bias.zero_()
+    return model
+
+
+def new_vae(seed: int):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(**VAE_CONFIG)
+
+
+# -- 5. output -------------------------------------------------------------------------------------
+
+def smoothed(values: list[float], window: int) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    window = max(1, min(window, len(v)))
+    return np.convolve(v, np.ones(window) / window, mode="valid")
+
+
+def plot_losses(vae_losses: list[float], losses: list[float], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, values, name in ((axes[0], vae_losses, "VAE reconstruction (weighted MSE)"),
+                             (axes[1], losses, "transformer (epsilon MSE)")):
+        ax.plot(np.arange(1, len(values) + 1), values, color="0.8", lw=0.6, label="per step")
+        window = max(1, len(values) // 40)
+        ax.plot(np.arange(window, len(values) + 1), smoothed(values, window), color="C0", lw=1.5,
+                label=f"mean of {window} steps")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _versions() -> dict:
+    import diffusers
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__, "numpy": np.__version__}
+
+
+def train(out: Path, seed: int = SEED, vae_steps: int = 900, steps: int = 1500, clips_per_prompt: int = 64,
+          threads: int = 2, plot: Path | None = DEFAULT_PLOT, vae_from: Path | None = None, log=print) -> dict:
+    """Train the whole pipeline and write it to `out` (swapped in at the end); returns the training record."""
+    from diffusers import LattePipeline
+
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    t_start = time.perf_counter()
+    seed_everything(seed, threads)
+    rng = np.random.default_rng(seed)
+    generator = torch.Generator().manual_seed(seed)
+
+    tokenizer, spiece_model = random_build.build_tokenizer()
+    text_encoder = random_build.build_text_encoder()
+    vae = new_vae(seed + 3)
+    transformer = new_transformer(seed + 2)
+    scheduler = random_build.build_scheduler()
+    pipe = LattePipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                         scheduler=scheduler)
+    conditioning = encode_vocabulary(pipe)
+
+    t0 = time.perf_counter()
+    if vae_from is None:
+        vae_losses = train_vae(vae, vae_steps, rng, log)
+    else:   # for experiments on the transformer alone
+        from diffusers import AutoencoderKL
+
+        vae.load_state_dict(AutoencoderKL.from_pretrained(vae_from, subfolder="vae").state_dict())
+        vae.eval()
+        vae_losses, vae_steps = [float("nan")], 0
+    vae_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    latents, labels = encode_clips(vae, clips_per_prompt, rng)                        # (N, C, T, h, w)
+    scaling_factor = float(1.0 / latents.std())
+    vae.register_to_config(scaling_factor=scaling_factor)
+    latents = latents * scaling_factor
+    encode_s = time.perf_counter() - t0
+    log(f"encoded {len(latents)} clips in {encode_s:.0f} s; scaling_factor {scaling_factor:.4f}, "
+        f"latent mean {latents.mean().item():.3f}")
+
+    t0 = time.perf_counter()
+    losses = train_transformer(transformer, scheduler, latents, labels, conditioning, steps, generator, log)
+    transformer_s = time.perf_counter() - t0
+    wall_s = time.perf_counter() - t_start
+
+    record = {
+        "seed": seed, "threads": threads, "vae_steps": vae_steps, "steps": steps, "batch": BATCH,
+        "vae_batch_frames": VAE_BATCH_CLIPS * VAE_FRAMES_PER_CLIP, "clips_per_prompt": clips_per_prompt,
+        "training_clips": len(latents), "lr": LR, "vae_lr": VAE_LR, "warmup": WARMUP,
+        "uncond_prob": UNCOND_PROB, "weight_decay": WEIGHT_DECAY, "vae_kl_weight": VAE_KL_WEIGHT,
+        "vae_object_weight": VAE_OBJECT_WEIGHT, "scaling_factor": scaling_factor,
+        "final_vae_reconstruction_loss": float(np.mean(vae_losses[-50:])),
+        "final_loss": float(np.mean(losses[-50:])), "final_loss_window": min(50, len(losses)),
+        "transformer_parameters": sum(p.numel() for p in transformer.parameters()),
+        "vae_parameters": sum(p.numel() for p in vae.parameters()),
+        "seconds": {"vae": round(vae_s, 1), "encode": round(encode_s, 1), "transformer": round(transformer_s, 1),
+                    "total": round(wall_s, 1)},
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
+        "versions": _versions(),
+        "vae_from": None if vae_from is None else str(vae_from),
+        "command": "python -m weights.train_tiny_latte " + " ".join(sys.argv[1:]),
+    }
+    write(pipe, spiece_model, record, out)
+    if plot is not None:
+        plot_losses(vae_losses, losses, plot,
+                    f"weights/tiny-latte training: {wall_s / 60:.1f} min on {threads} CPU threads, seed {seed}")
+    log(f"wrote {out} in {wall_s / 60:.1f} min: final loss {record['final_loss']:.4f} "
+        f"(vae reconstruction {record['final_vae_reconstruction_loss']:.4f})")
+    return record
+
+
+def write(pipe, spiece_model: bytes, record: dict, out: Path) -> None:
+    """Save the pipeline to a temporary sibling of `out`, then swap it in (never a half-written `out`)."""
+    out = Path(out).resolve()
+    if out.exists() and any(out.iterdir()) and not (out / "model_index.json").is_file():
+        raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        pipe.save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / "tokenizer" / "spiece.model").write_bytes(spiece_model)
+        (tmp / "TRAINING.json").write_text(json.dumps(record, indent=2) + "\n")
+        random_build._normalise_permissions(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m weights.train_tiny_latte", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
+    ap.add_argument("--plot", default=None,
+                    help=f"loss-curve PNG (default: {DEFAULT_PLOT} when writing the default --out, else OUT/loss.png)")
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--vae-steps", type=int, default=900)
+    ap.add_argument("--steps", type=int, default=1500, help="transformer steps")
+    ap.add_argument("--clips-per-prompt", type=int, default=64, help="training clips of each of the 40 prompts")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (results depend on it)")
+    ap.add_argument("--vae-from", default=None, help="reuse the VAE of this pipeline directory (no VAE training)")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    plot = Path(args.plot) if args.plot else DEFAULT_PLOT if out == DEFAULT_OUT else out.parent / f"{out.name}-loss.png"
+    train(out, seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, clips_per_prompt=args.clips_per_prompt,
+          threads=args.threads, plot=plot, vae_from=args.vae_from, log=lambda msg: print(msg, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
