@@ -411,15 +411,21 @@ def latte_vae_memory(args, out: _Out, dev, chunk: int = 16) -> None:
 # -- whole videos ----------------------------------------------------------------------------------------------
 
 
+def _copy_shared_parts(shipped: str, out_dir: Path) -> Path:
+    """The tokenizer, scheduler and model_index.json of a shipped tiny checkpoint, into out_dir; its path."""
+    from weights.registry import resolve_model
+
+    src = resolve_model(shipped)
+    for part in ("tokenizer", "scheduler", "model_index.json"):
+        (shutil.copytree if (src / part).is_dir() else shutil.copy)(src / part, out_dir / part)
+    return src
+
+
 def build_latte_dir(out_dir: Path, smoke: bool) -> Path:
     import torch
     from transformers import T5Config, T5EncoderModel
 
-    from weights import resolve_latte
-
-    src = resolve_latte("tiny-latte")
-    for part in ("tokenizer", "scheduler", "model_index.json"):
-        (shutil.copytree if (src / part).is_dir() else shutil.copy)(src / part, out_dir / part)
+    src = _copy_shared_parts("tiny-latte", out_dir)
     cfg = latte_cfg(smoke)
     build_latte(cfg).to(torch.bfloat16).save_pretrained(out_dir / "transformer")
     t5 = T5Config.from_pretrained(src / "text_encoder")
@@ -435,12 +441,9 @@ def build_wan_dir(out_dir: Path, smoke: bool) -> Path:
     from diffusers import AutoencoderKLWan
 
     from weights.build_tiny_wan import build_text_encoder
-    from weights.registry import resolve_model
-    from weights.wan import UMT5_XXL_ENCODER, WAN_2_1_VAE, init_kwargs
+    from weights.wan import WAN_2_1_VAE, init_kwargs
 
-    src = resolve_model("tiny-wan")
-    for part in ("tokenizer", "scheduler", "model_index.json"):
-        (shutil.copytree if (src / part).is_dir() else shutil.copy)(src / part, out_dir / part)
+    _copy_shared_parts("tiny-wan", out_dir)
     cfg = wan_config(smoke)
     build_wan(cfg).to(torch.bfloat16).save_pretrained(out_dir / "transformer")
     width = cfg["text_dim"]
@@ -452,7 +455,6 @@ def build_wan_dir(out_dir: Path, smoke: bool) -> Path:
                        latents_std=vae_cfg["latents_std"][:4])
     torch.manual_seed(0)
     AutoencoderKLWan(**vae_cfg).eval().to(torch.bfloat16).save_pretrained(out_dir / "vae")
-    del UMT5_XXL_ENCODER
     return out_dir
 
 
