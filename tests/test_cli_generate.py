@@ -50,9 +50,12 @@ def test_an_interrupted_long_video_leaves_a_playable_file_of_the_frames_made_so_
     import time
 
     out = tmp_path / "partial.mp4"
-    # 10 segments: 17 frames, then 8 more per segment
+    # 10 segments: 17 frames, then 8 more per segment. 30 steps each, so that the 9 segments after the first
+    # take far longer than the (niced) encoder can lag behind on a loaded machine: with 8 steps a busy CI
+    # machine once finished the whole video before the first bytes reached the file, and the interrupt
+    # landed after the run had ended (exit code 0)
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "generate", "waves", "--model", "tiny-skyreels-df",
-                             "--frames", "89", "--size", "64x64", "--steps", "8", "--seed", "0", "-o", str(out)],
+                             "--frames", "89", "--size", "64x64", "--steps", "30", "--seed", "0", "-o", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while not (out.exists() and out.stat().st_size > 0):     # the first segment is being written
