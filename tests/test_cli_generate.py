@@ -57,7 +57,10 @@ def test_an_interrupted_long_video_leaves_a_playable_file_of_the_frames_made_so_
     # encoder runs at a lower priority and on a loaded machine its first bytes can lag far behind
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "generate", "waves", "--model", "tiny-skyreels-df",
                              "--frames", "89", "--size", "64x64", "--steps", "10", "--seed", "0", "-o", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a shell without job control starts background commands with SIGINT ignored, and
+                            # the child would inherit that (the suite run as `make test &` saw exit code 0)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
     reader.start()
