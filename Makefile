@@ -19,12 +19,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
+# "a red ball bouncing" at tiny-latte's defaults (trained on procedural clips: weights/README.md), and a strip
+# of its frames; docs/demo_strip.png (shown in README.md) is a copy of out/demo_strip.png (tests/test_content.py)
 demo: install
 	mkdir -p out
-	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-latte --workers 2 \
-		--frames 16 --size 64x64 --steps 10 --seed 0 -o out/demo.mp4
+	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-latte --workers 2 --seed 0 -o out/demo.mp4
+	$(PY) -m tools.frame_strip out/demo.mp4 -o out/demo_strip.png --scale 2
 
 # long video by diffusion forcing: 89 frames = 10 segments of tiny-skyreels-df, written as they are made
 demo-long: install

@@ -1,9 +1,13 @@
-"""Build the tiny, randomly initialised Latte checkpoint shipped as ``weights/tiny-latte``.
+"""Build a tiny, randomly initialised Latte checkpoint (the untrained sibling of ``weights/tiny-latte``).
 
 Usage::
 
-    python -m weights.build_tiny_latte            # (re)writes weights/tiny-latte/
-    python -m weights.build_tiny_latte --out DIR  # writes DIR instead
+    python -m weights.build_tiny_latte --out DIR  # writes DIR (weights/tiny-latte itself is trained:
+                                                   # python -m weights.train_tiny_latte)
+
+The shipped ``weights/tiny-latte`` is made by ``weights.train_tiny_latte``, which takes its
+tokenizer, text encoder and scheduler from here (the text encoder frozen, so it is byte-identical
+to this build's); this builder stays for tests and benchmarks that want random weights.
 
 The result is a complete diffusers-format ``LattePipeline`` directory (model_index.json plus
 transformer/, vae/, text_encoder/, tokenizer/, scheduler/) that loads with
@@ -62,7 +66,6 @@ from pathlib import Path
 import torch
 
 SEED = 0
-DEFAULT_OUT = Path(__file__).resolve().parent / "tiny-latte"
 
 # --- text side -----------------------------------------------------------------------------
 SP_VOCAB_SIZE = 248  # sentencepiece pieces, including <pad>, </s>, <unk>
@@ -375,7 +378,7 @@ def _normalise_permissions(root: Path) -> None:
         p.chmod(0o755 if p.is_dir() else 0o644)
 
 
-def build(out: str | Path = DEFAULT_OUT) -> Path:
+def build(out: str | Path) -> Path:
     """Build the checkpoint into ``out`` (replacing a previous build there) and return it.
 
     The new checkpoint is written into a temporary sibling directory first and swapped in at
@@ -407,7 +410,8 @@ def build(out: str | Path = DEFAULT_OUT) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_latte", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
+    ap.add_argument("--out", required=True,
+                    help="output directory (not weights/tiny-latte: that one is trained, weights.train_tiny_latte)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = build(args.out)

@@ -9,13 +9,16 @@ the plain `BACKGROUND` and described by ``"a {colour} {shape} {motion}"``:
   * "moving right" / "left" / "up" / "down": a straight line at constant speed whose
     travel along that direction is `MIN_TRAVEL`..`MAX_TRAVEL` of the frame (the rule is
     at least 40%; the clips keep a margin above it), perpendicular travel zero;
+    the path is centred in the frame within a few pixels;
   * "bouncing": the object falls and rises on parabolic arcs off a floor (image y grows
     downwards, so it falls while y increases); at least one floor contact falls inside the
     clip with at least `MIN_BOUNCE_DROP` of the frame of fall before it and of rise after
     it, and the horizontal drift is at most `MAX_BOUNCE_DRIFT` of the frame.
 
-Object size, start position, speed, floor height, bounce period and drift vary from clip to
-clip; the object always lies wholly inside the frame, so its centroid is where it is drawn.
+Object size, start position, speed, floor height, bounce period and phase and drift vary from
+clip to clip, within narrow ranges around a centred path (a toy model of 1M parameters trained
+for minutes learns a narrow distribution well; see weights/README.md); the object always lies
+wholly inside the frame, so its centroid is where it is drawn.
 Edges are antialiased (coverage of each pixel by the shape), which keeps sub-pixel motion
 visible and the VAE's job smooth.
 
@@ -48,12 +51,14 @@ BACKGROUND = (0.5, 0.5, 0.5)
 PROMPTS: tuple[str, ...] = tuple(f"a {c} {s} {m}" for c in COLOURS for s in SHAPES for m in MOTIONS)
 
 # Object size: ball radius / square half side, in pixels.
-MIN_RADIUS, MAX_RADIUS = 6.0, 9.0
-# Straight motion: travel along the named direction, as a fraction of the frame.
-MIN_TRAVEL, MAX_TRAVEL = 0.45, 0.75
+MIN_RADIUS, MAX_RADIUS = 6.5, 8.5
+# Straight motion: travel along the named direction, as a fraction of the frame; the path is centred
+# in the frame up to `START_JITTER` pixels along it and `ACROSS_JITTER` pixels across it.
+MIN_TRAVEL, MAX_TRAVEL = 0.5, 0.65
+START_JITTER, ACROSS_JITTER = 4.0, 8.0
 # Bouncing: fall before and rise after a floor contact, and horizontal drift, as fractions of the frame.
 MIN_BOUNCE_DROP = 0.2
-MAX_BOUNCE_DRIFT = 0.08
+MAX_BOUNCE_DRIFT = 0.06
 
 _DIRECTIONS = {"moving right": (1, 0), "moving left": (-1, 0), "moving up": (0, -1), "moving down": (0, 1)}
 
@@ -73,8 +78,9 @@ def straight_track(direction: str, radius: float, rng: np.random.Generator) -> n
     dx, dy = _DIRECTIONS[direction]
     lo, hi = radius, SIZE - radius                                # centre range keeping the object inside
     travel = min(rng.uniform(MIN_TRAVEL, MAX_TRAVEL) * SIZE, hi - lo)
-    start_along = lo + rng.uniform() * (hi - lo - travel)          # in the direction of motion
-    across = rng.uniform(lo, hi)
+    slack = (hi - lo - travel) / 2                                # room left at each end of the path
+    start_along = lo + slack + rng.uniform(-1, 1) * min(START_JITTER, slack)   # in the direction of motion
+    across = SIZE / 2 + rng.uniform(-ACROSS_JITTER, ACROSS_JITTER)
     along = start_along + travel * np.linspace(0.0, 1.0, FRAMES)  # (T,)
     if dx + dy < 0:                                               # left / up: run the line backwards
         along = lo + hi - along
@@ -84,21 +90,23 @@ def straight_track(direction: str, radius: float, rng: np.random.Generator) -> n
 
 
 def bounce_track(radius: float, rng: np.random.Generator) -> np.ndarray:
-    """Centre positions (T, 2) of an object bouncing off a floor on parabolic arcs (rejection-sampled)."""
+    """Centre positions (T, 2) of an object bouncing off a floor on parabolic arcs: it starts high,
+    falls to the floor near the middle of the clip and rises again (rejection-sampled for the rule)."""
     t = np.arange(FRAMES, dtype=np.float64)
     min_drop = MIN_BOUNCE_DROP * SIZE
     while True:
-        floor = rng.uniform(SIZE * 0.55, SIZE - radius)          # centre height at contact (y grows down)
-        height = rng.uniform(min_drop + 4.0, floor - radius)       # arc height; the top stays inside
-        period = rng.uniform(9.0, 15.0)                            # frames between floor contacts
-        contact = rng.uniform(3.0, FRAMES - 4.0)                   # one contact inside the clip
+        floor = rng.uniform(SIZE - radius - 6.0, SIZE - radius)     # centre height at contact (y grows down)
+        height = rng.uniform(0.55, 0.65) * SIZE                    # arc height; the top stays inside
+        height = min(height, floor - radius)
+        period = rng.uniform(11.0, 14.0)                           # frames between floor contacts
+        contact = rng.uniform(7.0, 8.5)                            # the contact inside the clip
         phase = ((t - contact) / period) % 1.0                     # 0 at every contact
         y = floor - 4.0 * height * phase * (1.0 - phase)           # (T,) parabolic arcs
         lowest = int(np.argmax(y))
         if y[lowest] - y[:lowest + 1].min() >= min_drop and y[lowest] - y[lowest:].min() >= min_drop:
             break
     drift = rng.uniform(-MAX_BOUNCE_DRIFT, MAX_BOUNCE_DRIFT) * SIZE
-    x0 = rng.uniform(radius + max(0.0, -drift), SIZE - radius - max(0.0, drift))
+    x0 = SIZE / 2 - drift / 2 + rng.uniform(-ACROSS_JITTER, ACROSS_JITTER)
     return np.stack([x0 + drift * t / (FRAMES - 1), y], axis=1)
 
 

@@ -1,6 +1,6 @@
 """Locate and validate Latte-format (diffusers ``LattePipeline``) checkpoints.
 
-``resolve_latte("tiny-latte")`` returns the tiny random checkpoint shipped in this package;
+``resolve_latte("tiny-latte")`` returns the tiny checkpoint shipped in this package (trained on procedural clips: weights/README.md);
 any other string or path is taken as a local directory in diffusers layout, e.g. a local
 copy of ``maxin-cn/Latte-1``::
 

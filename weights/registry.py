@@ -39,7 +39,7 @@ TINY_MODELS: dict[str, Path] = {
 
 #: How to rebuild each shipped checkpoint (named in the error when one is missing).
 REBUILD_COMMANDS: dict[str, str] = {
-    "tiny-latte": "python -m weights.build_tiny_latte",
+    "tiny-latte": "python -m weights.train_tiny_latte",
     "tiny-wan": "python -m weights.build_tiny_wan --kind wan",
     "tiny-skyreels-df": "python -m weights.build_tiny_wan --kind skyreels-df",
 }
