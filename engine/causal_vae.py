@@ -119,7 +119,7 @@ class StreamingVAEDecoder:
     """
 
     def __init__(self, vae, pg: ParallelGroup, batch_size: int, latent_height: int, latent_width: int,
-                 tiling: VAETiling | None = VAETiling(), dst: int = 0):
+                 tiling: VAETiling | None = None, dst: int = 0):
         from diffusers import AutoencoderKLWan
 
         if not isinstance(vae, AutoencoderKLWan):

@@ -60,11 +60,13 @@ class VideoEngine:
     def start(cls, model: str | os.PathLike = "tiny-latte", workers: int = 1, parallel: str = "auto",
               ulysses_degree: int | None = None, device: str | None = None, dtype: str = "float32",
               cfg_parallel: bool = False, attention: str = "auto", launcher: str = "auto",
-              **scheduler_options) -> "VideoEngine":
+              vae_tiling: bool = False, **scheduler_options) -> "VideoEngine":
         """Resolve `model`, pick its family and plan, start `workers` processes that load it.
 
         Under `torchrun` (launcher "auto" or "torchrun") the engine joins the torchrun group
         instead: rank 0 returns the engine, the other ranks serve it and exit.
+        `vae_tiling`: decode in the VAE's spatial tiles, as after diffusers' `pipe.vae.enable_tiling()`
+        (its default tile sizes); off by default, as in diffusers' pipelines.
         """
         from engine.dist import parse_dtype
 
@@ -72,6 +74,8 @@ class VideoEngine:
             raise ValueError(f"device must be 'cpu' or 'cuda' (default: cuda when available); got {device!r}")
         if attention not in ("auto", "sdpa", "xformers"):
             raise ValueError(f"attention must be auto, sdpa or xformers; got {attention!r}")
+        if not isinstance(vae_tiling, bool):
+            raise ValueError(f"vae_tiling must be true or false, got {vae_tiling!r}")
         parse_dtype(dtype)
         model_dir = resolve_checkpoint(model)
         family = detect_family(model_dir)
@@ -80,7 +84,8 @@ class VideoEngine:
             workers = int(os.environ.get("WORLD_SIZE", workers))
         plan = family.resolve_plan(desc, parallel, workers, ulysses_degree, cfg_parallel)
         dtype_name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-        pool = make_pool(workers, setup=worker.setup_worker, setup_args=(str(model_dir), plan, dtype_name, attention),
+        pool = make_pool(workers, setup=worker.setup_worker,
+                         setup_args=(str(model_dir), plan, dtype_name, attention, vae_tiling),
                          device=device, launcher=launcher)
         try:
             info = {**desc, **pool.run(worker.model_info)[0]}

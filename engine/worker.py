@@ -28,10 +28,11 @@ from engine.parallel import ParallelPlan
 from engine.request import GenerationSpec
 
 
-def setup_worker(ctx, model_dir: str, plan: ParallelPlan, dtype: str = "float32", attention: str = "auto") -> None:
+def setup_worker(ctx, model_dir: str, plan: ParallelPlan, dtype: str = "float32", attention: str = "auto",
+                 vae_tiling: bool = False) -> None:
     """Load the checkpoint's family on this worker (the text encoder on rank 0 only)."""
     family = detect_family(model_dir)
-    ctx.state["family"] = family(ctx, model_dir, plan, parse_dtype(dtype), attention)
+    ctx.state["family"] = family(ctx, model_dir, plan, parse_dtype(dtype), attention, vae_tiling)
     ctx.state["requests"] = {}
 
 

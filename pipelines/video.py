@@ -78,6 +78,7 @@ class VideoPipeline:
         attention: str = "auto",
         launcher: str = "auto",
         max_steps_per_job: int = 8,
+        vae_tiling: bool = False,
     ) -> "VideoPipeline":
         """Start `workers` processes that each load `model` (a name in `weights/` or a local directory).
 
@@ -87,10 +88,14 @@ class VideoPipeline:
         family); `ulysses_degree` for "usp". Under `torchrun` the pipeline joins the torchrun
         group instead: rank 0 returns the pipeline, the other ranks serve it and exit.
         `max_steps_per_job`: denoising steps one worker job may run (fewer round trips to the workers).
+        `vae_tiling`: decode in spatial tiles, as diffusers after `pipe.vae.enable_tiling()` (its default
+        tile sizes): less VAE memory per worker, and for the Wan family one video's tiles are decoded
+        by all the workers; slower on one GPU, and the pixels differ slightly from untiled. Off (the
+        default) decodes as diffusers' pipelines do by default.
         """
         engine = VideoEngine.start(model, workers=workers, parallel=parallel, ulysses_degree=ulysses_degree,
                                    device=device, dtype=dtype, cfg_parallel=cfg_parallel, attention=attention,
-                                   launcher=launcher, decode_chunk_frames=WHOLE_VIDEO,
+                                   launcher=launcher, vae_tiling=vae_tiling, decode_chunk_frames=WHOLE_VIDEO,
                                    max_steps_per_job=max_steps_per_job)
         return cls(engine)
 

@@ -22,3 +22,14 @@ def test_bench_gpu_smoke_reports_each_section(tmp_path):
     memory = [r for r in rows if r["section"] == "memory" and "component" in r]
     steps = [r for r in memory if r["component"].startswith("transformer") and r["model"] == "latte-1"]
     assert len(steps) == 2 and steps[1]["peak_gib"] > steps[0]["peak_gib"]  # more frames, more memory
+
+
+def test_bench_gpu_wan_vae_smoke_times_diffusers_and_our_streamed_decode_untiled_and_tiled(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "gpu", "--smoke", "--device", "cpu", "--sections", "wan-vae", "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [r for r in rows if "error" in r], rows
+    components = [r["component"] for r in rows if "component" in r]
+    assert components == ["Wan VAE decode, diffusers one call"] * 2 + [
+        f"Wan VAE decode, ours streamed (1 latent frame per call, {how})" for how in ("untiled", "tiled")]
+    assert all(r["seconds"] > 0 and r["peak_gib"] > 0 for r in rows if "component" in r)

@@ -77,3 +77,30 @@ def test_an_interrupted_long_video_leaves_a_playable_file_of_the_frames_made_so_
     assert proc.returncode == 130, "".join(err)[-2000:]
     frames = iio.imread(out)
     assert 17 <= frames.shape[0] < 89 and frames.shape[1:] == (64, 64, 3)
+
+
+def test_vae_tiling_flag_reaches_the_engine_from_generate_and_serve(tmp_path, monkeypatch):
+    """--vae-tiling (off by default) is what VideoEngine.start gets, from both commands."""
+    from engine.engine import VideoEngine
+    from server.cli import build_parser
+    from server.cli import generate, serve
+
+    seen = []
+
+    def start(cls, model, **kw):
+        seen.append(kw["vae_tiling"])
+        raise RuntimeError("stop here: only the arguments matter")
+
+    monkeypatch.setattr(VideoEngine, "start", classmethod(start))
+    parser = build_parser()
+    for argv in (["generate", "x"], ["generate", "x", "--vae-tiling"]):
+        try:
+            generate.run(parser.parse_args(argv + ["-o", str(tmp_path / "x.mp4")]))
+        except RuntimeError:
+            pass
+    for argv in (["serve"], ["serve", "--vae-tiling", "--score-model", "none"]):
+        try:
+            serve.build(parser.parse_args(argv + ["--data-dir", str(tmp_path / "data")]))
+        except RuntimeError:
+            pass
+    assert seen == [False, True, False, True]

@@ -45,6 +45,32 @@ def test_one_worker_matches_diffusers_latte_pipeline(pipe1):
     assert np.abs(got.frames - want).max() <= ATOL
 
 
+def test_vae_decodes_untiled_as_diffusers_and_in_diffusers_tiles_with_vae_tiling(pipe1):
+    """128x128 frames are larger than the tiny VAE's 64 px tile: tiled and untiled pixels differ, and each
+    setting equals diffusers' LattePipeline with the same setting (tiled: after `pipe.vae.enable_tiling()`),
+    the tiled one on 2 workers that split the frames."""
+    from diffusers import LattePipeline
+
+    ref = LattePipeline.from_pretrained(str(resolve_latte("tiny-latte")))
+    ref.set_progress_bar_config(disable=True)
+    kw = dict(height=128, width=128, num_inference_steps=2, guidance_scale=4.5)
+
+    def diffusers_frames():
+        return ref(prompt=PROMPT, video_length=16, generator=torch.Generator("cpu").manual_seed(1), output_type="np",
+                   clean_caption=False, **kw).frames
+
+    plain = diffusers_frames()
+    ref.vae.enable_tiling()
+    tiled = diffusers_frames()
+    assert np.abs(plain - tiled).max() > 0.05, "tiling should change these pixels, or the test cannot tell"
+    got = pipe1(PROMPT, num_frames=16, seed=1, **kw).frames
+    assert np.abs(got - plain).max() <= ATOL
+    with VideoPipeline.from_pretrained("tiny-latte", workers=2, device="cpu", vae_tiling=True) as pipe:
+        assert pipe.info["vae_tiling"] is True
+        got = pipe(PROMPT, num_frames=16, seed=1, **kw).frames
+    assert np.abs(got - tiled).max() <= ATOL
+
+
 @pytest.mark.parametrize("parallel", ["dsp", "ulysses"])
 @pytest.mark.parametrize("num_frames", [13, 24])
 def test_n_workers_match_one_worker_on_uneven_frames_and_patch_grid(pipe1, pipe_n, parallel, num_frames):
@@ -101,6 +127,8 @@ def test_from_pretrained_rejects_bad_options():
         VideoPipeline.from_pretrained("tiny-latte", parallel="zigzag")
     with pytest.raises(ValueError, match="workers"):
         VideoPipeline.from_pretrained("tiny-latte", workers=0)
+    with pytest.raises(ValueError, match="vae_tiling"):
+        VideoPipeline.from_pretrained("tiny-latte", vae_tiling="yes")
     with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
         VideoPipeline.from_pretrained("/tmp/no-such-model")
 

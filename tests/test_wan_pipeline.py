@@ -19,9 +19,11 @@ PROMPT, NEGATIVE = "a red ball bouncing", "blurry, low quality"
 ODD = dict(num_frames=17, height=80, width=112, num_inference_steps=3, guidance_scale=5.0, seed=3)
 
 
-def diffusers_frames(pipeline_cls, path, **kw):
+def diffusers_frames(pipeline_cls, path, vae_tiling=False, **kw):
     pipe = pipeline_cls.from_pretrained(str(path))
     pipe.set_progress_bar_config(disable=True)
+    if vae_tiling:
+        pipe.vae.enable_tiling()
     seed = kw.pop("seed")
     return pipe(prompt=PROMPT, negative_prompt=NEGATIVE, generator=torch.Generator("cpu").manual_seed(seed),
                 output_type="np", **kw).frames
@@ -48,6 +50,23 @@ def test_one_worker_matches_diffusers_wan_pipeline(pipe1):
     assert want.std() > 0.01, "the reference video should not be flat"
     assert np.abs(got.frames - want).max() <= ATOL
     assert pipe1.info["family"] == "wan" and pipe1.parallel == "ulysses"
+
+
+def test_vae_decodes_untiled_as_diffusers_and_in_diffusers_tiles_with_vae_tiling(pipe1):
+    """288 px is wider than diffusers' default 256 px VAE tile: tiled and untiled pixels differ. By default
+    1 worker equals WanPipeline's (untiled) decode; with vae_tiling, 2 workers (one tile each) equal
+    WanPipeline after `pipe.vae.enable_tiling()`."""
+    from diffusers import WanPipeline
+
+    kw = dict(num_frames=5, height=32, width=288, num_inference_steps=2, guidance_scale=5.0, seed=2)
+    plain = diffusers_frames(WanPipeline, resolve_model("tiny-wan"), **kw)
+    tiled = diffusers_frames(WanPipeline, resolve_model("tiny-wan"), vae_tiling=True, **kw)
+    assert np.abs(plain - tiled).max() > 0.05, "tiling should change these pixels, or the test cannot tell"
+    assert pipe1.info["vae_tiling"] is False
+    assert np.abs(pipe1(PROMPT, negative_prompt=NEGATIVE, **kw).frames - plain).max() <= ATOL
+    with VideoPipeline.from_pretrained("tiny-wan", workers=2, device="cpu", vae_tiling=True) as pipe:
+        got = pipe(PROMPT, negative_prompt=NEGATIVE, **kw).frames
+    assert np.abs(got - tiled).max() <= ATOL
 
 
 def test_wan21_1_3b_shaped_checkpoint_matches_diffusers(tmp_path):

@@ -97,10 +97,13 @@ class VideoFamily:
 
     # -- worker side -----------------------------------------------------------------------
 
-    def __init__(self, ctx, model_dir: str, plan: ParallelPlan, dtype: torch.dtype, attention: str):
+    def __init__(self, ctx, model_dir: str, plan: ParallelPlan, dtype: torch.dtype, attention: str,
+                 vae_tiling: bool = False):
         self.ctx, self.pg = ctx, ctx.pg
         self.model_dir, self.dtype = model_dir, dtype
         self.plan = plan
+        # decode in diffusers' spatial tiles (what `pipe.vae.enable_tiling()` does); off, as in diffusers
+        self.vae_tiling = vae_tiling
 
     def info(self) -> dict:
         raise NotImplementedError

@@ -415,17 +415,20 @@ class LatteFamily(VideoFamily):
         return {"family": cls.name, "heads": cfg["num_attention_heads"], "size_multiple": vae_scale * cfg["patch_size"],
                 "frame_multiple": 1, "native_frames": cfg["video_length"], "defaults": defaults}
 
-    def __init__(self, ctx, model_dir: str, plan: ParallelPlan, dtype: torch.dtype, attention: str):
+    def __init__(self, ctx, model_dir: str, plan: ParallelPlan, dtype: torch.dtype, attention: str,
+                 vae_tiling: bool = False):
         import diffusers
         import transformers
 
-        super().__init__(ctx, model_dir, plan, dtype, attention)
+        super().__init__(ctx, model_dir, plan, dtype, attention, vae_tiling)
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
         skip = {} if self.pg.rank == 0 else {"text_encoder": None, "tokenizer": None}
         pipe = diffusers.LattePipeline.from_pretrained(model_dir, dtype=dtype, **skip)
         pipe.to(self.pg.device)
         pipe.set_progress_bar_config(disable=True)
+        if vae_tiling:
+            pipe.vae.enable_tiling()  # per frame, so any split of the frames across workers decodes alike
         self.pipe = pipe
         self.attention = _select_attention(pipe.transformer, self.pg.device, attention)
         self.cfg = None
@@ -439,7 +442,7 @@ class LatteFamily(VideoFamily):
 
     def info(self) -> dict:
         pipe = self.pipe
-        return {"scheduler": type(pipe.scheduler).__name__, "attention": self.attention,
+        return {"scheduler": type(pipe.scheduler).__name__, "attention": self.attention, "vae_tiling": self.vae_tiling,
                 "in_channels": pipe.transformer.config.in_channels, "vae_scale_factor": pipe.vae_scale_factor}
 
     def admit(self, spec: GenerationSpec) -> LatteRequest:

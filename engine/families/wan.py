@@ -238,11 +238,12 @@ class WanFamily(VideoFamily):
             check_number("guidance_scale_2", spec.options["guidance_scale_2"], 0, 100)
         return spec
 
-    def __init__(self, ctx, model_dir: str, plan: ParallelPlan, dtype: torch.dtype, attention: str):
+    def __init__(self, ctx, model_dir: str, plan: ParallelPlan, dtype: torch.dtype, attention: str,
+                 vae_tiling: bool = False):
         import diffusers
         import transformers
 
-        super().__init__(ctx, model_dir, plan, dtype, attention)
+        super().__init__(ctx, model_dir, plan, dtype, attention, vae_tiling)
         if attention == "xformers":
             raise ValueError("attention='xformers' is not available for the Wan family (it uses PyTorch SDPA)")
         diffusers.utils.logging.disable_progress_bar()
@@ -279,7 +280,7 @@ class WanFamily(VideoFamily):
         self.plan = plan
 
     def info(self) -> dict:
-        return {"scheduler": type(self.pipe.scheduler).__name__, "attention": "sdpa",
+        return {"scheduler": type(self.pipe.scheduler).__name__, "attention": "sdpa", "vae_tiling": self.vae_tiling,
                 "experts": len(self.experts), "vae_scale_factor": self.vae_spatial,
                 "vae_temporal_factor": self.vae_temporal}
 
@@ -370,11 +371,12 @@ class WanFamily(VideoFamily):
         return latents / inv_std + mean
 
     def start_decoder(self, latents: torch.Tensor):
-        """A streaming decoder for videos shaped like `latents` (B, C, k, h, w); tiles of diffusers' default size."""
-        from engine.causal_vae import StreamingVAEDecoder
+        """A streaming decoder for videos shaped like `latents` (B, C, k, h, w): untiled, as diffusers' Wan
+        pipelines decode, or in diffusers' default tiles (`vae.enable_tiling()`) with `vae_tiling`."""
+        from engine.causal_vae import StreamingVAEDecoder, VAETiling
 
         B, _, _, h, w = latents.shape
-        return StreamingVAEDecoder(self.pipe.vae, self.pg, B, h, w)
+        return StreamingVAEDecoder(self.pipe.vae, self.pg, B, h, w, tiling=VAETiling() if self.vae_tiling else None)
 
     def decode_latents(self, r: "WanRequest", latents: torch.Tensor):
         """Push the next latent frames (B, C, k, h, w) through the request's streaming decoder (collective);

@@ -63,6 +63,7 @@ class ServeConfig:
     dtype: str = "float32"
     cfg_parallel: bool = False
     attention: str = "auto"
+    vae_tiling: bool = False              # decode in diffusers' spatial tiles (vae.enable_tiling())
     data_dir: str = "longserve-data"
     max_queue: int = 256
     max_batch: int = 8
@@ -143,7 +144,7 @@ class VideoService:
         self.engine = VideoEngine.start(
             cfg.model, workers=cfg.workers, parallel=cfg.parallel, ulysses_degree=cfg.ulysses_degree,
             device=cfg.device, dtype=cfg.dtype, cfg_parallel=cfg.cfg_parallel, attention=cfg.attention,
-            max_batch=cfg.max_batch, max_running=cfg.max_running, max_waiting=cfg.max_queue,
+            vae_tiling=cfg.vae_tiling, max_batch=cfg.max_batch, max_running=cfg.max_running, max_waiting=cfg.max_queue,
             decode_chunk_frames=cfg.decode_chunk_frames, job_timeout_s=cfg.job_timeout_s, oom_retry=cfg.oom_retry)
         self.scheduler = self.engine.scheduler
         info = self.engine.info

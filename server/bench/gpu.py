@@ -523,11 +523,12 @@ def video(args, out: _Out, dev) -> None:
 def wan_vae_memory(args, out: _Out, dev) -> None:
     """Wan 2.1's VAE (diffusers' default config, random weights, bf16) at 480x832: diffusers' one-shot
     `vae.decode` of the whole video by length until OOM or --step-limit-s, then our streaming decoder
-    (engine/causal_vae.py, one latent frame per call, each chunk's frames moved to the CPU) on the longest."""
+    (engine/causal_vae.py, one latent frame per call, each chunk's frames moved to the CPU) on the longest,
+    untiled (the engine's default, as diffusers' pipelines) and in diffusers' default tiles (--vae-tiling)."""
     import torch
     from diffusers import AutoencoderKLWan
 
-    from engine.causal_vae import StreamingVAEDecoder
+    from engine.causal_vae import StreamingVAEDecoder, VAETiling
     from weights.wan import WAN_2_1_VAE, init_kwargs
 
     cfg = init_kwargs(WAN_2_1_VAE)
@@ -561,16 +562,20 @@ def wan_vae_memory(args, out: _Out, dev) -> None:
     frames = longest or 81
     z = torch.randn(1, cfg["z_dim"], (frames - 1) // 4 + 1, h, w, device=dev, dtype=torch.bfloat16)
 
-    def streamed():
-        dec = StreamingVAEDecoder(vae, _solo(dev), 1, h, w)
+    def streamed(tiling):
+        dec = StreamingVAEDecoder(vae, _solo(dev), 1, h, w, tiling=tiling)
         for a in range(z.shape[2]):
             dec.decode(z[:, :, a:a + 1]).float().cpu()
         dec.close()
 
-    with torch.no_grad():
-        peak, secs = _peak(streamed, dev)
-    out.row(section="memory", component="Wan VAE decode, ours streamed (1 latent frame per call, tiled)",
-            model="wan2.1-vae", size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=peak / 2**30, seconds=secs)
+    # the smoke VAE's frames are smaller than a default tile: tile it like the real one (2 x 2 tiles)
+    tiles = VAETiling(32, 48, 24, 40) if args.smoke else VAETiling()
+    for how, tiling in (("untiled", None), ("tiled", tiles)):
+        with torch.no_grad():
+            peak, secs = _peak(lambda: streamed(tiling), dev)
+        out.row(section="memory", component=f"Wan VAE decode, ours streamed (1 latent frame per call, {how})",
+                model="wan2.1-vae", size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=peak / 2**30, seconds=secs)
+        _free(dev)
     del vae, z
     _free(dev)
 

@@ -54,6 +54,9 @@ def add_arguments(p) -> None:
                    help="a model-specific option, e.g. --opt guidance_scale_2=3 (Wan 2.2); repeatable")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--vae-tiling", action="store_true",
+                   help="decode in the VAE's spatial tiles (diffusers' enable_tiling, default tile sizes): less VAE "
+                   "memory per worker, one Wan video's tiles spread over the workers; slower on one GPU")
     p.add_argument("--launcher", default="auto", choices=["auto", "local", "torchrun"],
                    help="local: start --workers processes; torchrun: join the group torchrun started "
                         "(auto: torchrun when launched by it)")
@@ -75,7 +78,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with VideoPipeline.from_pretrained(args.model, workers=args.workers, parallel=args.parallel,
                                        ulysses_degree=args.ulysses_degree, device=args.device, dtype=args.dtype,
-                                       cfg_parallel=args.cfg_parallel, launcher=args.launcher) as pipe:
+                                       cfg_parallel=args.cfg_parallel, launcher=args.launcher,
+                                       vae_tiling=args.vae_tiling) as pipe:
         loaded = time.perf_counter()
         info = pipe.info
         fps = args.fps or pipe.defaults["fps"]

@@ -24,6 +24,9 @@ def add_arguments(p) -> None:
     g.add_argument("--device", default=None, choices=["cpu", "cuda"])
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     g.add_argument("--attention", default="auto", choices=["auto", "sdpa", "xformers"])
+    g.add_argument("--vae-tiling", action="store_true",
+                   help="decode in the VAE's spatial tiles (diffusers' enable_tiling, default tile sizes): less VAE "
+                        "memory per worker, one Wan video's tiles spread over the workers; slower on one GPU")
 
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1")
@@ -77,7 +80,7 @@ def build(args):
     config = ServeConfig(
         model=args.model, served_model_name=args.served_model_name, workers=args.workers, parallel=args.parallel,
         ulysses_degree=args.ulysses_degree, device=args.device, dtype=args.dtype, cfg_parallel=args.cfg_parallel, attention=args.attention,
-        data_dir=args.data_dir, max_queue=args.max_queue, max_batch=args.max_batch, max_running=args.max_running,
+        vae_tiling=args.vae_tiling, data_dir=args.data_dir, max_queue=args.max_queue, max_batch=args.max_batch, max_running=args.max_running,
         max_frames=args.max_frames, max_seconds=args.max_seconds, max_size=args.max_size, max_steps=args.max_steps,
         default_steps=args.default_steps, default_guidance_scale=args.guidance_scale, fps=args.fps,
         decode_chunk_frames=args.decode_chunk_frames, job_timeout_s=args.job_timeout,
