@@ -30,6 +30,6 @@ def test_bench_gpu_wan_vae_smoke_times_diffusers_and_our_streamed_decode_untiled
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert not [r for r in rows if "error" in r], rows
     components = [r["component"] for r in rows if "component" in r]
-    assert components == ["Wan VAE decode, diffusers one call"] * 2 + [
+    assert components == ["Wan VAE decode, diffusers one call"] + [
         f"Wan VAE decode, ours streamed (1 latent frame per call, {how})" for how in ("untiled", "tiled")]
     assert all(r["seconds"] > 0 and r["peak_gib"] > 0 for r in rows if "component" in r)
