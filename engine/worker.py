@@ -40,7 +40,8 @@ def model_info(ctx) -> dict:
     """What the coordinator reports about the loaded model (rank 0's view)."""
     family = ctx.state["family"]
     return {**family.info(), "family": family.name, "plan": family.plan, "device": str(ctx.pg.device),
-            "dtype": str(family.dtype).replace("torch.", ""), "workers": ctx.pg.world_size}
+            "dtype": str(family.dtype).replace("torch.", ""), "workers": ctx.pg.world_size,
+            "vae_tiling": family.vae_tiling}
 
 
 def set_plan(ctx, plan: ParallelPlan) -> None:

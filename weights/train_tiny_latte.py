@@ -265,7 +265,10 @@ def train_transformer(transformer, scheduler, latents, labels, conditioning, ste
         decay = min(EMA_DECAY, (1 + step) / (10 + step))
         with torch.no_grad():
             for k, v in transformer.state_dict().items():
-                ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay) if v.is_floating_point() else ema[k].copy_(v)
+                if v.is_floating_point():
+                    ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
+                else:
+                    ema[k].copy_(v)
         losses.append(per_sample.mean().item())
         if on_step is not None:
             on_step(step + 1, ema)
@@ -480,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m weights.train_tiny_latte", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
     ap.add_argument("--plot", default=None,
-                    help=f"loss-curve PNG (default: {DEFAULT_PLOT} when writing the default --out, else OUT/loss.png)")
+                    help=f"loss-curve PNG (default: {DEFAULT_PLOT} when writing the default --out, else OUT-loss.png beside OUT)")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
     ap.add_argument("--steps", type=int, default=STEPS, help="transformer steps")

@@ -442,7 +442,7 @@ class LatteFamily(VideoFamily):
 
     def info(self) -> dict:
         pipe = self.pipe
-        return {"scheduler": type(pipe.scheduler).__name__, "attention": self.attention, "vae_tiling": self.vae_tiling,
+        return {"scheduler": type(pipe.scheduler).__name__, "attention": self.attention,
                 "in_channels": pipe.transformer.config.in_channels, "vae_scale_factor": pipe.vae_scale_factor}
 
     def admit(self, spec: GenerationSpec) -> LatteRequest:

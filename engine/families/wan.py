@@ -280,7 +280,7 @@ class WanFamily(VideoFamily):
         self.plan = plan
 
     def info(self) -> dict:
-        return {"scheduler": type(self.pipe.scheduler).__name__, "attention": "sdpa", "vae_tiling": self.vae_tiling,
+        return {"scheduler": type(self.pipe.scheduler).__name__, "attention": "sdpa",
                 "experts": len(self.experts), "vae_scale_factor": self.vae_spatial,
                 "vae_temporal_factor": self.vae_temporal}
 
