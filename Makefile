@@ -22,7 +22,7 @@ test: install
 	$(PY) -m pytest -q --durations=15 tests
 
 # "a red ball bouncing" at tiny-latte's defaults (trained on procedural clips: weights/README.md), and a strip
-# of its frames; docs/demo_strip.png (shown in README.md) is a copy of out/demo_strip.png (tests/test_content.py)
+# of its frames; docs/demo_strip.png (shown in README.md) is a copy of out/demo_strip.png (tests/pipelines/test_content.py)
 demo: install
 	mkdir -p out
 	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-latte --workers 2 --seed 0 -o out/demo.mp4

@@ -1,38 +1,44 @@
-"""`VideoEngine`: a checkpoint on a pool of workers, and the lifecycle of its requests.
+"""`VideoEngine`: the one door to a checkpoint on a pool of workers.
 
-One object sits under every front door, as vLLM's engine sits under both its offline
-`LLM` and its API server:
+The Python pipeline and the HTTP server both talk to this object and nothing below it,
+as vLLM's `LLM` and API server both sit on its engine:
 
-    engine = VideoEngine.start("tiny-wan", workers=2)           # pool + model family + plan
-    engine.check(spec)                                          # RequestError naming a field
-    for kind, data in engine.run(spec): ...                     # drive it here (the pipeline)
-    engine.add_listener(fn); engine.start_loop(); engine.submit(spec)   # or on a thread (the server)
+    engine = VideoEngine.start(EngineConfig(model="tiny-wan", workers=2))
+    handle = engine.submit(spec)          # RequestError naming a field; QueueFullError
+    for out in handle: ...                # typed outputs (engine.outputs); `async for` in a coroutine
+    engine.cancel(spec.request_id); engine.stats(); engine.close()
 
 What it owns:
 - the worker pool (`engine.pool`), whose workers load the checkpoint's family
   (`engine.families`, detected from `model_index.json`) with a parallel plan;
-- the `StepScheduler` (`engine.scheduler`): the request lifecycle, step-level batching,
-  cancellation at step boundaries, crash recovery;
-- the family's request validation, run here on the coordinator before any worker sees
-  a request.
+- the `EngineCore` (`engine/core.py`), which carries out the `Scheduler`'s decision of
+  every step boundary on the pool, on a thread of the engine's own;
+- the family's request validation (`check_request`), run once, here, before anything is
+  queued.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
-import queue
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 from engine import worker
+from engine.config import EngineConfig, ModelInfo, WorkerConfig
+from engine.core import BatchStep, EngineCore
 from engine.families import detect_family
+from engine.outputs import FINAL, RequestOutput
 from engine.parallel import ParallelPlan
-from engine.pool import launched_by_torchrun, make_pool
+from engine.pool import WorkerError, launched_by_torchrun, make_pool
 from engine.request import GenerationSpec
-from engine.scheduler import RequestState, ScheduledRequest, StepScheduler
+from engine.scheduler import QueueFullError, RequestState, ScheduledRequest
 
-Listener = Callable[[str, "ScheduledRequest | None", dict], None]
+log = logging.getLogger("longserve.engine")
 
 
 def resolve_checkpoint(model: str | os.PathLike) -> Path:
@@ -42,148 +48,239 @@ def resolve_checkpoint(model: str | os.PathLike) -> Path:
     return Path(resolve_model(model))
 
 
-class VideoEngine:
-    """A model family on a worker pool plus its step scheduler. Build it with `VideoEngine.start`."""
+@dataclass(frozen=True)
+class RequestStatus:
+    """Where a request stands now (read from the engine's own state, never waiting)."""
 
-    def __init__(self, pool, family, info: dict, model_dir: Path, **scheduler_options):
+    state: RequestState
+    step: int
+    num_steps: int
+    frames_done: int
+    num_frames: int
+    queue_position: int | None
+    admissions: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    steps_run: int
+    requests_stepped: int
+    last_batch_size: int
+    crashes: int
+    pool_state: str                  # "starting" | "ready" | "restarting" | "unavailable" | "closed"
+    workers: int
+    workers_ready: bool
+    restarts: int
+    setup_failures: int
+    last_error: WorkerError | None
+    loop_alive: bool
+
+
+class RequestHandle:
+    """One submitted request: its outputs (iterate, sync or async), its status, its cancellation.
+
+    Leaving the iteration before the final output (break, an exception, a closed generator)
+    cancels the request."""
+
+    def __init__(self, engine: "VideoEngine", req: ScheduledRequest):
+        self._engine, self._req = engine, req
+
+    @property
+    def request_id(self) -> str:
+        return self._req.id
+
+    @property
+    def spec(self) -> GenerationSpec:
+        """The request as checked (the family filled in its defaults)."""
+        return self._req.spec
+
+    @property
+    def finished(self) -> bool:
+        return self._req.state.finished
+
+    def status(self) -> RequestStatus:
+        r = self._req
+        return RequestStatus(r.state, r.steps_done, r.num_steps, r.frames_done, r.num_frames, r.queue_position,
+                             r.admissions)
+
+    def cancel(self) -> bool:
+        return self._engine.cancel(self.request_id)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        done = False
+        try:
+            while True:
+                out = self._req.stream.get(timeout=1.0)
+                if out is None:
+                    self._engine._check_running()
+                    continue
+                done = isinstance(out, FINAL)
+                yield out
+                if done:
+                    return
+        finally:
+            if not done:
+                self.cancel()
+
+    async def _aiter(self) -> AsyncIterator[RequestOutput]:
+        done = False
+        try:
+            while True:
+                out = await self._req.stream.aget()
+                done = isinstance(out, FINAL)
+                yield out
+                if done:
+                    return
+        finally:
+            if not done:
+                self.cancel()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._aiter()
+
+
+class VideoEngine:
+    """A model family on a worker pool, its scheduler and engine core. Build it with `VideoEngine.start`."""
+
+    def __init__(self, pool, family, info: ModelInfo, model_dir: Path, config: EngineConfig,
+                 worker_config: WorkerConfig):
         self.pool = pool
         self.family = family
         self.info = info
         self.model_dir = model_dir
-        self._listeners: list[Listener] = []
-        self._request_listeners: dict[str, Listener] = {}
-        self._lock = threading.Lock()
-        # max_batch, max_running, max_waiting, decode_chunk_frames, job_timeout_s, oom_retry, ...
-        self.scheduler = StepScheduler(pool, on_event=self._dispatch, **scheduler_options)
+        self.config = config
+        self.worker_config = worker_config
+        self._batch_listeners: list[Callable[[BatchStep], None]] = []
+        self.core = EngineCore(pool, config, on_batch=self._on_batch)
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="longserve-engine", daemon=True)
+        self._thread.start()
 
     @classmethod
-    def start(cls, model: str | os.PathLike = "tiny-latte", workers: int = 1, parallel: str = "auto",
-              ulysses_degree: int | None = None, device: str | None = None, dtype: str = "float32",
-              cfg_parallel: bool = False, attention: str = "auto", launcher: str = "auto",
-              vae_tiling: bool = False, **scheduler_options) -> "VideoEngine":
-        """Resolve `model`, pick its family and plan, start `workers` processes that load it.
+    def start(cls, config: EngineConfig | None = None, **options) -> "VideoEngine":
+        """Resolve the model, pick its family and plan, start the workers that load it, start the loop.
 
-        Under `torchrun` (launcher "auto" or "torchrun") the engine joins the torchrun group
-        instead: rank 0 returns the engine, the other ranks serve it and exit.
-        `vae_tiling`: decode in the VAE's spatial tiles, as after diffusers' `pipe.vae.enable_tiling()`
-        (its default tile sizes); off by default, as in diffusers' pipelines.
+        `options` override fields of `config` (`VideoEngine.start(model="tiny-wan", workers=2)`). Under
+        `torchrun` (launcher "auto" or "torchrun") the engine joins the torchrun group instead: rank 0
+        returns the engine, the other ranks serve it and exit.
         """
-        from engine.dist import parse_dtype
-
-        if device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda' (default: cuda when available); got {device!r}")
-        if attention not in ("auto", "sdpa", "xformers"):
-            raise ValueError(f"attention must be auto, sdpa or xformers; got {attention!r}")
-        if not isinstance(vae_tiling, bool):
-            raise ValueError(f"vae_tiling must be true or false, got {vae_tiling!r}")
-        parse_dtype(dtype)
-        model_dir = resolve_checkpoint(model)
+        config = (config or EngineConfig()).replace(**options) if options else (config or EngineConfig())
+        model_dir = resolve_checkpoint(config.model)
         family = detect_family(model_dir)
         desc = family.describe(model_dir)
-        if launcher == "torchrun" or (launcher == "auto" and launched_by_torchrun()):
-            workers = int(os.environ.get("WORLD_SIZE", workers))
-        plan = family.resolve_plan(desc, parallel, workers, ulysses_degree, cfg_parallel)
-        dtype_name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-        pool = make_pool(workers, setup=worker.setup_worker,
-                         setup_args=(str(model_dir), plan, dtype_name, attention, vae_tiling),
-                         device=device, launcher=launcher)
+        if config.launcher == "torchrun" or (config.launcher == "auto" and launched_by_torchrun()):
+            config = config.replace(workers=int(os.environ.get("WORLD_SIZE", config.workers)))
+        plan = family.resolve_plan(desc, config.parallel, config.workers, config.ulysses_degree,
+                                   config.cfg_parallel)
+        worker_config = WorkerConfig(config, str(model_dir), plan)
+        pool = make_pool(config.workers, setup=worker.setup_worker, setup_args=(worker_config,),
+                         device=config.device, launcher=config.launcher)
         try:
-            info = {**desc, **pool.run(worker.model_info)[0]}
+            info = ModelInfo(desc, **pool.run(worker.model_info)[0])
         except BaseException:
             pool.close()
             raise
-        return cls(pool, family, info, model_dir, **scheduler_options)
+        return cls(pool, family, info, model_dir, config, worker_config)
 
     # -- plan -----------------------------------------------------------------------------------
 
     @property
     def plan(self) -> ParallelPlan:
-        return self.info["plan"]
+        return self.info.plan
 
     def set_plan(self, parallel: str, ulysses_degree: int | None = None, cfg_parallel: bool | None = None) -> None:
-        """Switch the parallel plan for later steps, without reloading the model."""
+        """Switch the parallel plan for later steps, without reloading the model (while nothing runs)."""
         cfg = self.plan.cfg_parallel if cfg_parallel is None else cfg_parallel
-        plan = self.family.resolve_plan(self.info, parallel, self.info["workers"], ulysses_degree, cfg)
+        plan = self.family.resolve_plan(self.info.description, parallel, self.info.workers, ulysses_degree, cfg)
         self.pool.run(worker.set_plan, plan)
         # a restarted pool (after a worker crash) must come back with the same plan
-        model_dir, _, *rest = self.pool.setup_args
-        self.pool.setup_args = (model_dir, plan, *rest)
-        self.info["plan"] = plan
+        self.worker_config = WorkerConfig(self.config, self.worker_config.model_dir, plan)
+        self.pool.setup_args = (self.worker_config,)
+        self.info = dataclasses.replace(self.info, plan=plan)
 
     # -- requests -------------------------------------------------------------------------------
 
-    def check(self, spec: GenerationSpec) -> GenerationSpec:
-        """The family's validation (RequestError naming the field); nothing it refuses reaches a worker."""
-        return self.family.check_request(self.info, spec)
-
-    def submit(self, spec: GenerationSpec, listener: Listener | None = None) -> ScheduledRequest:
-        """Validate and queue a request; `listener(kind, request, data)` hears its events."""
-        spec = self.check(spec)
-        if listener is not None:
-            with self._lock:
-                self._request_listeners[spec.request_id] = listener
-        try:
-            return self.scheduler.submit(spec)
-        except BaseException:
-            with self._lock:
-                self._request_listeners.pop(spec.request_id, None)
-            raise
+    def submit(self, spec: GenerationSpec) -> RequestHandle:
+        """Validate (the family's `check_request`: RequestError naming the field) and queue a request
+        (QueueFullError when `max_queue` requests wait). Its outputs come through the returned handle."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        spec = self.family.check_request(self.info.description, spec)
+        req = self.core.add_request(spec)
+        self._notify()
+        return RequestHandle(self, req)
 
     def cancel(self, request_id: str) -> bool:
-        return self.scheduler.cancel(request_id)
+        """Cancel a request: a waiting one now, a running one at the next step boundary. False if it is unknown
+        or already finished."""
+        found = self.core.abort_request(request_id)
+        if found:
+            self._notify()
+        return found
 
-    def run(self, spec: GenerationSpec) -> Iterator[tuple[str, dict]]:
-        """Submit `spec` and yield its events (kind, data) until it finishes.
+    def stats(self) -> EngineStats:
+        core, pool = self.core, self.pool
+        return EngineStats(waiting=core.scheduler.num_waiting, running=core.scheduler.num_admitted,
+                           steps_run=core.steps_run, requests_stepped=core.requests_stepped,
+                           last_batch_size=core.last_batch_size, crashes=core.crashes, pool_state=pool.state,
+                           workers=pool.workers, workers_ready=pool.ready, restarts=pool.restarts,
+                           setup_failures=core.setup_failures, last_error=pool.last_error,
+                           loop_alive=self._thread.is_alive())
 
-        Without a background loop this drives the scheduler in the caller's thread (the
-        Python pipeline); with one (the server) it waits for the loop's events. Closing the
-        generator early cancels the request.
-        """
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        req = self.submit(spec, lambda kind, r, data: events.put((kind, data)))
-        try:
-            while True:
-                if self.scheduler.alive or not events.empty():
-                    kind, data = events.get()
-                else:
-                    if not self.scheduler.run_iteration() and events.empty():
-                        raise RuntimeError(f"request {spec.request_id} stalled in state {req.state.value}")
-                    continue
-                yield kind, data
-                if kind in ("completed", "failed", "cancelled"):
+    def add_batch_listener(self, listener: Callable[[BatchStep], None]) -> None:
+        """`listener(BatchStep)` hears every denoising step of every batch (on the engine's thread: keep it short)."""
+        self._batch_listeners.append(listener)
+
+    def _on_batch(self, step: BatchStep) -> None:
+        for listener in self._batch_listeners:
+            try:
+                listener(step)
+            except Exception:  # a listener's bug must not stop the engine
+                log.exception("batch listener failed")
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _loop(self) -> None:
+        core = self.core
+        while True:
+            with self._wake:
+                while not self._stopping and not core.scheduler.has_work and self.pool.ready:
+                    self._wake.wait(timeout=1.0)
+                if self._stopping:
                     return
-        finally:
-            if not req.state.finished:
-                self.cancel(spec.request_id)
-                while not req.state.finished and not self.scheduler.alive:
-                    self.scheduler.run_iteration()
-            with self._lock:
-                self._request_listeners.pop(spec.request_id, None)
+            try:
+                if not core.step():
+                    # the workers are down (wait for the next attempt, or a cancellation), or nothing to do yet
+                    wait = max(0.05, min(1.0, core.retry_in_s)) if not self.pool.ready else 0.05
+                    with self._wake:
+                        if not self._stopping:
+                            self._wake.wait(timeout=wait)
+            except Exception:  # the loop must outlive any bug in one iteration
+                log.exception("engine iteration failed")
+                time.sleep(0.1)
 
-    # -- the server's face --------------------------------------------------------------------------
-
-    def add_listener(self, listener: Listener) -> None:
-        """`listener(kind, request, data)` hears every request's events (on the scheduler's thread)."""
-        self._listeners.append(listener)
-
-    def start_loop(self) -> "VideoEngine":
-        """Run the scheduler on a background thread (the server)."""
-        self.scheduler.start()
-        return self
-
-    def _dispatch(self, kind: str, req: ScheduledRequest | None, data: dict) -> None:
-        for listener in self._listeners:
-            listener(kind, req, data)
-        if req is not None:
-            with self._lock:
-                mine = self._request_listeners.get(req.id)
-            if mine is not None:
-                mine(kind, req, data)
+    def _check_running(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise RuntimeError("the engine stopped before the request finished")
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.scheduler.stop()
+        if self._closed:
+            return
+        self._closed = True
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join(timeout=60)
         self.pool.close()
 
     def __enter__(self) -> "VideoEngine":
@@ -193,4 +290,5 @@ class VideoEngine:
         self.close()
 
 
-__all__ = ["VideoEngine", "RequestState", "resolve_checkpoint"]
+__all__ = ["VideoEngine", "RequestHandle", "RequestStatus", "EngineStats", "RequestState", "QueueFullError",
+           "resolve_checkpoint"]

@@ -56,6 +56,20 @@ class GenerationSpec:
     def use_cfg(self) -> bool:
         return self.guidance_scale > 1.0
 
+    def params(self) -> dict:
+        """The generation parameters of a one-prompt request as plain data (what the server stores)."""
+        return {"num_frames": self.num_frames, "height": self.height, "width": self.width,
+                "num_inference_steps": self.num_inference_steps, "guidance_scale": self.guidance_scale,
+                "seed": self.seed, "negative_prompt": self.negative_prompt, "options": dict(self.options)}
+
+    @classmethod
+    def from_params(cls, request_id: str, prompt: str, params: dict, output: str = "uint8") -> "GenerationSpec":
+        """The inverse of `params` (extra keys, such as the server's fps, are ignored)."""
+        return cls(request_id=request_id, prompt=[prompt], negative_prompt=params["negative_prompt"],
+                   num_frames=params["num_frames"], height=params["height"], width=params["width"],
+                   num_inference_steps=params["num_inference_steps"], guidance_scale=params["guidance_scale"],
+                   seed=params["seed"], output=output, options=dict(params.get("options") or {}))
+
     def negative_prompts(self) -> list[str]:
         """One negative prompt per prompt."""
         if isinstance(self.negative_prompt, str):

@@ -8,40 +8,78 @@ and stay in lockstep. The model family (`engine/families/`) found from the check
 
 - `admit(spec)`: the prompt is encoded once, on rank 0 (the only rank that loads the text
   encoder), broadcast, and latents and a scheduler are prepared;
-- `step(ids)`: one parallel denoising step for a batch of requests with the same batch key
+- `step(ids, max_steps)`: denoising steps for a batch of requests with the same batch key
   (they may be at different timesteps, guidance scales and prompt lengths);
 - `decode_next(id, max_frames)`: the next final frames are VAE-decoded, split across the
   workers, and handed to rank 0 (for a long video, while later segments still denoise);
 - `release(ids)`: the state is dropped.
 
-The coordinator (`engine.scheduler.StepScheduler`, under `engine.engine.VideoEngine`)
-decides which requests each job runs; it never touches the model.
+The coordinator (`engine.core.EngineCore`, deciding with `engine.scheduler.Scheduler`)
+picks which requests each job runs; it never touches the model. Results are the small
+dataclasses below (they cross the pool's result queue).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
-from engine.dist import parse_dtype
+from engine.config import WorkerConfig
 from engine.families import detect_family
 from engine.parallel import ParallelPlan
 from engine.request import GenerationSpec
 
 
-def setup_worker(ctx, model_dir: str, plan: ParallelPlan, dtype: str = "float32", attention: str = "auto",
-                 vae_tiling: bool = False) -> None:
+@dataclass(frozen=True)
+class Progress:
+    """What the coordinator learns of a request after every job."""
+
+    steps_done: int
+    batch_key: tuple
+    decodable: bool            # final frames wait to be decoded
+
+
+@dataclass(frozen=True)
+class Admission:
+    num_steps: int
+    num_frames: int
+    encode_s: float
+    progress: Progress
+
+
+@dataclass(frozen=True)
+class StepResult:
+    progress: list[dict]       # per step run: {request_id: Progress}
+    compute_s: float
+
+
+@dataclass(frozen=True)
+class DecodedChunk:
+    """Frames [start, stop) of a request (rank 0's view); `done` once every frame was handed out."""
+
+    frames: object
+    start: int
+    stop: int
+    num_frames: int
+    vae_s: float
+    done: bool
+    progress: Progress
+    timings: dict = field(default_factory=dict)
+
+
+def setup_worker(ctx, config: WorkerConfig) -> None:
     """Load the checkpoint's family on this worker (the text encoder on rank 0 only)."""
-    family = detect_family(model_dir)
-    ctx.state["family"] = family(ctx, model_dir, plan, parse_dtype(dtype), attention, vae_tiling)
+    family = detect_family(config.model_dir)
+    ctx.state["family"] = family(ctx, config)
     ctx.state["requests"] = {}
 
 
 def model_info(ctx) -> dict:
-    """What the coordinator reports about the loaded model (rank 0's view)."""
+    """What the workers report about the loaded model (rank 0's view)."""
     family = ctx.state["family"]
-    return {**family.info(), "family": family.name, "plan": family.plan, "device": str(ctx.pg.device),
-            "dtype": str(family.dtype).replace("torch.", ""), "workers": ctx.pg.world_size,
-            "vae_tiling": family.vae_tiling}
+    return {"plan": family.plan, "device": str(ctx.pg.device), "dtype": str(family.dtype).replace("torch.", ""),
+            "workers": ctx.pg.world_size, "attention": family.attention,
+            "scheduler": type(family.pipe.scheduler).__name__, "vae_tiling": family.vae_tiling}
 
 
 def set_plan(ctx, plan: ParallelPlan) -> None:
@@ -49,21 +87,19 @@ def set_plan(ctx, plan: ParallelPlan) -> None:
     ctx.state["family"].set_plan(plan)
 
 
-def admit(ctx, spec: GenerationSpec) -> dict:
+def admit(ctx, spec: GenerationSpec) -> Admission:
     """Encode the prompt (rank 0), share it, prepare latents and a scheduler for one request."""
     req = ctx.state["family"].admit(spec)
     ctx.state["requests"][spec.request_id] = req
-    return {"request_id": spec.request_id, "num_steps": req.num_steps, "num_frames": req.num_frames,
-            "encode_s": req.timings["encode_s"], **req.progress()}
+    return Admission(req.num_steps, req.num_frames, req.timings["encode_s"], req.progress())
 
 
-def step(ctx, request_ids: list[str], max_steps: int = 1) -> dict:
+def step(ctx, request_ids: list[str], max_steps: int = 1) -> StepResult:
     """Denoising steps for the listed requests, each step one batched parallel forward.
 
     Runs up to `max_steps` steps, and stops after the step at which anything the scheduler
     must see happens: a request finishes denoising, has final frames to decode (a long
     video's segment ended), or the batch's key changes (another expert, another interval).
-    Returns {"progress": [{request_id: progress} per step run], "compute_s"}.
     """
     reqs = [ctx.state["requests"][rid] for rid in request_ids]
     family = ctx.state["family"]
@@ -75,24 +111,21 @@ def step(ctx, request_ids: list[str], max_steps: int = 1) -> dict:
         progress.append({r.spec.request_id: r.progress() for r in reqs})
         if any(r.denoised or r.decodable() or r.batch_key != key for r in reqs):
             break
-    return {"progress": progress, "compute_s": time.perf_counter() - t0}
+    return StepResult(progress, time.perf_counter() - t0)
 
 
-def decode_next(ctx, request_id: str, max_frames: int) -> dict | None:
-    """Decode the request's next final frames across the workers; rank 0 returns them.
-
-    Rank 0: {"frames", "start", "stop", "num_frames", "vae_s", "done", "timings", **progress};
-    "done" once every frame of the video was handed out.
-    """
+def decode_next(ctx, request_id: str, max_frames: int) -> DecodedChunk | None:
+    """Decode the request's next final frames across the workers; rank 0 returns them (others None)."""
     req = ctx.state["requests"][request_id]
     if not req.decodable():
         raise RuntimeError(f"request {request_id!r} has no final frames to decode (steps {req.steps_done}/"
                            f"{req.num_steps}, frames {req.decoded_frames}/{req.num_frames})")
-    out = ctx.state["family"].decode_next(req, max_frames)
-    if out is None:
+    start, vae_before = req.decoded_frames, req.timings["vae_s"]
+    frames = ctx.state["family"].decode_next(req, max_frames)
+    if ctx.pg.rank != 0:
         return None
-    return {**out, "num_frames": req.num_frames, "done": req.decoded_frames >= req.num_frames,
-            "timings": dict(req.timings), **req.progress()}
+    return DecodedChunk(frames, start, req.decoded_frames, req.num_frames, req.timings["vae_s"] - vae_before,
+                        req.decoded_frames >= req.num_frames, req.progress(), dict(req.timings))
 
 
 def release(ctx, request_ids: list[str]) -> None:

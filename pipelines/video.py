@@ -9,8 +9,9 @@
 The checkpoint's `model_index.json` picks the model family (Latte, the Wan family, ...);
 `workers=1` gives the frames the family's diffusers pipeline gives for the same
 checkpoint, prompt, negative prompt and seed (`generator=torch.Generator("cpu").manual_seed(seed)`);
-`workers=N` gives the frames `workers=1` gives. The request lifecycle is the engine's
-(`engine.engine.VideoEngine`), the same one the HTTP server runs.
+`workers=N` gives the frames `workers=1` gives. The pipeline submits to the engine
+(`engine.engine.VideoEngine`, the same one the HTTP server talks to) and reads the
+request's typed outputs.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from engine.config import EngineConfig
 from engine.engine import VideoEngine
+from engine.outputs import Cancelled, Failed, Finished, FramesChunk, RequestOutput, StepProgress
 from engine.pool import WorkerError
 from engine.request import GenerationSpec, RequestError
 
 OUTPUT_TYPES = ("np", "latent")
 WHOLE_VIDEO = 1 << 30          # frames per decode call: everything that is final, split across the workers
+#: what the pipeline changes of the engine's defaults: one caller, so decode whole and step 8 at a time
+PIPELINE_DEFAULTS = {"decode_chunk_frames": WHOLE_VIDEO, "max_steps_per_job": 8}
 
 
 @dataclass
@@ -66,45 +71,30 @@ class VideoPipeline:
         self.engine = engine
 
     @classmethod
-    def from_pretrained(
-        cls,
-        model: str = "tiny-latte",
-        workers: int = 1,
-        parallel: str = "auto",
-        ulysses_degree: int | None = None,
-        device: str | None = None,
-        dtype: str = "float32",
-        cfg_parallel: bool = False,
-        attention: str = "auto",
-        launcher: str = "auto",
-        max_steps_per_job: int = 8,
-        vae_tiling: bool = False,
-    ) -> "VideoPipeline":
-        """Start `workers` processes that each load `model` (a name in `weights/` or a local directory).
+    def from_pretrained(cls, model: str = "tiny-latte", **options) -> "VideoPipeline":
+        """Start the workers that each load `model` (a name in `weights/` or a local directory).
 
-        parallel: "auto" (DSP for spatial-temporal models, Ulysses, or USP when the heads are
-        fewer than the workers, for full-attention ones) or a plan the model supports ("dsp",
-        "ulysses", "ring", "megatron-sp" for Latte; "ulysses", "ring", "usp" for the Wan
-        family); `ulysses_degree` for "usp". Under `torchrun` the pipeline joins the torchrun
-        group instead: rank 0 returns the pipeline, the other ranks serve it and exit.
-        `max_steps_per_job`: denoising steps one worker job may run (fewer round trips to the workers).
-        `vae_tiling`: decode in spatial tiles, as diffusers after `pipe.vae.enable_tiling()` (its default
-        tile sizes): less VAE memory per worker, and for the Wan family one video's tiles are decoded
-        by all the workers; slower on one GPU, and the pixels differ slightly from untiled. Off (the
-        default) decodes as diffusers' pipelines do by default.
+        `options` are `engine.config.EngineConfig`'s fields, e.g. `workers=2`, `parallel="ulysses"`
+        (or "auto": DSP for spatial-temporal models; Ulysses, or USP when the heads are fewer than
+        the workers, for full-attention ones), `ulysses_degree`, `cfg_parallel`, `device`, `dtype`,
+        `vae_tiling`, `max_steps_per_job`. An unknown option is a ValueError naming it. Under
+        `torchrun` the pipeline joins the torchrun group instead: rank 0 returns the pipeline, the
+        other ranks serve it and exit.
         """
-        engine = VideoEngine.start(model, workers=workers, parallel=parallel, ulysses_degree=ulysses_degree,
-                                   device=device, dtype=dtype, cfg_parallel=cfg_parallel, attention=attention,
-                                   launcher=launcher, vae_tiling=vae_tiling, decode_chunk_frames=WHOLE_VIDEO,
-                                   max_steps_per_job=max_steps_per_job)
-        return cls(engine)
+        return cls.from_config(EngineConfig.from_options(model=str(model), **{**PIPELINE_DEFAULTS, **options}))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "VideoPipeline":
+        """The pipeline of an engine config built elsewhere (the CLI builds one from its flags)."""
+        return cls(VideoEngine.start(config))
 
     @property
     def pool(self):
         return self.engine.pool
 
     @property
-    def info(self) -> dict:
+    def info(self):
+        """The loaded model (`engine.config.ModelInfo`): family, plan, defaults, device, dtype, ..."""
         return self.engine.info
 
     @property
@@ -112,8 +102,8 @@ class VideoPipeline:
         return self.engine.plan.name
 
     @property
-    def defaults(self) -> dict:
-        return self.info["defaults"]
+    def defaults(self):
+        return self.info.defaults
 
     def set_parallel(self, parallel: str, ulysses_degree: int | None = None) -> None:
         """Switch the parallel plan for later calls, without reloading the model."""
@@ -135,7 +125,7 @@ class VideoPipeline:
     def make_spec(self, prompt, negative_prompt="", num_frames=None, height=None, width=None,
                   num_inference_steps=None, guidance_scale=None, seed=None, output_type="np",
                   decode_chunk_size=8, **options) -> GenerationSpec:
-        """A validated request (RequestError, a ValueError, naming the argument at fault)."""
+        """A request with the checkpoint's defaults filled in (not yet checked: `engine.submit` checks it)."""
         d = self.defaults
         if isinstance(prompt, str):
             prompts = [prompt]
@@ -147,15 +137,14 @@ class VideoPipeline:
         if output_type not in OUTPUT_TYPES:
             raise RequestError("output_type", f"output_type must be one of {', '.join(OUTPUT_TYPES)}; "
                                               f"got {output_type!r}")
-        spec = GenerationSpec(
+        return GenerationSpec(
             request_id=uuid.uuid4().hex, prompt=prompts, negative_prompt=negative_prompt,
-            num_frames=d["num_frames"] if num_frames is None else num_frames,
-            height=d["height"] if height is None else height, width=d["width"] if width is None else width,
-            num_inference_steps=d["num_inference_steps"] if num_inference_steps is None else num_inference_steps,
-            guidance_scale=d["guidance_scale"] if guidance_scale is None else guidance_scale,
+            num_frames=d.num_frames if num_frames is None else num_frames,
+            height=d.height if height is None else height, width=d.width if width is None else width,
+            num_inference_steps=d.num_inference_steps if num_inference_steps is None else num_inference_steps,
+            guidance_scale=d.guidance_scale if guidance_scale is None else guidance_scale,
             seed=random.randrange(2**63) if seed is None else seed, output=output_type,
             decode_chunk_size=decode_chunk_size, options={k: v for k, v in options.items() if v is not None})
-        return self.engine.check(spec)
 
     def __call__(
         self,
@@ -177,17 +166,15 @@ class VideoPipeline:
         `options` are the model family's own arguments (Wan 2.2: `guidance_scale_2`; ...);
         defaults for frames, size, steps and guidance come from the checkpoint.
         """
-        # 1. Check inputs
         spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
                               guidance_scale, seed, output_type, decode_chunk_size, **options)
-        # 2.-4. Encode, denoise (one parallel step at a time), decode (split across the workers)
         t_start = time.perf_counter()
         chunks, timings = [], {}
-        for kind, data in self._events(spec, callback):
-            if kind == "frames":
-                chunks.append(data["frames"])
-            elif kind == "completed":
-                timings = data["timings"]
+        for out in self._outputs(spec, callback):
+            if isinstance(out, FramesChunk):
+                chunks.append(out.frames)
+            elif isinstance(out, Finished):
+                timings = out.timings
         video = chunks[0] if output_type == "latent" else np.concatenate(chunks, axis=1)
         wall = time.perf_counter() - t_start
         timings = dict(timings, wall_s=wall)
@@ -209,20 +196,22 @@ class VideoPipeline:
             raise RequestError("prompt", "stream() takes one prompt (a string)")
         spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
                               guidance_scale, seed, "np", decode_chunk_size, **options)
-        for kind, data in self._events(spec, callback):
-            if kind == "frames":
-                yield data["frames"][0]
-            elif kind == "completed" and timings is not None:
-                timings.update(data["timings"])
+        for out in self._outputs(spec, callback):
+            if isinstance(out, FramesChunk):
+                yield out.frames[0]
+            elif isinstance(out, Finished) and timings is not None:
+                timings.update(out.timings)
 
-    def _events(self, spec: GenerationSpec, callback):
-        for kind, data in self.engine.run(spec):
-            if kind == "step" and callback is not None:
-                callback(data["step"], data["num_steps"])
-            elif kind == "failed":
-                if data.get("kind") == "input":
-                    raise RequestError(data.get("field") or "request", data["message"])
-                raise WorkerError(data["message"], kind=data.get("kind", "internal"), rank=data.get("rank"))
-            elif kind == "cancelled":
+    def _outputs(self, spec: GenerationSpec, callback) -> Iterator[RequestOutput]:
+        """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError)."""
+        for out in self.engine.submit(spec):
+            if isinstance(out, StepProgress) and callback is not None:
+                callback(out.step, out.num_steps)
+            elif isinstance(out, Failed):
+                e = out.error
+                if e.kind == "input":
+                    raise RequestError(e.field or "request", e.message)
+                raise WorkerError(e.message, kind=e.kind, rank=e.rank)
+            elif isinstance(out, Cancelled):
                 raise RuntimeError(f"request {spec.request_id} was cancelled")
-            yield kind, data
+            yield out

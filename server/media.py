@@ -4,8 +4,9 @@
 ships, encoding H.264 into a *fragmented* MP4 (`-movflags frag_keyframe+empty_moov`):
 the header comes first and every keyframe starts a self-contained fragment, so the file
 is playable while it grows. ffmpeg writes to its stdout; a pump thread appends those bytes
-to `<id>.mp4.part`, from which `GET /content?stream=true` tails; when the last frame is
-in, the part file becomes `<id>.mp4`, the stored video. One encode serves both.
+to `<id>.mp4.part`, from which `GET /content?stream=true` tails (woken by `grown`, a
+`server.notify.Notifier`, after every chunk); when the last frame is in, the part file
+becomes `<id>.mp4`, the stored video. One encode serves both.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from server.notify import Notifier
 
 log = logging.getLogger("longserve.media")
 
@@ -39,6 +42,7 @@ class FragmentedMP4Writer:
         self.final_path = Path(final_path)
         self.width, self.height = width, height
         self.done = threading.Event()       # set when the writer is finished, successfully or not
+        self.grown = Notifier()             # notified after every chunk appended to part_path, and when done
         self.ok = False                     # True once final_path holds the complete video
         self.error: str | None = None
         self.bytes_written = 0
@@ -106,6 +110,7 @@ class FragmentedMP4Writer:
                 self._file.write(chunk)
                 self._file.flush()
                 self.bytes_written += len(chunk)
+                self.grown.notify()
         except OSError as e:
             self.error = self.error or f"writing the video failed: {e}"
         finally:
@@ -124,6 +129,7 @@ class FragmentedMP4Writer:
             with self._done_lock:
                 self.done.set()
                 on_done = self._on_done
+            self.grown.notify()
             if on_done is not None and not self._aborted:
                 try:
                     on_done(self.ok, self.error)

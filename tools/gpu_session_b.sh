@@ -4,7 +4,7 @@
 # step cannot lose the others' figures.
 . tools/gpu_env.sh || exit 1
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
-timeout 100 python3 -m pytest -q -s -rs tests/test_gpu.py -p no:cacheprovider > "$OUT/test_gpu.log" 2>&1; echo "test_gpu rc=$?"
+timeout 100 python3 -m pytest -q -s -rs tests/engine/test_gpu.py -p no:cacheprovider > "$OUT/test_gpu.log" 2>&1; echo "test_gpu rc=$?"
 timeout 140 python3 -m server.cli bench gpu --sections video --json "$OUT/video.jsonl" > "$OUT/video.log" 2>&1; echo "video rc=$?"
 timeout 60 python3 -m server.cli bench gpu --sections wan-vae --step-limit-s 12 --json "$OUT/wanvae.jsonl" > "$OUT/wanvae.log" 2>&1; echo "wan-vae rc=$?"
 timeout 95 python3 -m server.cli bench score --config llama-1b --dtype bfloat16 --device cuda --tokens 32768,131072 \

@@ -23,7 +23,7 @@ Edges are antialiased (coverage of each pixel by the shape), which keeps sub-pix
 visible and the VAE's job smooth.
 
 `render_clip(prompt, rng)` draws one clip; the rules are checked for many clips in
-`tests/test_clips.py` with the analysis helper of the content tests (`tests/content.py`).
+`tests/weights/test_clips.py` with the analysis helper of the content tests (`tests/support/content.py`).
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def encode_clips(vae, clips_per_prompt: int, rng: np.random.Generator) -> tuple[
 
 def batch_text(conditioning, prompts: list[str], uncond: torch.Tensor, batched: torch.Tensor, frames: int):
     """Text for a batch: padded embeddings (B, L, C) and the cross-attention bias (B*frames, 1, L)
-    that masks the padding for every frame, as `engine.latte.parallel_forward` builds it.
+    that masks the padding for every frame, as `engine.models.latte.parallel_forward` builds it.
     `uncond` (B,) picks the negative prompt, `batched` (B,) the list form of the encoding."""
     texts = [conditioning[p]["batched" if b else "single"][1 if u else 0]
              for p, u, b in zip(prompts, uncond.tolist(), batched.tolist())]

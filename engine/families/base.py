@@ -1,24 +1,27 @@
-"""What a model family is: the interface between the generic video engine and one kind of checkpoint.
+"""What a model family is: the adapter between the generic video engine and one kind of checkpoint.
 
-The engine (`engine/engine.py`, `engine/scheduler.py`, `engine/worker.py`) never names a
-model. A family says, for the checkpoints whose `model_index.json` `_class_name` it
-lists in `pipeline_classes`:
+The engine (`engine/engine.py`, `engine/core.py`, `engine/scheduler.py`, `engine/worker.py`)
+never names a model. A family says, for the checkpoints whose `model_index.json`
+`_class_name` it lists in `pipeline_classes`:
 
 coordinator side (class methods; they read JSON configs only, no weights, no torch work):
-- `describe(model_dir)`: what the coordinator needs before any request: head count,
-  defaults (frames, size, steps, guidance, fps), the size multiple, the frame rule;
+- `describe(model_dir)` -> `ModelDescription`: heads, defaults, size multiple, frame rule, options;
 - `auto_plan`, `plans`: which parallel plans it supports and which "auto" picks;
-- `check_request(info, spec)`: validate a request (RequestError naming the field), so
-  nothing a worker would refuse is ever sent to the workers.
+- `check_request(desc, spec)`: validate a request (RequestError naming the field), so
+  nothing a worker would refuse is ever sent to the workers. This is the one validation
+  of a request's model-facing fields; front doors add only their own limits.
 
-worker side (an instance per worker process, built by `engine.worker.setup_worker`):
-- load its components on this worker (the text encoder on rank 0 only);
-- `admit(spec)`: encode the prompt on rank 0, broadcast it, prepare latents and a
-  scheduler for the request -> a `WorkerRequest` (identical on every rank);
-- `step(requests)`: one parallel denoising step for a batch of requests that share a
-  `batch_key`;
-- `decode_next(request, max_frames)`: VAE-decode the next frames that are final, split
-  across the workers; rank 0 gets them.
+worker side (an instance per worker process, built by `engine.worker.setup_worker` from a
+`WorkerConfig`): loading, and a request's life on the workers. `admit`, `step` and
+`decode_next` are written once, here; a family fills in the parts that differ:
+
+    admit        encode_prompt (rank 0, broadcast)  ->  prepare (latents, scheduler)
+    step         model_for (Wan 2.2: the expert)  ->  inputs per request  ->  forward (the plan's
+                 parallel forward, engine/models/)  ->  guidance_scale  ->  advance (scheduler step)
+    decode_next  the "latent" output, timed; else decode (the family's VAE path)
+
+The parallel forwards themselves (DSP for Latte; hooks on diffusers' Wan modules) live in
+`engine/models/`, apart from these adapters.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import numpy as np
 import torch
 
 from engine import comm
+from engine.config import GenerationDefaults, ModelDescription, WorkerConfig
+from engine.dist import parse_dtype
 from engine.parallel import ParallelPlan, resolve_plan
 from engine.request import OUTPUTS, GenerationSpec, RequestError
 
@@ -51,6 +56,10 @@ class WorkerRequest:
     num_steps: int
     batch_key: tuple
     num_frames: int
+    text: torch.Tensor = None          # (2B or B, L, C_text): [negative; positive] when CFG
+    latents: torch.Tensor = None       # identical on every rank
+    scheduler: object = None           # the request's own diffusers scheduler
+    step_kwargs: dict = field(default_factory=dict)
     steps_done: int = 0
     decoded_frames: int = 0
     timings: dict = field(default_factory=lambda: {"encode_s": 0.0, "transformer_s": 0.0, "vae_s": 0.0})
@@ -63,9 +72,11 @@ class WorkerRequest:
         """Are there final frames not yet decoded? (T2V: once every step is done.)"""
         return self.denoised and self.decoded_frames < self.num_frames
 
-    def progress(self) -> dict:
-        """What the coordinator learns after each job."""
-        return {"steps_done": self.steps_done, "batch_key": self.batch_key, "decodable": self.decodable()}
+    def progress(self):
+        """What the coordinator learns after each job (`engine.worker.Progress`)."""
+        from engine.worker import Progress
+
+        return Progress(self.steps_done, self.batch_key, self.decodable())
 
 
 class VideoFamily:
@@ -76,50 +87,135 @@ class VideoFamily:
     plans: ClassVar[tuple[str, ...]]
     auto_plan: ClassVar[str]                       # "dsp" or "sequence" (see engine.parallel.resolve_plan)
     options: ClassVar[tuple[str, ...]] = ()        # family-specific request options it accepts
+    split_variance: bool = False     # the model predicts [noise; variance] and the scheduler takes the noise alone
 
     # -- coordinator side ------------------------------------------------------------------
 
     @classmethod
-    def describe(cls, model_dir: Path) -> dict:
-        """{"family", "heads", "size_multiple", "frame_multiple", "defaults": {...}, ...} from JSON configs."""
+    def describe(cls, model_dir: Path) -> ModelDescription:
         raise NotImplementedError
 
     @classmethod
-    def resolve_plan(cls, desc: dict, parallel: str, workers: int, ulysses_degree: int | None = None,
+    def resolve_plan(cls, desc: ModelDescription, parallel: str, workers: int, ulysses_degree: int | None = None,
                      cfg_parallel: bool = False) -> ParallelPlan:
-        return resolve_plan(parallel, cls.plans, workers, desc["heads"], cls.auto_plan, ulysses_degree, cfg_parallel)
+        return resolve_plan(parallel, cls.plans, workers, desc.heads, cls.auto_plan, ulysses_degree, cfg_parallel)
 
     @classmethod
-    def check_request(cls, info: dict, spec: GenerationSpec) -> GenerationSpec:
+    def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
         """Validate what every family shares; families extend it for their own rules and options."""
-        check_common(info, spec, cls.options)
+        check_common(desc, spec)
         return spec
 
-    # -- worker side -----------------------------------------------------------------------
+    # -- worker side: loading ------------------------------------------------------------------
 
-    def __init__(self, ctx, model_dir: str, plan: ParallelPlan, dtype: torch.dtype, attention: str,
-                 vae_tiling: bool = False):
+    def __init__(self, ctx, config: WorkerConfig):
         self.ctx, self.pg = ctx, ctx.pg
-        self.model_dir, self.dtype = model_dir, dtype
-        self.plan = plan
+        self.config = config
+        self.model_dir = config.model_dir
+        self.dtype = parse_dtype(config.engine.dtype)
+        self.plan = config.plan
         # decode in diffusers' spatial tiles (what `pipe.vae.enable_tiling()` does); off, as in diffusers
-        self.vae_tiling = vae_tiling
+        self.vae_tiling = config.engine.vae_tiling
+        self.attention = "sdpa"
+        self.cfg_groups = None
 
-    def info(self) -> dict:
-        raise NotImplementedError
+    def load_pipeline(self, pipeline_class, dtype):
+        """The family's diffusers pipeline on this worker's device (the text encoder on rank 0 only)."""
+        import diffusers
+        import transformers
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+        skip = {} if self.pg.rank == 0 else {"text_encoder": None, "tokenizer": None}
+        pipe = pipeline_class.from_pretrained(self.model_dir, dtype=dtype, **skip)
+        pipe.to(self.pg.device)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     def set_plan(self, plan: ParallelPlan) -> None:
         raise NotImplementedError
 
+    # -- worker side: a request ----------------------------------------------------------------
+
     def admit(self, spec: GenerationSpec) -> WorkerRequest:
+        """Encode the prompt on rank 0 (the only rank with the text encoder), share it, prepare the rest."""
+        t0 = time.perf_counter()
+
+        def encode():
+            with torch.no_grad():
+                positive, negative = self.encode_prompt(spec)
+            return (torch.cat([negative, positive]) if spec.use_cfg else positive).cpu()    # (2B|B, L, C_text)
+
+        text = self.broadcast_from_first(encode).to(self.pg.device, self.dtype)
+        encode_s = time.perf_counter() - t0
+        req = self.prepare(spec, text)
+        req.timings["encode_s"] = encode_s
+        return req
+
+    def encode_prompt(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(positive, negative) prompt embeddings, as the family's diffusers pipeline makes them."""
         raise NotImplementedError
 
-    def step(self, requests: list[WorkerRequest]) -> None:
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> WorkerRequest:
+        """Latents, the request's own scheduler and its batch key."""
         raise NotImplementedError
 
-    def decode_next(self, request: WorkerRequest, max_frames: int) -> dict | None:
-        """Decode the next final frames (at most about `max_frames`); rank 0 returns
-        {"frames": (B, n, H, W, 3) or latents, "start", "stop", "vae_s"}, other ranks None."""
+    def step(self, reqs: list[WorkerRequest]) -> None:
+        """One denoising step for a batch (equal batch keys; any timesteps, guidance scales and prompt lengths):
+        one parallel forward of every request's rows, [uncond; cond] each under CFG."""
+        t0 = time.perf_counter()
+        model = self.model_for(reqs)
+        cfg_parallel = self.cfg_groups is not None and all(r.spec.use_cfg for r in reqs)
+        rows = [self.inputs(r) for r in reqs]                             # per request: {name: (rows, ...)}
+        names = list(rows[0])
+        columns = order_rows([[r[n] for n in names] for r in rows], cfg_parallel)
+        with torch.no_grad():
+            out = self.forward(model, dict(zip(names, columns)), cfg_parallel)        # (all rows, C_out, ...)
+            for r, o in zip(reqs, split_rows(out, [len(r[names[0]]) for r in rows], cfg_parallel)):
+                if self.split_variance:
+                    o = o.chunk(2, dim=1)[0]
+                self.advance(r, guided(o, r.spec.use_cfg, self.guidance_scale(r)))
+        sync_cuda()  # one wait per step (not per request): the step's kernels count in its time
+        elapsed = time.perf_counter() - t0
+        for r in reqs:
+            r.timings["transformer_s"] += elapsed / len(reqs)
+
+    def model_for(self, reqs: list[WorkerRequest]):
+        """The denoiser of this step (one per batch key)."""
+        return self.pipe.transformer
+
+    def inputs(self, r: WorkerRequest) -> dict[str, torch.Tensor | list]:
+        """The request's rows of every forward input (latents duplicated under CFG)."""
+        raise NotImplementedError
+
+    def forward(self, model, inputs: dict[str, list], cfg_parallel: bool) -> torch.Tensor:
+        """The plan's parallel forward of the batch -> the model output, every row, on every rank. `inputs`: per
+        input, the requests' parts in forward order (`order_rows`)."""
+        raise NotImplementedError
+
+    def guidance_scale(self, r: WorkerRequest) -> float:
+        return r.spec.guidance_scale
+
+    def advance(self, r: WorkerRequest, pred: torch.Tensor) -> None:
+        """The request's scheduler step with the guided prediction (and whatever follows it)."""
+        t = r.scheduler.timesteps[r.steps_done]
+        r.latents = r.scheduler.step(pred, t, r.latents, **r.step_kwargs, return_dict=False)[0]
+        r.steps_done += 1
+
+    def decode_next(self, r: WorkerRequest, max_frames: int):
+        """The next final frames (about `max_frames`), decoded across the workers: (B, n, H, W, 3) on rank 0,
+        None elsewhere; the final latents, in one piece, for output "latent". Advances `r.decoded_frames`."""
+        if r.spec.output == "latent":
+            latents = self.final_latents(r)
+            r.decoded_frames = r.num_frames
+            return latents.cpu() if self.pg.rank == 0 else None
+        with Timer(r.timings, "vae_s"):
+            return self.decode(r, max_frames)
+
+    def final_latents(self, r: WorkerRequest) -> torch.Tensor:
+        return r.latents
+
+    def decode(self, r: WorkerRequest, max_frames: int):
         raise NotImplementedError
 
     # -- helpers the families share ----------------------------------------------------------
@@ -129,17 +225,23 @@ class VideoFamily:
         value = make() if self.pg.rank == 0 else None
         return comm.broadcast_object(value, self.pg)
 
+    def new_scheduler(self, steps: int):
+        """A fresh copy of the checkpoint's diffusers scheduler, set to `steps` steps."""
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        scheduler.set_timesteps(steps, device=self.pg.device)
+        return scheduler
+
 
 def read_json(path: Path) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 
-def generation_defaults(model_dir: Path, fallback: dict) -> dict:
+def generation_defaults(model_dir: Path, fallback: dict) -> GenerationDefaults:
     """The checkpoint's optional `generation_defaults.json` (longserve's; diffusers ignores it) over `fallback`."""
     import weights
 
-    return {**fallback, **weights.generation_defaults(model_dir)}
+    return GenerationDefaults.from_dict({**fallback, **weights.generation_defaults(model_dir)})
 
 
 def seeded_generator(seed: int) -> torch.Generator:
@@ -160,14 +262,15 @@ def scheduler_step_kwargs(scheduler, generator: torch.Generator) -> dict:
     return kwargs
 
 
-def order_rows(per_request: list[list[torch.Tensor]], cfg_parallel: bool) -> list[list[torch.Tensor]]:
-    """Per request, its row tensors ([uncond; cond] rows with CFG) field by field -> per field, the list of
-    parts in the order the batched forward takes them: request after request, or, with CFG-parallel, every
-    request's unconditional half first, then every conditional half."""
-    fields = [list(f) for f in zip(*per_request)]
+def order_rows(per_request: list[list], cfg_parallel: bool) -> list[list]:
+    """Per request, its rows of every input ([uncond; cond] rows with CFG) -> per input, the parts in the order
+    the batched forward takes them: request after request, or, with CFG-parallel, every request's
+    unconditional half first, then every conditional half. Parts are tensors (rows first) or lists."""
+    columns = [list(f) for f in zip(*per_request)]
     if cfg_parallel:
-        fields = [[x.chunk(2)[part] for part in (0, 1) for x in f] for f in fields]
-    return fields
+        columns = [[x[:len(x) // 2] if part == 0 else x[len(x) // 2:] for part in (0, 1) for x in f]
+                   for f in columns]
+    return columns
 
 
 def split_rows(out: torch.Tensor, sizes: list[int], cfg_parallel: bool) -> list[torch.Tensor]:
@@ -185,6 +288,11 @@ def guided(noise: torch.Tensor, use_cfg: bool, scale: float) -> torch.Tensor:
         return noise
     uncond, cond = noise.chunk(2)
     return uncond + scale * (cond - uncond)
+
+
+def cfg_rows(r: WorkerRequest, x: torch.Tensor) -> torch.Tensor:
+    """`x` once per forward row of the request: twice ([uncond; cond]) under CFG."""
+    return torch.cat([x, x]) if r.spec.use_cfg else x
 
 
 def to_pixels(video: torch.Tensor, video_processor, output: str):
@@ -205,8 +313,7 @@ class Timer:
     """Adds the wall time of a `with` block to `timings[key]`.
 
     On CUDA the block's kernels are waited for at both ends (one device sync each): without it the
-    time is that of queueing the kernels, and the GPU work lands in whatever syncs next (first seen on
-    an H100: a 16-frame 512x512 VAE decode "took" 10 ms and the pool overhead looked 0.3 s larger)."""
+    time is that of queueing the kernels (docs/gpu.md, section 1)."""
 
     def __init__(self, timings: dict, key: str):
         self.timings, self.key = timings, key
@@ -241,7 +348,7 @@ def check_number(field_name: str, value, low: float, high: float) -> None:
 MAX_STEPS = 1000
 
 
-def check_common(info: dict, spec: GenerationSpec, options: tuple[str, ...]) -> None:
+def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:
     """Checks every family needs: prompts, frames, size, steps, guidance, seed, output, options."""
     if not spec.prompt or not all(isinstance(p, str) for p in spec.prompt):
         raise RequestError("prompt", "prompt must be a non-empty string or a non-empty list of strings")
@@ -256,13 +363,13 @@ def check_common(info: dict, spec: GenerationSpec, options: tuple[str, ...]) -> 
         raise RequestError("negative_prompt", f"negative_prompt must be a string or a list of strings; "
                                               f"got {type(neg).__name__}")
     check_int("num_frames", spec.num_frames, 1)
-    rule = info.get("frame_multiple", 1)
+    rule = desc.frame_multiple
     if rule > 1 and (spec.num_frames - 1) % rule:
         lower = (spec.num_frames - 1) // rule * rule + 1
         raise RequestError("num_frames", f"num_frames must be {rule}k+1 for this model (its VAE compresses "
                                          f"{rule} frames into one); got {spec.num_frames}, try {lower} or "
                                          f"{lower + rule}")
-    m = info["size_multiple"]
+    m = desc.size_multiple
     for name, value in (("height", spec.height), ("width", spec.width)):
         check_int(name, value, m)
         if value % m:
@@ -273,8 +380,7 @@ def check_common(info: dict, spec: GenerationSpec, options: tuple[str, ...]) -> 
     if spec.output not in OUTPUTS:
         raise RequestError("output_type", f"output_type must be one of {', '.join(OUTPUTS)}; got {spec.output!r}")
     check_int("decode_chunk_size", spec.decode_chunk_size, 1)
-    unknown = sorted(set(spec.options) - set(options))
+    unknown = sorted(set(spec.options) - set(desc.options))
     if unknown:
-        raise RequestError(unknown[0], f"{unknown[0]} is not an option of this model (a "
-                                       f"{info.get('family', '?')} model accepts: "
-                                       f"{', '.join(options) or 'no extra options'})")
+        raise RequestError(unknown[0], f"{unknown[0]} is not an option of this model (a {desc.family} model "
+                                       f"accepts: {', '.join(desc.options) or 'no extra options'})")

@@ -1,363 +1,23 @@
-"""The Latte family (`LattePipeline` checkpoints): parallel forwards of diffusers'
-`LatteTransformer3DModel` (a spatial-temporal DiT), and the family adapter the video engine
-drives (load, encode, latents, batched parallel steps, frame-split VAE decode).
-
-Every strategy drives the model's own sub-modules and weights (patch embedding,
-AdaLN-single, caption projection, `BasicTransformerBlock`s, final layer); only the
-sharding around them, and for the embedded baselines the inside of attention/MLP,
-differ. Shapes: B batch, T frames, S = h*w patches, D hidden, N workers, `Tl`/`Sl` the
-padded local shard of T/S (ceil(T/N), ceil(S/N)).
-
-- "dsp" (Dynamic Sequence Parallelism): rest sharded on T. Spatial blocks (self-attn
-  over S, cross-attn, MLP) are local. One all-to-all switches to S-sharding before
-  each temporal block; one switches back before the next spatial block. After the last
-  temporal block the final layer (per token) runs on the S-shard, so that switch back
-  is skipped: 2L-1 all-to-alls for L block pairs, then one gather of the output.
-- "ulysses" (DeepSpeed-Ulysses, embedded): rest sharded on S. Spatial self-attention
-  trades S for heads with all-to-alls of Q, K, V and the output (4 per block pair).
-- "ring" (Ring attention, embedded): rest sharded on S. Spatial self-attention passes
-  K/V blocks around the ring (N-1 steps) and merges partial softmaxes by log-sum-exp.
-- "megatron-sp" (Megatron-LM sequence parallelism with tensor parallelism): rest
-  sharded on S; before every attention and MLP, all-gather the tokens; each worker
-  computes its slice of heads / MLP columns; a reduce-scatter sums the partial outputs
-  and re-shards them.
-
-Temporal blocks are local for the three embedded strategies (S-sharding keeps every
-frame of a patch together); cross-attention is local everywhere except megatron-sp.
-Uneven T, S and head counts are zero-padded and trimmed (see `engine.comm`).
+"""The Latte family (`LattePipeline` checkpoints: Latte-1 and the shipped tiny-latte): loading, prompts,
+latents, batched steps and the frame-split VAE decode. The parallel forwards are `engine/models/latte.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid
 
 from engine import comm
-from engine.dist import ParallelGroup
-from engine.families.base import (Timer, VideoFamily, WorkerRequest, generation_defaults, guided, order_rows,
-                                  read_json, scheduler_step_kwargs, seeded_generator, split_rows, sync_cuda, to_pixels)
-from engine.parallel import CfgGroups, ParallelPlan, make_cfg_groups, ring_attention
+from engine.config import ModelDescription
+from engine.families.base import (VideoFamily, WorkerRequest, cfg_rows, generation_defaults, read_json,
+                                  scheduler_step_kwargs, seeded_generator, to_pixels)
+from engine.models.latte import STRATEGIES, check_strategy, parallel_forward
+from engine.parallel import ParallelPlan, make_cfg_groups
 from engine.request import GenerationSpec
 
-STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
 
-
-def check_strategy(strategy: str) -> str:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"parallel must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
-    return strategy
-
-
-def temporal_pos_embed(model, num_frames: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Latte's sinusoidal frame embedding for any frame count (the config's buffer has `video_length` rows).
-
-    -> (1, T, D), identical to `model.temp_pos_embed` when T == video_length.
-    """
-    if num_frames == model.temp_pos_embed.shape[1]:
-        return model.temp_pos_embed.to(device=device, dtype=dtype)
-    D = model.temp_pos_embed.shape[-1]
-    emb = get_1d_sincos_pos_embed_from_grid(D, torch.arange(0, num_frames).unsqueeze(1), output_type="pt")
-    return emb.float().unsqueeze(0).to(device=device, dtype=dtype)
-
-
-# -- attention processors for the embedded baselines ---------------------------------
-
-
-def _head_range(heads: int, pg: ParallelGroup) -> tuple[int, int]:
-    """This rank's contiguous slice of heads for tensor parallelism (may be empty)."""
-    per = math.ceil(heads / pg.world_size)
-    return min(heads, pg.rank * per), min(heads, (pg.rank + 1) * per)
-
-
-def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """(n, L, H*hd) -> (n, H, L, hd)"""
-    n, L, _ = x.shape
-    return x.view(n, L, -1, head_dim).transpose(1, 2)
-
-
-class UlyssesSpatialAttention:
-    """Self-attention over S-sharded tokens: all-to-all Q, K, V (S <- heads), attend, all-to-all back."""
-
-    def __init__(self, pg: ParallelGroup, num_patches: int):
-        self.pg, self.S = pg, num_patches
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
-        pg, S = self.pg, self.S
-        n, Sl, _ = hidden_states.shape                                   # (B*T, Sl, D)
-        H = attn.heads
-        hd = attn.to_q.out_features // H
-
-        def to_full_sequence(x):                                         # (B*T, Sl, H*hd)
-            x = x.view(n, Sl, H, hd)                                     # (B*T, Sl, H, hd)
-            x = comm.all_to_all_switch(x, scatter_dim=2, gather_dim=1, gather_size=S, pg=pg)
-            return x.transpose(1, 2)                                     # (B*T, Hl, S, hd)
-
-        q = to_full_sequence(attn.to_q(hidden_states))
-        k = to_full_sequence(attn.to_k(hidden_states))
-        v = to_full_sequence(attn.to_v(hidden_states))
-        out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)  # (B*T, Hl, S, hd)
-        out = comm.all_to_all_switch(out.transpose(1, 2), scatter_dim=1, gather_dim=2, gather_size=H, pg=pg)
-        out = out.reshape(n, Sl, H * hd)                                 # (B*T, Sl, D)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-class RingSpatialAttention:
-    """Self-attention over S-sharded tokens: K/V blocks travel the ring; softmaxes merge by log-sum-exp."""
-
-    def __init__(self, pg: ParallelGroup, num_patches: int):
-        self.pg, self.S = pg, num_patches
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
-        pg = self.pg
-        n, Sl, _ = hidden_states.shape                                   # (B*T, Sl, D)
-        hd = attn.to_q.out_features // attn.heads
-        q = _heads(attn.to_q(hidden_states), hd).float()                 # (B*T, H, Sl, hd)
-        kv = torch.stack([_heads(attn.to_k(hidden_states), hd), _heads(attn.to_v(hidden_states), hd)])  # (2, B*T, H, Sl, hd)
-        out = ring_attention(q, kv, attn.scale, pg, key_len=self.S)      # (B*T, H, Sl, hd)
-        out = out.to(hidden_states.dtype).transpose(1, 2).reshape(n, Sl, -1)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-class TensorParallelAttention:
-    """Megatron-SP attention: all-gather tokens, this rank's heads only, reduce-scatter the output.
-
-    `seq_dim` is the sharded token dimension of the input: 1 for spatial blocks
-    ((B*T, Sl, D), trimmed to the true S so padded patches are never attended to), 0 for
-    temporal blocks ((B*Sl, T, D): rows are independent sequences, order is irrelevant).
-    """
-
-    def __init__(self, pg: ParallelGroup, seq_dim: int, seq_len: int | None):
-        self.pg, self.seq_dim, self.seq_len = pg, seq_dim, seq_len
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
-        pg, d = self.pg, self.seq_dim
-        local = hidden_states.shape[d]
-        x = comm.all_gather(hidden_states, d, pg, size=self.seq_len)          # full token dim
-        ctx = x if encoder_hidden_states is None else encoder_hidden_states
-        if d == 0 and encoder_hidden_states is not None:
-            raise NotImplementedError("cross-attention over gathered rows")
-        H = attn.heads
-        hd = attn.to_q.out_features // H
-        h0, h1 = _head_range(H, pg)
-        rows = slice(h0 * hd, h1 * hd)
-        q = _heads(F.linear(x, attn.to_q.weight[rows], _bias(attn.to_q, rows)), hd)    # (n, Hr, L, hd)
-        k = _heads(F.linear(ctx, attn.to_k.weight[rows], _bias(attn.to_k, rows)), hd)
-        v = _heads(F.linear(ctx, attn.to_v.weight[rows], _bias(attn.to_v, rows)), hd)
-        mask = None if attention_mask is None else attention_mask[:, None]           # (n, 1, 1, Lk)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)  # (n, Hr, L, hd)
-        out = out.transpose(1, 2).reshape(*x.shape[:2], -1)                          # (n, L, Hr*hd)
-        partial = F.linear(out, attn.to_out[0].weight[:, rows])                      # (n, L, D), partial sum
-        partial = comm.pad_dim(partial, d, local * pg.world_size)
-        y = comm.reduce_scatter(partial, d, pg)                                      # local shard, summed
-        if attn.to_out[0].bias is not None:
-            y = y + attn.to_out[0].bias
-        return attn.to_out[1](y)
-
-
-def _bias(linear: nn.Linear, rows: slice):
-    return None if linear.bias is None else linear.bias[rows]
-
-
-class TensorParallelFeedForward(nn.Module):
-    """Megatron-SP MLP around diffusers' `FeedForward` (GELU variants): column- then row-parallel."""
-
-    def __init__(self, ff: nn.Module, pg: ParallelGroup):
-        super().__init__()
-        act = ff.net[0]
-        if type(act).__name__ != "GELU":
-            raise NotImplementedError(f"megatron-sp supports GELU feed-forwards, not {type(act).__name__}")
-        self.ff, self.pg = ff, pg
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        pg = self.pg
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])                              # (rows_local, D)
-        rows_local = x.shape[0]
-        x = comm.all_gather(x, 0, pg)                                         # (N*rows_local, D)
-        act, fc2 = self.ff.net[0], self.ff.net[2]
-        inner = act.proj.out_features
-        per = math.ceil(inner / pg.world_size)
-        cols = slice(min(inner, pg.rank * per), min(inner, (pg.rank + 1) * per))
-        h = act.gelu(F.linear(x, act.proj.weight[cols], _bias(act.proj, cols)))
-        partial = F.linear(self.ff.net[1](h), fc2.weight[:, cols])            # (N*rows_local, D), partial
-        y = comm.reduce_scatter(partial, 0, pg)                               # (rows_local, D)
-        if fc2.bias is not None:
-            y = y + fc2.bias
-        for extra in self.ff.net[3:]:
-            y = extra(y)
-        return y.reshape(shape)
-
-
-@contextlib.contextmanager
-def _swapped(block, pg, strategy: str, num_patches: int, spatial: bool):
-    """Install a strategy's attention processors / MLP in one block; restore on exit."""
-    saved = (block.attn1.processor, block.attn2.processor if block.attn2 is not None else None, block.ff)
-    try:
-        if strategy == "ulysses" and spatial:
-            block.attn1.processor = UlyssesSpatialAttention(pg, num_patches)
-        elif strategy == "ring" and spatial:
-            block.attn1.processor = RingSpatialAttention(pg, num_patches)
-        elif strategy == "megatron-sp":
-            seq_dim, seq_len = (1, num_patches) if spatial else (0, None)
-            block.attn1.processor = TensorParallelAttention(pg, seq_dim, seq_len)
-            if block.attn2 is not None:
-                block.attn2.processor = TensorParallelAttention(pg, seq_dim, seq_len)
-            block.ff = TensorParallelFeedForward(block.ff, pg)
-        yield block
-    finally:
-        block.attn1.processor = saved[0]
-        if block.attn2 is not None:
-            block.attn2.processor = saved[1]
-        block.ff = saved[2]
-
-
-# -- the forward ---------------------------------------------------------------------
-
-
-def parallel_forward(
-    model,
-    hidden_states: torch.Tensor,
-    timestep: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    pg: ParallelGroup,
-    strategy: str = "dsp",
-    cfg: CfgGroups | None = None,
-    encoder_attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`LatteTransformer3DModel.forward` over the group; every rank returns the full output.
-
-    hidden_states (B, C, T, H, W), timestep (B,), encoder_hidden_states (B, L, C_text)
-    -> (B, C_out, T, H, W)
-
-    `encoder_attention_mask` (B, L), 1 = keep, lets prompts of different lengths share a
-    batch (padded text tokens are masked out of cross-attention).
-    """
-    check_strategy(strategy)
-    if cfg is not None:
-        # Each half of the group takes half of the batch, then the pair joins them.
-        B = hidden_states.shape[0]
-        if B % 2:
-            raise ValueError(f"cfg_parallel needs an even batch (unconditional + conditional), got {B}")
-        half = slice(cfg.index * (B // 2), (cfg.index + 1) * (B // 2))
-        mask = None if encoder_attention_mask is None else encoder_attention_mask[half]
-        out = parallel_forward(model, hidden_states[half], timestep[half], encoder_hidden_states[half],
-                               cfg.half, strategy, encoder_attention_mask=mask)  # (B/2, C_out, T, H, W)
-        return comm.all_gather(out, 0, cfg.pair)                                # (B, C_out, T, H, W)
-    bias = None
-    if encoder_attention_mask is not None:
-        keep = encoder_attention_mask.to(torch.bool)
-        bias = torch.zeros(keep.shape, dtype=hidden_states.dtype, device=hidden_states.device)
-        bias = bias.masked_fill(~keep, -10000.0)[:, None, :]               # (B, 1, L), as diffusers builds it
-    if strategy == "dsp":
-        return _dsp_forward(model, hidden_states, timestep, encoder_hidden_states, pg, bias)
-    return _embedded_forward(model, hidden_states, timestep, encoder_hidden_states, pg, strategy, bias)
-
-
-def _repeat(x: torch.Tensor | None, times: int) -> torch.Tensor | None:
-    return None if x is None else x.repeat_interleave(times, dim=0)
-
-
-def _conditioning(model, timestep, encoder_hidden_states, batch_size, dtype):
-    t6, t_final = model.adaln_single(
-        timestep, added_cond_kwargs={"resolution": None, "aspect_ratio": None},
-        batch_size=batch_size, hidden_dtype=dtype,
-    )                                                                   # (B, 6D), (B, D)
-    text = model.caption_projection(encoder_hidden_states)              # (B, L, D)
-    return t6, t_final, text
-
-
-def _final_layer(model, tokens: torch.Tensor, t_final: torch.Tensor) -> torch.Tensor:
-    """Latte's output head, per token. tokens (B, t, s, D) -> (B, t, s, p*p*C_out)"""
-    shift, scale = (model.scale_shift_table[None] + t_final[:, None]).chunk(2, dim=1)  # (B, 1, D) each
-    x = model.norm_out(tokens)
-    x = x * (1 + scale[:, :, None]) + shift[:, :, None]
-    return model.proj_out(x)
-
-
-def _unpatchify(model, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """(B, T, h*w, p*p*C) -> (B, C, T, h*p, w*p)"""
-    B, T = x.shape[:2]
-    p, C = model.config.patch_size, model.out_channels
-    x = x.reshape(B * T, h, w, p, p, C)
-    x = torch.einsum("nhwpqc->nchpwq", x).reshape(B, T, C, h * p, w * p)
-    return x.permute(0, 2, 1, 3, 4)
-
-
-def _dsp_forward(model, x, timestep, encoder_hidden_states, pg, text_bias=None):
-    B, C, T, H, W = x.shape
-    p = model.config.patch_size
-    h, w = H // p, W // p
-    S = h * w
-    t6, t_final, text = _conditioning(model, timestep, encoder_hidden_states, B, x.dtype)
-
-    frames = comm.shard(x, 2, pg)                                           # (B, C, Tl, H, W)
-    Tl = frames.shape[2]
-    tokens = model.pos_embed(frames.permute(0, 2, 1, 3, 4).reshape(B * Tl, C, H, W))  # (B*Tl, S, D)
-    D = tokens.shape[-1]
-    pos_t = temporal_pos_embed(model, T, tokens.dtype, tokens.device)       # (1, T, D)
-    text_spatial = text.repeat_interleave(Tl, dim=0)                        # (B*Tl, L, D)
-    bias_spatial = _repeat(text_bias, Tl)                                   # (B*Tl, 1, L)
-    t6_spatial = t6.repeat_interleave(Tl, dim=0)                            # (B*Tl, 6D)
-    L = len(model.transformer_blocks)
-    for i, (spatial, temporal) in enumerate(zip(model.transformer_blocks, model.temporal_transformer_blocks)):
-        tokens = spatial(tokens, None, text_spatial, bias_spatial, t6_spatial)  # (B*Tl, S, D)
-        tokens = comm.all_to_all_switch(tokens.view(B, Tl, S, D), scatter_dim=2, gather_dim=1,
-                                        gather_size=T, pg=pg)               # (B, T, Sl, D)
-        Sl = tokens.shape[2]
-        seq = tokens.permute(0, 2, 1, 3).reshape(B * Sl, T, D)              # (B*Sl, T, D)
-        if i == 0 and T > 1:
-            seq = seq + pos_t
-        seq = temporal(seq, None, None, None, t6.repeat_interleave(Sl, dim=0))
-        tokens = seq.view(B, Sl, T, D).permute(0, 2, 1, 3)                  # (B, T, Sl, D)
-        if i < L - 1:
-            tokens = comm.all_to_all_switch(tokens, scatter_dim=1, gather_dim=2, gather_size=S, pg=pg)
-            tokens = tokens.reshape(B * Tl, S, D)                            # (B*Tl, S, D)
-    out = _final_layer(model, tokens, t_final)                              # (B, T, Sl, p*p*C_out)
-    out = comm.gather(out, 2, S, pg)                                        # (B, T, S, p*p*C_out)
-    return _unpatchify(model, out, h, w)
-
-
-def _embedded_forward(model, x, timestep, encoder_hidden_states, pg, strategy, text_bias=None):
-    B, C, T, H, W = x.shape
-    p = model.config.patch_size
-    h, w = H // p, W // p
-    S = h * w
-    t6, t_final, text = _conditioning(model, timestep, encoder_hidden_states, B, x.dtype)
-
-    tokens = model.pos_embed(x.permute(0, 2, 1, 3, 4).reshape(B * T, C, H, W))  # (B*T, S, D)
-    tokens = comm.shard(tokens, 1, pg)                                       # (B*T, Sl, D)
-    Sl, D = tokens.shape[1], tokens.shape[2]
-    pos_t = temporal_pos_embed(model, T, tokens.dtype, tokens.device)       # (1, T, D)
-    text_spatial = text.repeat_interleave(T, dim=0)                         # (B*T, L, D)
-    bias_spatial = _repeat(text_bias, T)                                    # (B*T, 1, L)
-    t6_spatial = t6.repeat_interleave(T, dim=0)                             # (B*T, 6D)
-    t6_temporal = t6.repeat_interleave(Sl, dim=0)                           # (B*Sl, 6D)
-    for i, (spatial, temporal) in enumerate(zip(model.transformer_blocks, model.temporal_transformer_blocks)):
-        with _swapped(spatial, pg, strategy, S, spatial=True):
-            tokens = spatial(tokens, None, text_spatial, bias_spatial, t6_spatial)  # (B*T, Sl, D)
-        seq = tokens.view(B, T, Sl, D).permute(0, 2, 1, 3).reshape(B * Sl, T, D)  # (B*Sl, T, D)
-        if i == 0 and T > 1:
-            seq = seq + pos_t
-        with _swapped(temporal, pg, strategy, S, spatial=False):
-            seq = temporal(seq, None, None, None, t6_temporal)              # (B*Sl, T, D)
-        tokens = seq.view(B, Sl, T, D).permute(0, 2, 1, 3).reshape(B * T, Sl, D)
-    out = _final_layer(model, tokens.view(B, T, Sl, D), t_final)            # (B, T, Sl, p*p*C_out)
-    out = comm.gather(out, 2, S, pg)                                        # (B, T, S, p*p*C_out)
-    return _unpatchify(model, out, h, w)
-
-
-# -- the family: what the video engine drives on each worker ------------------------------------------
-
-
-def _pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate prompt embeddings of different lengths: zero-pad, and a mask when lengths differ.
 
     [(b_i, L_i, C)] -> (sum b_i, max L_i, C), mask (sum b_i, max L_i) or None
@@ -370,10 +30,8 @@ def _pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | N
     return padded, mask
 
 
-def _select_attention(transformer, device: torch.device, attention: str) -> str:
+def select_attention(transformer, device: torch.device, attention: str) -> str:
     """xformers on CUDA when installed (and asked for or 'auto'); else PyTorch SDPA."""
-    if attention not in ("auto", "sdpa", "xformers"):
-        raise ValueError(f"attention must be auto, sdpa or xformers; got {attention!r}")
     if device.type == "cuda" and attention in ("auto", "xformers"):
         try:
             import xformers  # noqa: F401
@@ -382,21 +40,12 @@ def _select_attention(transformer, device: torch.device, attention: str) -> str:
             return "xformers"
         except ImportError:
             if attention == "xformers":
-                raise ValueError("attention='xformers' but xformers is not installed (pip install '.[gpu]')")
+                raise ValueError("attention='xformers' but xformers is not installed (pip install '.[gpu]')") from None
     return "sdpa"
 
 
-@dataclass
-class LatteRequest(WorkerRequest):
-    scheduler: object = None
-    timesteps: torch.Tensor = None
-    latents: torch.Tensor = None       # (B, C, T, h, w), identical on every rank
-    text: torch.Tensor = None          # (2B or B, L, C_text): [negative; positive] when CFG
-    step_kwargs: dict = None
-
-
 class LatteFamily(VideoFamily):
-    """`LattePipeline` checkpoints (Latte-1 and the shipped tiny-latte)."""
+    """`LattePipeline` checkpoints."""
 
     name = "latte"
     pipeline_classes = frozenset({"LattePipeline"})
@@ -404,7 +53,8 @@ class LatteFamily(VideoFamily):
     auto_plan = "dsp"
 
     @classmethod
-    def describe(cls, model_dir: Path) -> dict:
+    def describe(cls, model_dir: Path) -> ModelDescription:
+        index = read_json(Path(model_dir) / "model_index.json")
         cfg = read_json(Path(model_dir) / "transformer" / "config.json")
         vae = read_json(Path(model_dir) / "vae" / "config.json")
         vae_scale = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
@@ -412,140 +62,94 @@ class LatteFamily(VideoFamily):
         defaults = generation_defaults(model_dir, {
             "num_frames": cfg["video_length"], "height": native, "width": native, "num_inference_steps": 50,
             "guidance_scale": 7.5, "fps": 8})
-        return {"family": cls.name, "heads": cfg["num_attention_heads"], "size_multiple": vae_scale * cfg["patch_size"],
-                "frame_multiple": 1, "native_frames": cfg["video_length"], "defaults": defaults}
+        return ModelDescription(family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
+                                size_multiple=vae_scale * cfg["patch_size"], frame_multiple=1, defaults=defaults,
+                                extra={"native_frames": cfg["video_length"]})
 
-    def __init__(self, ctx, model_dir: str, plan: ParallelPlan, dtype: torch.dtype, attention: str,
-                 vae_tiling: bool = False):
+    def __init__(self, ctx, config):
         import diffusers
-        import transformers
 
-        super().__init__(ctx, model_dir, plan, dtype, attention, vae_tiling)
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.disable_progress_bar()
-        skip = {} if self.pg.rank == 0 else {"text_encoder": None, "tokenizer": None}
-        pipe = diffusers.LattePipeline.from_pretrained(model_dir, dtype=dtype, **skip)
-        pipe.to(self.pg.device)
-        pipe.set_progress_bar_config(disable=True)
-        if vae_tiling:
-            pipe.vae.enable_tiling()  # per frame, so any split of the frames across workers decodes alike
-        self.pipe = pipe
-        self.attention = _select_attention(pipe.transformer, self.pg.device, attention)
-        self.cfg = None
-        self.set_plan(plan)
+        super().__init__(ctx, config)
+        self.pipe = self.load_pipeline(diffusers.LattePipeline, self.dtype)
+        if self.vae_tiling:
+            self.pipe.vae.enable_tiling()  # per frame, so any split of the frames across workers decodes alike
+        self.attention = select_attention(self.pipe.transformer, self.pg.device, config.engine.attention)
+        self.split_variance = getattr(self.pipe.scheduler.config, "variance_type", None) not in (
+            "learned", "learned_range")
+        self.set_plan(config.plan)
 
     def set_plan(self, plan: ParallelPlan) -> None:
         check_strategy(plan.name)
-        if plan.cfg_parallel and self.cfg is None and self.pg.world_size > 1:
-            self.cfg = make_cfg_groups(self.pg)
+        if plan.cfg_parallel and self.cfg_groups is None and self.pg.world_size > 1:
+            self.cfg_groups = make_cfg_groups(self.pg)
         self.plan = plan
 
-    def info(self) -> dict:
+    # -- a request ---------------------------------------------------------------------------------------
+
+    def encode_prompt(self, spec: GenerationSpec):
+        return self.pipe.encode_prompt(spec.prompt, spec.use_cfg, negative_prompt=spec.negative_prompt,
+                                       num_images_per_prompt=1, device=self.pg.device, clean_caption=False,
+                                       mask_feature=True)
+
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> WorkerRequest:
         pipe = self.pipe
-        return {"scheduler": type(pipe.scheduler).__name__, "attention": self.attention,
-                "in_channels": pipe.transformer.config.in_channels, "vae_scale_factor": pipe.vae_scale_factor}
-
-    def admit(self, spec: GenerationSpec) -> LatteRequest:
-        pipe, pg = self.pipe, self.pg
-        t0 = time.perf_counter()
-
-        def encode():
-            with torch.no_grad():
-                positive, negative = pipe.encode_prompt(
-                    spec.prompt, spec.use_cfg, negative_prompt=spec.negative_prompt, num_images_per_prompt=1,
-                    device=pg.device, clean_caption=False, mask_feature=True)
-            return (torch.cat([negative, positive]) if spec.use_cfg else positive).cpu()  # (2B or B, L, C_text)
-
-        text = self.broadcast_from_first(encode).to(pg.device, self.dtype)
-        encode_s = time.perf_counter() - t0
-        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-        scheduler.set_timesteps(spec.num_inference_steps, device=pg.device)
+        scheduler = self.new_scheduler(spec.num_inference_steps)
         shape = (spec.batch_size, pipe.transformer.config.in_channels, spec.num_frames,
                  spec.height // pipe.vae_scale_factor, spec.width // pipe.vae_scale_factor)
         # the noise diffusers draws with generator=torch.Generator("cpu").manual_seed(seed); the same
         # generator then feeds samplers that add noise at every step
         generator = seeded_generator(spec.seed)
         noise = torch.randn(shape, generator=generator, dtype=self.dtype)
-        req = LatteRequest(spec=spec, num_steps=len(scheduler.timesteps), batch_key=("latte", *shape),
-                           num_frames=spec.num_frames, scheduler=scheduler, timesteps=scheduler.timesteps,
-                           latents=noise.to(pg.device) * scheduler.init_noise_sigma, text=text,
-                           step_kwargs=scheduler_step_kwargs(scheduler, generator))
-        req.timings["encode_s"] = encode_s
-        return req
+        return WorkerRequest(spec=spec, num_steps=len(scheduler.timesteps), batch_key=("latte", *shape),
+                             num_frames=spec.num_frames, text=text, scheduler=scheduler,
+                             latents=noise.to(self.pg.device) * scheduler.init_noise_sigma,
+                             step_kwargs=scheduler_step_kwargs(scheduler, generator))
 
-    def step(self, reqs: list[LatteRequest]) -> None:
-        """One denoising step for every request, batched into one parallel forward (any timesteps,
-        guidance scales and prompt lengths: padded prompt tokens are masked out of cross-attention)."""
-        pipe, pg = self.pipe, self.pg
-        t0 = time.perf_counter()
-        use_cfg_parallel = self.cfg is not None and self.plan.cfg_parallel and all(r.spec.use_cfg for r in reqs)
-        rows = []
-        for r in reqs:
-            t = r.timesteps[r.steps_done]
-            x = torch.cat([r.latents] * 2) if r.spec.use_cfg else r.latents           # (2B|B, C, T, h, w)
-            rows.append([r.scheduler.scale_model_input(x, t), t.reshape(1).expand(x.shape[0]), r.text])
-        inputs, times, texts = order_rows(rows, use_cfg_parallel)
-        text, mask = _pad_text(texts)
-        with torch.no_grad():
-            noise = parallel_forward(pipe.transformer, torch.cat(inputs), torch.cat(times).to(pg.device), text, pg,
-                                     self.plan.name, cfg=self.cfg if use_cfg_parallel else None,
-                                     encoder_attention_mask=mask)                      # (sum, C_out, T, h, w)
-        per_req = split_rows(noise, [len(x) for x, _, _ in rows], use_cfg_parallel)
-        learned_sigma = getattr(pipe.scheduler.config, "variance_type", None) in ("learned", "learned_range")
-        with torch.no_grad():
-            for r, eps in zip(reqs, per_req):
-                eps = guided(eps, r.spec.use_cfg, r.spec.guidance_scale)
-                if not learned_sigma:
-                    eps = eps.chunk(2, dim=1)[0]
-                t = r.timesteps[r.steps_done]
-                r.latents = r.scheduler.step(eps, t, r.latents, **r.step_kwargs, return_dict=False)[0]
-                r.steps_done += 1
-        sync_cuda()  # one wait per step (not per request): the step's kernels count in its time
-        elapsed = time.perf_counter() - t0
-        for r in reqs:
-            r.timings["transformer_s"] += elapsed / len(reqs)
+    def inputs(self, r: WorkerRequest) -> dict:
+        t = r.scheduler.timesteps[r.steps_done]
+        x = r.scheduler.scale_model_input(cfg_rows(r, r.latents), t)                  # (2B|B, C, T, h, w)
+        return {"x": x, "t": t.reshape(1).expand(x.shape[0]), "text": r.text}
 
-    def decode_next(self, r: LatteRequest, max_frames: int) -> dict | None:
-        """Decode frames [done, done + max_frames) of every video in the request, split across the workers.
+    def forward(self, model, inputs: dict, cfg_parallel: bool) -> torch.Tensor:
+        # prompts of different lengths share the forward: padded text tokens are masked out of cross-attention
+        text, mask = pad_text(inputs["text"])
+        return parallel_forward(model, torch.cat(inputs["x"]), torch.cat(inputs["t"]).to(self.pg.device), text,
+                                self.pg, self.plan.name, cfg=self.cfg_groups if cfg_parallel else None,
+                                encoder_attention_mask=mask)                       # (rows, C_out, T, h, w)
+
+    def decode(self, r: WorkerRequest, max_frames: int):
+        """Frames [done, done + max_frames) of every video of the request, split across the workers.
 
         Latte's VAE is per frame: each rank decodes its share of the B*n frames in chunks of
         `decode_chunk_size`; rank 0 gathers them.
         """
         pipe, pg = self.pipe, self.pg
         start = r.decoded_frames
-        if r.spec.output == "latent":
-            r.decoded_frames = r.num_frames
-            return {"frames": r.latents.cpu(), "start": 0, "stop": r.num_frames, "vae_s": 0.0} \
-                if pg.rank == 0 else None
         stop = min(r.num_frames, start + max_frames)
         B, C, T, h, w = r.latents.shape
         n = stop - start
-        vae_before = r.timings["vae_s"]
-        with Timer(r.timings, "vae_s"):
-            frames = r.latents[:, :, start:stop].permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B*n, C, h, w)
-            frames = frames / pipe.vae.config.scaling_factor
-            mine = comm.shard(frames, 0, pg)                                           # (ceil(B*n/N), C, h, w)
-            count = comm.valid_length(B * n, pg)                                       # real frames in my shard
-            chunk = r.spec.decode_chunk_size
-            with torch.no_grad():
-                outs = [pipe.vae.decode(mine[i:min(i + chunk, count)]).sample for i in range(0, count, chunk)]
-            f = pipe.vae_scale_factor
-            decoded = torch.cat(outs) if outs else mine.new_zeros((0, pipe.vae.config.out_channels, h * f, w * f))
-            if r.spec.output == "uint8":
-                # what to_pixels makes of it, done here: a quarter of the bytes to gather
-                decoded = ((decoded.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-            decoded = comm.pad_dim(decoded, 0, mine.shape[0])                          # (ceil(B*n/N), 3, H, W)
-            shards = comm.gather_to(decoded, 0, pg)                                    # (N, ceil(B*n/N), 3, H, W)
+        frames = r.latents[:, :, start:stop].permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B*n, C, h, w)
+        frames = frames / pipe.vae.config.scaling_factor
+        mine = comm.shard(frames, 0, pg)                                           # (ceil(B*n/N), C, h, w)
+        count = comm.valid_length(B * n, pg)                                       # real frames in my shard
+        chunk = r.spec.decode_chunk_size
+        with torch.no_grad():
+            outs = [pipe.vae.decode(mine[i:min(i + chunk, count)]).sample for i in range(0, count, chunk)]
+        f = pipe.vae_scale_factor
+        decoded = torch.cat(outs) if outs else mine.new_zeros((0, pipe.vae.config.out_channels, h * f, w * f))
+        if r.spec.output == "uint8":
+            # what to_pixels makes of it, done here: a quarter of the bytes to gather
+            decoded = ((decoded.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        decoded = comm.pad_dim(decoded, 0, mine.shape[0])                          # (ceil(B*n/N), 3, H, W)
+        shards = comm.gather_to(decoded, 0, pg)                                    # (N, ceil(B*n/N), 3, H, W)
         r.decoded_frames = stop
         if pg.rank != 0:
             return None
-        video = shards.flatten(0, 1)[:B * n]                                           # (B*n, 3, H, W)
-        video = video.reshape(B, n, *video.shape[1:])                                  # (B, n, 3, H, W)
+        video = shards.flatten(0, 1)[:B * n]                                       # (B*n, 3, H, W)
+        video = video.reshape(B, n, *video.shape[1:])                              # (B, n, 3, H, W)
         if r.spec.output == "uint8":
-            pixels = video.permute(0, 1, 3, 4, 2).cpu().numpy()                       # (B, n, H, W, 3)
-        else:
-            pixels = to_pixels(video.permute(0, 2, 1, 3, 4), pipe.video_processor, r.spec.output)
-        return {"frames": pixels, "start": start, "stop": stop, "vae_s": r.timings["vae_s"] - vae_before}
+            return video.permute(0, 1, 3, 4, 2).cpu().numpy()                      # (B, n, H, W, 3)
+        return to_pixels(video.permute(0, 2, 1, 3, 4), pipe.video_processor, r.spec.output)
 
 
 FAMILY = LatteFamily

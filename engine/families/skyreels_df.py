@@ -25,20 +25,17 @@ every rank draws the same), hence frames equal diffusers' for addnoise_condition
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
-from engine.families.base import (Timer, check_common, check_int, check_number, guided, order_rows,
-                                  seeded_generator, split_rows, sync_cuda)
-from engine.families.wan import PIPELINE_DEFAULTS, WanFamily, WanRequest, decoded_frames, parallel_forward
+from engine.config import ModelDescription
+from engine.families.base import cfg_rows, check_common, check_int, check_number, read_json, seeded_generator
+from engine.families.wan import WanFamily, WanRequest
 from engine.request import GenerationSpec, RequestError
 
-PIPELINE_DEFAULTS["SkyReelsV2DiffusionForcingPipeline"] = {
-    "height": 544, "width": 960, "num_frames": 97, "num_inference_steps": 50, "guidance_scale": 6.0, "fps": 24,
-    "base_num_frames": 97, "overlap_history": None, "ar_step": 0, "causal_block_size": None,
-    "addnoise_condition": 0}
 DF_OPTIONS = ("base_num_frames", "overlap_history", "ar_step", "causal_block_size", "addnoise_condition", "fps")
 
 
@@ -63,12 +60,12 @@ def segment_plan(num_frames: int, base_num_frames: int, overlap_history: int | N
     return {"long": True, "overlap": overlap, "segments": segments}
 
 
-def check_schedule(info: dict, steps: int, plan: dict, ar_step: int, cbs: int) -> None:
+def check_schedule(desc: ModelDescription, steps: int, plan: dict, ar_step: int, cbs: int) -> None:
     """Build every segment's schedule with diffusers' own `generate_timestep_matrix`, as the pipeline
     would, so a schedule diffusers refuses (its minimum `ar_step`) is refused here, naming ar_step."""
     import diffusers
 
-    scheduler = getattr(diffusers, info["scheduler_class"]).from_config(info["scheduler_config"])
+    scheduler = getattr(diffusers, desc.extra["scheduler_class"]).from_config(desc.extra["scheduler_config"])
     scheduler.set_timesteps(steps)
     for frames, prefix in plan["segments"]:
         try:
@@ -91,48 +88,45 @@ class DFRequest(WanRequest):
     row: int = 0                                      # row of the current segment's step matrix
     schedulers: list = field(default_factory=list)    # one per latent frame of the current segment
     tail: torch.Tensor = None                         # the last `overlap` final latent frames (the next prefix)
-    pending: torch.Tensor = None                      # final latent frames not decoded yet
-    final_latents: int = 0                            # latent frames final so far
     outputs: list = field(default_factory=list)       # output_type "latent": the final latents, kept
-
-    def decodable(self) -> bool:
-        return self.pending is not None and self.pending.shape[2] > 0
 
 
 class SkyReelsDiffusionForcingFamily(WanFamily):
     """`SkyReelsV2DiffusionForcingPipeline` checkpoints: long video by diffusion forcing."""
 
     name = "skyreels-df"
-    pipeline_classes = frozenset({"SkyReelsV2DiffusionForcingPipeline"})
+    pipeline_defaults = {"SkyReelsV2DiffusionForcingPipeline": {
+        "height": 544, "width": 960, "num_frames": 97, "num_inference_steps": 50, "guidance_scale": 6.0, "fps": 24,
+        "base_num_frames": 97, "overlap_history": None, "ar_step": 0, "causal_block_size": None,
+        "addnoise_condition": 0}}
+    pipeline_classes = frozenset(pipeline_defaults)
 
     @classmethod
-    def describe(cls, model_dir) -> dict:
+    def describe(cls, model_dir) -> ModelDescription:
         desc = super().describe(model_dir)
-        from engine.families.base import read_json
-
-        cfg = read_json(model_dir / "transformer" / "config.json")
-        scheduler = read_json(model_dir / "scheduler" / "scheduler_config.json")
-        desc.update(family=cls.name, options=list(DF_OPTIONS), frames_per_block=cfg.get("num_frame_per_block", 1),
-                    long_video=True,
-                    scheduler_class=scheduler["_class_name"], scheduler_config=scheduler)
-        return desc
+        cfg = read_json(Path(model_dir) / "transformer" / "config.json")
+        scheduler = read_json(Path(model_dir) / "scheduler" / "scheduler_config.json")
+        return replace(desc, family=cls.name, options=DF_OPTIONS, long_video=True,
+                       extra={**desc.extra, "frames_per_block": cfg.get("num_frame_per_block", 1),
+                              "scheduler_class": scheduler["_class_name"], "scheduler_config": scheduler})
 
     @classmethod
-    def check_request(cls, info: dict, spec: GenerationSpec) -> GenerationSpec:
-        check_common(info, spec, DF_OPTIONS)
-        o, d = spec.options, info["defaults"]
+    def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
+        """diffusers' rules for the long-video arguments, naming the field; fills in their defaults."""
+        check_common(desc, spec)
+        o, d = spec.options, desc.defaults.options
         base = o.get("base_num_frames", d.get("base_num_frames", 97))
         overlap = o.get("overlap_history", d.get("overlap_history"))
         ar_step = o.get("ar_step", d.get("ar_step", 0))
-        cbs = o.get("causal_block_size", d.get("causal_block_size")) or info["frames_per_block"]
+        cbs = o.get("causal_block_size", d.get("causal_block_size")) or desc.extra["frames_per_block"]
         check_int("base_num_frames", base, 1)
         if overlap is not None:
             check_int("overlap_history", overlap, 1)
         check_int("ar_step", ar_step, 0)
         check_int("causal_block_size", cbs, 1)
         check_number("addnoise_condition", o.get("addnoise_condition", d.get("addnoise_condition", 0)), 0, 1000)
-        check_int("fps", o.get("fps", d["fps"]), 1, 1000)
-        temporal = info["frame_multiple"]
+        check_int("fps", o.get("fps", desc.defaults.fps), 1, 1000)
+        temporal = desc.frame_multiple
         if spec.num_frames > base and overlap is None:
             raise RequestError("overlap_history", f"num_frames ({spec.num_frames}) exceeds base_num_frames ({base}): "
                                                   f"a long video needs overlap_history (17 or 37 are recommended)")
@@ -145,7 +139,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                 raise RequestError("causal_block_size", f"causal_block_size ({cbs}) must divide the latent frames of "
                                                         f"every segment; this video's segments have "
                                                         f"{[f for f, _ in plan['segments']]}")
-        check_schedule(info, spec.num_inference_steps, plan, ar_step, cbs)
+        check_schedule(desc, spec.num_inference_steps, plan, ar_step, cbs)
         spec.options = {**{k: v for k, v in (("base_num_frames", base), ("overlap_history", overlap),
                                              ("ar_step", ar_step), ("causal_block_size", cbs)) if v is not None},
                         **spec.options}
@@ -153,93 +147,66 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
 
     # -- worker side --------------------------------------------------------------------------------
 
-    def admit(self, spec: GenerationSpec) -> DFRequest:
-        pipe, pg = self.pipe, self.pg
-        t0 = time.perf_counter()
-        text = self.encode(spec)
-        encode_s = time.perf_counter() - t0
-        o, d = spec.options, self.desc["defaults"]
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> DFRequest:
+        o, d = spec.options, self.desc.defaults
         cbs = o["causal_block_size"]
         plan = segment_plan(spec.num_frames, o["base_num_frames"], o.get("overlap_history"), cbs, self.vae_temporal)
-        scheduler = self._fresh_scheduler(spec)
+        timesteps = self.new_scheduler(spec.num_inference_steps).timesteps
         matrices = []
         for frames, prefix in plan["segments"]:
-            step_matrix, _, update_mask, interval = pipe.generate_timestep_matrix(
-                frames, scheduler.timesteps, frames, o["ar_step"], prefix, cbs)
+            step_matrix, _, update_mask, interval = self.pipe.generate_timestep_matrix(
+                frames, timesteps, frames, o["ar_step"], prefix, cbs)
             matrices.append((step_matrix, update_mask, interval))
-        fps = o.get("fps", d["fps"])
+        fps = o.get("fps", d.fps)
         req = DFRequest(spec=spec, num_steps=sum(len(m[0]) for m in matrices), batch_key=(),
                         num_frames=spec.num_frames, text=text, plan=plan, cbs=cbs, fps_id=0 if fps == 16 else 1,
-                        addnoise=float(o.get("addnoise_condition", d.get("addnoise_condition", 0))),
+                        addnoise=float(o.get("addnoise_condition", d.options.get("addnoise_condition", 0))),
                         generator=seeded_generator(spec.seed), noise_generator=seeded_generator(spec.seed + 1),
-                        matrices=matrices, step_kwargs={})
+                        matrices=matrices)
         self._start_segment(req)
-        req.timings["encode_s"] = encode_s
         return req
-
-    def _fresh_scheduler(self, spec: GenerationSpec):
-        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
-        scheduler.set_timesteps(spec.num_inference_steps, device=self.pg.device)
-        return scheduler
 
     def _start_segment(self, r: DFRequest) -> None:
         """Draw the segment's noise (the request's generator, in order, as diffusers), put the prefix in."""
         frames, prefix = r.plan["segments"][r.segment]
-        spec = r.spec
-        shape = (spec.batch_size, self.experts[0].config.in_channels, frames,
-                 spec.height // self.vae_spatial, spec.width // self.vae_spatial)
-        latents = torch.randn(shape, generator=r.generator, dtype=torch.float32).to(self.pg.device)
+        latents = torch.randn(self.latent_shape(r.spec, frames), generator=r.generator,
+                              dtype=torch.float32).to(self.pg.device)
         if prefix:
             latents[:, :, :prefix] = r.tail[:, :, -r.plan["overlap"]:][:, :, :prefix].to(self.dtype)
         r.latents, r.row = latents, 0
-        r.schedulers = [self._fresh_scheduler(spec) for _ in range(frames)]
-        r.batch_key = self._key(r)
+        r.schedulers = [self.new_scheduler(r.spec.num_inference_steps) for _ in range(frames)]
+        r.batch_key = self.batch_key(r)
 
-    def _key(self, r: DFRequest) -> tuple:
+    def batch_key(self, r: DFRequest) -> tuple:
         if r.steps_done >= r.num_steps:
             return ("skyreels-df", "done")
         s, e = r.matrices[r.segment][2][r.row]
         B, C, _, h, w = r.latents.shape
-        return ("skyreels-df", B, C, e - s, h, w, r.cbs)
+        # one fps per batch: diffusers' forward adds one fps embedding to every row (engine/models/wan.py)
+        return ("skyreels-df", B, C, e - s, h, w, r.cbs, r.fps_id)
 
-    def step(self, reqs: list[DFRequest]) -> None:
-        """One row of every request's step matrix, batched into one parallel forward."""
-        pg = self.pg
-        t0 = time.perf_counter()
-        model = self.experts[0]
-        use_cfg_parallel = self.cfg_groups is not None and all(r.spec.use_cfg for r in reqs)
-        rows = []
-        for r in reqs:
-            step_matrix, _, interval = r.matrices[r.segment]
-            s, e = interval[r.row]
-            t = step_matrix[r.row]
-            x = r.latents[:, :, s:e].to(self.dtype).clone()                       # (B, C, e-s, h, w)
-            timestep = t.expand(x.shape[0], -1)[:, s:e].clone()                    # (B, e-s)
-            prefix = r.plan["segments"][r.segment][1]
-            if r.addnoise > 0 and s < prefix:
-                factor = 0.001 * r.addnoise
-                noise = torch.randn(x[:, :, :prefix - s].shape, generator=r.noise_generator).to(x)
-                x[:, :, :prefix - s] = x[:, :, :prefix - s] * (1.0 - factor) + noise * factor
-                timestep[:, :prefix - s] = r.addnoise
-            copies = 2 if r.spec.use_cfg else 1
-            rows.append([torch.cat([x] * copies), torch.cat([timestep] * copies), r.text,
-                         torch.full((x.shape[0] * copies,), r.fps_id)])
-        inputs, times, texts, fps = order_rows(rows, use_cfg_parallel)
-        with torch.no_grad():
-            noise = parallel_forward(model, torch.cat(inputs), torch.cat(times).to(pg.device), torch.cat(texts),
-                                     self.sp_cfg if use_cfg_parallel else self.sp,
-                                     cfg=self.cfg_groups if use_cfg_parallel else None,
-                                     fps=torch.cat(fps).tolist(), frames_per_block=reqs[0].cbs)  # (rows, C, e-s, h, w)
-        per_req = split_rows(noise, [len(x) for x, *_ in rows], use_cfg_parallel)
-        with torch.no_grad():
-            for r, out in zip(reqs, per_req):
-                self._advance(r, guided(out, r.spec.use_cfg, r.spec.guidance_scale))
-        sync_cuda()  # one wait per step (not per request): the step's kernels count in its time
-        elapsed = time.perf_counter() - t0
-        for r in reqs:
-            r.timings["transformer_s"] += elapsed / len(reqs)
+    def model_for(self, reqs: list[DFRequest]):
+        return functools.partial(self.experts[0], frames_per_block=reqs[0].cbs, fps=reqs[0].fps_id)
 
-    def _advance(self, r: DFRequest, pred: torch.Tensor) -> None:
+    def inputs(self, r: DFRequest) -> dict:
+        step_matrix, _, interval = r.matrices[r.segment]
+        s, e = interval[r.row]
+        t = step_matrix[r.row]
+        x = r.latents[:, :, s:e].to(self.dtype).clone()                            # (B, C, e-s, h, w)
+        timestep = t.expand(x.shape[0], -1)[:, s:e].clone()                         # (B, e-s)
+        prefix = r.plan["segments"][r.segment][1]
+        if r.addnoise > 0 and s < prefix:
+            factor = 0.001 * r.addnoise
+            noise = torch.randn(x[:, :, :prefix - s].shape, generator=r.noise_generator).to(x)
+            x[:, :, :prefix - s] = x[:, :, :prefix - s] * (1.0 - factor) + noise * factor
+            timestep[:, :prefix - s] = r.addnoise
+        x, timestep = cfg_rows(r, x), cfg_rows(r, timestep)
+        return {"x": x, "t": timestep, "text": r.text}
+
+    def guidance_scale(self, r: DFRequest) -> float:
+        return r.spec.guidance_scale
+
+    def advance(self, r: DFRequest, pred: torch.Tensor) -> None:
         """Scheduler steps for the frames this row updates; at a segment's end its new frames become final."""
         step_matrix, update_mask, interval = r.matrices[r.segment]
         s, e = interval[r.row]
@@ -252,14 +219,13 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         r.steps_done += 1
         if r.row == len(step_matrix):
             self._finish_segment(r)
-        r.batch_key = self._key(r)
+        r.batch_key = self.batch_key(r)
 
     def _finish_segment(self, r: DFRequest) -> None:
         overlap = r.plan["overlap"]
         new = r.latents if r.segment == 0 else r.latents[:, :, overlap:]           # (B, C, k, h, w) final
         if r.plan["long"]:
             r.tail = new[:, :, -overlap:] if r.tail is None else torch.cat([r.tail, new], dim=2)[:, :, -overlap:]
-        r.final_latents += new.shape[2]
         if r.spec.output == "latent":
             r.outputs.append(new)                # the caller asked for every latent: held until the end
             if r.segment == len(r.plan["segments"]) - 1:
@@ -273,29 +239,9 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         else:
             r.latents = r.tail = None
 
-    def decode_next(self, r: DFRequest, max_frames: int) -> dict | None:
-        """Decode final latent frames (at most about `max_frames` pixels' worth, at least one latent frame)."""
-        start = r.decoded_frames
-        if r.spec.output == "latent":
-            latents, r.pending, r.outputs = r.pending, None, []
-            r.decoded_frames = r.num_frames
-            return {"frames": latents.cpu(), "start": 0, "stop": r.num_frames, "vae_s": 0.0} \
-                if self.pg.rank == 0 else None
-        k = 1
-        while (k < r.pending.shape[2] and
-               decoded_frames(r.latents_decoded + k + 1, self.vae_temporal) - start <= max_frames):
-            k += 1
-        chunk, r.pending = r.pending[:, :, :k], r.pending[:, :, k:]
-        vae_before = r.timings["vae_s"]
-        with Timer(r.timings, "vae_s"):
-            frames = self.decode_latents(r, chunk)
-        r.decoded_frames = decoded_frames(r.latents_decoded, self.vae_temporal)
-        if r.decoded_frames >= r.num_frames and r.decoder is not None:
-            r.decoder.close()
-            r.decoder = None
-        if frames is None:
-            return None
-        return {"frames": frames, "start": start, "stop": r.decoded_frames, "vae_s": r.timings["vae_s"] - vae_before}
+    def final_latents(self, r: DFRequest) -> torch.Tensor:
+        latents, r.pending, r.outputs = r.pending, None, []
+        return latents
 
 
 FAMILY = SkyReelsDiffusionForcingFamily

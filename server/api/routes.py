@@ -1,13 +1,12 @@
 """Route handlers: parse and check the HTTP request, call the service, shape the answer.
 
-Request and response bodies are the models of `server/protocol.py`; the work is done by
+Request and response bodies are the models of `server/api/protocol.py`; the work is done by
 `server/api/service.py` (videos) and `server/api/score_service.py` (scoring). Every error is an
-`APIError`, answered in the OpenAI envelope by `server/errors.py`.
+`APIError`, answered in the OpenAI envelope by `server/api/errors.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 from typing import Literal
@@ -161,19 +160,11 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
                        code="invalid_value")
     rec = await run_in_threadpool(service.record, video_id)
     if stream and variant == "video" and rec.status in ("queued", "in_progress"):
-        writer = None
-        while writer is None:
-            live = service.live_job(video_id)
-            if live is None:  # finished (or deleted) while we waited
-                break
-            writer = live.writer
-            if writer is None:
-                if await request.is_disconnected():
-                    return PlainTextResponse("", status_code=204)
-                await asyncio.sleep(0.02)
+        writer = await service.live_writer(video_id, request.is_disconnected)   # wakes when the writer exists
         if writer is not None:
-            return StreamingResponse(tail_file(writer.part_path, writer.final_path, writer.done),
-                                     media_type="video/mp4", headers={"Cache-Control": "no-store"})
+            return StreamingResponse(tail_file(writer), media_type="video/mp4", headers={"Cache-Control": "no-store"})
+        if await request.is_disconnected():
+            return PlainTextResponse("", status_code=204)
     path = await run_in_threadpool(service.content_path, video_id, variant)
     media_type = "video/mp4" if variant == "video" else "image/png"
     return FileResponse(path, media_type=media_type, filename=path.name)

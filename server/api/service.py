@@ -1,15 +1,17 @@
-"""`VideoService`: the server's video jobs, between the HTTP routes and the step scheduler.
+"""`VideoService`: the server's video jobs, between the HTTP routes and the engine.
 
-It owns the worker pool (through `pipelines.VideoPipeline.from_pretrained`, which starts
-and validates it), the `engine.scheduler.StepScheduler` that drives it, the job store
-(SQLite + files) and the event fan-out. Handlers call `create`, `get`, `list`, `delete`,
-...; the scheduler's thread calls `_on_event`, which turns scheduler events into job
-status, files (a fragmented MP4 written while frames are decoded, a PNG thumbnail) and
-SSE events.
+The service holds only API state: each job's stored record (SQLite, `server/api/store.py`)
+and, while it runs, its MP4 writer. Everything about a request's progress is the engine's
+(`engine.engine.VideoEngine`): `create` submits a `GenerationSpec` and gets a
+`RequestHandle`; a coroutine per job (`_follow`, on the service's own event loop thread)
+reads the handle's typed outputs as they come and turns them into the record's status,
+files (a fragmented MP4 written while frames are decoded, a PNG thumbnail) and SSE events.
+Blocking work (SQLite, PNG, feeding ffmpeg) runs on a small thread pool, awaited by that
+job's coroutine only, so one slow job never holds up another's events.
 
 Job status (the API's) and progress:
 
-    queued       waiting in the scheduler (or re-queued after a worker crash), progress 0
+    queued       waiting in the engine (or re-queued after a worker crash), progress 0
     in_progress  admitted: progress = 90 * steps done / steps while denoising, then
                  90..99 as frames are decoded and written
     completed    the MP4 is complete on disk, progress 100
@@ -17,14 +19,17 @@ Job status (the API's) and progress:
 
 Restart policy (`--data-dir` reused): a job that was in_progress when the server stopped
 is failed (code "server_restarted": its partial denoising lived in worker memory); a
-queued job is queued again, in its original order; completed videos stay downloadable.
+queued job is queued again, in its original order; completed videos stay downloadable
+(until `--retention` expires them).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import math
-import queue
 import random
 import re
 import threading
@@ -33,56 +38,105 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.engine import VideoEngine
+from engine.config import EngineConfig, build, option
+from engine.engine import RequestHandle, VideoEngine
 from engine.families.base import MAX_STEPS
+from engine.outputs import Admitted, Cancelled, Failed, Finished, FramesChunk, Queued, Requeued, StepProgress
 from engine.request import GenerationSpec, RequestError
-from engine.scheduler import QueueFullError
+from engine.scheduler import QueueFullError, RequestState
 from server.api.errors import APIError
-from server.media import FragmentedMP4Writer, write_png
 from server.api.metrics import Counter, Gauge, Histogram, Registry
 from server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList, parse_size
 from server.api.store import JobStore, VideoRecord
 from server.api.streaming import EventBroker
+from server.media import FragmentedMP4Writer, write_png
+from server.notify import Notifier
 
 log = logging.getLogger("longserve.server")
 
 DENOISE_SHARE = 90   # progress points for denoising steps; decoded frames take 9 more; 100 = downloadable
 MAX_SEED = 2**63 - 1
+#: what serving changes of the engine's defaults
+SERVE_ENGINE_DEFAULTS = {"max_queue": 256}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeConfig:
-    """Everything `longserve serve` configures about video serving (limits default from the model)."""
+    """Everything `longserve serve` configures: the engine's config, plus the server's own options."""
 
-    model: str = "tiny-latte"
-    served_model_name: str | None = None   # default: the model directory's name
-    workers: int = 1
-    parallel: str = "auto"
-    ulysses_degree: int | None = None
-    device: str | None = None
-    dtype: str = "float32"
-    cfg_parallel: bool = False
-    attention: str = "auto"
-    vae_tiling: bool = False              # decode in diffusers' spatial tiles (vae.enable_tiling())
-    data_dir: str = "longserve-data"
-    max_queue: int = 256
-    max_batch: int = 8
-    max_running: int | None = None        # admitted requests at once; default max_batch
-    max_frames: int | None = None         # default: 4 x the model's default frame count, or max_seconds of long video
-    max_seconds: float = 60.0             # longest video of a long-video model (diffusion forcing), at its fps
-    max_size: int | None = None           # largest width/height in pixels; default: 2 x the model's default size
-    max_steps: int = 200
-    default_steps: int = 20
-    default_guidance_scale: float | None = None   # default: the model's
-    fps: int | None = None                # default: the model's
-    max_fps: int = 60
-    decode_chunk_frames: int = 8
-    job_timeout_s: float | None = 600.0
-    oom_retry: bool = False               # a batch that runs out of memory: retry its requests one at a time
-    max_prompt_chars: int = 4000
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(**SERVE_ENGINE_DEFAULTS))
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+    host: str = option("127.0.0.1", "address to listen on", group="http")
+    port: int = option(8000, "port to listen on", group="http")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 (default: $LONGSERVE_API_KEY; "
+                                        "none = open)", group="http")
+    max_body_bytes: int = option(4 << 20, "largest request body (413 beyond)", group="http")
+    log_level: str = option("info", "server log level", group="http",
+                            choices=["debug", "info", "warning", "error"])
+    served_model_name: str | None = option(None, "the model id clients use (default: the model directory's name)",
+                                           group="http")
+
+    # -- jobs ---------------------------------------------------------------------------------------
+    data_dir: str = option("longserve-data", "SQLite job store and video files (kept across restarts)",
+                           group="jobs")
+    retention_s: float | None = option(None, "delete a finished video (completed or failed) and its files this "
+                                             "many seconds after it finished (its expires_at); none = keep them",
+                                       group="jobs", flag="--retention", metavar="SECONDS")
+
+    # -- request limits and defaults (limits default from the model) ------------------------------------
+    max_frames: int | None = option(None, "longest video in frames (default: 4 x the model's default frame count; "
+                                          "for a long-video model, --max-seconds at its fps)", group="limits")
+    max_seconds: float = option(60.0, "longest video of a long-video (diffusion forcing) model, in seconds at its "
+                                      "fps", group="limits")
+    max_size: int | None = option(None, "largest width or height in pixels (default: 2 x the model's native size)",
+                                  group="limits")
+    max_steps: int = option(200, "most denoising steps a request may ask for", group="limits")
+    default_steps: int = option(20, "num_inference_steps when a request gives none", group="limits")
+    default_guidance_scale: float | None = option(None, "guidance_scale when a request gives none (default: the "
+                                                        "model's)", group="limits", flag="--guidance-scale")
+    fps: int | None = option(None, "frames per second: seconds x fps = frames (default: the model's)",
+                             group="limits")
+    max_fps: int = option(60, "highest fps a request may ask for", group="limits")
+    max_prompt_chars: int = option(4000, "longest prompt (and negative prompt) in characters", group="limits")
+
+    # -- scoring (POST /v1/score) ----------------------------------------------------------------------
+    score_model: str | None = option("tiny-lm", "causal LM for /v1/score (tiny-lm or a local directory); 'none' "
+                                                "disables scoring", group="scoring")
+    score_workers: int = option(1, "workers of the scoring pool", group="scoring")
+    score_strategy: str = option("lss", "lss | ring", group="scoring", choices=["lss", "ring"])
+    score_preload: bool = option(False, "start the scoring pool now, not on first use", group="scoring")
+
+    def __post_init__(self):
+        for name in ("max_steps", "default_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.fps is not None and (isinstance(self.fps, bool) or not isinstance(self.fps, int) or self.fps < 1):
+            raise ValueError(f"fps must be a positive integer, got {self.fps!r}")
+        if self.default_steps > self.max_steps:
+            raise ValueError(f"default_steps ({self.default_steps}) exceeds max_steps ({self.max_steps})")
+        if self.max_steps > MAX_STEPS:
+            raise ValueError(f"max_steps must be <= {MAX_STEPS} (the engine's limit), got {self.max_steps}")
+        if self.retention_s is not None and (isinstance(self.retention_s, bool)
+                                             or not isinstance(self.retention_s, (int, float))
+                                             or not self.retention_s > 0 or not math.isfinite(self.retention_s)):
+            raise ValueError(f"retention_s must be a positive number of seconds or None, got {self.retention_s!r}")
+
+    @classmethod
+    def from_options(cls, **options) -> "ServeConfig":
+        """A config from one flat set of options: the engine's fields go to `engine` (with serving's defaults)."""
+        engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+        engine = EngineConfig.from_options(**{**SERVE_ENGINE_DEFAULTS,
+                                              **{k: v for k, v in options.items() if k in engine_names}})
+        return build(cls, {"engine": engine, **{k: v for k, v in options.items() if k not in engine_names}})
+
+    @property
+    def model(self) -> str:
+        return self.engine.model
 
 
-@dataclass
+@dataclass(frozen=True)
 class Limits:
     size_multiple: int
     default_width: int
@@ -97,123 +151,117 @@ class Limits:
 
 
 @dataclass(eq=False)
-class LiveJob:
-    """A job that is not finished yet: its record plus what only exists while it runs."""
+class Job:
+    """A job the server follows: its stored record and, while it runs, its engine handle and MP4 writer."""
 
     record: VideoRecord
-    num_steps: int = 0
-    step: int = 0
-    num_frames: int = 0
-    frames_done: int = 0
-    queue_position: int | None = None
+    handle: RequestHandle
     writer: FragmentedMP4Writer | None = None
-    writer_ready: threading.Event = field(default_factory=threading.Event)  # writer made, or job ended
+    changed: Notifier = field(default_factory=Notifier)   # a writer exists, or the job ended
+    deleted: bool = False
+    ended: bool = False
 
 
 class VideoService:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.engine: VideoEngine | None = None
-        self.scheduler = None
         self.store: JobStore | None = None
         self.broker = EventBroker()
         self.limits: Limits | None = None
-        self._live: dict[str, LiveJob] = {}
-        self._cancelling: dict[str, LiveJob] = {}
+        self._jobs: dict[str, Job] = {}
         self._lock = threading.RLock()
-        self._output = OutputThread()
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="longserve-io")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="longserve-jobs", daemon=True)
         self.started_at = int(time.time())
         self._build_metrics()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> "VideoService":
-        """Start the workers (loads the model), open the store, recover old jobs, start scheduling."""
+        """Start the workers (loads the model), open the store, recover old jobs, follow them."""
         cfg = self.config
-        for name in ("max_queue", "max_batch", "max_steps", "default_steps", "decode_chunk_frames"):
-            value = getattr(cfg, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if cfg.fps is not None and (isinstance(cfg.fps, bool) or not isinstance(cfg.fps, int) or cfg.fps < 1):
-            raise ValueError(f"fps must be a positive integer, got {cfg.fps!r}")
-        if cfg.default_steps > cfg.max_steps:
-            raise ValueError(f"default_steps ({cfg.default_steps}) exceeds max_steps ({cfg.max_steps})")
-        if cfg.max_steps > MAX_STEPS:
-            raise ValueError(f"max_steps must be <= {MAX_STEPS} (the engine's limit), got {cfg.max_steps}")
         self.store = JobStore(cfg.data_dir)
-        self.engine = VideoEngine.start(
-            cfg.model, workers=cfg.workers, parallel=cfg.parallel, ulysses_degree=cfg.ulysses_degree,
-            device=cfg.device, dtype=cfg.dtype, cfg_parallel=cfg.cfg_parallel, attention=cfg.attention,
-            vae_tiling=cfg.vae_tiling, max_batch=cfg.max_batch, max_running=cfg.max_running, max_waiting=cfg.max_queue,
-            decode_chunk_frames=cfg.decode_chunk_frames, job_timeout_s=cfg.job_timeout_s, oom_retry=cfg.oom_retry)
-        self.scheduler = self.engine.scheduler
+        self.engine = VideoEngine.start(cfg.engine)
+        self.engine.add_batch_listener(self._on_batch)
         info = self.engine.info
-        d, m, rule = info["defaults"], info["size_multiple"], info["frame_multiple"]
-        max_size = cfg.max_size if cfg.max_size is not None else 2 * max(d["width"], d["height"])
-        fps = cfg.fps if cfg.fps is not None else d["fps"]
+        d, m, rule = info.defaults, info.size_multiple, info.frame_multiple
+        max_size = cfg.max_size if cfg.max_size is not None else 2 * max(d.width, d.height)
+        fps = cfg.fps if cfg.fps is not None else d.fps
         if cfg.max_frames is not None:
             max_frames = cfg.max_frames
-        elif info.get("long_video"):
+        elif info.long_video:
             if not cfg.max_seconds > 0:
                 raise ValueError(f"max_seconds must be positive, got {cfg.max_seconds!r}")
-            max_frames = max(d["num_frames"], round(cfg.max_seconds * fps) + rule)
+            max_frames = max(d.num_frames, round(cfg.max_seconds * fps) + rule)
         else:
-            max_frames = 4 * d["num_frames"]
+            max_frames = 4 * d.num_frames
         max_frames = (max_frames - 1) // rule * rule + 1
         if max_size < m or max_frames < 1:
             raise ValueError(f"max_size must be >= {m} and max_frames >= 1")
         fit = lambda v: max(m, min(v, max_size) // m * m)  # noqa: E731
-        self.limits = Limits(size_multiple=m, default_width=fit(d["width"]), default_height=fit(d["height"]),
-                             max_size=max_size, frame_multiple=rule, default_frames=min(d["num_frames"], max_frames),
-                             max_frames=max_frames, max_steps=cfg.max_steps,
-                             fps=fps,
+        self.limits = Limits(size_multiple=m, default_width=fit(d.width), default_height=fit(d.height),
+                             max_size=max_size, frame_multiple=rule, default_frames=min(d.num_frames, max_frames),
+                             max_frames=max_frames, max_steps=cfg.max_steps, fps=fps,
                              guidance_scale=(cfg.default_guidance_scale if cfg.default_guidance_scale is not None
-                                             else d["guidance_scale"]))
+                                             else d.guidance_scale))
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
         self.model_names = {self.model_name, str(cfg.model)}
-        self.engine.add_listener(self._on_event)
+        self._loop_thread.start()
         self._recover()
-        self.engine.start_loop()
+        if cfg.retention_s is not None:
+            asyncio.run_coroutine_threadsafe(self._expire_forever(), self._loop)
         return self
 
     def close(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop()
-        self._output.close()
+        if self.engine is not None:
+            self.engine.close()           # every handle's iteration ends; the followers finish
+        if self._loop_thread.is_alive():
+            pending = asyncio.run_coroutine_threadsafe(self._cancel_followers(), self._loop)
+            try:
+                pending.result(timeout=30)
+            except Exception:
+                log.exception("stopping the job followers failed")
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=10)
         with self._lock:
-            writers = [j.writer for j in self._live.values() if j.writer is not None]
+            writers = [j.writer for j in self._jobs.values() if j.writer is not None]
         for w in writers:
             w.abort()
-        if self.engine is not None:
-            self.engine.close()
+        self._io.shutdown(wait=True, cancel_futures=True)
         if self.store is not None:
             self.store.close()
+
+    async def _cancel_followers(self) -> None:
+        tasks = [t for t in asyncio.all_tasks(self._loop) if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _recover(self) -> None:
         """Jobs left by a previous run on this data dir: fail the interrupted, queue the queued again."""
         for rec in self.store.by_status("in_progress"):
             self.store.remove_files(rec.id)
-            self.store.update(rec.id, status="failed", error={
+            self._finish_record(rec, status="failed", error={
                 "code": "server_restarted",
                 "message": "the server stopped while this video was being generated (its partial state lived in "
                            "worker memory); create it again"})
         for path in self.store.video_dir.glob("*.part"):
             path.unlink(missing_ok=True)
         for rec in self.store.by_status("queued"):
-            spec = self._spec(rec)
-            with self._lock:
-                self._live[rec.id] = LiveJob(record=rec)
             try:
-                self.scheduler.submit(spec)
+                handle = self.engine.submit(GenerationSpec.from_params(rec.id, rec.prompt, rec.params))
             except (QueueFullError, ValueError) as e:
-                with self._lock:
-                    self._live.pop(rec.id, None)
-                self.store.update(rec.id, status="failed", error={"code": "server_restarted", "message": str(e)})
+                self._finish_record(rec, status="failed", error={"code": "server_restarted", "message": str(e)})
+                continue
+            self._follow_job(Job(record=rec, handle=handle))
 
     # -- requests -> specs ----------------------------------------------------------------------
 
-    def resolve(self, req: VideoCreateRequest) -> tuple[GenerationSpec, dict]:
-        """Validate a create request against the model and the server's limits (APIError naming the field)."""
+    def resolve(self, req: VideoCreateRequest) -> tuple[GenerationSpec, int]:
+        """The server's own limits on a create request (APIError naming the field) -> (spec, fps).
+        The model's rules are checked once, by the engine, when the spec is submitted."""
         cfg, lim = self.config, self.limits
         prompt = req.prompt
         if not prompt.strip():
@@ -238,32 +286,14 @@ class VideoService:
         steps = cfg.default_steps if req.num_inference_steps is None else req.num_inference_steps
         _check_range("num_inference_steps", steps, 1, lim.max_steps)
         guidance = lim.guidance_scale if req.guidance_scale is None else req.guidance_scale
-        if not math.isfinite(guidance) or not 0 <= guidance <= 100:
-            raise APIError(400, f"guidance_scale must be a number in [0, 100]; got {guidance!r}",
-                           param="guidance_scale", code="invalid_value")
         seed = random.randrange(MAX_SEED) if req.seed is None else req.seed
-        _check_range("seed", seed, 0, MAX_SEED)
-        params = {"num_frames": num_frames, "fps": fps, "width": width, "height": height,
-                  "num_inference_steps": steps, "guidance_scale": float(guidance), "seed": seed,
-                  "negative_prompt": negative, "options": self._options(req, fps)}
-        video_id = f"video_{uuid.uuid4().hex}"
-        spec = self._spec_from(video_id, prompt, params)
-        try:  # the model family's own checks, last: nothing it would refuse may reach the workers
-            self.engine.check(spec)
-        except RequestError as e:
-            param = "size" if e.field in ("height", "width") else e.field
-            raise APIError(400, str(e), param=param, code="invalid_value") from None
-        params["options"] = dict(spec.options)          # as the family completed them (its defaults filled in)
-        fields = {"id": video_id, "prompt": prompt, "seconds": _format_seconds(num_frames, fps),
-                  "size": f"{width}x{height}", "params": params}
-        return spec, fields
-
-    def _options(self, req: VideoCreateRequest, fps: int) -> dict:
-        """The model's own options from the request; a model conditioned on fps gets the video's."""
         options = req.options()
-        if "fps" in self.engine.info.get("options", ()):
+        if "fps" in self.engine.info.options:       # a model conditioned on fps gets the video's
             options.setdefault("fps", fps)
-        return options
+        spec = GenerationSpec(request_id=f"video_{uuid.uuid4().hex}", prompt=[prompt], negative_prompt=negative,
+                              num_frames=num_frames, height=height, width=width, num_inference_steps=steps,
+                              guidance_scale=float(guidance), seed=seed, output="uint8", options=options)
+        return spec, fps
 
     def _size(self, size: str | None) -> tuple[int, int]:
         lim = self.limits
@@ -275,9 +305,8 @@ class VideoService:
             raise APIError(400, f"size must look like WIDTHxHEIGHT, e.g. \"{lim.default_width}x{lim.default_height}\"; "
                                 f"got {size!r}", param="size", code="invalid_value") from None
         for name, v in (("width", width), ("height", height)):
-            if not lim.size_multiple <= v <= lim.max_size or v % lim.size_multiple:
-                raise APIError(400, f"size: {name} must be a multiple of {lim.size_multiple} in "
-                                    f"[{lim.size_multiple}, {lim.max_size}]; got {size!r}",
+            if not lim.size_multiple <= v <= lim.max_size:
+                raise APIError(400, f"size: {name} must be in [{lim.size_multiple}, {lim.max_size}]; got {size!r}",
                                param="size", code="invalid_value")
         return width, height
 
@@ -308,41 +337,48 @@ class VideoService:
             return num_frames
         return lim.default_frames if from_seconds is None else from_seconds
 
-    def _spec_from(self, video_id: str, prompt: str, p: dict) -> GenerationSpec:
-        return GenerationSpec(request_id=video_id, prompt=[prompt], negative_prompt=p["negative_prompt"],
-                              num_frames=p["num_frames"], height=p["height"], width=p["width"],
-                              num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
-                              seed=p["seed"], output="uint8", options=dict(p.get("options") or {}))
-
-    def _spec(self, rec: VideoRecord) -> GenerationSpec:
-        return self._spec_from(rec.id, rec.prompt, rec.params)
-
     # -- the API's operations -----------------------------------------------------------------------
 
     def create(self, req: VideoCreateRequest) -> Video:
-        spec, fields = self.resolve(req)
-        rec = VideoRecord(created_at=int(time.time()), status="queued", model=self.model_name, **fields)
-        with self._lock:
+        spec, fps = self.resolve(req)
+        try:
+            handle = self.engine.submit(spec)
+        except RequestError as e:
+            param = "size" if e.field in ("height", "width") else e.field
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
+        except QueueFullError:
+            raise APIError(429, f"the queue is full ({self.config.engine.max_queue} videos waiting); retry later",
+                           code="queue_full", headers={"Retry-After": "5"}) from None
+        spec = handle.spec                                 # as the family completed it (its defaults filled in)
+        rec = VideoRecord(id=spec.request_id, created_at=int(time.time()), status="queued", model=self.model_name,
+                          prompt=spec.prompt[0], seconds=_format_seconds(spec.num_frames, fps),
+                          size=f"{spec.width}x{spec.height}", params={**spec.params(), "fps": fps})
+        try:
             self.store.insert(rec)
-            self._live[rec.id] = LiveJob(record=rec)
-            try:
-                self.scheduler.submit(spec)
-            except QueueFullError:
-                self._live.pop(rec.id, None)
-                self.store.delete(rec.id)
-                raise self._queue_full() from None
-            self.m_created.inc()
-            return self._video(rec)
+        except Exception as e:
+            handle.cancel()
+            log.exception("storing a new job failed")
+            raise APIError(500, f"the job could not be stored ({type(e).__name__}: {e}); nothing was queued",
+                           code="storage_failed") from None
+        self.m_created.inc()
+        self._follow_job(Job(record=rec, handle=handle))
+        return self._video(rec)
 
-    def _queue_full(self) -> APIError:
-        return APIError(429, f"the queue is full ({self.config.max_queue} videos waiting); retry later",
-                        code="queue_full", headers={"Retry-After": "5"})
+    def _follow_job(self, job: Job) -> None:
+        with self._lock:
+            self._jobs[job.record.id] = job
+        asyncio.run_coroutine_threadsafe(self._follow(job), self._loop)
+
+    def _job(self, video_id: str) -> Job | None:
+        """The job the server still follows for `video_id` (None once it is deleted)."""
+        with self._lock:
+            job = self._jobs.get(video_id)
+        return None if job is None or job.deleted else job
 
     def record(self, video_id: str) -> VideoRecord:
-        with self._lock:
-            live = self._live.get(video_id)
-            if live is not None:
-                return live.record
+        job = self._job(video_id)
+        if job is not None:
+            return job.record
         rec = self.store.get(video_id) if _plausible_id(video_id) else None
         if rec is None:
             raise APIError(404, f"no video found with video_id {video_id!r}", param="video_id",
@@ -361,7 +397,7 @@ class VideoService:
             after_seq = rec.seq
         records, has_more = self.store.page(after_seq, limit, order)
         with self._lock:
-            records = [self._live[r.id].record if r.id in self._live else r for r in records]
+            records = [self._jobs[r.id].record if r.id in self._jobs else r for r in records]
         data = [self._video(r) for r in records]
         return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
                          has_more=has_more)
@@ -369,24 +405,20 @@ class VideoService:
     def delete(self, video_id: str) -> VideoDeleted:
         """Delete a video; a queued or running one is cancelled (at the next step boundary) first."""
         with self._lock:
-            live = self._live.pop(video_id, None)
-            if live is None and (not _plausible_id(video_id) or self.store.get(video_id) is None):
+            job = self._job(video_id)
+            if job is None and (not _plausible_id(video_id) or self.store.get(video_id) is None):
                 raise APIError(404, f"no video found with video_id {video_id!r}", param="video_id",
                                code="video_not_found")
-            self.store.delete(video_id)
-            if live is not None:
-                self._cancelling[video_id] = live
-        if live is not None:
-            live.writer_ready.set()
-            if not self.scheduler.cancel(video_id):
-                # the scheduler was already done with it (its video is being written): stop that, in turn
-                with self._lock:
-                    self._cancelling.pop(video_id, None)
-                self._output.put(self._drop_output, live)
+            if job is not None:
+                job.deleted = True
+        self.store.delete(video_id)
+        if job is not None:
+            job.handle.cancel()         # its follower drops what was written once the engine let it go
+            job.changed.notify()
             self.m_finished.inc(outcome="cancelled")
-        self._output.put(self.store.remove_files, video_id)
-        self._output.put(self.broker.publish, video_id, "video.deleted",
-                         {"id": video_id, "object": "video.deleted", "deleted": True})
+        else:
+            self.store.remove_files(video_id)
+        self.broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted", "deleted": True})
         return VideoDeleted(id=video_id)
 
     def content_path(self, video_id: str, variant: str) -> Path:
@@ -400,180 +432,203 @@ class VideoService:
                            param="variant", code="content_missing")
         return path
 
-    def live_job(self, video_id: str) -> LiveJob | None:
-        with self._lock:
-            return self._live.get(video_id)
+    async def live_writer(self, video_id: str, disconnected) -> FragmentedMP4Writer | None:
+        """The MP4 writer of a job that is still running, once it exists (woken when it does); None when the
+        job ended first or `await disconnected()` turns true."""
+        while True:
+            job = self._job(video_id)
+            if job is None or job.ended:
+                return None
+            version = job.changed.version
+            if job.writer is not None:
+                return job.writer
+            if await disconnected():
+                return None
+            await job.changed.wait_after(version, timeout=1.0)
 
     def event_snapshot(self, video_id: str) -> tuple[str, dict]:
         """The event that tells a new SSE subscriber where the video stands now."""
         rec = self.record(video_id)
-        with self._lock:
-            live = self._live.get(video_id)
-            return self._status_event(rec, live)
-
-    def _status_event(self, rec: VideoRecord, live: LiveJob | None) -> tuple[str, dict]:
+        job = self._job(video_id)
         if rec.status == "completed":
             return "video.completed", self._video(rec).model_dump()
         if rec.status == "failed":
             return "video.failed", self._video(rec).model_dump()
+        status = job.handle.status() if job is not None else None
         if rec.status == "queued":
-            pos = self.scheduler.queue_position(rec.id)
-            return "video.queued", self._event(rec, queue_position=pos)
-        extra = {}
-        if live is not None:
-            if live.frames_done and live.step >= live.num_steps:
-                return "video.decoding", self._event(rec, frames_done=live.frames_done,
-                                                     num_frames=rec.params["num_frames"])
-            extra = {"step": live.step, "num_steps": live.num_steps}
-        return "video.in_progress", self._event(rec, **extra)
+            return "video.queued", self._event(rec, queue_position=status.queue_position if status else None)
+        if status is None:
+            return "video.in_progress", self._event(rec)
+        if status.frames_done and status.step >= status.num_steps:
+            return "video.decoding", self._event(rec, frames_done=status.frames_done, num_frames=status.num_frames)
+        return "video.in_progress", self._event(rec, step=status.step, num_steps=status.num_steps)
 
-    # -- scheduler events (the scheduler's thread) ---------------------------------------------------
+    # -- following a job (the service's event loop) --------------------------------------------------------
 
-    def _on_event(self, kind: str, req, data: dict) -> None:
-        """The scheduler thread's only call into the service: counters, then the rest is queued for the
-        output thread (SQLite, PNG, MP4 encoding, SSE fan-out), so the thread that drives the workers never
-        waits for I/O."""
-        if kind == "batch":
-            self.m_batch.observe(data["batch_size"])
-            self.m_step_latency.observe(data["step_s"])
-            return
-        self._output.put(self._handle_event, kind, req, data)
+    async def _run_io(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
-    def _handle_event(self, kind: str, req, data: dict) -> None:
-        """A scheduler event's side effects (the output thread)."""
-        if kind == "pool":
-            return
-        if kind == "queue":
-            self._publish_positions(data["waiting"])
-            return
-        if kind in ("cancelled", "failed", "completed"):
+    async def _follow(self, job: Job) -> None:
+        """Turn the job's engine outputs into its record, files and events, in order, until it ends."""
+        try:
+            async for out in job.handle:
+                await self._apply(job, out)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:     # a bug in one job's handling must not touch any other job
+            log.exception("following %s failed", job.record.id)
+            job.handle.cancel()
+            await self._fail(job, "internal_error", f"the server failed while handling this video: {e}")
+        finally:
+            job.ended = True
             with self._lock:
-                gone = self._cancelling.pop(req.id, None)
-            if gone is not None:  # deleted by a client: drop whatever was written
-                if gone.writer is not None:
-                    gone.writer.abort()
-                self.store.remove_files(req.id)
-                return
-        if kind == "cancelled":
+                if self._jobs.get(job.record.id) is job:
+                    del self._jobs[job.record.id]
+            job.changed.notify()
+
+    async def _apply(self, job: Job, out) -> None:
+        rec = job.record
+        if job.deleted:
+            if isinstance(out, (Finished, Failed, Cancelled)):
+                await self._drop_output(job)
             return
-        with self._lock:
-            live = self._live.get(req.id)
-        if live is None:
-            return  # deleted meanwhile
-        rec = live.record
-        if kind == "admitted":
-            live.num_steps, live.step, live.frames_done, live.queue_position = data["num_steps"], 0, 0, None
-            live.num_frames = data["num_frames"]
-            self._set(rec, status="in_progress", progress=0)
-            self.store.update(rec.id, status="in_progress", progress=0)
-            self.broker.publish(rec.id, "video.in_progress", self._event(rec, step=0, num_steps=live.num_steps))
-        elif kind == "step":
-            live.step = data["step"]
-            self._set(rec, progress=self._progress(live))
+        if isinstance(out, Queued):
+            if self.broker.has_subscribers(rec.id):
+                self.broker.publish(rec.id, "video.queued", self._event(rec, queue_position=out.position))
+        elif isinstance(out, Admitted):
+            await self._update(job, status="in_progress", progress=0)
+            self.broker.publish(rec.id, "video.in_progress", self._event(rec, step=0, num_steps=out.num_steps))
+        elif isinstance(out, StepProgress):
+            self._set(rec, progress=self._progress(job))
             self.broker.publish(rec.id, "video.progress", self._event(
-                rec, step=data["step"], num_steps=data["num_steps"], batch_size=data["batch_size"],
-                step_ms=round(1000 * data["step_s"], 2)))
-        elif kind == "decoding":
-            self.broker.publish(rec.id, "video.decoding", self._event(rec, frames_done=0,
-                                                                      num_frames=data["num_frames"]))
-        elif kind == "frames":
-            self._write_frames(live, data)
-        elif kind == "completed":
-            if live.writer is None:
-                self._fail(live, "encoding_failed", "no frames were decoded")
-            else:
-                live.writer.finish(lambda ok, err, vid=rec.id: self._written(vid, ok, err))
-        elif kind == "failed":
-            self._fail(live, data["code"], data["message"])
-        elif kind == "requeued":
-            self._drop_output(live)
-            live.num_steps = live.step = live.frames_done = 0
-            self._set(rec, status="queued", progress=0)
-            self.store.update(rec.id, status="queued", progress=0)
+                rec, step=out.step, num_steps=out.num_steps, batch_size=out.batch_size,
+                step_ms=round(1000 * out.step_s, 2)))
+            if out.denoised:
+                self.broker.publish(rec.id, "video.decoding", self._event(rec, frames_done=0,
+                                                                          num_frames=job.handle.status().num_frames))
+        elif isinstance(out, FramesChunk):
+            await self._run_io(self._write_frames, job, out)
+            self._set(rec, progress=self._progress(job))
+            self.broker.publish(rec.id, "video.decoding", self._event(rec, frames_done=out.stop,
+                                                                      num_frames=out.num_frames))
+        elif isinstance(out, Finished):
+            await self._complete(job)
+        elif isinstance(out, Failed):
+            await self._fail(job, out.error.code, out.error.message)
+        elif isinstance(out, Cancelled):
+            await self._drop_output(job)
+        elif isinstance(out, Requeued):
+            await self._drop_output(job)
+            await self._update(job, status="queued", progress=0)
             self.m_requeued.inc()
 
-    def _write_frames(self, live: LiveJob, data: dict) -> None:
-        rec, p = live.record, live.record.params
-        frames = data["frames"][0]                                   # (n, H, W, 3) uint8, first prompt
-        if live.writer is None:
+    def _write_frames(self, job: Job, out: FramesChunk) -> None:
+        """The io thread: the first chunk makes the thumbnail and the writer; every chunk is encoded."""
+        rec, p = job.record, job.record.params
+        frames = out.frames[0]                                   # (n, H, W, 3) uint8, first prompt
+        if job.writer is None:
             write_png(self.store.thumbnail_path(rec.id), frames[0])
-            live.writer = FragmentedMP4Writer(self.store.partial_path(rec.id), self.store.video_path(rec.id),
-                                              p["width"], p["height"], p["fps"],
-                                              keyframe_interval=self.config.decode_chunk_frames)
-            live.writer_ready.set()
-        live.writer.write(frames)
-        live.frames_done = data["stop"]
-        total = live.num_frames = data["num_frames"]
-        self._set(rec, progress=self._progress(live))
-        self.broker.publish(rec.id, "video.decoding", self._event(rec, frames_done=data["stop"], num_frames=total))
+            job.writer = FragmentedMP4Writer(self.store.partial_path(rec.id), self.store.video_path(rec.id),
+                                             p["width"], p["height"], p["fps"],
+                                             keyframe_interval=self.config.engine.decode_chunk_frames)
+            job.changed.notify()
+        job.writer.write(frames)
 
-    @staticmethod
-    def _progress(live: LiveJob) -> int:
-        """90 points over every denoising step (all segments' for long video), 9 over the frames decoded so far
-        (a long video's first segments are decoded while later ones denoise), 100 once the file is complete."""
-        steps = live.step / max(1, live.num_steps)
-        frames = live.frames_done / max(1, live.num_frames)
-        return min(99, int(DENOISE_SHARE * steps + (99 - DENOISE_SHARE) * frames))
-
-    def _written(self, video_id: str, ok: bool, error: str | None) -> None:
-        """The MP4 writer finished (its own thread)."""
-        with self._lock:
-            live = self._live.get(video_id)
-        if live is None:  # deleted while the last bytes were written
-            self.store.remove_files(video_id)
+    async def _complete(self, job: Job) -> None:
+        if job.writer is None:
+            await self._fail(job, "encoding_failed", "no frames were decoded")
+            return
+        loop = asyncio.get_running_loop()
+        written: asyncio.Future = loop.create_future()
+        job.writer.finish(lambda ok, err: loop.call_soon_threadsafe(
+            lambda: written.done() or written.set_result((ok, err))))
+        ok, error = await written
+        if job.deleted:
+            await self._drop_output(job)
             return
         if not ok:
-            self._fail(live, "encoding_failed", f"writing the MP4 failed: {error}")
+            await self._fail(job, "encoding_failed", f"writing the MP4 failed: {error}")
             return
-        rec = live.record
         now = int(time.time())
-        self.store.update(video_id, status="completed", progress=100, completed_at=now)
-        with self._lock:
-            self._set(rec, status="completed", progress=100, completed_at=now)
-            self._live.pop(video_id, None)
+        await self._update(job, status="completed", progress=100, completed_at=now, expires_at=self._expiry(now))
         self.m_finished.inc(outcome="completed")
-        self.broker.publish(video_id, "video.completed", self._video(rec).model_dump())
+        self.broker.publish(job.record.id, "video.completed", self._video(job.record).model_dump())
 
-    def _fail(self, live: LiveJob, code: str, message: str) -> None:
-        rec = live.record
-        self._drop_output(live)
+    async def _fail(self, job: Job, code: str, message: str) -> None:
+        await self._drop_output(job)
         error = {"code": code, "message": message}
-        self.store.update(rec.id, status="failed", error=error)
-        with self._lock:
-            self._set(rec, status="failed", error=error)
-            self._live.pop(rec.id, None)
-        live.writer_ready.set()
-        self.m_finished.inc(outcome="failed")
-        self.broker.publish(rec.id, "video.failed", self._video(rec).model_dump())
+        try:
+            await self._update(job, status="failed", error=error, expires_at=self._expiry(int(time.time())))
+        finally:
+            self.m_finished.inc(outcome="failed")
+            self.broker.publish(job.record.id, "video.failed", self._video(job.record).model_dump())
 
-    def _drop_output(self, live: LiveJob) -> None:
-        if live.writer is not None:
-            live.writer.abort()
-            live.writer = None
-            live.writer_ready.clear()
-        self.store.remove_files(live.record.id)
+    async def _drop_output(self, job: Job) -> None:
+        writer, job.writer = job.writer, None
+        if writer is not None:
+            await self._run_io(writer.abort)
+        await self._run_io(self.store.remove_files, job.record.id)
+        job.changed.notify()
 
-    def _publish_positions(self, waiting: list[str]) -> None:
-        with self._lock:
-            jobs = [(i, self._live.get(vid)) for i, vid in enumerate(waiting)]
-        for i, live in jobs:
-            if live is None or live.queue_position == i:
-                continue
-            live.queue_position = i
-            if self.broker.has_subscribers(live.record.id):
-                self.broker.publish(live.record.id, "video.queued", self._event(live.record, queue_position=i))
+    async def _update(self, job: Job, **fields) -> None:
+        """The record in memory first (what clients read), then in SQLite (unless the job was deleted)."""
+        self._set(job.record, **fields)
+        if not job.deleted:
+            await self._run_io(lambda: self.store.update(job.record.id, **fields))
+
+    def _finish_record(self, rec: VideoRecord, **fields) -> None:
+        self.store.update(rec.id, **fields, expires_at=self._expiry(int(time.time())))
+
+    def _progress(self, job: Job) -> int:
+        """90 points over every denoising step (all segments' for long video), 9 over the frames decoded so far
+        (a long video's first segments are decoded while later ones denoise), 100 once the file is complete."""
+        s = job.handle.status()
+        if s.state is RequestState.WAITING:
+            return 0
+        steps = s.step / max(1, s.num_steps)
+        frames = s.frames_done / max(1, s.num_frames)
+        return min(99, int(DENOISE_SHARE * steps + (99 - DENOISE_SHARE) * frames))
 
     def _set(self, rec: VideoRecord, **fields) -> None:
         with self._lock:
             for k, v in fields.items():
                 setattr(rec, k, v)
 
+    # -- retention -------------------------------------------------------------------------------------
+
+    def _expiry(self, finished_at: int) -> int | None:
+        r = self.config.retention_s
+        return None if r is None else finished_at + math.ceil(r)
+
+    def expire(self, now: int | None = None) -> list[str]:
+        """Delete the jobs whose expires_at has passed, with their files; returns their ids."""
+        gone = self.store.expired(int(time.time()) if now is None else now)
+        for video_id in gone:
+            with self._lock:
+                if video_id in self._jobs:
+                    continue               # still being finished: its next sweep
+            self.store.delete(video_id)
+            self.store.remove_files(video_id)
+            self.m_expired.inc()
+            log.info("expired %s", video_id)
+        return gone
+
+    async def _expire_forever(self) -> None:
+        period = max(1.0, min(60.0, self.config.retention_s / 2))
+        while True:
+            try:
+                await self._run_io(self.expire)
+            except Exception:
+                log.exception("expiring old videos failed")
+            await asyncio.sleep(period)
+
     # -- views ----------------------------------------------------------------------------------------
 
     def _video(self, rec: VideoRecord) -> Video:
         p = rec.params
         return Video(id=rec.id, model=rec.model, status=rec.status, progress=rec.progress, created_at=rec.created_at,
-                     completed_at=rec.completed_at, error=VideoError(**rec.error) if rec.error else None,
+                     completed_at=rec.completed_at, expires_at=rec.expires_at,
+                     error=VideoError(**rec.error) if rec.error else None,
                      prompt=rec.prompt, seconds=rec.seconds, size=rec.size, num_frames=p["num_frames"], fps=p["fps"],
                      num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
                      seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {})
@@ -586,38 +641,40 @@ class VideoService:
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body): 200 "ok" only while every worker is up with the model loaded; 503 "starting",
-        "restarting" (after a failure) or "unavailable" (the workers fail to load, or the scheduler stopped).
+        "restarting" (after a failure) or "unavailable" (the workers fail to load, or the engine stopped).
         Reads attributes only: never waits for a running job."""
-        engine, sched = self.engine, self.scheduler
-        pool = engine.pool if engine else None
-        state = pool.state if pool is not None else "starting"
-        if sched is None or not sched.alive or state in ("unavailable", "closed") or sched.setup_failures >= 3:
+        if self.engine is None:
+            return 503, {"status": "starting", "model": self.config.model, "workers": self.config.engine.workers,
+                         "workers_ready": False, "worker_state": "starting", "worker_restarts": 0,
+                         "setup_failures": 0, "queued": 0, "running": 0, "last_error": None}
+        s = self.engine.stats()
+        if not s.loop_alive or s.pool_state in ("unavailable", "closed") or s.setup_failures >= 3:
             status = "unavailable"
-        elif state == "ready":
+        elif s.pool_state == "ready":
             status = "ok"
         else:
-            status = state if state in ("starting", "restarting") else "unavailable"
-        error = (pool.last_error if pool is not None else None) or None
-        body = {"status": status, "model": getattr(self, "model_name", self.config.model),
-                "workers": pool.workers if pool is not None else self.config.workers,
-                "workers_ready": bool(pool is not None and pool.ready), "worker_state": state,
-                "worker_restarts": pool.restarts if pool is not None else 0,
-                "setup_failures": sched.setup_failures if sched is not None else 0,
-                "queued": sched.num_waiting if sched is not None else 0,
-                "running": sched.num_admitted if sched is not None else 0,
+            status = s.pool_state if s.pool_state in ("starting", "restarting") else "unavailable"
+        error = s.last_error
+        body = {"status": status, "model": getattr(self, "model_name", self.config.model), "workers": s.workers,
+                "workers_ready": s.workers_ready, "worker_state": s.pool_state, "worker_restarts": s.restarts,
+                "setup_failures": s.setup_failures, "queued": s.waiting, "running": s.running,
                 "last_error": None if error is None else {"kind": error.kind, "rank": error.rank,
                                                           "message": str(error).splitlines()[0][:500]}}
         return (200 if status == "ok" else 503), body
 
+    def _on_batch(self, step) -> None:
+        self.m_batch.observe(step.batch_size)
+        self.m_step_latency.observe(step.step_s)
+
     def _build_metrics(self) -> None:
         r = self.registry = Registry()
-        sched = lambda: self.scheduler  # noqa: E731  (set in start)
+        stats = lambda: self.engine.stats() if self.engine else None  # noqa: E731  (set in start)
         r.add(Gauge("longserve_queue_depth", "Video requests waiting to be admitted.",
-                    lambda: sched().num_waiting if sched() else 0))
+                    lambda: stats().waiting if self.engine else 0))
         r.add(Gauge("longserve_running_requests", "Admitted video requests (denoising or decoding).",
-                    lambda: sched().num_admitted if sched() else 0))
+                    lambda: stats().running if self.engine else 0))
         r.add(Gauge("longserve_batch_size", "Requests in the most recent denoising step.",
-                    lambda: sched().last_batch_size if sched() else 0))
+                    lambda: stats().last_batch_size if self.engine else 0))
         self.m_batch = r.add(Histogram("longserve_step_batch_size", "Requests per denoising step.",
                                        (1, 2, 4, 8, 16, 32, 64, 128)))
         self.m_step_latency = r.add(Histogram("longserve_step_latency_seconds", "Wall time of one denoising step.",
@@ -628,10 +685,12 @@ class VideoService:
                                         labels=("outcome",)))
         self.m_requeued = r.add(Counter("longserve_jobs_requeued_total",
                                         "Admitted jobs queued again after a worker pool restart."))
+        self.m_expired = r.add(Counter("longserve_jobs_expired_total",
+                                       "Finished jobs deleted with their files when their retention ran out."))
         r.add(Gauge("longserve_worker_restarts", "Worker pool restarts since the server started.",
-                    lambda: self.engine.pool.restarts if self.engine else 0))
+                    lambda: stats().restarts if self.engine else 0))
         r.add(Gauge("longserve_workers_ready", "1 while the worker pool is up.",
-                    lambda: 1 if self.engine and self.engine.pool.ready else 0))
+                    lambda: 1 if self.engine and stats().workers_ready else 0))
 
     def _jobs_by_status(self) -> dict:
         counts = {s: 0 for s in ("queued", "in_progress", "completed", "failed")}
@@ -641,38 +700,6 @@ class VideoService:
 
     def metrics_text(self) -> str:
         return self.registry.render()
-
-
-class OutputThread:
-    """Runs the service's side effects in order, on one thread of their own."""
-
-    def __init__(self):
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="longserve-output", daemon=True)
-        self._thread.start()
-
-    def put(self, fn, *args) -> None:
-        self._tasks.put((fn, args))
-
-    def _run(self) -> None:
-        while True:
-            fn, args = self._tasks.get()
-            if fn is None:
-                return
-            try:
-                fn(*args)
-            except Exception:  # one job's failed write must not stop everyone else's
-                log.exception("output task %s failed", getattr(fn, "__name__", fn))
-
-    def drain(self, timeout: float = 30.0) -> None:
-        """Wait until every task queued so far is done."""
-        done = threading.Event()
-        self.put(done.set)
-        done.wait(timeout)
-
-    def close(self, timeout: float = 30.0) -> None:
-        self.put(None)
-        self._thread.join(timeout)
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:
@@ -695,3 +722,6 @@ def _not_ready(rec: VideoRecord) -> APIError:
                         code="video_failed")
     return APIError(409, f"video {rec.id!r} is {rec.status} ({rec.progress}%); its content is not ready yet "
                          f"(or ask for ?stream=true)", param="video_id", code="video_not_ready")
+
+
+__all__ = ["ServeConfig", "VideoService", "Limits", "Job"]

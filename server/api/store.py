@@ -6,8 +6,10 @@
     <data-dir>/videos/<id>.png         the thumbnail (first frame)
 
 Status transitions are written through at once (queued, in_progress, completed, failed,
-deleted); the per-step progress of a live job is kept in memory only (`server/service.py`),
-since a job that was running when the server stopped is failed on the next start anyway.
+deleted); the per-step progress of a running job is the engine's (`server/api/service.py`
+reads it from the request's handle), since a job that was running when the server stopped
+is failed on the next start anyway. `expires_at` is set when a job finishes and the server
+keeps finished videos for a limited time (`--retention`); expired rows and files are deleted.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 SCHEMA = """
@@ -31,19 +33,19 @@ CREATE TABLE IF NOT EXISTS videos (
     seconds      TEXT NOT NULL,
     size         TEXT NOT NULL,
     params       TEXT NOT NULL,
-    error        TEXT
+    error        TEXT,
+    expires_at   INTEGER
 );
 CREATE INDEX IF NOT EXISTS videos_status ON videos(status);
 """
 
 _COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
-            "params", "error")
+            "params", "error", "expires_at")
 
 
 @dataclass
 class VideoRecord:
-    """One job as stored. `params`: num_frames, fps, width, height, num_inference_steps,
-    guidance_scale, seed, negative_prompt."""
+    """One job as stored. `params`: the generation parameters (`GenerationSpec.params()`) and the fps."""
 
     id: str
     created_at: int
@@ -57,7 +59,7 @@ class VideoRecord:
     completed_at: int | None = None
     error: dict | None = None
     seq: int | None = None
-    extra: dict = field(default_factory=dict)  # live-only fields (queue position ...), never stored
+    expires_at: int | None = None
 
 
 class JobStore:
@@ -73,6 +75,9 @@ class JobStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(videos)")}
+        if "expires_at" not in columns:           # a data dir written before retention existed
+            self._db.execute("ALTER TABLE videos ADD COLUMN expires_at INTEGER")
 
     def close(self) -> None:
         with self._lock:
@@ -135,6 +140,13 @@ class JobStore:
         with self._lock:
             rows = self._db.execute("SELECT status, COUNT(*) FROM videos GROUP BY status").fetchall()
         return dict(rows)
+
+    def expired(self, now: int) -> list[str]:
+        """Ids of the jobs whose `expires_at` has passed."""
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at <= ? "
+                                    "ORDER BY seq", (now,)).fetchall()
+        return [r[0] for r in rows]
 
     def by_status(self, status: str) -> list[VideoRecord]:
         with self._lock:

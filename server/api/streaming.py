@@ -1,6 +1,6 @@
 """Streaming to clients: Server-Sent Events per video, and tailing a video file while it grows.
 
-The step scheduler's thread publishes; each SSE connection owns an asyncio queue on the
+The video service's job followers publish; each SSE connection owns an asyncio queue on the
 server's event loop, fed with `call_soon_threadsafe`, so no lock is held across an await.
 """
 
@@ -10,7 +10,6 @@ import asyncio
 import json
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import AsyncIterator, Callable
 
 TERMINAL_EVENTS = ("video.completed", "video.failed", "video.deleted")
@@ -83,35 +82,32 @@ async def sse_stream(sub: Subscription, first: list[tuple[str, dict]], unsubscri
         unsubscribe()
 
 
-async def tail_file(part_path: Path, final_path: Path, done: threading.Event, chunk_size: int = 1 << 16,
-                    poll_s: float = 0.02) -> AsyncIterator[bytes]:
-    """Yield a file's bytes as a writer appends them, until `done` is set and everything is read.
+async def tail_file(writer, chunk_size: int = 1 << 16, idle_s: float = 15.0) -> AsyncIterator[bytes]:
+    """Yield the bytes of a `FragmentedMP4Writer`'s file as it appends them, until it is done and all is read.
 
-    The writer renames `part_path` to `final_path` at the end; an open handle keeps reading.
-    If the writer fails or is aborted, the stream just ends where the file ended.
+    Woken by the writer's `grown` notifier, never by a timer (`idle_s` only bounds a wait, in case
+    a notification is ever lost). The writer renames `part_path` to `final_path` at the end; an open
+    handle keeps reading. If the writer fails or is aborted, the stream just ends where the file ended.
     """
     f = None
+    for path in (writer.part_path, writer.final_path):
+        try:
+            f = open(path, "rb")
+            break
+        except FileNotFoundError:
+            continue
+    if f is None:
+        return
     try:
-        while f is None:
-            for path in (part_path, final_path):
-                try:
-                    f = open(path, "rb")
-                    break
-                except FileNotFoundError:
-                    continue
-            if f is None:
-                if done.is_set() and not final_path.exists():
-                    return
-                await asyncio.sleep(poll_s)
         while True:
-            finished = done.is_set()  # read before the file, so bytes written before "done" are not missed
+            version = writer.grown.version   # read before the file: bytes appended later wake the wait below
+            finished = writer.done.is_set()
             data = f.read(chunk_size)
             if data:
                 yield data
                 continue
             if finished:
                 return
-            await asyncio.sleep(poll_s)
+            await writer.grown.wait_after(version, timeout=idle_s)
     finally:
-        if f is not None:
-            f.close()
+        f.close()

@@ -11,7 +11,7 @@ Sections (each row is printed, and appended to --json, as soon as it is measured
   forward against diffusers' fp32 forward (TF32 off) on the same inputs, beside diffusers'
   own bf16 forward's.
 - speed: one denoising step (the CFG batch of 2), bf16, full depth (Latte-1: 28 block pairs;
-  Wan 1.3B: 30 blocks): our 1-worker step (`engine.families.*.parallel_forward`) against
+  Wan 1.3B: 30 blocks): our 1-worker step (`engine.models.latte.parallel_forward`, `engine.models.wan.WanSequenceParallel`) against
   diffusers' `model(...)`, interleaved, median over the timed repeats; then our step under
   each SDPA backend (flash, memory-efficient, cuDNN; `sdpa_kernel`), xformers if installed.
 - memory: peak memory of one step (batch 2, bf16, our step) as the video grows, until the
@@ -80,22 +80,23 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _time(fn, dev) -> float:
+def _time(dev, fn, *args) -> float:
+    """Seconds of fn(*args) (the arguments are passed, not captured, so a loop's values are the current ones)."""
     _sync(dev)
     t = time.perf_counter()
-    fn()
+    fn(*args)
     _sync(dev)
     return time.perf_counter() - t
 
 
-def _peak(fn, dev) -> tuple[float, float]:
-    """(peak bytes above the memory at entry, seconds) of fn()."""
+def _peak(dev, fn, *args) -> tuple[float, float]:
+    """(peak bytes above the memory at entry, seconds) of fn(*args)."""
     from engine.memory import PeakMemory
 
     _sync(dev)
     t = time.perf_counter()
     with PeakMemory(dev) as mem:
-        fn()
+        fn(*args)
         _sync(dev)
     return mem.peak_bytes, time.perf_counter() - t
 
@@ -180,7 +181,7 @@ def _solo(dev):
 
 
 def latte_ours(model, dev):
-    from engine.families import latte
+    from engine.models import latte
 
     pg = _solo(dev)
     return lambda x, t, e: latte.parallel_forward(model, x, t, e, pg, "dsp")
@@ -191,11 +192,12 @@ def latte_theirs(model):
 
 
 def wan_ours(model, dev):
-    from engine.families import wan
+    from engine.models.wan import WanSequenceParallel
     from engine.parallel import make_sequence_parallel
 
     sp = make_sequence_parallel(_solo(dev), "ulysses")
-    return lambda x, t, e: wan.parallel_forward(model, x, t, e, sp)
+    hooked = WanSequenceParallel(model)
+    return lambda x, t, e: hooked(x, t, e, sp)
 
 
 def wan_theirs(model):
@@ -276,7 +278,7 @@ def speed(args, out: _Out, dev) -> None:
         with torch.no_grad():
             for r in range(2 + args.repeats):
                 for k, fn in fns.items():
-                    s = _time(lambda: fn(x, t, e), dev)
+                    s = _time(dev, fn, x, t, e)
                     if r >= 2:
                         times[k].append(s)
             med = {k: statistics.median(v) for k, v in times.items()}
@@ -291,7 +293,7 @@ def speed(args, out: _Out, dev) -> None:
                     continue  # a (32760 x 32760) score matrix per head: minutes, not a backend anyone would pick
                 try:
                     with sdpa_kernel(backend):
-                        ts = [_time(lambda: fns["ours"](x, t, e), dev) for _ in range(1 + 3)][1:]
+                        ts = [_time(dev, fns["ours"], x, t, e) for _ in range(1 + 3)][1:]
                     out.row(section="attention", model=family, size=size, backend=name, ours_s=statistics.median(ts))
                 except Exception as err:  # noqa: BLE001 - a backend that cannot run these shapes is a finding
                     out.row(section="attention", model=family, size=size, backend=name,
@@ -332,7 +334,7 @@ def memory(args, out: _Out, dev) -> None:
                 x, t, e = inputs(f)
                 with torch.no_grad():
                     fn(x[:, :, :1], t, e)  # warm-up (kernels, allocator) on one frame
-                    peak, secs = _peak(lambda: fn(x, t, e), dev)
+                    peak, secs = _peak(dev, fn, x, t, e)
                 out.row(section="memory", component="transformer step (batch 2)", model=family, size=size, frames=f,
                         latent_frames=latent_frames(f), peak_gib=peak / 2**30, weights_gib=weights / 2**30,
                         seconds=secs)
@@ -377,7 +379,7 @@ def latte_vae_memory(args, out: _Out, dev, chunk: int = 16) -> None:
         z = torch.randn(T, 4, lat, lat, device=dev, dtype=torch.bfloat16)
         try:
             with torch.no_grad():
-                peak, secs = _peak(lambda: vae.decode(z).sample, dev)
+                peak, secs = _peak(dev, vae.decode, z)
             out.row(section="memory", component="Latte VAE decode, one call", model="sd-vae", size=f"{lat * 8}px",
                     frames=T, peak_gib=peak / 2**30, seconds=secs)
             largest = T
@@ -395,13 +397,13 @@ def latte_vae_memory(args, out: _Out, dev, chunk: int = 16) -> None:
     T = 2 * (largest or 16)
     z = torch.randn(T, 4, lat, lat, device=dev, dtype=torch.bfloat16)
 
-    def chunked():
+    def chunked(vae, z):
         for a in range(0, T, chunk):
             frames = vae.decode(z[a:a + chunk]).sample
             (frames.float().clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8)).cpu()
 
     with torch.no_grad():
-        peak, secs = _peak(chunked, dev)
+        peak, secs = _peak(dev, chunked, vae, z)
     out.row(section="memory", component=f"Latte VAE decode, chunks of {chunk}", model="sd-vae", size=f"{lat * 8}px",
             frames=T, peak_gib=peak / 2**30, seconds=secs)
     del vae, z
@@ -491,7 +493,7 @@ def video(args, out: _Out, dev) -> None:
                 t = time.perf_counter()
                 res = pipe(prompt, num_inference_steps=steps, seed=0, **kw)
                 ours_s = time.perf_counter() - t
-                attention = pipe.info.get("attention")
+                attention = pipe.info.attention
             tm = res.timings
             _free(dev)
             # diffusers
@@ -545,7 +547,7 @@ def wan_vae_memory(args, out: _Out, dev) -> None:
         z = torch.randn(1, cfg["z_dim"], (frames - 1) // 4 + 1, h, w, device=dev, dtype=dtype)
         try:
             with torch.no_grad():
-                peak, secs = _peak(lambda: vae.decode(z).sample, dev)
+                peak, secs = _peak(dev, vae.decode, z)
             out.row(section="memory", component="Wan VAE decode, diffusers one call", model="wan2.1-vae",
                     size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=peak / 2**30, seconds=secs)
             longest = frames
@@ -563,7 +565,7 @@ def wan_vae_memory(args, out: _Out, dev) -> None:
     frames = longest or 81
     z = torch.randn(1, cfg["z_dim"], (frames - 1) // 4 + 1, h, w, device=dev, dtype=dtype)
 
-    def streamed(tiling):
+    def streamed(vae, z, tiling):
         dec = StreamingVAEDecoder(vae, _solo(dev), 1, h, w, tiling=tiling)
         for a in range(z.shape[2]):
             dec.decode(z[:, :, a:a + 1]).float().cpu()
@@ -573,7 +575,7 @@ def wan_vae_memory(args, out: _Out, dev) -> None:
     tiles = VAETiling(32, 48, 24, 40) if args.smoke else VAETiling()
     for how, tiling in (("untiled", None), ("tiled", tiles)):
         with torch.no_grad():
-            peak, secs = _peak(lambda: streamed(tiling), dev)
+            peak, secs = _peak(dev, streamed, vae, z, tiling)
         out.row(section="memory", component=f"Wan VAE decode, ours streamed (1 latent frame per call, {how})",
                 model="wan2.1-vae", size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=peak / 2**30, seconds=secs)
         _free(dev)

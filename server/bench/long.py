@@ -135,9 +135,9 @@ def run(args) -> int:
     rows, load = [], load_average()
     for n in workers:
         with VideoPipeline.from_pretrained(model_dir, workers=n, device=args.device) as pipe:
-            if not pipe.info.get("long_video"):
+            if not pipe.info.long_video:
                 raise ValueError(f"--model: {args.model} is not a long-video (diffusion forcing) checkpoint")
-            d = pipe.defaults
+            d = pipe.defaults.options
             options = {k: d[k] for k in ("base_num_frames", "overlap_history", "ar_step", "causal_block_size")}
             plan = [(s, frames_for(s, d["base_num_frames"], d["overlap_history"])) for s in segment_counts]
             rows += _longserve_rows(pipe, n, plan, dict(kw, **options))

@@ -9,13 +9,13 @@
 spatial-temporal DiT (below). `--model wan`: Ulysses, Ring and USP on a full-attention
 `WanTransformer3DModel` with Wan 2.1 1.3B's width (12 heads x 128 = 1536, FFN 8960, text
 dim 4096; `CONFIGS_WAN["bench"]`) but 2 blocks instead of 30, through
-`engine.families.wan.parallel_forward`; every row also carries `formula_bytes`, what the
+`engine.models.wan.WanSequenceParallel` (hooks on diffusers' own forward); every row also carries `formula_bytes`, what the
 plan's formula (docs/design.md) says rank 0 sends per step, beside the measured bytes.
 
 What a "step" is: one `LatteTransformer3DModel` forward on a classifier-free-guidance
 batch of 2 (the latent duplicated, one timestep, negative and positive text embeddings),
 as one denoising step runs it; fp32, `torch.no_grad`, through
-`engine.families.latte.parallel_forward(model, x, t, enc, pg, strategy)`.
+`engine.models.latte.parallel_forward(model, x, t, enc, pg, strategy)`.
 
 The model (`CONFIGS["bench"]`): a Latte-shaped transformer with random weights built in
 every worker from a seed (same weights on every rank, no checkpoint; speed and bytes do
@@ -64,7 +64,7 @@ import time
 
 from server.bench import util as benchutil
 
-STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")  # engine.families.latte.STRATEGIES (not imported: --help stays fast)
+STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")  # engine.models.latte.STRATEGIES (not imported: --help stays fast)
 WAN_STRATEGIES = ("ulysses", "ring", "usp")              # engine.families.wan.WanFamily.plans
 REFERENCE = "diffusers"
 
@@ -187,15 +187,17 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
     import torch.distributed as dist
 
     from engine import comm
-    from engine.families import latte, wan
+    from engine.models import latte
+    from engine.models.wan import WanSequenceParallel
     from engine.parallel import make_sequence_parallel
 
     pg = ctx.pg
     key = ("bench_model", tuple(sorted((k, str(v)) for k, v in cfg.items())), seed)
     if ctx.state.get("model_key") != key:
         ctx.state["model"] = build_model(cfg, seed).to(pg.device)
+        ctx.state["hooked"] = WanSequenceParallel(ctx.state["model"]) if cfg.get("model") == "wan" else None
         ctx.state["model_key"] = key
-    model = ctx.state["model"]
+    model, hooked = ctx.state["model"], ctx.state["hooked"]
     x, t, enc = (v.to(pg.device) for v in step_inputs(cfg, seed))
     cuda = pg.device.type == "cuda"
 
@@ -207,7 +209,7 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
         if strategy == REFERENCE:
             return model(x, timestep=t, encoder_hidden_states=enc, return_dict=False)[0]
         if cfg.get("model") == "wan":
-            return wan.parallel_forward(model, x, t, enc, sps[strategy])
+            return hooked(x, t, enc, sps[strategy])
         return latte.parallel_forward(model, x, t, enc, pg, strategy)
 
     times = {s: [] for s in strategies}

@@ -26,22 +26,20 @@ LONG_VIDEO_FLAGS = {"base_frames": "base_num_frames", "overlap": "overlap_histor
 
 
 def add_arguments(p) -> None:
+    from engine.config import EngineConfig, add_cli_args
+
     p.add_argument("prompt", help="what the video shows")
-    p.add_argument("--model", default="tiny-latte",
-                   help="a shipped model (tiny-latte, tiny-wan, tiny-skyreels-df) or a local diffusers checkpoint "
-                        "directory")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (one GPU each with CUDA)")
-    p.add_argument("--parallel", default="auto",
-                   help="auto | dsp | ulysses | ring | megatron-sp (Latte) | ulysses | ring | usp (Wan family)")
-    p.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses group size (ring = workers / it)")
-    p.add_argument("--cfg-parallel", action="store_true", help="run the two CFG halves on two worker groups")
-    p.add_argument("--frames", type=int, default=None, help="number of frames (default: the model's)")
-    p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels (default: the model's)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (of each segment; default: the model's)")
-    p.add_argument("--guidance-scale", type=float, default=None, help="(default: the model's)")
-    p.add_argument("--negative-prompt", default="")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--fps", type=int, default=None, help="frames per second of the MP4 (default: the model's)")
+    g = p.add_argument_group("the video")
+    g.add_argument("--frames", type=int, default=None, help="number of frames (default: the model's)")
+    g.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels (default: the model's)")
+    g.add_argument("--steps", type=int, default=None, help="denoising steps (of each segment; default: the model's)")
+    g.add_argument("--guidance-scale", type=float, default=None, help="(default: the model's)")
+    g.add_argument("--negative-prompt", default="")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--fps", type=int, default=None, help="frames per second of the MP4 (default: the model's)")
+    g.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
+                   help="a model-specific option, e.g. --opt guidance_scale_2=3 (Wan 2.2); repeatable")
+    g.add_argument("-o", "--output", default="out.mp4", help="MP4 path to write")
     g = p.add_argument_group("long video (diffusion-forcing checkpoints)")
     g.add_argument("--base-frames", type=int, default=None, help="frames per segment (base_num_frames)")
     g.add_argument("--overlap", type=int, default=None, help="frames a segment shares with the one before "
@@ -50,23 +48,15 @@ def add_arguments(p) -> None:
     g.add_argument("--causal-block", type=int, default=None, help="latent frames per causal block (causal_block_size)")
     g.add_argument("--addnoise", type=float, default=None, help="noise on the conditioning frames "
                                                                 "(addnoise_condition)")
-    p.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
-                   help="a model-specific option, e.g. --opt guidance_scale_2=3 (Wan 2.2); repeatable")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--vae-tiling", action="store_true",
-                   help="decode in the VAE's spatial tiles (diffusers' enable_tiling, default tile sizes): less VAE "
-                   "memory per worker, one Wan video's tiles spread over the workers; slower on one GPU")
-    p.add_argument("--launcher", default="auto", choices=["auto", "local", "torchrun"],
-                   help="local: start --workers processes; torchrun: join the group torchrun started "
-                        "(auto: torchrun when launched by it)")
-    p.add_argument("-o", "--output", default="out.mp4", help="MP4 path to write")
+    add_cli_args(p, EngineConfig, groups=("model",), titles={"model": "model and workers"})
 
 
 def run(args) -> int:
     from tqdm import tqdm
 
+    from engine.config import EngineConfig, from_cli_args
     from pipelines import VideoPipeline
+    from pipelines.video import PIPELINE_DEFAULTS
     from server.media import FragmentedMP4Writer
 
     width = height = None
@@ -76,15 +66,13 @@ def run(args) -> int:
     options.update({name: getattr(args, flag) for flag, name in LONG_VIDEO_FLAGS.items()
                     if getattr(args, flag) is not None})
     t0 = time.perf_counter()
-    with VideoPipeline.from_pretrained(args.model, workers=args.workers, parallel=args.parallel,
-                                       ulysses_degree=args.ulysses_degree, device=args.device, dtype=args.dtype,
-                                       cfg_parallel=args.cfg_parallel, launcher=args.launcher,
-                                       vae_tiling=args.vae_tiling) as pipe:
+    config = from_cli_args(EngineConfig, args, **PIPELINE_DEFAULTS)
+    with VideoPipeline.from_config(config) as pipe:
         loaded = time.perf_counter()
         info = pipe.info
-        fps = args.fps or pipe.defaults["fps"]
-        print(f"loaded {args.model} ({info['family']}) on {info['workers']} worker(s) ({info['device']}, "
-              f"{info['dtype']}), parallel={info['plan'].describe()}, attention={info['attention']}", file=sys.stderr)
+        fps = args.fps or pipe.defaults.fps
+        print(f"loaded {args.model} ({info.family}) on {info.workers} worker(s) ({info.device}, "
+              f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention}", file=sys.stderr)
         bar = tqdm(total=args.steps, desc="denoising", unit="step", file=sys.stderr)
 
         def on_step(step: int, total: int) -> None:

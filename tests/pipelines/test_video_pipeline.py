@@ -18,10 +18,9 @@ STEPS = 3
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def pipe1():
-    with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cpu") as p:
-        yield p
+@pytest.fixture
+def pipe1(pipeline):
+    return pipeline("tiny-latte", workers=1)
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -66,7 +65,7 @@ def test_vae_decodes_untiled_as_diffusers_and_in_diffusers_tiles_with_vae_tiling
     got = pipe1(PROMPT, num_frames=16, seed=1, **kw).frames
     assert np.abs(got - plain).max() <= ATOL
     with VideoPipeline.from_pretrained("tiny-latte", workers=2, device="cpu", vae_tiling=True) as pipe:
-        assert pipe.info["vae_tiling"] is True
+        assert pipe.info.vae_tiling is True
         got = pipe(PROMPT, num_frames=16, seed=1, **kw).frames
     assert np.abs(got - tiled).max() <= ATOL
 
@@ -123,6 +122,8 @@ def test_invalid_arguments_raise_value_error_naming_the_argument(pipe1, kwargs, 
 
 
 def test_from_pretrained_rejects_bad_options():
+    with pytest.raises(ValueError, match="colour"):
+        VideoPipeline.from_pretrained("tiny-latte", colour="red")
     with pytest.raises(ValueError, match="parallel"):
         VideoPipeline.from_pretrained("tiny-latte", parallel="zigzag")
     with pytest.raises(ValueError, match="workers"):
@@ -159,7 +160,7 @@ def test_torchrun_launched_group_matches_one_worker(pipe1, tmp_path):
     path = str(tmp_path / "frames.npy")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
            "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-           os.path.join(os.path.dirname(__file__), "torchrun_generate.py"), path, "ulysses"]
+           os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "torchrun_generate.py"), path, "ulysses"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(np.load(path + ".workers.npy")) == 3

@@ -1,5 +1,5 @@
 """The procedural clips of `weights/clips.py` follow issue 11's rules, and the content helper
-(`tests/content.py`) reads them back: every clip is recognised as its own prompt, never as another
+(`tests/support/content.py`) reads them back: every clip is recognised as its own prompt, never as another
 colour or motion, and noise or a still object is recognised as nothing."""
 
 import numpy as np

@@ -29,7 +29,7 @@ TERMINAL = ("video.completed", "video.failed", "video.deleted")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("serve-data")
-    config = ServeConfig(model="tiny-latte", workers=2, device="cpu", data_dir=str(data_dir), max_batch=16,
+    config = ServeConfig.from_options(model="tiny-latte", workers=2, device="cpu", data_dir=str(data_dir), max_batch=16,
                          max_queue=64, default_steps=4, max_steps=1000, decode_chunk_frames=4)
     service = VideoService(config).start()
     app = create_app(service, ScoreService("tiny-lm", workers=1, device="cpu"), poll_after_ms=50)
@@ -105,7 +105,7 @@ def metric(http, name):
 def wan_server(tmp_path_factory):
     """tiny-wan (a full-attention Wan 2.1-format model) on 2 workers: the same API, another model family."""
     data_dir = tmp_path_factory.mktemp("serve-wan")
-    config = ServeConfig(model="tiny-wan", workers=2, device="cpu", data_dir=str(data_dir), max_batch=4,
+    config = ServeConfig.from_options(model="tiny-wan", workers=2, device="cpu", data_dir=str(data_dir), max_batch=4,
                          default_steps=3, decode_chunk_frames=8)
     service = VideoService(config).start()
     app = create_app(service, None, poll_after_ms=50)
@@ -228,9 +228,9 @@ def test_content_stream_sends_the_mp4_while_frames_are_still_being_decoded(serve
     gate, first_chunk = threading.Event(), threading.Event()
     write_frames = service._write_frames
 
-    def gated(live, data):  # hold the decode after its first chunk until the client has bytes
-        write_frames(live, data)
-        if live.record.prompt == "stream me" and data["start"] == 0:
+    def gated(job, out):  # hold the video's writing after its first chunk until the client has bytes
+        write_frames(job, out)
+        if job.record.prompt == "stream me" and out.start == 0:
             first_chunk.set()
             gate.wait(30)
 
@@ -276,7 +276,7 @@ def test_deleting_a_running_video_frees_its_slot_at_the_next_step_and_its_batchm
         assert time.monotonic() < deadline, "a and b never shared a step"
         time.sleep(0.005)
     step_at_delete = max(d["step"] for e, d in list(b_events) if e == "video.progress")
-    tracked = server["service"].scheduler.get(a["id"])          # the scheduler's own view of a
+    tracked = server["service"].engine.core.scheduler.get(a["id"])          # the engine's own view of a
     r = http.delete(f"/v1/videos/{a['id']}")
     steps_when_deleted = tracked.steps_done
     assert r.status_code == 200 and r.json() == {"id": a["id"], "object": "video.deleted", "deleted": True}
@@ -295,31 +295,37 @@ def test_deleting_a_running_video_frees_its_slot_at_the_next_step_and_its_batchm
     assert after == sorted(after, reverse=True) and after[-1] == 1, "b runs alone once a is gone"
     # counted by the scheduler, not timed: a ran at most the rest of the job that was in flight
     assert tracked.state.value == "finished_cancelled"
-    assert tracked.steps_done - steps_when_deleted <= server["service"].scheduler.max_steps_per_job
+    assert tracked.steps_done - steps_when_deleted <= server["service"].engine.config.max_steps_per_job
     assert not list(server["data_dir"].glob(f"videos/{a['id']}*"))
 
 
-def test_a_stalled_video_writer_does_not_stall_the_denoising_of_other_videos(server, http):
-    """Writing a video's frames (MP4 encoding, thumbnail, SQLite, SSE) happens off the scheduler thread: while
-    one video's output is stuck, another keeps denoising."""
+def test_a_stalled_video_writer_stalls_neither_the_denoising_nor_the_progress_of_other_videos(server, http):
+    """Writing a video's frames (MP4 encoding, thumbnail) happens off the engine's thread, and each job's outputs
+    are followed on their own: while one video's writer is stuck, another keeps denoising and its progress
+    keeps rising over the API."""
     service = server["service"]
     write_frames = service._write_frames
     stuck = threading.Event()
 
-    def stuck_writer(live, data):
-        stuck.set()
-        time.sleep(2.0)
-        write_frames(live, data)
+    def stuck_writer(job, out):
+        if job.record.prompt == "stuck":
+            stuck.set()
+            time.sleep(2.0)
+        write_frames(job, out)
 
     service._write_frames = stuck_writer
     try:
         long = create(http, size="64x64", num_frames=16, num_inference_steps=1000, seed=5)
-        create(http, size="32x32", num_frames=4, num_inference_steps=2, seed=6)
+        create(http, prompt="stuck", size="32x32", num_frames=4, num_inference_steps=2, seed=6)
         assert stuck.wait(60), "the short video's frames never reached the writer"
-        tracked = service.scheduler.get(long["id"])
-        before = tracked.steps_done
+        tracked = service.engine.core.scheduler.get(long["id"])
+        before, progress_before = tracked.steps_done, http.get(f"/v1/videos/{long['id']}").json()["progress"]
         time.sleep(1.0)                                    # the writer is stuck all this while
         assert tracked.steps_done - before >= 3, "the long video kept denoising"
+        deadline = time.monotonic() + 0.9
+        while http.get(f"/v1/videos/{long['id']}").json()["progress"] <= progress_before:
+            assert time.monotonic() < deadline, "the long video's progress froze with the other's writer"
+            time.sleep(0.01)
     finally:
         service._write_frames = write_frames
     assert http.delete(f"/v1/videos/{long['id']}").status_code == 200

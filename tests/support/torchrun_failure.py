@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_comm.py: rank 1 raises inside a job while its peers wait for it in a
+"""Run under torchrun by tests/engine/test_comm.py: rank 1 raises inside a job while its peers wait for it in a
 collective; rank 0 must get a WorkerError naming rank 1 (not hang), and report what it saw as JSON."""
 
 import json

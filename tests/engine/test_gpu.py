@@ -22,7 +22,7 @@ def test_one_gpu_fp32_matches_cpu(cpu_frames):
     from pipelines import VideoPipeline
 
     with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cuda", attention="sdpa") as pipe:
-        assert pipe.info["device"].startswith("cuda")
+        assert pipe.info.device.startswith("cuda")
         got = pipe(PROMPT, **KW).frames
     # cuDNN convolutions may use TF32 (PyTorch's default) and other kernels: close, not bitwise
     err = float(np.abs(got - cpu_frames).max())
@@ -33,7 +33,7 @@ def test_one_gpu_fp32_matches_cpu(cpu_frames):
 def test_one_gpu_wan_family_fp32_matches_cpu():
     """The Wan path on CUDA end to end (transformer, UniPC, the streaming causal VAE decode). Its first
     run on an H100 failed in the VAE ("query is not correctly aligned (strideM)", see
-    tests/test_causal_vae.py); this is the GPU half of that regression test."""
+    tests/engine/test_causal_vae.py); this is the GPU half of that regression test."""
     from pipelines import VideoPipeline
 
     kw = dict(num_frames=9, height=48, width=80, num_inference_steps=3, guidance_scale=5.0, seed=3)
@@ -48,7 +48,7 @@ def test_one_gpu_wan_family_fp32_matches_cpu():
 
 @pytest.mark.parametrize("family", ["latte", "wan"])
 def test_one_gpu_bf16_forward_is_no_further_from_fp32_than_diffusers_own_bf16(family):
-    """tests/test_bf16.py's comparison, on the GPU (its SDPA kernels; TF32 off for the fp32 reference).
+    """tests/engine/test_bf16.py's comparison, on the GPU (its SDPA kernels; TF32 off for the fp32 reference).
 
     On an H100 (docs/gpu.md, `longserve bench gpu --sections numerics`) our bf16 error equals diffusers' own
     at real Latte-1 / Wan 1.3B widths (ratio 1.000): the same kernels in the same order. 1% slack."""
@@ -81,5 +81,5 @@ def test_xformers_is_used_when_installed():
     from pipelines import VideoPipeline
 
     with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cuda") as pipe:
-        assert pipe.info["attention"] == "xformers"
+        assert pipe.info.attention == "xformers"
         assert pipe(PROMPT, **KW).frames.shape == (1, 13, 80, 112, 3)

@@ -49,7 +49,7 @@ def test_one_worker_matches_diffusers_wan_pipeline(pipe1):
     assert got.frames.shape == want.shape == (1, 9, 48, 80, 3)
     assert want.std() > 0.01, "the reference video should not be flat"
     assert np.abs(got.frames - want).max() <= ATOL
-    assert pipe1.info["family"] == "wan" and pipe1.parallel == "ulysses"
+    assert pipe1.info.family == "wan" and pipe1.parallel == "ulysses"
 
 
 def test_vae_decodes_untiled_as_diffusers_and_in_diffusers_tiles_with_vae_tiling(pipe1):
@@ -62,7 +62,7 @@ def test_vae_decodes_untiled_as_diffusers_and_in_diffusers_tiles_with_vae_tiling
     plain = diffusers_frames(WanPipeline, resolve_model("tiny-wan"), **kw)
     tiled = diffusers_frames(WanPipeline, resolve_model("tiny-wan"), vae_tiling=True, **kw)
     assert np.abs(plain - tiled).max() > 0.05, "tiling should change these pixels, or the test cannot tell"
-    assert pipe1.info["vae_tiling"] is False
+    assert pipe1.info.vae_tiling is False
     assert np.abs(pipe1(PROMPT, negative_prompt=NEGATIVE, **kw).frames - plain).max() <= ATOL
     with VideoPipeline.from_pretrained("tiny-wan", workers=2, device="cpu", vae_tiling=True) as pipe:
         got = pipe(PROMPT, negative_prompt=NEGATIVE, **kw).frames
@@ -88,7 +88,7 @@ def test_wan22_two_experts_and_guidance_scale_2_match_diffusers(tmp_path):
     kw = dict(num_frames=5, height=32, width=48, num_inference_steps=6, guidance_scale=4.0, seed=2)
     want = diffusers_frames(WanPipeline, path, guidance_scale_2=2.0, **kw)
     with VideoPipeline.from_pretrained(str(path), workers=1, device="cpu") as pipe:
-        assert pipe.info["experts"] == 2 and "guidance_scale_2" in pipe.info["options"]
+        assert pipe.info.extra["two_experts"] and "guidance_scale_2" in pipe.info.options
         got = pipe(PROMPT, negative_prompt=NEGATIVE, guidance_scale_2=2.0, **kw).frames
         other = pipe(PROMPT, negative_prompt=NEGATIVE, guidance_scale_2=6.0, **kw).frames
     assert np.abs(got - want).max() <= ATOL

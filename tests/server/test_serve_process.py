@@ -17,7 +17,7 @@ from server.api.app import free_port
 
 KEY = "sk-test-longserve"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def serve_command(port, data_dir):

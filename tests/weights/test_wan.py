@@ -18,7 +18,7 @@ from weights import TINY_MODELS, generation_defaults, pipeline_class, read_model
 from weights import build_tiny_wan
 from weights import wan as published
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_WAN = TINY_MODELS["tiny-wan"]
 TINY_DF = TINY_MODELS["tiny-skyreels-df"]
 SHIPPED = {"wan": TINY_WAN, "skyreels-df": TINY_DF}
@@ -339,7 +339,7 @@ def test_published_transformer_configs_have_the_published_sizes():
         "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers", "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers"}
 
 
-# --- real-config checkpoints (tests/wan_models.py) ------------------------------------------------
+# --- real-config checkpoints (tests/support/wan_models.py) ------------------------------------------------
 def test_wan21_real_config_checkpoint_loads_and_runs(tmp_path, offline):
     from diffusers import WanPipeline
     from wan_models import build_wan21_checkpoint

@@ -1,6 +1,6 @@
 """Content tests: the shipped `weights/tiny-latte` draws what its prompt names (issue 11).
 
-The analysis helper (`tests/content.py`) finds the one object of a clip, names its colour and its
+The analysis helper (`tests/support/content.py`) finds the one object of a clip, names its colour and its
 motion; a clip is recognised when both match the prompt. All 40 prompts of the vocabulary are
 generated in one batch at the pipeline's default settings (the checkpoint's steps, guidance, size and
 frames), at 1 worker; the same batch at 2 workers (DSP) must give the same frames, and so must the
@@ -23,7 +23,7 @@ from pipelines import VideoPipeline
 from weights import TINY_LATTE_DIR
 from weights.clips import PROMPTS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEED = 0
 TARGET = 0.9
 
@@ -32,16 +32,15 @@ def test_the_shipped_checkpoint_is_the_trained_one():
     assert (TINY_LATTE_DIR / "TRAINING.json").is_file()
 
 
-@pytest.fixture(scope="module")
-def one_worker():
-    with VideoPipeline.from_pretrained("tiny-latte", workers=1) as pipe:
-        yield pipe
+@pytest.fixture
+def one_worker(pipeline):
+    return pipeline("tiny-latte", workers=1)
 
 
 @pytest.fixture(scope="module")
-def clips(one_worker):
+def clips(pipeline_cache):
     """(40, 16, 64, 64, 3) float in [0, 1]: every prompt at the pipeline's defaults, one batch."""
-    return one_worker(list(PROMPTS), seed=SEED).frames
+    return pipeline_cache.get("tiny-latte", workers=1)(list(PROMPTS), seed=SEED).frames
 
 
 def test_the_named_colour_and_motion_are_recognised_in_at_least_90_percent_of_the_vocabulary(clips, one_worker):
@@ -63,9 +62,10 @@ def test_without_guidance_the_frames_change_and_the_rate_is_reported(clips, one_
     assert np.abs(unguided - clips).mean() > 1e-3
 
 
-def test_two_workers_dsp_give_the_same_clips(clips):
-    with VideoPipeline.from_pretrained("tiny-latte", workers=2, parallel="dsp") as pipe:
-        got = pipe(list(PROMPTS), seed=SEED).frames
+def test_two_workers_dsp_give_the_same_clips(clips, pipeline):
+    pipe = pipeline("tiny-latte", workers=2)
+    assert pipe.parallel == "dsp"
+    got = pipe(list(PROMPTS), seed=SEED).frames
     assert np.abs(got - clips).max() <= 1e-4
 
 
@@ -74,7 +74,7 @@ def test_the_server_serves_the_same_clips(one_worker, tmp_path):
     from server.api.service import ServeConfig, VideoService
 
     prompts = ["a red ball bouncing", "a blue square moving left"]
-    config = ServeConfig(model="tiny-latte", workers=2, device="cpu", data_dir=str(tmp_path), max_batch=4)
+    config = ServeConfig.from_options(model="tiny-latte", workers=2, device="cpu", data_dir=str(tmp_path), max_batch=4)
     service = VideoService(config).start()
     try:
         with serve_in_thread(create_app(service, None, poll_after_ms=50)) as url, \

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import imageio.v3 as iio
+import pytest
 
 
 def _longserve(*args, timeout=240):
@@ -79,28 +80,39 @@ def test_an_interrupted_long_video_leaves_a_playable_file_of_the_frames_made_so_
     assert 17 <= frames.shape[0] < 89 and frames.shape[1:] == (64, 64, 3)
 
 
-def test_vae_tiling_flag_reaches_the_engine_from_generate_and_serve(tmp_path, monkeypatch):
-    """--vae-tiling (off by default) is what VideoEngine.start gets, from both commands."""
+def test_engine_options_are_flags_generated_from_the_config_and_reach_the_engine_unchanged(tmp_path, monkeypatch):
+    """Every EngineConfig field is a `serve` flag with the field's help text (the model's fields are
+    `generate` flags too), and what the flags say is the config VideoEngine.start gets, from both commands."""
+    import dataclasses
+
+    from engine.config import EngineConfig
     from engine.engine import VideoEngine
-    from server.cli import build_parser
-    from server.cli import generate, serve
+    from server.cli import build_parser, generate, serve
+
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.dest == "command").choices
+    for command, groups in (("serve", ("model", "scheduling")), ("generate", ("model",))):
+        helps = {a.dest: a.help for a in subcommands[command]._actions}
+        for f in dataclasses.fields(EngineConfig):
+            if f.metadata["group"] in groups:
+                assert helps.get(f.name, "").startswith(f.metadata["help"]), (command, f.name)
 
     seen = []
 
-    def start(cls, model, **kw):
-        seen.append(kw["vae_tiling"])
-        raise RuntimeError("stop here: only the arguments matter")
+    def start(cls, config=None, **options):
+        seen.append(config)
+        raise RuntimeError("stop here: only the config matters")
 
     monkeypatch.setattr(VideoEngine, "start", classmethod(start))
-    parser = build_parser()
-    for argv in (["generate", "x"], ["generate", "x", "--vae-tiling"]):
-        try:
+    for argv in (["generate", "x"], ["generate", "x", "--vae-tiling", "--workers", "3", "--dtype", "bf16"]):
+        with pytest.raises(RuntimeError, match="stop here"):
             generate.run(parser.parse_args(argv + ["-o", str(tmp_path / "x.mp4")]))
-        except RuntimeError:
-            pass
-    for argv in (["serve"], ["serve", "--vae-tiling", "--score-model", "none"]):
-        try:
-            serve.build(parser.parse_args(argv + ["--data-dir", str(tmp_path / "data")]))
-        except RuntimeError:
-            pass
-    assert seen == [False, True, False, True]
+    for argv in (["serve"], ["serve", "--vae-tiling", "--max-queue", "5", "--job-timeout", "none", "--oom-retry"]):
+        with pytest.raises(RuntimeError, match="stop here"):
+            serve.build(parser.parse_args(argv + ["--data-dir", str(tmp_path / "data"), "--score-model", "none"]))
+    plain, flagged, served, served_flagged = seen
+    assert plain == EngineConfig(model="tiny-latte", decode_chunk_frames=1 << 30, max_steps_per_job=8)
+    assert (flagged.vae_tiling, flagged.workers, flagged.dtype) == (True, 3, "bf16")
+    assert served == EngineConfig(max_queue=256)
+    assert (served_flagged.vae_tiling, served_flagged.max_queue, served_flagged.job_timeout_s,
+            served_flagged.oom_retry) == (True, 5, None, True)

@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 from engine import comm
-from engine.families.latte import STRATEGIES, parallel_forward, temporal_pos_embed
+from engine.models.latte import STRATEGIES, parallel_forward, temporal_pos_embed
 from engine.parallel import make_cfg_groups
-from engine.pool import WorkerPool
 from latte_models import latte_inputs, tiny_latte_transformer
 
 WORKERS = (1, 2, 3, 4)
@@ -56,9 +55,8 @@ def _cfg_forward(ctx, model_kwargs, inputs, n):
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with WorkerPool(4, device="cpu") as p:
-        yield p
+def pool(bare_pool4):
+    return bare_pool4
 
 
 def reference(model_kwargs, inputs):

@@ -1,14 +1,16 @@
 """bf16 numerics, on CPU: our forward in bf16 is as close to diffusers' fp32 forward as diffusers' own bf16
-forward is (the GPU run of the same comparison is in tests/test_gpu.py)."""
+forward is (the GPU run of the same comparison is in tests/engine/test_gpu.py)."""
 
 import pytest
 import torch
 
 from engine.dist import ParallelGroup
-from engine.families import latte, wan
+from engine.models import latte
+from engine.models.wan import WanSequenceParallel
 from engine.parallel import make_sequence_parallel
 from latte_models import latte_inputs, tiny_latte_transformer
 from server.bench.models import random_wan_transformer
+
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).abs().mean() / want.abs().mean()).item()
@@ -33,7 +35,7 @@ def bf16_relative_errors(family: str, device: str = "cpu") -> tuple[float, float
                   torch.randn(2, 6, 16, generator=g))
         reference = lambda m, x, t, e: m(x, t, e, return_dict=False)[0]  # noqa: E731
         sp = make_sequence_parallel(solo, "ulysses")
-        ours = lambda m, x, t, e: wan.parallel_forward(m, x, t, e, sp)  # noqa: E731
+        ours = lambda m, x, t, e: WanSequenceParallel(m)(x, t, e, sp)  # noqa: E731
     model, inputs = model.to(device), [t.to(device) for t in inputs]
     with torch.no_grad():
         want = reference(model, *inputs)

@@ -16,7 +16,7 @@ import torch
 from weights import TINY_LATTE_DIR, resolve_latte
 from weights.latte import LATTE_1_TRANSFORMER_CONFIG, TINY_MODELS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Latte-1's transformer config (maxin-cn/Latte-1, transformer/config.json, diffusers layout),
 # written out here independently of weights.latte so a typo there is caught.

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_video_pipeline.py: generate with the torchrun launcher, save raw frames."""
+"""Run under torchrun by tests/pipelines/test_video_pipeline.py: generate with the torchrun launcher, save raw frames."""
 
 import sys
 
@@ -12,4 +12,4 @@ if __name__ == "__main__":
         out = pipe("a red ball bouncing", num_frames=13, height=80, width=112, num_inference_steps=3,
                    guidance_scale=4.5, seed=3)
         np.save(out_path, out.frames)
-        np.save(out_path + ".workers.npy", np.array(pipe.info["workers"]))
+        np.save(out_path + ".workers.npy", np.array(pipe.info.workers))

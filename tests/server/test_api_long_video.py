@@ -20,7 +20,7 @@ LONG = {"prompt": "a red ball bouncing", "size": "64x64", "num_frames": 37, "num
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("serve-long")
-    config = ServeConfig(model="tiny-skyreels-df", workers=2, device="cpu", data_dir=str(data_dir), max_batch=4,
+    config = ServeConfig.from_options(model="tiny-skyreels-df", workers=2, device="cpu", data_dir=str(data_dir), max_batch=4,
                          default_steps=4, decode_chunk_frames=8, max_seconds=10)
     service = VideoService(config).start()
     app = create_app(service, None, poll_after_ms=50)
@@ -77,21 +77,21 @@ def test_delete_cancels_a_long_video_in_a_later_segment(server, http):
     v = http.post("/v1/videos", json=dict(LONG, seed=2)).json()
     deadline = time.monotonic() + 120
     while True:                                   # wait until the second segment is denoising
-        live = service.live_job(v["id"])
-        if live is not None and live.step > STEPS + 2:
+        job = service._job(v["id"])
+        if job is not None and job.handle.status().step > STEPS + 2:
             break
         assert time.monotonic() < deadline, "the job never reached its second segment"
         time.sleep(0.01)
-    tracked = service.scheduler.get(v["id"])
+    tracked = service.engine.core.scheduler.get(v["id"])
     assert http.delete(f"/v1/videos/{v['id']}").json()["deleted"] is True
     steps_when_deleted = tracked.steps_done
     assert http.get(f"/v1/videos/{v['id']}").status_code == 404
     deadline = time.monotonic() + 30
-    while service.scheduler.num_admitted:
+    while service.engine.stats().running:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert tracked.state.value == "finished_cancelled"
-    assert tracked.steps_done - steps_when_deleted <= service.scheduler.max_steps_per_job, \
+    assert tracked.steps_done - steps_when_deleted <= service.engine.config.max_steps_per_job, \
         "cancelled at the next step boundary after the job in flight"
 
 

@@ -23,7 +23,7 @@ covers more than half of it). The rendered clips cross 45..75% of the frame (so 
 room for measurement, and is what the issue defines) and bounce by at least 20% with at most
 8% drift; 10% of fall and rise (6 pixels, ten times the centroid's quantisation error) and 20%
 of spread (half a crossing) separate bouncing from the straight motions with a wide margin
-both ways. `tests/test_clips.py` checks that every rendered clip is recognised as its own
+both ways. `tests/weights/test_clips.py` checks that every rendered clip is recognised as its own
 prompt and not as a prompt of another colour or motion.
 """
 

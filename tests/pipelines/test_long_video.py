@@ -2,6 +2,8 @@
 `SkyReelsV2DiffusionForcingPipeline` over several segments, synchronous and asynchronous; 2 and 3
 workers equal 1; `stream()` hands out each segment's frames while later segments denoise."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -115,9 +117,11 @@ def test_bad_diffusion_forcing_arguments_raise_naming_the_field(pipe1, kwargs, f
 
 def test_a_long_video_without_overlap_history_is_refused_as_diffusers_refuses_it(pipe1):
     # diffusers' default overlap_history is None; tiny-skyreels-df's generation_defaults.json sets 9
-    info = dict(pipe1.info, defaults=dict(pipe1.info["defaults"], overlap_history=None))
+    desc = pipe1.info.description
+    desc = dataclasses.replace(desc, defaults=dataclasses.replace(
+        desc.defaults, options={**desc.defaults.options, "overlap_history": None}))
     spec = pipe1.make_spec(PROMPT, seed=0, **SYNC)
-    spec.options.pop("overlap_history")
+    spec.options.pop("overlap_history", None)
     with pytest.raises(RequestError, match="overlap_history") as e:
-        pipe1.engine.family.check_request(info, spec)
+        pipe1.engine.family.check_request(desc, spec)
     assert e.value.field == "overlap_history"

@@ -1,0 +1,262 @@
+"""`EngineConfig`: every option of a video engine, declared once.
+
+Every front door builds one and hands it on unchanged: `VideoPipeline.from_pretrained(model,
+**options)`, `longserve generate | serve | bench ...` (their flags are generated from the
+fields below, help text included, as vLLM's `EngineArgs.add_cli_args` / `from_cli_args`
+do), the server's `ServeConfig`, the engine, the worker pool (a `WorkerConfig` is the one
+argument every worker is set up with) and the model families.
+
+Adding an option is adding a field here (with its `help`), the code that uses it, and its
+test. A field's `group` says which commands offer it as a flag: "model" options are on
+every command that loads a model, "scheduling" options only where several requests share
+the engine (`serve`, the pipeline's keyword arguments take them all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.parallel import ParallelPlan
+
+DEVICES = (None, "cpu", "cuda")
+ATTENTION = ("auto", "sdpa", "xformers")
+LAUNCHERS = ("auto", "local", "torchrun")
+
+
+def option(default, help: str, group: str = "model", flag: str | None = None, choices=None, metavar=None):
+    """A config field: its default and what the CLI needs to offer it (help, group, flag name, choices)."""
+    meta = {"help": help, "group": group, "flag": flag, "choices": choices, "metavar": metavar}
+    if isinstance(default, (dict, list, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a video engine is built: the model, its workers and plan, the numerics, the scheduler's limits."""
+
+    # -- the model and its workers --------------------------------------------------------------------
+    model: str = option("tiny-latte", "a shipped model (tiny-latte, tiny-wan, tiny-skyreels-df) or a local "
+                                      "diffusers checkpoint directory")
+    workers: int = option(1, "worker processes (one GPU each with CUDA)")
+    parallel: str = option("auto", "auto | dsp | ulysses | ring | megatron-sp (Latte) | ulysses | ring | usp "
+                                   "(Wan family)")
+    ulysses_degree: int | None = option(None, "usp: Ulysses group size (ring degree = workers / it)")
+    cfg_parallel: bool = option(False, "run the two classifier-free-guidance halves on two halves of the workers")
+    device: str | None = option(None, "cpu | cuda (default: cuda when available)", choices=["cpu", "cuda"])
+    dtype: str = option("float32", "float32 | bfloat16 | float16 (the transformer's; the Wan VAE stays float32)")
+    attention: str = option("auto", "auto | sdpa | xformers (Latte on CUDA)", choices=list(ATTENTION))
+    vae_tiling: bool = option(False, "decode in the VAE's spatial tiles (diffusers' enable_tiling, default tile "
+                                     "sizes): less VAE memory per worker, one Wan video's tiles spread over the "
+                                     "workers; slower on one GPU")
+    launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
+                                   "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
+
+    # -- the scheduler ------------------------------------------------------------------------------------
+    max_batch: int = option(8, "most requests in one denoising step", group="scheduling")
+    max_running: int | None = option(None, "most admitted requests (their latents live on the workers); "
+                                           "default --max-batch", group="scheduling")
+    max_queue: int | None = option(None, "most queued requests (refused beyond: HTTP 429); none = unbounded",
+                                   group="scheduling")
+    decode_chunk_frames: int = option(8, "frames per VAE decode call (and MP4 fragment)", group="scheduling")
+    max_steps_per_job: int = option(4, "denoising steps one worker job may run while nothing else waits (fewer "
+                                       "round trips; a newcomer waits at most this many steps minus one)",
+                                    group="scheduling")
+    job_timeout_s: float | None = option(600.0, "a worker job taking longer fails its batch and restarts the pool "
+                                                "(seconds; none = no limit)", group="scheduling",
+                                         flag="--job-timeout")
+    oom_retry: bool = option(False, "when a batch runs out of memory, run its requests again one at a time "
+                                    "instead of failing them", group="scheduling")
+    setup_retry_max_s: float = option(60.0, "longest wait between attempts to (re)load a model that fails to "
+                                            "load (exponential backoff; seconds)", group="scheduling")
+
+    def __post_init__(self):
+        _positive_int("workers", self.workers)
+        if self.ulysses_degree is not None:
+            _positive_int("ulysses_degree", self.ulysses_degree)
+        for name in ("cfg_parallel", "vae_tiling", "oom_retry"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be 'cpu' or 'cuda' (default: cuda when available); got {self.device!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}; got {self.attention!r}")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {self.launcher!r}")
+        from engine.dist import parse_dtype
+
+        parse_dtype(self.dtype)
+        for name in ("max_batch", "decode_chunk_frames", "max_steps_per_job"):
+            _positive_int(name, getattr(self, name))
+        if self.max_running is not None:
+            _positive_int("max_running", self.max_running)
+        if self.max_queue is not None and (_not_int(self.max_queue) or self.max_queue < 0):
+            raise ValueError(f"max_queue must be a non-negative integer or None, got {self.max_queue!r}")
+        if self.job_timeout_s is not None and not _positive_number(self.job_timeout_s):
+            raise ValueError(f"job_timeout_s must be a positive number of seconds or None, got {self.job_timeout_s!r}")
+        if not _positive_number(self.setup_retry_max_s, allow_zero=True):
+            raise ValueError(f"setup_retry_max_s must be a non-negative number, got {self.setup_retry_max_s!r}")
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """`EngineConfig(**options)`, with an unknown option refused by name (ValueError, not TypeError)."""
+        return build(cls, options)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return build(type(self), {**dataclasses.asdict(self), **changes})
+
+    @property
+    def running_limit(self) -> int:
+        return self.max_batch if self.max_running is None else self.max_running
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker is set up with: the engine's config, the checkpoint it resolved, the plan it chose."""
+
+    engine: EngineConfig
+    model_dir: str
+    plan: ParallelPlan
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A model's defaults for a request: diffusers' pipeline's (or the checkpoint's generation_defaults.json)."""
+
+    num_frames: int
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    fps: int
+    options: dict = field(default_factory=dict)       # the family's own options' defaults (base_num_frames, ...)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GenerationDefaults":
+        common = {f.name for f in dataclasses.fields(cls)} - {"options"}
+        return cls(**{k: d[k] for k in common}, options={k: v for k, v in d.items() if k not in common})
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What the coordinator knows of a checkpoint from its JSON configs alone (a family's `describe`)."""
+
+    family: str
+    pipeline: str
+    heads: int
+    size_multiple: int                 # height and width are multiples of it (VAE factor x patch size)
+    frame_multiple: int                # frame counts are frame_multiple * k + 1 (1: any count)
+    defaults: GenerationDefaults
+    options: tuple[str, ...] = ()      # request options of this family (Wan 2.2's guidance_scale_2, ...)
+    long_video: bool = False           # makes videos of any length (diffusion forcing)
+    extra: dict = field(default_factory=dict)   # the family's own facts (two experts, scheduler config, ...)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A loaded model: its description and what the workers report (plan, device, dtype, kernels)."""
+
+    description: ModelDescription
+    plan: ParallelPlan
+    workers: int
+    device: str
+    dtype: str
+    attention: str
+    scheduler: str
+    vae_tiling: bool
+
+    def __getattr__(self, name: str) -> Any:      # info.family, info.defaults, ... read through
+        if name == "description":
+            raise AttributeError(name)
+        return getattr(self.description, name)
+
+
+# -- dataclass <-> command line ---------------------------------------------------------------------------
+
+
+def build(cls, options: dict):
+    """`cls(**options)` with unknown names refused by name, listing the known ones."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r}; {cls.__name__} takes: {', '.join(sorted(names))}")
+    return cls(**options)
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _base_type(f: dataclasses.Field, cls) -> type:
+    hint = typing.get_type_hints(cls)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return hint
+
+
+def _optional_parser(kind: type):
+    def parse(text: str):
+        return None if text.strip().lower() in ("none", "") else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_cli_args(parser: argparse.ArgumentParser, cls, groups: tuple[str, ...] | None = None,
+                 defaults: dict | None = None, titles: dict | None = None, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per field of the dataclass `cls` whose group is in `groups` (all when None).
+
+    `defaults` overrides a field's default for this command (the server queues at most 256,
+    say); `titles` names the argument groups. Booleans are `--flag` (and `--no-flag`).
+    """
+    defaults = defaults or {}
+    sections: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        group = f.metadata.get("group", "model")
+        if (groups is not None and group not in groups) or f.name in exclude or "help" not in f.metadata:
+            continue
+        if group not in sections:
+            sections[group] = parser.add_argument_group((titles or {}).get(group, group))
+        target = sections[group]
+        default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        kind = _base_type(f, cls)
+        help_text = f.metadata["help"] + ("" if default in (None, False) else f" (default: {default})")
+        kwargs = {"dest": f.name, "default": default, "help": help_text}
+        if kind is bool:
+            target.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if f.metadata.get("choices"):
+            kwargs["choices"] = f.metadata["choices"]
+        if f.metadata.get("metavar"):
+            kwargs["metavar"] = f.metadata["metavar"]
+        optional = f.default is None or typing.get_origin(typing.get_type_hints(cls)[f.name]) in (
+            typing.Union, types.UnionType)
+        kwargs["type"] = _optional_parser(kind) if optional and kind in (int, float) else kind
+        target.add_argument(_flag(f), **kwargs)
+
+
+def from_cli_args(cls, args: argparse.Namespace, **overrides):
+    """The dataclass `cls` from parsed arguments (fields without a flag keep their defaults)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return build(cls, {**values, **overrides})
+
+
+def _not_int(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _positive_int(name: str, value) -> None:
+    if _not_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _positive_number(value, allow_zero: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return False
+    return value >= 0 if allow_zero else value > 0

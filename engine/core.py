@@ -1,0 +1,275 @@
+"""`EngineCore`: carries out the scheduler's decisions on the worker pool, applies the failure policy,
+and emits every request's typed outputs.
+
+One call of `step()` is one step boundary: `Scheduler.schedule()` decides (release,
+admit, decode, step), the core runs the worker jobs of `engine.worker` for it, hands the
+results back to the scheduler and puts `engine.outputs` on each request's stream. It is
+driven by `VideoEngine`'s loop thread; tests drive it by hand for exact interleavings.
+
+Failures (the pool raises `WorkerError`; `Pool.restarts` tells whether it restarted):
+
+- setup (the workers could not load the model): nobody's fault; the requests involved go
+  back to the queue, and the start is retried with exponential backoff meanwhile;
+- input (the request's fault, refused on every worker before any collective): the
+  requests involved fail, the pool stays up;
+- out_of_memory: the requests involved fail, or with `oom_retry` and more than one of them
+  in a denoising batch, each goes back to the front of the queue to run alone;
+- worker_died, timeout, internal: the requests involved fail.
+When the pool was restarted, every other admitted request lost its worker state and is
+queued again, in front (`Requeued`); the rest of the iteration's decision is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from engine import worker as jobs
+from engine.config import EngineConfig
+from engine.outputs import (Admitted, Cancelled, Failed, Finished, FramesChunk, Queued, Requeued, RequestFailure,
+                            StepProgress)
+from engine.pool import WorkerError
+from engine.request import GenerationSpec
+from engine.scheduler import RequestState, ScheduledRequest, Scheduler
+
+log = logging.getLogger("longserve.engine")
+
+
+class Pool(Protocol):
+    """What the engine needs of a worker pool: `engine.pool.WorkerPool` (local processes, restartable) and
+    `engine.pool.TorchrunPool` (a group torchrun started) both are one."""
+
+    workers: int
+    restarts: int
+    last_error: WorkerError | None
+    setup_args: tuple
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def state(self) -> str: ...
+
+    def start(self) -> "Pool": ...
+
+    def run(self, fn: Callable, *args, on_event=None, timeout_s: float | None = None) -> list: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """One denoising step of a batch (for metrics): the engine's listeners hear it."""
+
+    batch_size: int
+    step_s: float
+    request_ids: tuple[str, ...]
+
+
+#: the `code` of a failed request, by failure kind
+ERROR_CODES = {"input": "invalid_request", "out_of_memory": "out_of_memory", "worker_died": "worker_crashed",
+               "timeout": "timeout", "internal": "internal_error", "setup": "model_unavailable"}
+
+
+class EngineCore:
+    """The scheduler's decisions, carried out on `pool` (whose workers ran `engine.worker.setup_worker`)."""
+
+    def __init__(self, pool: Pool, config: EngineConfig, on_batch: Callable[[BatchStep], None] | None = None):
+        self.pool = pool
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.on_batch = on_batch
+        self.setup_failures = 0          # consecutive times the workers failed to (re)load the model
+        self._retry_at = 0.0
+        # counters (the server's /metrics, stats())
+        self.steps_run = 0
+        self.requests_stepped = 0        # sum of batch sizes over steps
+        self.last_batch_size = 0
+        self.crashes = 0
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add_request(self, spec: GenerationSpec) -> ScheduledRequest:
+        """Queue a checked request (QueueFullError, ValueError for a duplicate id)."""
+        req = self.scheduler.submit(spec)
+        self._tell_positions()
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel: a waiting request now, a running one at the next step boundary. False if unknown or finished."""
+        req = self.scheduler.cancel(request_id)
+        if req is None:
+            return False
+        if req.state is RequestState.FINISHED_CANCELLED:      # it was waiting
+            req.stream.put(Cancelled(req.id))
+            self._tell_positions()
+        return True
+
+    # -- one step boundary ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Carry out one step boundary's decision. Returns whether anything was done."""
+        if not self._ensure_pool():
+            return False        # requests wait in line (none is failed) while the workers are down
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return False
+        if plan.release:
+            self._release([r.id for r in plan.release])
+            for r in plan.release:
+                r.stream.put(Cancelled(r.id))
+        if plan.admit:
+            self._tell_positions()
+        restarts = self.pool.restarts
+        for req in plan.admit:
+            if not self._admit(req) and self._pool_lost(restarts):
+                return True
+        if plan.decode is not None and not plan.decode.cancel_requested:
+            if not self._decode(plan.decode, plan.decode_frames) and self._pool_lost(restarts):
+                return True
+        if plan.step is not None:
+            batch = [r for r in plan.step.batch if r.state is RequestState.RUNNING]   # a failed decode left it
+            if batch:
+                self._denoise(batch, plan.step.num_steps)
+        return True
+
+    def _pool_lost(self, restarts: int) -> bool:
+        """Did the workers lose their state since `restarts` was read (the rest of the decision is void)?"""
+        return self.pool.restarts != restarts or not self.pool.ready
+
+    def _ensure_pool(self) -> bool:
+        """The workers are up, or (re)start them now; a failed start is retried with exponential backoff."""
+        if self.pool.ready:
+            return True
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            self.pool.start()
+        except WorkerError as e:
+            self.setup_failures += 1
+            self._retry_at = time.monotonic() + min(self.config.setup_retry_max_s, 2.0 ** self.setup_failures)
+            log.warning("the workers failed to start (%d in a row): %s", self.setup_failures,
+                        str(e).splitlines()[0] if str(e) else e)
+            return False
+        self.setup_failures = 0
+        return True
+
+    @property
+    def retry_in_s(self) -> float:
+        return max(0.0, self._retry_at - time.monotonic())
+
+    def _admit(self, req: ScheduledRequest) -> bool:
+        info = self._call(jobs.admit, req.spec, involved=[req])
+        if info is None:
+            return False
+        self.scheduler.admitted(req, info)
+        req.stream.put(Admitted(req.id, req.num_steps, req.num_frames, req.admissions))
+        return True
+
+    def _decode(self, req: ScheduledRequest, max_frames: int) -> bool:
+        chunk = self._call(jobs.decode_next, req.id, max_frames, involved=[req])
+        if chunk is None:
+            return False
+        if req.cancel_requested:
+            return True   # cancelled meanwhile: released (Cancelled) at the next boundary
+        done = self.scheduler.decoded(req, chunk)
+        req.stream.put(FramesChunk(req.id, chunk.frames, chunk.start, chunk.stop, chunk.num_frames, chunk.vae_s))
+        if done:
+            self._release([req.id])
+            req.stream.put(Finished(req.id, dict(req.timings)))
+        return True
+
+    def _denoise(self, batch: list[ScheduledRequest], num_steps: int) -> None:
+        t0 = time.perf_counter()
+        out = self._call(jobs.step, [r.id for r in batch], num_steps, involved=batch)
+        if out is None:
+            return
+        step_s = (time.perf_counter() - t0) / len(out.progress)
+        for progress in out.progress:
+            self.steps_run += 1
+            self.requests_stepped += len(batch)
+            self.last_batch_size = len(batch)
+            if self.on_batch is not None:
+                self.on_batch(BatchStep(len(batch), step_s, tuple(r.id for r in batch)))
+            for r in batch:
+                self.scheduler.stepped(r, progress[r.id])
+                r.stream.put(StepProgress(r.id, r.steps_done, r.num_steps, len(batch), step_s))
+
+    # -- worker calls and their failures ---------------------------------------------------------------
+
+    def _call(self, fn, *args, involved: list[ScheduledRequest]):
+        """pool.run(fn, *args), rank 0's result; on WorkerError apply the failure policy (module docstring) to
+        `involved` and the other admitted requests, and return None."""
+        restarts = self.pool.restarts
+        try:
+            return self.pool.run(fn, *args, timeout_s=self.config.job_timeout_s)[0]
+        except WorkerError as e:
+            restarted = self._pool_lost(restarts)
+            detail = str(e).strip()
+            log.warning("%s failed for %s (%s): %s", fn.__name__, [r.id for r in involved], e.kind,
+                        detail.splitlines()[0] if detail else "")
+            oom_retry = (e.kind == "out_of_memory" and self.config.oom_retry and fn is jobs.step
+                         and len(involved) > 1)
+            retry = e.kind == "setup" or oom_retry
+            error = None if retry else failure_for(e, fn.__name__, detail)
+            for r in involved:
+                if retry:
+                    self.scheduler.requeue(r, solo=oom_retry)
+                else:
+                    self.scheduler.fail(r, error)
+            lost = self.scheduler.requeue_admitted() if restarted else []
+            if restarted:
+                self.crashes += 1
+            elif not retry:
+                self._release([r.id for r in involved])
+            for r in involved:
+                if retry:
+                    lost.insert(0, r)
+                else:
+                    r.stream.put(Failed(r.id, error))
+            self._tell_requeued(lost)
+            return None
+
+    def _tell_requeued(self, lost: list[ScheduledRequest]) -> None:
+        for r in lost:
+            if r.state is RequestState.FINISHED_CANCELLED:
+                r.stream.put(Cancelled(r.id))
+            else:
+                r.stream.put(Requeued(r.id, "the worker pool restarted; the request is admitted again"))
+        if lost:
+            self._tell_positions()
+
+    def _tell_positions(self) -> None:
+        for r, position in self.scheduler.moved_in_line():
+            r.stream.put(Queued(r.id, position))
+
+    def _release(self, ids: list[str]) -> None:
+        if not ids or not self.pool.ready:
+            return  # a restarted pool holds no state to release
+        try:
+            self.pool.run(jobs.release, ids, timeout_s=self.config.job_timeout_s)
+        except WorkerError as e:
+            # a crash here hits no request's batch, but every admitted request lost its state
+            log.warning("release failed: %s", str(e).splitlines()[0] if str(e) else e)
+            self.crashes += 1
+            self._tell_requeued(self.scheduler.requeue_admitted())
+
+
+def failure_for(e: WorkerError, job: str, detail: str) -> RequestFailure:
+    """Why a request in job `job` failed with `e`, in words a client can act on."""
+    where = f"worker {e.rank}" if e.rank is not None else "the worker pool"
+    messages = {
+        "input": detail,
+        "out_of_memory": f"{where} ran out of memory in {job} while this video was in the batch; the worker pool "
+                         f"was restarted and other jobs were not affected. Cause: {detail}",
+        "worker_died": f"a worker process failed while this video was in the running batch ({job}); the job was "
+                       f"stopped and the worker pool restarted; other jobs were not affected. Cause: {detail}",
+        "timeout": f"{job} took longer than the job timeout; the worker pool was restarted. {detail}",
+        "internal": f"generation failed on {where} in {job} (an internal error, not the request's fault); the "
+                    f"worker pool was restarted. Cause: {detail}",
+        "setup": f"the model could not be loaded: {detail}",
+    }
+    return RequestFailure(code=ERROR_CODES[e.kind], message=messages[e.kind], kind=e.kind, rank=e.rank,
+                          field=e.field)

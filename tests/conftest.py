@@ -1,0 +1,113 @@
+"""Fixtures every test tree shares.
+
+- The suite runs offline: no model hub is ever asked (`HF_HUB_OFFLINE` and friends are set
+  for this process and every worker it spawns).
+- Worker pools and pipelines are expensive to start (a process per worker, each importing
+  torch and diffusers and loading a model), so tests that only *read* share them:
+  `bare_pool4` (four gloo workers with no model, for forward-level tests that build their own
+  sub-groups) and `pipeline(model, **options)` (a session cache of `VideoPipeline`s keyed by
+  their options, at most a few alive at once). A test that breaks or reconfigures a pool
+  (kills a worker, switches the plan) makes its own.
+- `serve(**options)` starts an in-process server (`VideoService` + uvicorn on a free port);
+  `http_client(url)` an httpx client for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+
+import pytest
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DIFFUSERS_OFFLINE": "1"}
+os.environ.update(OFFLINE)          # before anything imports huggingface_hub; inherited by spawned workers
+
+#: how many shared pipelines stay alive at once (each holds `workers` processes)
+PIPELINE_CACHE_SIZE = 3
+
+
+@pytest.fixture(scope="session")
+def bare_pool4():
+    """Four gloo workers with no model: forward-level tests build their sub-groups in `ctx.state`."""
+    from engine.pool import WorkerPool
+
+    with WorkerPool(4, device="cpu") as pool:
+        yield pool
+
+
+class PipelineCache:
+    """`VideoPipeline`s shared across the session, by their options; the least recently used is closed when
+    more than `size` are alive."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._open: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, model: str, **options):
+        from pipelines import VideoPipeline
+
+        options.setdefault("device", "cpu")
+        key = (model, tuple(sorted(options.items())))
+        pipe = self._open.pop(key, None)
+        if pipe is None or not pipe.engine.stats().loop_alive:
+            pipe = VideoPipeline.from_pretrained(model, **options)
+        self._open[key] = pipe
+        while len(self._open) > self.size:
+            _, old = self._open.popitem(last=False)
+            old.close()
+        return pipe
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1].close()
+
+
+@pytest.fixture(scope="session")
+def pipeline_cache():
+    cache = PipelineCache(PIPELINE_CACHE_SIZE)
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+def pipeline(pipeline_cache):
+    """`pipeline("tiny-latte", workers=2)`: a shared, started pipeline. Do not close it or change its plan."""
+    return pipeline_cache.get
+
+
+@contextlib.contextmanager
+def serving(data_dir, score=None, poll_after_ms: int = 50, **options):
+    """An in-process server: `VideoService(ServeConfig.from_options(**options))` behind uvicorn on a free port.
+    Yields {"url", "service", "data_dir"}; everything is closed on exit."""
+    from server.api.app import create_app, serve_in_thread
+    from server.api.service import ServeConfig, VideoService
+
+    options.setdefault("device", "cpu")
+    service = VideoService(ServeConfig.from_options(data_dir=str(data_dir), **options)).start()
+    app = create_app(service, score, poll_after_ms=poll_after_ms)
+    try:
+        with serve_in_thread(app) as url:
+            yield {"url": url, "service": service, "data_dir": data_dir}
+    finally:
+        if score is not None:
+            score.close()
+        service.close()
+
+
+@pytest.fixture
+def http_client():
+    """`http_client(url)`: an httpx client with a generous timeout, closed after the test."""
+    import httpx
+
+    clients = []
+
+    def make(url: str, **kwargs):
+        kwargs.setdefault("timeout", 60)
+        client = httpx.Client(base_url=url, **kwargs)
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        c.close()
