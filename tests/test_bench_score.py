@@ -35,7 +35,7 @@ def test_bench_score_rows_agree_with_the_baseline_and_write_their_own_docs_secti
 
 
 def test_bench_score_no_baseline_runs_only_the_strategies_and_says_so(tmp_path):
-    # how docs/gpu.md scores 131072 tokens on one GPU: transformers' own forward would need ~100 GiB of logits
+    # how docs/gpu.md scores 131072 tokens on one GPU: transformers' own forward would need ~94 GiB of logits
     parser = argparse.ArgumentParser()
     bench_score.add_arguments(parser)
     args = parser.parse_args(["--tokens", "64", "--workers", "1", "--strategies", "lss", "--repeat", "1",
