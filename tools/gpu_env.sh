@@ -3,5 +3,14 @@
 # them and the repository on PYTHONPATH. See docs/gpu.md.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || return 1
+# imageio-ffmpeg's wheel (a 173 MB ffmpeg, 68 MB zipped) alone is more than a call may carry (64 MiB): .whl/ then
+# holds that wheel without its binary and an xz-compressed static ffmpeg (.whl/ffmpeg-*.xz), used through
+# IMAGEIO_FFMPEG_EXE (imageio_ffmpeg.get_ffmpeg_exe() looks there first).
+for xz in .whl/ffmpeg-*.xz; do
+  [ -e "$xz" ] || continue
+  python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+    "$xz" /tmp/site/ffmpeg && chmod +x /tmp/site/ffmpeg || return 1
+  export IMAGEIO_FFMPEG_EXE=/tmp/site/ffmpeg
+done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 longserve() { python3 -m server.cli "$@"; }

@@ -106,6 +106,8 @@ def command_line(args) -> str:
     for opt in ("device", "config", "dtype", "attn_kernel", "json", "plot", "markdown"):
         if getattr(args, opt):
             cmd += f" --{opt.replace('_', '-')} {getattr(args, opt)}"
+    if getattr(args, "no_baseline", False):
+        cmd += " --no-baseline"
     if args.seed:
         cmd += f" --seed {args.seed}"
     if args.repeat != 3:
@@ -256,9 +258,9 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, (key, label) in zip(axes, panels):
         for i, T in enumerate(tokens):
             color = f"C{i}"
-            base = next(r for r in rows if r["tokens"] == T and r["method"].startswith("transformers"))
+            base = next((r for r in rows if r["tokens"] == T and r["method"].startswith("transformers")), None)
             scale = 2**20 if key == "bytes_sent_per_worker" else 1
-            if key != "bytes_sent_per_worker":
+            if key != "bytes_sent_per_worker" and base and base[key] is not None:  # none: --no-baseline or OOM
                 ax.axhline(base[key] / scale, color=color, linestyle=":", label=f"{T} transformers, 1 worker")
             for j, m in enumerate(methods):
                 pts = sorted((r["workers"], r[key] / scale) for r in rows
@@ -291,10 +293,12 @@ def acceptance_summary(rows: list[dict]) -> str | None:
 
 
 def markdown_section(rows: list[dict], args, plot_path: str | None, doc: Path, load) -> str:
-    cfg = BENCH_CONFIG
+    cfg = CONFIGS[args.config]
+    name = {"bench": "BENCH_CONFIG", "llama-1b": "LLAMA_1B_CONFIG"}[args.config]
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, "fp32")
     model = (f"Llama, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} KV "
              f"heads, head_dim {cfg['head_dim']}), {cfg['num_hidden_layers']} layers, MLP {cfg['intermediate_size']}, "
-             f"vocab {cfg['vocab_size']}, fp32, random weights (`BENCH_CONFIG` in server/bench_score.py)")
+             f"vocab {cfg['vocab_size']}, {dtype}, random weights (`{name}` in server/bench/score.py)")
     parts = [
         "Sequence-parallel scoring of one long text (engine/lss.py) against transformers' own full-sequence "
         "scoring on one worker. Rerun with:", "",
@@ -340,7 +344,7 @@ def run(args) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"command": command_line(args), "machine": machine(args.device),
-                                               "config": BENCH_CONFIG, "rows": rows}, indent=2) + "\n")
+                                               "config": CONFIGS[args.config], "rows": rows}, indent=2) + "\n")
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, args.plot)
