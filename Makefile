@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo demo-long bench docker clean
+.PHONY: install test lint fmt demo demo-long bench docker clean
 
 install: $(STAMP)
 
@@ -15,11 +15,21 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,lint]'
 	touch $(STAMP)
 
+# the suite: under 8 minutes of pytest on a quiet 2-core machine (docs/test_durations.md has the table)
 test: install
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=25 tests
+
+# style gate (run first by .ci/run): pyflakes, pycodestyle, import order, bugbear ([tool.ruff] in pyproject.toml)
+lint: install
+	$(VENV)/bin/ruff check .
+
+# ruff's own fixes of what lint finds (import order, unused imports); the code is not run through a
+# reformatter: its aligned shape comments are part of the style
+fmt: install
+	$(VENV)/bin/ruff check --fix .
 
 # "a red ball bouncing" at tiny-latte's defaults (trained on procedural clips: weights/README.md), and a strip
 # of its frames; docs/demo_strip.png (shown in README.md) is a copy of out/demo_strip.png (tests/pipelines/test_content.py)

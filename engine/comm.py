@@ -67,11 +67,6 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def padded_size(size: int, world_size: int) -> int:
-    """`size` rounded up to a multiple of `world_size`."""
-    return math.ceil(size / world_size) * world_size
-
-
 def shard_size(size: int, world_size: int) -> int:
     """Length of each (padded) shard of a dimension of `size` split `world_size` ways."""
     return math.ceil(size / world_size)

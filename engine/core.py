@@ -28,8 +28,17 @@ from typing import Callable, Protocol
 
 from engine import worker as jobs
 from engine.config import EngineConfig
-from engine.outputs import (Admitted, Cancelled, Failed, Finished, FramesChunk, Queued, Requeued, RequestFailure,
-                            StepProgress)
+from engine.outputs import (
+    Admitted,
+    Cancelled,
+    Failed,
+    Finished,
+    FramesChunk,
+    Queued,
+    RequestFailure,
+    Requeued,
+    StepProgress,
+)
 from engine.pool import WorkerError
 from engine.request import GenerationSpec
 from engine.scheduler import RequestState, ScheduledRequest, Scheduler

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -565,7 +564,10 @@ def score_tokens_job(ctx, job: ScoreJob) -> ScoreShard:
     totals = comm.all_reduce(torch.stack([nll_local, torch.tensor(float(count_local), dtype=torch.float64)]).to(dev),
                              pg).cpu()                                         # [nll_sum, count]: ONE float64 reduce
     seconds = time.perf_counter() - t0
-    cat = (lambda parts, dt: torch.cat(parts) if parts else torch.zeros(0, dtype=dt))
+
+    def cat(parts, dt):
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=dt)
+
     return ScoreShard(
         total_nll=float(totals[0]),
         num_tokens=int(round(float(totals[1]))),

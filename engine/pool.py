@@ -43,7 +43,6 @@ import torch.multiprocessing as mp
 from engine import comm
 from engine.dist import ParallelGroup, default_device, destroy, find_free_port, init_local_group
 
-
 FAILURE_KINDS = ("input", "out_of_memory", "internal", "worker_died", "timeout", "setup")
 
 
@@ -95,11 +94,22 @@ class WorkerContext:
         self._events.put((self.pg.rank, "event", self.job_id, event))
 
 
+def _coordinator_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # alive, another user's (never ours, but not gone)
+        return True
+    return True
+
+
 def _watch_parent(parent_pid: int) -> None:
-    # A worker whose coordinator is gone (killed, crashed) exits instead of lingering.
+    # A worker whose coordinator is gone (killed, crashed) exits instead of lingering. (With the
+    # forkserver start method the worker's parent process is the fork server, not the coordinator.)
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent_pid:
+        if not _coordinator_alive(parent_pid):
             os._exit(0)
 
 
@@ -130,6 +140,21 @@ def _worker_main(rank, world_size, port, device, threads, setup, setup_args, tas
         except BaseException as e:  # report, keep serving; the coordinator decides on restart
             results.put((rank, "error", job_id, describe_failure(e, comm.ISSUED[0] != issued)))
     destroy()
+
+
+def start_method(device: str) -> str:
+    """How worker processes start: forked from a fork server that imported torch, diffusers and the
+    families once (`engine.preload`) for CPU pools; spawned for CUDA pools (the fork server must never
+    have touched the driver, which importing libraries may do)."""
+    return "spawn" if device.startswith("cuda") else "forkserver"
+
+
+def _context(device: str):
+    method = start_method(device)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["engine.preload"])   # read when the fork server starts (once per process)
+    return ctx
 
 
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
@@ -178,7 +203,7 @@ class WorkerPool:
     # -- lifecycle ---------------------------------------------------------------
 
     def _spawn(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context(self.device)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.workers)]
         port = find_free_port()
@@ -297,7 +322,8 @@ class WorkerPool:
         for rank, p in enumerate(self._procs):
             if not p.is_alive():
                 code = p.exitcode
-                how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+                killed = code is not None and code < 0
+                how = f"killed by {signal.Signals(-code).name}" if killed else f"exit code {code}"
                 if restart:
                     self.restart()
                     raise self._failed(WorkerError(f"worker {rank} (pid {p.pid}) died {when} ({how}); the pool was "
@@ -336,11 +362,11 @@ class WorkerPool:
                         # some ranks failed, the others are still inside the job (a collective waiting for them)
                         rank, failure = min(errors.items())
                         self.restart()
-                        raise self._failed(_job_error(fn, rank, failure, restarted=True))
+                        raise self._failed(_job_error(fn, rank, failure, restarted=True)) from None
                     if deadline is not None and time.monotonic() > deadline:
                         self.restart()
                         raise self._failed(WorkerError(f"{fn.__name__} timed out after {timeout_s:.0f} s; the pool "
-                                                       f"was restarted", kind="timeout"))
+                                                       f"was restarted", kind="timeout")) from None
                     continue
                 if jid != job_id:
                     continue  # a late message from an earlier, abandoned job

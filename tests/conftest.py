@@ -8,14 +8,14 @@
   sub-groups) and `pipeline(model, **options)` (a session cache of `VideoPipeline`s keyed by
   their options, at most a few alive at once). A test that breaks or reconfigures a pool
   (kills a worker, switches the plan) makes its own.
-- `serve(**options)` starts an in-process server (`VideoService` + uvicorn on a free port);
-  `http_client(url)` an httpx client for it.
+- `http_client(url)` is an httpx client closed after the test; `tests/support/servers.py`'s
+  `serving(data_dir, **options)` starts an in-process server (`VideoService` + uvicorn on a
+  free port) for the modules that need their own.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 
 import pytest
@@ -74,25 +74,6 @@ def pipeline_cache():
 def pipeline(pipeline_cache):
     """`pipeline("tiny-latte", workers=2)`: a shared, started pipeline. Do not close it or change its plan."""
     return pipeline_cache.get
-
-
-@contextlib.contextmanager
-def serving(data_dir, score=None, poll_after_ms: int = 50, **options):
-    """An in-process server: `VideoService(ServeConfig.from_options(**options))` behind uvicorn on a free port.
-    Yields {"url", "service", "data_dir"}; everything is closed on exit."""
-    from server.api.app import create_app, serve_in_thread
-    from server.api.service import ServeConfig, VideoService
-
-    options.setdefault("device", "cpu")
-    service = VideoService(ServeConfig.from_options(data_dir=str(data_dir), **options)).start()
-    app = create_app(service, score, poll_after_ms=poll_after_ms)
-    try:
-        with serve_in_thread(app) as url:
-            yield {"url": url, "service": service, "data_dir": data_dir}
-    finally:
-        if score is not None:
-            score.close()
-        service.close()
 
 
 @pytest.fixture

@@ -8,3 +8,6 @@ from .registry import (
     read_model_index,
     resolve_model,
 )
+
+__all__ = ["TINY_LATTE_DIR", "TINY_MODELS", "generation_defaults", "pipeline_class", "read_model_index",
+           "resolve_latte", "resolve_model"]

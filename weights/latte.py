@@ -1,6 +1,7 @@
 """Locate and validate Latte-format (diffusers ``LattePipeline``) checkpoints.
 
-``resolve_latte("tiny-latte")`` returns the tiny checkpoint shipped in this package (trained on procedural clips: weights/README.md);
+``resolve_latte("tiny-latte")`` returns the tiny checkpoint shipped in this package (trained on procedural
+clips: weights/README.md);
 any other string or path is taken as a local directory in diffusers layout, e.g. a local
 copy of ``maxin-cn/Latte-1``::
 
@@ -73,11 +74,6 @@ def resolve_latte(name_or_path: str | os.PathLike) -> Path:
     return root
 
 
-def validate_latte_dir(root: str | os.PathLike) -> dict[str, Any]:
-    """Check that ``root`` holds a Latte-format diffusers pipeline; return its model_index."""
-    return read_model_index(resolve_latte(root))
-
-
 def _check_latte_index(root: Path, index: dict[str, Any]) -> None:
     # The generic check only covers the components model_index.json lists; a LattePipeline
     # also needs all five of them, and its transformer must be Latte's.
@@ -100,5 +96,4 @@ __all__ = [
     "TINY_LATTE_DIR",
     "TINY_MODELS",
     "resolve_latte",
-    "validate_latte_dir",
 ]

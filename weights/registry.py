@@ -3,7 +3,8 @@
 ``resolve_model("tiny-wan")`` returns a checkpoint shipped in this package (see
 :data:`TINY_MODELS`); any other string or path is a local directory in diffusers layout::
 
-    model_index.json              {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"], ...}
+    model_index.json              {"_class_name": "WanPipeline",
+                                   "transformer": ["diffusers", "WanTransformer3DModel"], ...}
     <component>/config.json       for every model component listed in model_index.json
     <component>/*.safetensors     ... with its weights (or *.bin, or a sharded *.index.json and its shards)
     scheduler/scheduler_config.json
@@ -198,7 +199,8 @@ def _check_component(root: Path, comp: str, library: str, cls: str) -> None:
                 f"{comp} vocabulary is missing: none of {', '.join(TOKENIZER_VOCAB_FILES)} in {sub}"
             )
         return
-    config_name = {"scheduler": "scheduler_config.json", "processor": "preprocessor_config.json"}.get(kind, "config.json")
+    config_name = {"scheduler": "scheduler_config.json",
+                   "processor": "preprocessor_config.json"}.get(kind, "config.json")
     cfg_path = sub / config_name
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{comp} config is missing: {cfg_path}")

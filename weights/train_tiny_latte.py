@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m weights.train_tiny_latte                # rewrites weights/tiny-latte/ (see weights/README.md for the time)
+    python -m weights.train_tiny_latte       # rewrites weights/tiny-latte/ (see weights/README.md for the time)
     python -m weights.train_tiny_latte --out DIR      # writes DIR instead
     python -m weights.train_tiny_latte --out DIR --vae-steps 4 --steps 4 --clips-per-prompt 1   # a smoke run
 
@@ -56,8 +56,8 @@ import torch
 import torch.nn.functional as F
 
 from weights import build_tiny_latte as random_build
+from weights.clips import FRAMES, PROMPTS, render_clip
 from weights.registry import GENERATION_DEFAULTS_FILE
-from weights.clips import FRAMES, PROMPTS, SIZE, render_clip
 
 SEED = 0
 DEFAULT_OUT = Path(__file__).resolve().parent / "tiny-latte"
@@ -85,7 +85,8 @@ WARMUP = 100
 UNCOND_PROB = 0.1
 BATCHED_FORM_PROB = 0.5                       # steps whose text is in encode_prompt's list form (encode_vocabulary)
 WEIGHT_DECAY = 0.01
-MIN_SNR_GAMMA = 5.0                           # loss weight in x0 terms: min(SNR, gamma) for epsilon, min(SNR + 1, gamma) for v
+# loss weight in x0 terms: min(SNR, gamma) for epsilon, min(SNR + 1, gamma) for v
+MIN_SNR_GAMMA = 5.0
 PREDICTION = "v_prediction"                   # what the transformer predicts (the scheduler's prediction_type)
 EMA_DECAY = 0.998                             # the saved transformer is the EMA of its weights
 # defaults of the command (the committed weights are these)
@@ -366,10 +367,9 @@ def train(out: Path, seed: int = SEED, vae_steps: int = VAE_STEPS, steps: int = 
 
 def _train(out, *, seed, vae_steps, steps, clips_per_prompt, threads, batch, lr, prediction, plot, vae_from,
            snapshot_every, log) -> dict:
-    from diffusers import LattePipeline
-
     import diffusers
     import transformers
+    from diffusers import LattePipeline
 
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
@@ -417,7 +417,8 @@ def _train(out, *, seed, vae_steps, steps, clips_per_prompt, threads, batch, lr,
         if snapshot_every and done % snapshot_every == 0 and done < steps:
             live = {k: v.clone() for k, v in transformer.state_dict().items()}
             transformer.load_state_dict(ema)
-            write(pipe, spiece_model, {"seed": seed, "steps_done": done}, Path(out).with_name(f"{Path(out).name}-step{done}"))
+            write(pipe, spiece_model, {"seed": seed, "steps_done": done},
+                  Path(out).with_name(f"{Path(out).name}-step{done}"))
             transformer.load_state_dict(live)
             transformer.train()
 
@@ -431,8 +432,10 @@ def _train(out, *, seed, vae_steps, steps, clips_per_prompt, threads, batch, lr,
     record = {
         "seed": seed, "threads": threads, "vae_steps": vae_steps, "steps": steps, "batch": batch,
         "vae_batch_frames": VAE_BATCH_CLIPS * VAE_FRAMES_PER_CLIP, "clips_per_prompt": clips_per_prompt,
-        "training_clips": len(latents), "lr": lr, "prediction": prediction, "min_snr_gamma": MIN_SNR_GAMMA, "ema_decay": EMA_DECAY, "vae_lr": VAE_LR, "warmup": WARMUP,
-        "uncond_prob": UNCOND_PROB, "batched_form_prob": BATCHED_FORM_PROB, "weight_decay": WEIGHT_DECAY, "vae_kl_weight": VAE_KL_WEIGHT,
+        "training_clips": len(latents), "lr": lr, "prediction": prediction, "min_snr_gamma": MIN_SNR_GAMMA,
+        "ema_decay": EMA_DECAY, "vae_lr": VAE_LR, "warmup": WARMUP,
+        "uncond_prob": UNCOND_PROB, "batched_form_prob": BATCHED_FORM_PROB, "weight_decay": WEIGHT_DECAY,
+        "vae_kl_weight": VAE_KL_WEIGHT,
         "vae_object_weight": VAE_OBJECT_WEIGHT, "scaling_factor": scaling_factor,
         "final_vae_reconstruction_loss": float(np.mean(vae_losses[-50:])),
         "final_loss": float(np.mean(losses[-50:])), "final_loss_window": min(50, len(losses)),
@@ -483,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m weights.train_tiny_latte", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
     ap.add_argument("--plot", default=None,
-                    help=f"loss-curve PNG (default: {DEFAULT_PLOT} when writing the default --out, else OUT-loss.png beside OUT)")
+                    help=f"loss-curve PNG (default: {DEFAULT_PLOT} when writing the default --out, else "
+                         f"OUT-loss.png beside OUT)")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
     ap.add_argument("--steps", type=int, default=STEPS, help="transformer steps")
@@ -501,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     plot = Path(args.plot) if args.plot else DEFAULT_PLOT if out == DEFAULT_OUT else out.parent / f"{out.name}-loss.png"
     train(out, seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, clips_per_prompt=args.clips_per_prompt,
-          threads=args.threads, batch=args.batch, lr=args.lr, prediction=args.prediction, plot=plot, vae_from=args.vae_from,
+          threads=args.threads, batch=args.batch, lr=args.lr, prediction=args.prediction, plot=plot,
+          vae_from=args.vae_from,
           snapshot_every=args.snapshot_every, log=lambda msg: print(msg, flush=True))
     return 0
 

@@ -10,8 +10,16 @@ import torch
 
 from engine import comm
 from engine.config import ModelDescription
-from engine.families.base import (VideoFamily, WorkerRequest, cfg_rows, generation_defaults, read_json,
-                                  scheduler_step_kwargs, seeded_generator, to_pixels)
+from engine.families.base import (
+    VideoFamily,
+    WorkerRequest,
+    cfg_rows,
+    generation_defaults,
+    read_json,
+    scheduler_step_kwargs,
+    seeded_generator,
+    to_pixels,
+)
 from engine.models.latte import STRATEGIES, check_strategy, parallel_forward
 from engine.parallel import ParallelPlan, make_cfg_groups
 from engine.request import GenerationSpec

@@ -12,8 +12,18 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelDescription
-from engine.families.base import (VideoFamily, WorkerRequest, cfg_rows, check_common, check_number,
-                                  generation_defaults, read_json, scheduler_step_kwargs, seeded_generator, to_pixels)
+from engine.families.base import (
+    VideoFamily,
+    WorkerRequest,
+    cfg_rows,
+    check_common,
+    check_number,
+    generation_defaults,
+    read_json,
+    scheduler_step_kwargs,
+    seeded_generator,
+    to_pixels,
+)
 from engine.models.wan import WanSequenceParallel
 from engine.parallel import ParallelPlan, make_cfg_groups, make_sequence_parallel
 from engine.request import GenerationSpec

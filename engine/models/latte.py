@@ -114,7 +114,8 @@ class RingSpatialAttention:
         n, Sl, _ = hidden_states.shape                                   # (B*T, Sl, D)
         hd = attn.to_q.out_features // attn.heads
         q = _heads(attn.to_q(hidden_states), hd).float()                 # (B*T, H, Sl, hd)
-        kv = torch.stack([_heads(attn.to_k(hidden_states), hd), _heads(attn.to_v(hidden_states), hd)])  # (2, B*T, H, Sl, hd)
+        kv = torch.stack([_heads(attn.to_k(hidden_states), hd),
+                          _heads(attn.to_v(hidden_states), hd)])                   # (2, B*T, H, Sl, hd)
         out = ring_attention(q, kv, attn.scale, pg, key_len=self.S)      # (B*T, H, Sl, hd)
         out = out.to(hidden_states.dtype).transpose(1, 2).reshape(n, Sl, -1)
         return attn.to_out[1](attn.to_out[0](out))
@@ -174,7 +175,6 @@ class TensorParallelFeedForward(nn.Module):
         pg = self.pg
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])                              # (rows_local, D)
-        rows_local = x.shape[0]
         x = comm.all_gather(x, 0, pg)                                         # (N*rows_local, D)
         act, fc2 = self.ff.net[0], self.ff.net[2]
         inner = act.proj.out_features

@@ -33,7 +33,6 @@ positions without materialising it (`engine.parallel.BlockCausal`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -224,7 +223,8 @@ class WanSequenceParallel:
         """
         if cfg is not None:
             half = slice(cfg.index * (x.shape[0] // 2), (cfg.index + 1) * (x.shape[0] // 2))
-            out = self(x[half], timestep[half], text[half], sp, fps=fps, frames_per_block=frames_per_block)                       # (B/2, C_out, F, H, W)
+            out = self(x[half], timestep[half], text[half], sp, fps=fps,
+                       frames_per_block=frames_per_block)                       # (B/2, C_out, F, H, W)
             return comm.all_gather(out, 0, cfg.pair)                              # (B, C_out, F, H, W)
         per_frame = timestep.ndim == 2
         if per_frame and not self.skyreels:
@@ -238,8 +238,3 @@ class WanSequenceParallel:
         finally:
             self.shard = self._temb_in = self._temb_out = None
 
-
-def frames_to_tokens(frames: int, height: int, width: int, patch_size) -> int:
-    """Tokens of a latent video (the sequence S the plans shard)."""
-    p_t, p_h, p_w = patch_size
-    return math.prod((frames // p_t, height // p_h, width // p_w))

@@ -4,7 +4,7 @@ Shapes follow the OpenAI Videos API (`openai.types.Video`, `VideoCreateParams`,
 `VideoDeleteResponse`, the cursor-page list envelope) so the official `openai` client
 works unchanged; the extensions (`num_frames`, `fps`, `num_inference_steps`,
 `guidance_scale`, `negative_prompt`, `seed`) are optional fields of the same create body.
-Route handlers live in `server/routes.py`; nothing here does I/O.
+Route handlers live in `server/api/routes.py`; nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
 
 def parse_size(text: str) -> tuple[int, int]:
     """A `size` string, "WxH" (OpenAI's order: width first) -> (width, height); ValueError otherwise."""

@@ -14,8 +14,8 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
-from starlette.datastructures import UploadFile
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
 
 from server.api import metrics
 from server.api.errors import APIError, validation_error

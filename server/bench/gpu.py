@@ -11,7 +11,8 @@ Sections (each row is printed, and appended to --json, as soon as it is measured
   forward against diffusers' fp32 forward (TF32 off) on the same inputs, beside diffusers'
   own bf16 forward's.
 - speed: one denoising step (the CFG batch of 2), bf16, full depth (Latte-1: 28 block pairs;
-  Wan 1.3B: 30 blocks): our 1-worker step (`engine.models.latte.parallel_forward`, `engine.models.wan.WanSequenceParallel`) against
+  Wan 1.3B: 30 blocks): our 1-worker step (`engine.models.latte.parallel_forward`,
+  `engine.models.wan.WanSequenceParallel`) against
   diffusers' `model(...)`, interleaved, median over the timed repeats; then our step under
   each SDPA backend (flash, memory-efficient, cuDNN; `sdpa_kernel`), xformers if installed.
 - memory: peak memory of one step (batch 2, bf16, our step) as the video grows, until the
@@ -31,7 +32,6 @@ import contextlib
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -523,7 +523,8 @@ def video(args, out: _Out, dev) -> None:
 
 
 def wan_vae_memory(args, out: _Out, dev) -> None:
-    """Wan 2.1's VAE (diffusers' default config, random weights, bf16; fp32 for --smoke on the CPU) at 480x832: diffusers' one-shot
+    """Wan 2.1's VAE (diffusers' default config, random weights, bf16; fp32 for --smoke on the CPU) at 480x832:
+    diffusers' one-shot
     `vae.decode` of the whole video by length until OOM or --step-limit-s, then our streaming decoder
     (engine/causal_vae.py, one latent frame per call, each chunk's frames moved to the CPU) on the longest,
     untiled (the engine's default, as diffusers' pipelines) and in diffusers' default tiles (--vae-tiling)."""

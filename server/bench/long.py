@@ -23,8 +23,16 @@ from __future__ import annotations
 import sys
 import time
 
-from server.bench.util import (Column, int_list, load_average, machine_info, markdown_table, replace_markdown_section,
-                               text_table, write_json)
+from server.bench.util import (
+    Column,
+    int_list,
+    load_average,
+    machine_info,
+    markdown_table,
+    replace_markdown_section,
+    text_table,
+    write_json,
+)
 
 SECTION = "## Long video: diffusion forcing, segment by segment"
 PROMPT = "a ship sailing along a coast at sunset"

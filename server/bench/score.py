@@ -26,8 +26,15 @@ import os
 import sys
 from pathlib import Path
 
-from server.bench.util import (Column, int_list, load_average, machine_info, markdown_table, replace_markdown_section,
-                              text_table)
+from server.bench.util import (
+    Column,
+    int_list,
+    load_average,
+    machine_info,
+    markdown_table,
+    replace_markdown_section,
+    text_table,
+)
 
 # Benchmark-sized Llama: large enough that activations, not weights (~10 MB), dominate
 # at 16k tokens, small enough to run a whole sweep on a 2-core CPU in minutes.
@@ -170,9 +177,9 @@ def measure(args) -> list[dict]:
             for T in tokens:
                 ids = texts[T]
                 if n == 1 and baseline_on:
-                    timed = _or_oom(lambda: min((scorer.reference_score_ids(ids) for _ in range(args.repeat)),
-                                                key=lambda t: t["seconds"]))
-                    mem = timed and _or_oom(lambda: scorer.reference_score_ids(ids, measure_memory=True))
+                    timed = _or_oom(lambda ids=ids: min((scorer.reference_score_ids(ids) for _ in range(args.repeat)),
+                                                        key=lambda t: t["seconds"]))
+                    mem = timed and _or_oom(lambda ids=ids: scorer.reference_score_ids(ids, measure_memory=True))
                     baseline[T] = timed or {"total_nll": None}
                     rows.append(_row(T, "transformers (baseline)", 1, timed and timed["seconds"],
                                      mem and mem["peak_bytes"], 0, {}, baseline[T]["total_nll"],
@@ -181,10 +188,11 @@ def measure(args) -> list[dict]:
                 if n not in worker_counts:
                     continue
                 for method in methods:
-                    timed = _or_oom(lambda: min((scorer.score_ids(ids, **METHODS[method], **kernel)
-                                                 for _ in range(args.repeat)), key=lambda t: max(t.worker_seconds)))
-                    mem = timed and _or_oom(lambda: scorer.score_ids(ids, **METHODS[method], **kernel,
-                                                                     measure_memory=True))
+                    timed = _or_oom(lambda ids=ids, method=method: min(
+                        (scorer.score_ids(ids, **METHODS[method], **kernel) for _ in range(args.repeat)),
+                        key=lambda t: max(t.worker_seconds)))
+                    mem = timed and _or_oom(lambda ids=ids, method=method: scorer.score_ids(
+                        ids, **METHODS[method], **kernel, measure_memory=True))
                     rows.append(_row(T, method, n, timed and max(timed.worker_seconds),
                                      mem and max(mem.peak_bytes), timed and max(c["bytes_sent"] for c in timed.comm),
                                      dict(timed.comm[0]["calls"]) if timed else {}, timed and timed.total_nll,

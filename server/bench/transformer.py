@@ -9,7 +9,8 @@
 spatial-temporal DiT (below). `--model wan`: Ulysses, Ring and USP on a full-attention
 `WanTransformer3DModel` with Wan 2.1 1.3B's width (12 heads x 128 = 1536, FFN 8960, text
 dim 4096; `CONFIGS_WAN["bench"]`) but 2 blocks instead of 30, through
-`engine.models.wan.WanSequenceParallel` (hooks on diffusers' own forward); every row also carries `formula_bytes`, what the
+`engine.models.wan.WanSequenceParallel` (hooks on diffusers' own forward); every row also carries
+`formula_bytes`, what the
 plan's formula (docs/design.md) says rank 0 sends per step, beside the measured bytes.
 
 What a "step" is: one `LatteTransformer3DModel` forward on a classifier-free-guidance
@@ -64,7 +65,8 @@ import time
 
 from server.bench import util as benchutil
 
-STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")  # engine.models.latte.STRATEGIES (not imported: --help stays fast)
+# engine.models.latte.STRATEGIES (not imported: --help stays fast)
+STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
 WAN_STRATEGIES = ("ulysses", "ring", "usp")              # engine.families.wan.WanFamily.plans
 REFERENCE = "diffusers"
 

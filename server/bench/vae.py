@@ -34,8 +34,15 @@ import sys
 import time
 from pathlib import Path
 
-from server.bench.util import (Column, int_list, load_average, machine_info, markdown_table, replace_markdown_section,
-                              text_table)
+from server.bench.util import (
+    Column,
+    int_list,
+    load_average,
+    machine_info,
+    markdown_table,
+    replace_markdown_section,
+    text_table,
+)
 
 SECTION = "## Wan VAE decode across workers"
 MODELS = {  # random_wan_vae arguments

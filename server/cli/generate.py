@@ -103,7 +103,8 @@ def run(args) -> int:
     wall = time.perf_counter() - loaded
     print(f"wrote {args.output}: {frames} frames {writer.width}x{writer.height} at {fps} fps")
     print(f"generation {wall:.2f} s (transformer {t['transformer_s']:.2f} s, vae {t['vae_s']:.2f} s, "
-          f"encode {t['encode_s']:.2f} s, pool overhead {wall - t['transformer_s'] - t['vae_s'] - t['encode_s']:.2f} s); "
+          f"encode {t['encode_s']:.2f} s, "
+          f"pool overhead {wall - t['transformer_s'] - t['vae_s'] - t['encode_s']:.2f} s); "
           f"model load {loaded - t0:.1f} s; total {time.perf_counter() - t0:.1f} s")
     return 0
 

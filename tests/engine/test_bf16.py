@@ -3,12 +3,12 @@ forward is (the GPU run of the same comparison is in tests/engine/test_gpu.py)."
 
 import pytest
 import torch
+from latte_models import latte_inputs, tiny_latte_transformer
 
 from engine.dist import ParallelGroup
 from engine.models import latte
 from engine.models.wan import WanSequenceParallel
 from engine.parallel import make_sequence_parallel
-from latte_models import latte_inputs, tiny_latte_transformer
 from server.bench.models import random_wan_transformer
 
 

@@ -204,7 +204,8 @@ def test_under_torchrun_a_failing_non_zero_rank_surfaces_on_rank_0_instead_of_ha
 
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
-           "--master-port", str(find_free_port()), os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "torchrun_failure.py"),
+           "--master-port", str(find_free_port()),
+           os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "torchrun_failure.py"),
            str(out)]
     subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     result = json.loads(out.read_text())

@@ -61,7 +61,10 @@ def test_online_softmax_over_shuffled_key_blocks_equals_global_causal_attention(
     want = _naive_attention(q, k, v, window)
     layout = lss.SequenceLayout(L, N, zigzag)
     P = layout.padded_length
-    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, P - L), value=float("nan"))  # NaN padding must never leak
+
+    def pad(x):  # NaN padding must never leak
+        return torch.nn.functional.pad(x, (0, 0, 0, P - L), value=float("nan"))
+
     qp, kp, vp = pad(q), pad(k), pad(v)
     for r in range(N):
         pos = layout.positions(r)

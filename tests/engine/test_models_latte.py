@@ -7,11 +7,11 @@ give the smaller worker counts.
 import pytest
 import torch
 import torch.distributed as dist
+from latte_models import latte_inputs, tiny_latte_transformer
 
 from engine import comm
 from engine.models.latte import STRATEGIES, parallel_forward, temporal_pos_embed
 from engine.parallel import make_cfg_groups
-from latte_models import latte_inputs, tiny_latte_transformer
 
 WORKERS = (1, 2, 3, 4)
 ATOL = 1e-5

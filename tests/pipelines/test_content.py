@@ -3,9 +3,10 @@
 The analysis helper (`tests/support/content.py`) finds the one object of a clip, names its colour and its
 motion; a clip is recognised when both match the prompt. All 40 prompts of the vocabulary are
 generated in one batch at the pipeline's default settings (the checkpoint's steps, guidance, size and
-frames), at 1 worker; the same batch at 2 workers (DSP) must give the same frames, and so must the
-server (through its MP4, within the codec's error); `make demo`'s command must show a red ball
-bouncing. The figures (with and without guidance) are recorded in weights/README.md.
+frames), at 1 worker; 2 workers (DSP) must give the same frames (on the first 8 prompts: N workers
+equal one is shown at odd sizes in tests/pipelines/test_video_pipeline.py; here it is shown on these
+clips), and so must the server (through its MP4, within the codec's error); `make demo`'s command must
+show a red ball bouncing. The figures (with and without guidance) are recorded in weights/README.md.
 """
 
 import io
@@ -17,15 +18,15 @@ import httpx
 import imageio.v3 as iio
 import numpy as np
 import pytest
-
 from content import describe, recognises, recognition_rate
-from pipelines import VideoPipeline
+
 from weights import TINY_LATTE_DIR
 from weights.clips import PROMPTS
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 0
 TARGET = 0.9
+SUBSET = 8          # prompts of the checks that compare frames (the rate itself is over all 40)
 
 
 def test_the_shipped_checkpoint_is_the_trained_one():
@@ -56,17 +57,20 @@ def test_the_named_colour_and_motion_are_recognised_in_at_least_90_percent_of_th
 def test_without_guidance_the_frames_change_and_the_rate_is_reported(clips, one_worker):
     """Guidance matters: the rate without it is reported (weights/README.md), not asserted; what is
     asserted is that guidance_scale=1 is honoured (other frames from the same noise)."""
-    unguided = one_worker(list(PROMPTS), seed=SEED, guidance_scale=1.0).frames
-    print(f"\nrecognised without guidance: {recognition_rate(unguided, PROMPTS):.1%} "
-          f"(with: {recognition_rate(clips, PROMPTS):.1%})")
-    assert np.abs(unguided - clips).mean() > 1e-3
+    prompts = list(PROMPTS[:SUBSET])
+    unguided = one_worker(prompts, seed=SEED, guidance_scale=1.0).frames
+    print(f"\nrecognised without guidance: {recognition_rate(unguided, prompts):.1%} of the first {SUBSET} "
+          f"(with: {recognition_rate(clips[:SUBSET], prompts):.1%})")
+    assert np.abs(unguided - clips[:SUBSET]).mean() > 1e-3
 
 
 def test_two_workers_dsp_give_the_same_clips(clips, pipeline):
     pipe = pipeline("tiny-latte", workers=2)
     assert pipe.parallel == "dsp"
-    got = pipe(list(PROMPTS), seed=SEED).frames
-    assert np.abs(got - clips).max() <= 1e-4
+    # a batch's first rows are the same clips alone or in a longer batch (same noise prefix, prompts padded to
+    # the encoder's fixed length): the first 8 prompts at 2 workers are the first 8 clips
+    got = pipe(list(PROMPTS[:SUBSET]), seed=SEED).frames
+    assert np.abs(got - clips[:SUBSET]).max() <= 1e-4
 
 
 def test_the_server_serves_the_same_clips(one_worker, tmp_path):

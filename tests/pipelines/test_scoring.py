@@ -16,7 +16,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import TextScoringPipeline
-from pipelines.scoring import ScoringInputError
 from server.cli import main as cli_main
 from weights.build_tiny_lm import CORPUS
 from weights.lm import resolve_causal_lm

@@ -5,11 +5,16 @@ Wan 2.2 with two experts, SkyReels-V2 T2V); 2, 3 and 4 workers (Ulysses, Ring, U
 import numpy as np
 import pytest
 import torch
+from wan_models import (
+    WAN_2_2_T2V_A14B_TRANSFORMER,
+    build_skyreels_v2_checkpoint,
+    build_wan21_checkpoint,
+    build_wan22_checkpoint,
+    narrow,
+)
 
 from engine.request import RequestError
 from pipelines import VideoPipeline
-from wan_models import (WAN_2_2_T2V_A14B_TRANSFORMER, build_skyreels_v2_checkpoint, build_wan21_checkpoint,
-                        build_wan22_checkpoint, narrow)
 from weights import resolve_model
 from weights.wan import SKYREELS_V2_T2V_14B_540P_TRANSFORMER
 

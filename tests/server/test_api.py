@@ -15,11 +15,11 @@ import httpx
 import imageio.v3 as iio
 import pytest
 
-from server.bench import serve as bench_serve
 from server.api.app import create_app, serve_in_thread
 from server.api.metrics import parse_text
 from server.api.score_service import ScoreService
 from server.api.service import ServeConfig, VideoService
+from server.bench import serve as bench_serve
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
 
@@ -170,21 +170,21 @@ def test_a_model_option_is_served_by_the_family_that_knows_it_and_refused_by_the
 # -- batching under load -------------------------------------------------------------------------------------
 
 
-def test_sixteen_concurrent_videos_all_complete_in_shared_batches_faster_than_one_at_a_time(server, http):
-    body = {"size": "64x64", "num_frames": 16, "num_inference_steps": 20}  # the server default
-    rows = bench_serve.measure(server["url"], [1, 16], 16, body)
-    one, sixteen = rows
+def test_concurrent_videos_all_complete_in_shared_batches(server, http):
+    body = {"size": "64x64", "num_frames": 16, "num_inference_steps": 8}
+    rows = bench_serve.measure(server["url"], [1, 8], 8, body)
+    one, eight = rows
     for row in rows:
-        assert row["completed"] == 16 and row["failed"] == 0, row
-        assert len(row["ids"]) == 16, "every request got its own video, none lost"
+        assert row["completed"] == 8 and row["failed"] == 0, row
+        assert len(row["ids"]) == 8, "every request got its own video, none lost"
     assert one["mean_batch"] == pytest.approx(1.0)
-    # shared steps, counted, not timed: 16 videos of 20 steps took at most a quarter of 320 denoising steps
+    # shared steps, counted, not timed: 8 videos of 8 steps took fewer than a third of 64 denoising steps
     # (the speed-up this buys is a benchmark figure: `longserve bench serve`, docs/benchmarks.md)
-    assert sixteen["mean_batch"] > 4, sixteen
+    assert eight["mean_batch"] > 3, eight
     m = parse_text(http.get("/metrics").text)
     assert m['longserve_step_batch_size_bucket{le="1"}'] < m["longserve_step_batch_size_count"], \
         "/metrics shows denoising steps with more than one request"
-    for vid in sixteen["ids"][:3]:
+    for vid in eight["ids"][:3]:
         frames = iio.imread(io.BytesIO(http.get(f"/v1/videos/{vid}/content").content), extension=".mp4")
         assert frames.shape == (16, 64, 64, 3)
 

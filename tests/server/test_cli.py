@@ -1,4 +1,5 @@
-"""`longserve generate`: what `make demo` runs, end to end in a subprocess."""
+"""`longserve generate`: what `make demo` runs, end to end (the entry point as a subprocess where a signal
+matters, in this process otherwise)."""
 
 import subprocess
 import sys
@@ -7,42 +8,39 @@ import imageio.v3 as iio
 import pytest
 
 
-def _longserve(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def test_generate_writes_an_mp4_with_the_requested_frames_and_size(tmp_path, capfd):
+    """In this process (`make demo`'s own command is run in tests/pipelines/test_content.py; the entry point
+    as a subprocess in the interrupted-video test below)."""
+    from server.cli import main
 
-
-def test_generate_writes_an_mp4_with_the_requested_frames_and_size(tmp_path):
     out = tmp_path / "demo.mp4"
-    proc = _longserve("generate", "a red ball bouncing", "--model", "tiny-latte", "--workers", "2",
-                      "--frames", "11", "--size", "80x48", "--steps", "3", "--seed", "0", "-o", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["generate", "a red ball bouncing", "--model", "tiny-latte", "--workers", "2", "--frames", "11",
+                 "--size", "80x48", "--steps", "3", "--seed", "0", "-o", str(out)]) == 0
     frames = iio.imread(out)
     assert frames.shape == (11, 48, 80, 3)  # --size is WIDTHxHEIGHT
-    assert "denoising" in proc.stderr and "3/3" in proc.stderr  # the tqdm bar reached the end
-    assert f"wrote {out}" in proc.stdout and "generation" in proc.stdout
+    captured = capfd.readouterr()
+    assert "denoising" in captured.err and "3/3" in captured.err  # the tqdm bar reached the end
+    assert f"wrote {out}" in captured.out and "generation" in captured.out
 
 
-def test_generate_rejects_a_bad_size_naming_it(tmp_path):
-    proc = _longserve("generate", "x", "--size", "64by64", "-o", str(tmp_path / "x.mp4"))
-    assert proc.returncode == 2
-    assert "size" in proc.stderr
+def test_generate_rejects_a_bad_size_and_a_missing_model_naming_them(tmp_path, capsys):
+    from server.cli import main
+
+    assert main(["generate", "x", "--size", "64by64", "-o", str(tmp_path / "x.mp4")]) == 2
+    assert "size" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "x.mp4")]) == 2
+    assert "nope" in capsys.readouterr().err
 
 
-def test_generate_rejects_a_missing_model_naming_it(tmp_path):
-    proc = _longserve("generate", "x", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "x.mp4"))
-    assert proc.returncode != 0
-    assert "nope" in proc.stderr
+def test_generate_a_long_video_writes_every_segment_with_a_bar_over_all_steps(tmp_path, capfd):
+    from server.cli import main
 
-
-def test_generate_a_long_video_writes_every_segment_with_a_bar_over_all_steps(tmp_path):
     out = tmp_path / "long.mp4"
-    proc = _longserve("generate", "a ship at sea", "--model", "tiny-skyreels-df", "--frames", "37", "--base-frames",
-                      "17", "--overlap", "9", "--ar-step", "0", "--causal-block", "1", "--size", "64x64", "--steps",
-                      "2", "--seed", "0", "-o", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["generate", "a ship at sea", "--model", "tiny-skyreels-df", "--frames", "37", "--base-frames", "17",
+                 "--overlap", "9", "--ar-step", "0", "--causal-block", "1", "--size", "64x64", "--steps", "2",
+                 "--seed", "0", "-o", str(out)]) == 0
     assert iio.imread(out).shape == (37, 64, 64, 3)
-    assert "8/8" in proc.stderr, "the bar counts the 2 steps of each of the 4 segments"
+    assert "8/8" in capfd.readouterr().err, "the bar counts the 2 steps of each of the 4 segments"
 
 
 def test_an_interrupted_long_video_leaves_a_playable_file_of_the_frames_made_so_far(tmp_path):

@@ -5,8 +5,9 @@ import fnmatch
 import json
 import re
 import shlex
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 

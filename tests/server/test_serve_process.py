@@ -166,11 +166,15 @@ def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the
     assert second.stop() == 0, "SIGTERM shuts the server down cleanly"
 
 
-def test_the_cli_lists_serve_and_bench_serve_options():
+def test_the_cli_lists_serve_and_bench_serve_options(capsys):
+    from server.cli import main
+
     for args in (["serve", "--help"], ["bench", "serve", "--help"]):
-        out = subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                             timeout=60)
-        assert out.returncode == 0, out.stderr
-        for flag in (("--data-dir", "--api-key", "--max-queue", "--max-batch", "--parallel", "--max-frames",
-                      "--max-size", "--max-steps") if args[0] == "serve" else ("--concurrency", "--json")):
-            assert flag in out.stdout, flag
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        serve_flags = ("--data-dir", "--api-key", "--max-queue", "--max-batch", "--parallel", "--max-frames",
+                       "--max-size", "--max-steps", "--retention")
+        for flag in serve_flags if args[0] == "serve" else ("--concurrency", "--json"):
+            assert flag in out, flag

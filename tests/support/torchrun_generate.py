@@ -1,4 +1,5 @@
-"""Run under torchrun by tests/pipelines/test_video_pipeline.py: generate with the torchrun launcher, save raw frames."""
+"""Run under torchrun by tests/pipelines/test_video_pipeline.py: generate with the torchrun launcher, save the
+raw frames."""
 
 import sys
 

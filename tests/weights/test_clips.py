@@ -4,8 +4,8 @@ colour or motion, and noise or a still object is recognised as nothing."""
 
 import numpy as np
 import pytest
-
 from content import describe, recognises
+
 from weights.clips import COLOURS, FRAMES, MOTIONS, PROMPTS, SHAPES, SIZE, parse_prompt, render_clip
 
 

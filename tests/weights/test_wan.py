@@ -14,8 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from weights import TINY_MODELS, generation_defaults, pipeline_class, read_model_index, resolve_latte, resolve_model
-from weights import build_tiny_wan
+from weights import (
+    TINY_MODELS,
+    build_tiny_wan,
+    generation_defaults,
+    pipeline_class,
+    read_model_index,
+    resolve_latte,
+    resolve_model,
+)
 from weights import wan as published
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -391,7 +398,8 @@ def test_skyreels_v2_checkpoint_loads_and_runs(tmp_path, offline, kind):
     from wan_models import build_skyreels_v2_checkpoint, narrow
 
     if kind == "df":  # the real DF 1.3B config
-        cls, config, extra = SkyReelsV2DiffusionForcingPipeline, published.SKYREELS_V2_DF_1_3B_540P_TRANSFORMER, {"base_num_frames": 5}
+        cls, config = SkyReelsV2DiffusionForcingPipeline, published.SKYREELS_V2_DF_1_3B_540P_TRANSFORMER
+        extra = {"base_num_frames": 5}
         ckpt = build_skyreels_v2_checkpoint(tmp_path / kind, kind=kind)
     else:  # T2V 14B, narrowed to 2 heads
         cls, config, extra = SkyReelsV2Pipeline, narrow(published.SKYREELS_V2_T2V_14B_540P_TRANSFORMER, heads=2), {}

@@ -1,0 +1,36 @@
+"""What a worker imports, imported once in the pool's fork server so that every CPU worker starts forked from it.
+
+A spawned worker imports torch, diffusers, transformers and the pipeline classes anew;
+forked from a server that imported them once, it starts at once, and so does a pool
+restart after a crash (the figures are in docs/design.md, "Worker pool"). Only imports
+happen here: no tensor work, no threads, no CUDA (CUDA pools spawn, see
+`engine.pool.start_method`). Anything missing is skipped: a worker imports what it needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+MODULES = ("engine.worker", "engine.lss", "engine.families.latte", "engine.families.wan",
+           "engine.families.skyreels_df", "engine.models.latte", "engine.models.wan", "engine.causal_vae")
+#: (module, attribute): diffusers and transformers import their classes lazily, on attribute access
+CLASSES = (("diffusers", "LattePipeline"), ("diffusers", "WanPipeline"), ("diffusers", "SkyReelsV2Pipeline"),
+           ("diffusers", "SkyReelsV2DiffusionForcingPipeline"), ("diffusers", "AutoencoderKLWan"),
+           ("transformers", "AutoModelForCausalLM"), ("transformers", "AutoTokenizer"),
+           ("transformers", "T5EncoderModel"), ("transformers", "UMT5EncoderModel"))
+
+
+def preload() -> None:
+    for name in MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a missing optional piece is the worker's problem, not the server's
+            pass
+    for module, attr in CLASSES:
+        try:
+            getattr(importlib.import_module(module), attr)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+preload()
