@@ -294,16 +294,23 @@ class Scheduler:
 
     def requeue_admitted(self) -> list[ScheduledRequest]:
         """After a pool restart every admitted request lost its worker state: queue it again, in front, in
-        admission order (a cancelled one just finishes). Returns those requests."""
+        admission order (a cancelled one just finishes). Returns the requests whose admission had run (the
+        ones to tell); one whose admission had not (the same boundary's) goes back as if never taken."""
         with self._lock:
             back = sorted(self._admitted, key=lambda r: r.seq)
             self._admitted.clear()
+            told = []
             for r in reversed(back):
+                if r.batch_key is None and not r.cancel_requested:
+                    r.admissions -= 1                 # its admission job never ran
+                    self._requeue_locked(r)
+                    continue
+                told.insert(0, r)
                 if r.cancel_requested:
                     self._finish_locked(r, RequestState.FINISHED_CANCELLED)
                 else:
                     self._requeue_locked(r)
-        return back
+        return told
 
     def _requeue_locked(self, r: ScheduledRequest) -> None:
         r.state = RequestState.WAITING

@@ -1,7 +1,10 @@
 """Fixtures every test tree shares.
 
 - The suite runs offline: no model hub is ever asked (`HF_HUB_OFFLINE` and friends are set
-  for this process and every worker it spawns).
+  for this process and every worker it starts); the `offline` fixture also refuses any
+  network connection during a test, to prove a code path never tries one.
+- `one_thread`: one intra-op torch thread in this process for a test (tiny models on shared
+  cores run faster so; modules ask for it with `pytestmark = pytest.mark.usefixtures(...)`).
 - Worker pools and pipelines are expensive to start (a process per worker, each importing
   torch and diffusers and loading a model), so tests that only *read* share them:
   `bare_pool4` (four gloo workers with no model, for forward-level tests that build their own
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import os
+import socket
 
 import pytest
 
@@ -25,6 +29,35 @@ os.environ.update(OFFLINE)          # before anything imports huggingface_hub; i
 
 #: how many shared pipelines stay alive at once (each holds `workers` processes)
 PIPELINE_CACHE_SIZE = 3
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub, no network: the offline flags (set for the session above) plus a guard on every socket connect."""
+    for var, value in OFFLINE.items():
+        monkeypatch.setenv(var, value)
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True, raising=False)
+    real_connect = socket.socket.connect
+
+    def guarded_connect(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            raise OSError(f"network access attempted in an offline test: {address!r}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread in this process: two fighting other processes' threads on 2 cores run far slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -35,15 +35,18 @@ CONFIGS = {
 
 
 def add_arguments(parser) -> None:
+    from engine.config import EngineConfig, add_cli_args
+
     parser.add_argument("--workers", default="1,2", help="worker counts, comma-separated")
     parser.add_argument("--configs", default="tiny,bench", help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--steps", type=int, default=10, help="denoising steps per video")
     parser.add_argument("--runs", type=int, default=2, help="timed videos per point (after one warm-up)")
-    parser.add_argument("--parallel", default="auto")
     parser.add_argument("--steps-per-job", default="1,8",
                         help="denoising steps one worker job may run, comma-separated (1: one pool job per step)")
-    parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
     parser.add_argument("--json", default=None, metavar="PATH")
+    # the engine's own options (--parallel, --device, --dtype, ...), as `longserve generate` has them
+    add_cli_args(parser, EngineConfig, groups=("model",), exclude=("model", "workers"),
+                 titles={"model": "engine options (every point)"})
 
 
 def build_bench_checkpoint(out_dir: Path) -> Path:
@@ -69,7 +72,9 @@ def _cuda() -> bool:
 
 
 def run(args) -> int:
+    from engine.config import EngineConfig, from_cli_args
     from pipelines import VideoPipeline
+    from pipelines.video import PIPELINE_DEFAULTS
 
     workers = benchutil.int_list(args.workers, "--workers")
     steps_per_job = benchutil.int_list(args.steps_per_job, "--steps-per-job")
@@ -84,15 +89,17 @@ def run(args) -> int:
             model = cfg["model"] or str(build_bench_checkpoint(Path(tmp) / "bench-latte"))
             for n, per_job in ((n, k) for n in workers for k in steps_per_job):
                 print(f"[{name}] {n} worker(s), up to {per_job} step(s) per job ...", file=sys.stderr)
-                with VideoPipeline.from_pretrained(model, workers=n, parallel=args.parallel, device=args.device,
-                                                   max_steps_per_job=per_job) as pipe:
+                config = from_cli_args(EngineConfig, args, model=model, workers=n,
+                                       **{**PIPELINE_DEFAULTS, "max_steps_per_job": per_job})
+                with VideoPipeline.from_config(config) as pipe:
                     kw = dict(num_frames=cfg["frames"], height=cfg["size"], width=cfg["size"],
                               num_inference_steps=args.steps, guidance_scale=4.5, seed=0)
                     pipe("warm-up", **kw)
                     timings = [pipe("a red ball bouncing", **kw).timings for _ in range(args.runs)]
+                    plan = pipe.info.plan.describe()
                 med = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
                 overhead = med["wall_s"] - med["transformer_s"] - med["vae_s"]
-                rows.append(dict(config=name, workers=n, steps_per_job=per_job, frames=cfg["frames"],
+                rows.append(dict(config=name, workers=n, plan=plan, steps_per_job=per_job, frames=cfg["frames"],
                                  size=cfg["size"], steps=args.steps,
                                  video_s=med["wall_s"], transformer_s=med["transformer_s"], vae_s=med["vae_s"],
                                  encode_s=med["encode_s"], overhead_s=overhead,

@@ -39,18 +39,21 @@ PROMPT = "a ship sailing along a coast at sunset"
 
 
 def add_arguments(parser) -> None:
+    from engine.config import EngineConfig, add_cli_args
+
     parser.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
     parser.add_argument("--segments", default="1,3,9", help="segment counts, comma-separated")
-    parser.add_argument("--model", default="tiny-skyreels-df", help="a diffusion-forcing checkpoint")
     parser.add_argument("--size", default="256x256",
                         help="WIDTHxHEIGHT in pixels (large enough that the video, not the 512-token prompt encoding, "
                              "sets the peak)")
     parser.add_argument("--steps", type=int, default=10, help="denoising steps per segment")
-    parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
     parser.add_argument("--no-diffusers", action="store_true", help="skip diffusers' one-shot pipeline")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--markdown", default=None, metavar="PATH",
                         help=f"replace the section '{SECTION}' of this Markdown file with the table")
+    # the engine's own options (--model: a diffusion-forcing checkpoint; --device, --dtype, ...)
+    add_cli_args(parser, EngineConfig, groups=("model",), exclude=("workers",), defaults={"model": "tiny-skyreels-df"},
+                 titles={"model": "engine options (every point)"})
 
 
 def frames_for(segments: int, base: int, overlap: int, temporal: int = 4) -> int:
@@ -129,7 +132,9 @@ COLUMNS = [
 
 
 def run(args) -> int:
+    from engine.config import EngineConfig, from_cli_args
     from pipelines import VideoPipeline
+    from pipelines.video import PIPELINE_DEFAULTS
     from server.api.protocol import parse_size
     from weights import resolve_model
 
@@ -142,7 +147,8 @@ def run(args) -> int:
     kw = dict(height=height, width=width, num_inference_steps=args.steps, seed=0)
     rows, load = [], load_average()
     for n in workers:
-        with VideoPipeline.from_pretrained(model_dir, workers=n, device=args.device) as pipe:
+        config = from_cli_args(EngineConfig, args, model=model_dir, workers=n, **PIPELINE_DEFAULTS)
+        with VideoPipeline.from_config(config) as pipe:
             if not pipe.info.long_video:
                 raise ValueError(f"--model: {args.model} is not a long-video (diffusion forcing) checkpoint")
             d = pipe.defaults.options

@@ -30,13 +30,8 @@ TILING = VAETiling(32, 32, 24, 24)
 HEIGHT, WIDTH = 7, 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # 2 shared cores: two intra-op threads fighting other processes' threads run 10-40x slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# 2 shared cores: two intra-op threads fighting other processes' threads run 10-40x slower
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

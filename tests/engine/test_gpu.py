@@ -3,6 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from numerics import bf16_relative_errors  # imported at collection: a broken import fails on CPU machines too
+
+from pipelines import VideoPipeline
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -12,15 +15,11 @@ KW = dict(num_frames=13, height=80, width=112, num_inference_steps=3, guidance_s
 
 @pytest.fixture(scope="module")
 def cpu_frames():
-    from pipelines import VideoPipeline
-
     with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cpu") as pipe:
         return pipe(PROMPT, **KW).frames
 
 
 def test_one_gpu_fp32_matches_cpu(cpu_frames):
-    from pipelines import VideoPipeline
-
     with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cuda", attention="sdpa") as pipe:
         assert pipe.info.device.startswith("cuda")
         got = pipe(PROMPT, **KW).frames
@@ -34,8 +33,6 @@ def test_one_gpu_wan_family_fp32_matches_cpu():
     """The Wan path on CUDA end to end (transformer, UniPC, the streaming causal VAE decode). Its first
     run on an H100 failed in the VAE ("query is not correctly aligned (strideM)", see
     tests/engine/test_causal_vae.py); this is the GPU half of that regression test."""
-    from pipelines import VideoPipeline
-
     kw = dict(num_frames=9, height=48, width=80, num_inference_steps=3, guidance_scale=5.0, seed=3)
     with VideoPipeline.from_pretrained("tiny-wan", workers=1, device="cpu") as pipe:
         want = pipe(PROMPT, **kw).frames
@@ -52,8 +49,6 @@ def test_one_gpu_bf16_forward_is_no_further_from_fp32_than_diffusers_own_bf16(fa
 
     On an H100 (docs/gpu.md, `longserve bench gpu --sections numerics`) our bf16 error equals diffusers' own
     at real Latte-1 / Wan 1.3B widths (ratio 1.000): the same kernels in the same order. 1% slack."""
-    from test_bf16 import bf16_relative_errors
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     mine, theirs = bf16_relative_errors(family, "cuda")
@@ -65,8 +60,6 @@ def test_one_gpu_bf16_forward_is_no_further_from_fp32_than_diffusers_own_bf16(fa
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL, one GPU per worker)")
 @pytest.mark.parametrize("parallel", ["dsp", "ulysses", "ring", "megatron-sp"])
 def test_nccl_workers_match_one_gpu(parallel):
-    from pipelines import VideoPipeline
-
     n = min(torch.cuda.device_count(), 4)
     with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cuda", attention="sdpa") as pipe:
         want = pipe(PROMPT, **KW).frames
@@ -78,8 +71,6 @@ def test_nccl_workers_match_one_gpu(parallel):
 
 def test_xformers_is_used_when_installed():
     pytest.importorskip("xformers")
-    from pipelines import VideoPipeline
-
     with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cuda") as pipe:
         assert pipe.info.attention == "xformers"
         assert pipe(PROMPT, **KW).frames.shape == (1, 13, 80, 112, 3)

@@ -455,3 +455,17 @@ def test_a_handle_reads_its_outputs_in_a_thread_and_in_an_event_loop():
     assert got["a"][-1] == got["b"][-1] == "Finished"
     assert got["a"].count("StepProgress") == 3 and got["b"].count("StepProgress") == 2
     assert [o for o in (Cancelled, Failed) if o.__name__ in got["a"] + got["b"]] == []
+
+
+def test_a_crash_during_one_admission_requeues_the_same_boundarys_others_without_telling_them():
+    h = Harness(max_batch=4)
+    for rid in "abc":
+        h.submit(spec(rid, steps=2))
+    h.pool.crash_when = lambda name, args: name == "admit" and args[0].request_id == "b"
+    h.step()                                   # a admitted, b's admission crashes the pool, c never ran
+    assert h.kinds("b")[-1] == "Failed" and "Requeued" in h.kinds("a")
+    assert "Requeued" not in h.kinds("c"), "c's admission never ran: nothing of it was lost"
+    assert h.sched.waiting_ids() == ["a", "c"]
+    h.run()
+    assert h.kinds("a")[-1] == h.kinds("c")[-1] == "Finished"
+    assert [o.admissions for o in h.of(Admitted) if o.request_id == "c"] == [1]

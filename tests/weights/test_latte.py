@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -36,28 +35,6 @@ LATTE_1 = {
     "sample_size": 64,
     "video_length": 16,
 }
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    """No hub, no network: offline env flags plus a socket guard."""
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "DIFFUSERS_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    try:
-        import huggingface_hub.constants as hub_constants
-
-        monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True, raising=False)
-    except ImportError:  # pragma: no cover
-        pass
-
-    real_connect = socket.socket.connect
-
-    def guarded_connect(self, address):
-        if self.family in (socket.AF_INET, socket.AF_INET6):
-            raise OSError(f"network access attempted in an offline test: {address!r}")
-        return real_connect(self, address)
-
-    monkeypatch.setattr(socket.socket, "connect", guarded_connect)
 
 
 @pytest.fixture

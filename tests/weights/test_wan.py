@@ -7,7 +7,6 @@ import copy
 import hashlib
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -32,31 +31,7 @@ SHIPPED = {"wan": TINY_WAN, "skyreels-df": TINY_DF}
 VERSION_STAMPS = ("_diffusers_version", "transformers_version")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one intra-op thread is faster than two fighting over shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    """No hub, no network: offline env flags plus a socket guard."""
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "DIFFUSERS_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    import huggingface_hub.constants as hub_constants
-
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True, raising=False)
-    real_connect = socket.socket.connect
-
-    def guarded_connect(self, address):
-        if self.family in (socket.AF_INET, socket.AF_INET6):
-            raise OSError(f"network access attempted in an offline test: {address!r}")
-        return real_connect(self, address)
-
-    monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
