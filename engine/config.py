@@ -21,9 +21,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.parallel import ParallelPlan
+if typing.TYPE_CHECKING:
+    from engine.parallel import ParallelPlan
 
 DEVICES = (None, "cpu", "cuda")
+MAX_STEPS = 1000                    # most denoising steps a request may ask for, anywhere
 ATTENTION = ("auto", "sdpa", "xformers")
 LAUNCHERS = ("auto", "local", "torchrun")
 

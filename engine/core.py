@@ -22,6 +22,7 @@ queued again, in front (`Requeued`); the rest of the iteration's decision is dro
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -92,6 +93,7 @@ class EngineCore:
         self.on_batch = on_batch
         self.setup_failures = 0          # consecutive times the workers failed to (re)load the model
         self._retry_at = 0.0
+        self._positions_lock = threading.Lock()   # queue positions are told from the caller's and our thread
         # counters (the server's /metrics, stats())
         self.steps_run = 0
         self.requests_stepped = 0        # sum of batch sizes over steps
@@ -108,13 +110,18 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel: a waiting request now, a running one at the next step boundary. False if unknown or finished."""
-        req = self.scheduler.cancel(request_id)
+        req, dequeued = self.scheduler.cancel(request_id)
         if req is None:
             return False
-        if req.state is RequestState.FINISHED_CANCELLED:      # it was waiting
+        if dequeued:                                           # it was waiting: cancelled now, told here
             req.stream.put(Cancelled(req.id))
             self._tell_positions()
         return True
+
+    def close(self) -> None:
+        """The engine closes: every unfinished request ends now, with a final output (Failed: engine_closed)."""
+        for r in self.scheduler.close():
+            r.stream.put(Failed(r.id, r.error))
 
     # -- one step boundary ---------------------------------------------------------------------------
 
@@ -125,13 +132,15 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.empty:
             return False
+        restarts = self.pool.restarts
         if plan.release:
             self._release([r.id for r in plan.release])
             for r in plan.release:
                 r.stream.put(Cancelled(r.id))
+            if self._pool_lost(restarts):
+                return True      # the release met a dead worker: every admitted request was queued again
         if plan.admit:
             self._tell_positions()
-        restarts = self.pool.restarts
         for req in plan.admit:
             if not self._admit(req) and self._pool_lost(restarts):
                 return True
@@ -209,37 +218,46 @@ class EngineCore:
     # -- worker calls and their failures ---------------------------------------------------------------
 
     def _call(self, fn, *args, involved: list[ScheduledRequest]):
-        """pool.run(fn, *args), rank 0's result; on WorkerError apply the failure policy (module docstring) to
+        """pool.run(fn, *args), rank 0's result; on a failure apply the failure policy (module docstring) to
         `involved` and the other admitted requests, and return None."""
         restarts = self.pool.restarts
         try:
             return self.pool.run(fn, *args, timeout_s=self.config.job_timeout_s)[0]
         except WorkerError as e:
-            restarted = self._pool_lost(restarts)
-            detail = str(e).strip()
-            log.warning("%s failed for %s (%s): %s", fn.__name__, [r.id for r in involved], e.kind,
-                        detail.splitlines()[0] if detail else "")
-            oom_retry = (e.kind == "out_of_memory" and self.config.oom_retry and fn is jobs.step
-                         and len(involved) > 1)
-            retry = e.kind == "setup" or oom_retry
-            error = None if retry else failure_for(e, fn.__name__, detail)
-            for r in involved:
-                if retry:
-                    self.scheduler.requeue(r, solo=oom_retry)
-                else:
-                    self.scheduler.fail(r, error)
-            lost = self.scheduler.requeue_admitted() if restarted else []
-            if restarted:
-                self.crashes += 1
-            elif not retry:
-                self._release([r.id for r in involved])
-            for r in involved:
-                if retry:
-                    lost.insert(0, r)
-                else:
-                    r.stream.put(Failed(r.id, error))
-            self._tell_requeued(lost)
-            return None
+            self._failed(fn, e, involved, restarted=self._pool_lost(restarts))
+        except Exception as e:  # not the pool's typed failure (the OS, a result that cannot be read): nothing is
+            # known of the workers' state, so they start afresh, and the call is an internal failure
+            log.exception("%s failed outside the pool's failure model", fn.__name__)
+            restart = getattr(self.pool, "restart", None)
+            if restart is not None:
+                try:
+                    restart()
+                except Exception:  # noqa: BLE001 - the next boundary's _ensure_pool tries again
+                    log.exception("restarting the workers failed")
+            self._failed(fn, WorkerError(f"{type(e).__name__}: {e}", kind="internal"), involved, restarted=True)
+        return None
+
+    def _failed(self, fn, e: WorkerError, involved: list[ScheduledRequest], restarted: bool) -> None:
+        detail = str(e).strip()
+        log.warning("%s failed for %s (%s): %s", fn.__name__, [r.id for r in involved], e.kind,
+                    detail.splitlines()[0] if detail else "")
+        oom_retry = (e.kind == "out_of_memory" and self.config.oom_retry and fn is jobs.step
+                     and len(involved) > 1)
+        retry = e.kind == "setup" or oom_retry
+        error = None if retry else failure_for(e, fn.__name__, detail)
+        moved = [r for r in involved
+                 if (self.scheduler.requeue(r, solo=oom_retry) if retry else self.scheduler.fail(r, error))]
+        lost = self.scheduler.requeue_admitted() if restarted else []
+        if restarted:
+            self.crashes += 1
+        elif not retry:
+            self._release([r.id for r in moved])
+        for r in moved:
+            if retry:
+                lost.insert(0, r)
+            else:
+                r.stream.put(Failed(r.id, error))
+        self._tell_requeued(lost)
 
     def _tell_requeued(self, lost: list[ScheduledRequest]) -> None:
         for r in lost:
@@ -251,8 +269,9 @@ class EngineCore:
             self._tell_positions()
 
     def _tell_positions(self) -> None:
-        for r, position in self.scheduler.moved_in_line():
-            r.stream.put(Queued(r.id, position))
+        with self._positions_lock:       # computed and told together: a request hears its positions in order
+            for r, position in self.scheduler.moved_in_line():
+                r.stream.put(Queued(r.id, position))
 
     def _release(self, ids: list[str]) -> None:
         if not ids or not self.pool.ready:

@@ -281,6 +281,7 @@ class VideoEngine:
             self._stopping = True
             self._wake.notify_all()
         self._thread.join(timeout=60)
+        self.core.close()            # unfinished requests end now: their readers (sync or async) get Failed
         self.pool.close()
 
     def __enter__(self) -> "VideoEngine":

@@ -111,9 +111,12 @@ class OutputStream:
         self.closed = False               # the final output was put
 
     def put(self, item: RequestOutput) -> None:
+        """Queue an output; nothing is queued after the final one (a request ends exactly once)."""
         with self._cond:
+            if self.closed:
+                return
             self._items.append(item)
-            self.closed = self.closed or isinstance(item, FINAL)
+            self.closed = isinstance(item, FINAL)
             self._cond.notify_all()
             waiters = list(self._waiters)
         for loop, event in waiters:

@@ -38,9 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.multiprocessing as mp
 
-from engine import comm
+from engine import comm, startup
 from engine.dist import ParallelGroup, default_device, destroy, find_free_port, init_local_group
 
 FAILURE_KINDS = ("input", "out_of_memory", "internal", "worker_died", "timeout", "setup")
@@ -94,14 +93,30 @@ class WorkerContext:
         self._events.put((self.pg.rank, "event", self.job_id, event))
 
 
-def _coordinator_alive(pid: int) -> bool:
+def _pid_running(pid: int | None) -> bool:
+    """Is process `pid` running (not gone, not a zombie waiting to be reaped)?"""
+    if pid is None:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:       # alive, another user's (never ours, but not gone)
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return True                 # no /proc: os.kill's answer
+
+
+def _alive(p) -> bool:
+    """Is worker process `p` running? Its own process is asked, not only its multiprocessing sentinel: a worker
+    forked by the fork server reports through the server, and reads as dead if the server itself died."""
+    return p.is_alive() or _pid_running(p.pid)
+
+
+_coordinator_alive = _pid_running
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -140,21 +155,6 @@ def _worker_main(rank, world_size, port, device, threads, setup, setup_args, tas
         except BaseException as e:  # report, keep serving; the coordinator decides on restart
             results.put((rank, "error", job_id, describe_failure(e, comm.ISSUED[0] != issued)))
     destroy()
-
-
-def start_method(device: str) -> str:
-    """How worker processes start: forked from a fork server that imported torch, diffusers and the
-    families once (`engine.preload`) for CPU pools; spawned for CUDA pools (the fork server must never
-    have touched the driver, which importing libraries may do)."""
-    return "spawn" if device.startswith("cuda") else "forkserver"
-
-
-def _context(device: str):
-    method = start_method(device)
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["engine.preload"])   # read when the fork server starts (once per process)
-    return ctx
 
 
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
@@ -203,7 +203,7 @@ class WorkerPool:
     # -- lifecycle ---------------------------------------------------------------
 
     def _spawn(self) -> None:
-        ctx = _context(self.device)
+        ctx = startup.context(self.device)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.workers)]
         port = find_free_port()
@@ -261,8 +261,11 @@ class WorkerPool:
 
     def _kill(self) -> None:
         for p in self._procs:
-            if p.is_alive():
-                p.kill()
+            if p.pid is not None:
+                try:
+                    os.kill(p.pid, signal.SIGKILL)     # by pid: the sentinel may say dead when it is not
+                except ProcessLookupError:
+                    pass
         for p in self._procs:
             p.join(timeout=10)
         self._procs = []
@@ -308,7 +311,7 @@ class WorkerPool:
 
         A worker that died before a job noticed makes a "ready" pool "restarting" at once: it will be."""
         state = self._state
-        if state == "ready" and not all(p.is_alive() for p in list(self._procs)):
+        if state == "ready" and not all(_alive(p) for p in list(self._procs)):
             return "restarting"
         return state
 
@@ -320,7 +323,7 @@ class WorkerPool:
 
     def _raise_if_dead(self, when: str, restart: bool = True) -> None:
         for rank, p in enumerate(self._procs):
-            if not p.is_alive():
+            if not _alive(p):
                 code = p.exitcode
                 killed = code is not None and code < 0
                 how = f"killed by {signal.Signals(-code).name}" if killed else f"exit code {code}"

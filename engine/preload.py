@@ -4,7 +4,7 @@ A spawned worker imports torch, diffusers, transformers and the pipeline classes
 forked from a server that imported them once, it starts at once, and so does a pool
 restart after a crash (the figures are in docs/design.md, "Worker pool"). Only imports
 happen here: no tensor work, no threads, no CUDA (CUDA pools spawn, see
-`engine.pool.start_method`). Anything missing is skipped: a worker imports what it needs.
+`engine.startup.start_method`). Anything missing is skipped: a worker imports what it needs.
 """
 
 from __future__ import annotations

@@ -158,18 +158,20 @@ class Scheduler:
             self._waiting.append(req)
         return req
 
-    def cancel(self, request_id: str) -> ScheduledRequest | None:
+    def cancel(self, request_id: str) -> tuple[ScheduledRequest | None, bool]:
         """Ask to cancel: a waiting request leaves the queue now (FINISHED_CANCELLED), a running one at the
-        next step boundary. Returns the request, or None when it is unknown or already finished."""
+        next step boundary. Returns (the request or None when it is unknown or finished, whether it was
+        dequeued now: decided under the lock, so exactly one thread tells the request it is cancelled)."""
         with self._lock:
             req = self._requests.get(request_id)
             if req is None or req.state.finished:
-                return None
+                return None, False
             req.cancel_requested = True
-            if req.state is RequestState.WAITING:
-                self._waiting.remove(req)
-                self._finish_locked(req, RequestState.FINISHED_CANCELLED)
-        return req
+            if req.state is not RequestState.WAITING:
+                return req, False
+            self._waiting.remove(req)
+            self._finish_locked(req, RequestState.FINISHED_CANCELLED)
+        return req, True
 
     def get(self, request_id: str) -> ScheduledRequest | None:
         with self._lock:
@@ -278,19 +280,37 @@ class Scheduler:
             self._finish_locked(req, RequestState.FINISHED_COMPLETED)
         return True
 
-    def fail(self, req: ScheduledRequest, error: RequestFailure) -> None:
+    def fail(self, req: ScheduledRequest, error: RequestFailure) -> bool:
+        """An admitted request failed (FINISHED_FAILED); False, and nothing changes, if it is not admitted."""
         with self._lock:
-            if req in self._admitted:
-                self._admitted.remove(req)
+            if req not in self._admitted:
+                return False
+            self._admitted.remove(req)
             self._finish_locked(req, RequestState.FINISHED_FAILED, error)
+        return True
 
-    def requeue(self, req: ScheduledRequest, solo: bool = False) -> None:
-        """Back to the front of the queue (its worker state is gone), optionally to run in a batch of its own."""
+    def requeue(self, req: ScheduledRequest, solo: bool = False) -> bool:
+        """An admitted request goes back to the front of the queue (its worker state is gone), optionally to run
+        in a batch of its own; False, and nothing changes, if it is not admitted."""
         with self._lock:
-            if req in self._admitted:
-                self._admitted.remove(req)
+            if req not in self._admitted:
+                return False
+            self._admitted.remove(req)
             req.solo = req.solo or solo
             self._requeue_locked(req)
+        return True
+
+    def close(self) -> list[ScheduledRequest]:
+        """Every unfinished request, finished now (FINISHED_FAILED: the engine closed under it)."""
+        error = RequestFailure(code="engine_closed", message="the engine was closed before this request finished",
+                               kind="internal")
+        with self._lock:
+            gone = list(self._requests.values())
+            for r in gone:
+                self._finish_locked(r, RequestState.FINISHED_FAILED, error)
+            self._waiting.clear()
+            self._admitted.clear()
+        return gone
 
     def requeue_admitted(self) -> list[ScheduledRequest]:
         """After a pool restart every admitted request lost its worker state: queue it again, in front, in

@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.engine import VideoEngine
-from engine.outputs import Cancelled, Failed, Finished, FramesChunk, RequestOutput, StepProgress
+from engine.outputs import Cancelled, Failed, Finished, FramesChunk, RequestOutput, Requeued, StepProgress
 from engine.pool import WorkerError
 from engine.request import GenerationSpec, RequestError
 
@@ -173,6 +173,8 @@ class VideoPipeline:
         for out in self._outputs(spec, callback):
             if isinstance(out, FramesChunk):
                 chunks.append(out.frames)
+            elif isinstance(out, Requeued):
+                chunks.clear()      # the workers restarted under it: it is made again, from the first frame
             elif isinstance(out, Finished):
                 timings = out.timings
         video = chunks[0] if output_type == "latent" else np.concatenate(chunks, axis=1)
@@ -196,9 +198,12 @@ class VideoPipeline:
             raise RequestError("prompt", "stream() takes one prompt (a string)")
         spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
                               guidance_scale, seed, "np", decode_chunk_size, **options)
+        yielded = 0      # frames handed out: after a worker restart the video is made again, the same frames
         for out in self._outputs(spec, callback):
-            if isinstance(out, FramesChunk):
-                yield out.frames[0]
+            if isinstance(out, FramesChunk) and out.stop > yielded:
+                frames = out.frames[0][max(0, yielded - out.start):]
+                yielded = out.stop
+                yield frames
             elif isinstance(out, Finished) and timings is not None:
                 timings.update(out.timings)
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from engine import comm
-from engine.config import GenerationDefaults, ModelDescription, WorkerConfig
+from engine.config import MAX_STEPS, GenerationDefaults, ModelDescription, WorkerConfig
 from engine.dist import parse_dtype
 from engine.parallel import ParallelPlan, resolve_plan
 from engine.request import OUTPUTS, GenerationSpec, RequestError
@@ -344,8 +344,6 @@ def check_number(field_name: str, value, low: float, high: float) -> None:
             or not low <= value <= high:
         raise RequestError(field_name, f"{field_name} must be a number in [{low:g}, {high:g}]; got {value!r}")
 
-
-MAX_STEPS = 1000
 
 
 def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:

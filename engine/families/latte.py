@@ -84,12 +84,17 @@ class LatteFamily(VideoFamily):
         self.attention = select_attention(self.pipe.transformer, self.pg.device, config.engine.attention)
         self.split_variance = getattr(self.pipe.scheduler.config, "variance_type", None) not in (
             "learned", "learned_range")
+        self._cfg = None
         self.set_plan(config.plan)
 
     def set_plan(self, plan: ParallelPlan) -> None:
         check_strategy(plan.name)
-        if plan.cfg_parallel and self.cfg_groups is None and self.pg.world_size > 1:
-            self.cfg_groups = make_cfg_groups(self.pg)
+        if plan.cfg_parallel and self.pg.world_size > 1:
+            if self._cfg is None:
+                self._cfg = make_cfg_groups(self.pg)   # new_group is collective: built once, kept
+            self.cfg_groups = self._cfg
+        else:
+            self.cfg_groups = None
         self.plan = plan
 
     # -- a request ---------------------------------------------------------------------------------------

@@ -5,17 +5,18 @@ its own context parallelism and caches) on the modules where the token sequence 
 F x H x W patches must be split or joined; then `diffusers`' own `forward` runs, unchanged:
 
     where (module)                 what the hook does (rank r of N, Sl = ceil(S/N) tokens each)
+    the model (input)              per-frame timesteps (diffusion forcing): keep my frames' columns, so
+                                   diffusers' per-token modulation is built for my frames only
     rope (output)                  keep the cos/sin rows of my tokens' *global* positions, zero-pad to Sl
     patch_embedding (input)        embed only the frames that hold my tokens
     blocks.0 (input)               cut those frames' tokens to mine [r*Sl, (r+1)*Sl), zero-pad to Sl
-    every block (input)            per-token modulation (diffusion forcing's per-frame timesteps,
-                                   materialised by diffusers for all S tokens): keep my tokens'
+    every block (input)            per-token modulation (diffusion forcing): cut it to my tokens the same way
     every block's attn1            `SequenceParallelAttnProcessor`: diffusers' projections, q/k norms and
                                    rotary on my tokens, then Ulysses / Ring / USP attention
                                    (`engine.parallel.sequence_parallel_attention`), with diffusion
                                    forcing's block-causal mask applied from global positions
-    norm_out (output)              per-token modulation only: place my tokens in a full-length buffer,
-                                   so diffusers' (B, S, D) shift/scale apply to them where they belong
+    norm_out (output)              per-token modulation only: place my tokens in a buffer as long as my
+                                   frames, so diffusers' per-token shift/scale apply where they belong
     proj_out (input, output)       take my tokens back (per-token modulation); all-gather the output
                                    tokens (trimming the padding): every rank gets (B, S, p*C_out)
 
@@ -151,6 +152,7 @@ class WanSequenceParallel:
         self._temb_in = self._temb_out = None
         if self.skyreels and model.config.num_frame_per_block > 1:
             model._set_ar_attention(1)          # no S x S mask from diffusers: the processor applies it
+        self._register(model, pre=self._my_timesteps)
         self._register(model.rope, post=self._rope)
         self._register(model.patch_embedding, pre=self._my_frames)
         self._register(model.blocks[0], pre=self._my_tokens)
@@ -166,6 +168,17 @@ class WanSequenceParallel:
         registry.register_hook(_Hook(self, pre, post), name)
 
     # -- the hooks ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _my_timesteps(shard: Shard, args, kwargs):
+        # diffusers repeats per-frame timesteps' modulation over every token of every frame: (B, 6, S, D) on
+        # every rank; given my frames' timesteps only, it builds (B, 6, (f1 - f0) h w, D)
+        if shard.per_token_modulation:
+            if "timestep" in kwargs:
+                kwargs["timestep"] = kwargs["timestep"][:, shard.f0:shard.f1]
+            else:
+                args[1] = args[1][:, shard.f0:shard.f1]
+        return tuple(args), kwargs
 
     @staticmethod
     def _rope(shard: Shard, freqs):
@@ -184,9 +197,10 @@ class WanSequenceParallel:
     def _my_modulation(self, shard: Shard, args, kwargs):
         if not shard.per_token_modulation:
             return tuple(args), kwargs
-        temb = args[2]                          # SkyReels (B, 6, S, D); Wan 2.2 TI2V would be (B, S, 6, D)
+        temb = args[2]                          # SkyReels (B, 6, my frames' tokens, D)
         if temb is not self._temb_in:           # the same tensor comes to every block: cut it once
-            self._temb_in, self._temb_out = temb, shard.mine(temb, 2 if self.skyreels else 1)
+            self._temb_in = temb
+            self._temb_out = shard.mine(temb, 2 if self.skyreels else 1, offset=shard.f0 * shard.frame_tokens)
         args[2] = self._temb_out
         return tuple(args), kwargs
 
@@ -194,14 +208,15 @@ class WanSequenceParallel:
     def _full_length(shard: Shard, out: torch.Tensor) -> torch.Tensor:
         if not shard.per_token_modulation:
             return out                          # (B, Sl, D); shift/scale (B, 1, D) broadcast
-        full = out.new_zeros((out.shape[0], shard.S, out.shape[2]))
-        full[:, shard.start:shard.stop] = out[:, :shard.stop - shard.start]
-        return full                             # (B, S, D)
+        offset = shard.f0 * shard.frame_tokens
+        full = out.new_zeros((out.shape[0], (shard.f1 - shard.f0) * shard.frame_tokens, out.shape[2]))
+        full[:, shard.start - offset:shard.stop - offset] = out[:, :shard.stop - shard.start]
+        return full                             # (B, my frames' tokens, D)
 
     @staticmethod
     def _back_to_mine(shard: Shard, args, kwargs):
         if shard.per_token_modulation:
-            args[0] = shard.mine(args[0], 1)                                   # (B, Sl, D)
+            args[0] = shard.mine(args[0], 1, offset=shard.f0 * shard.frame_tokens)  # (B, Sl, D)
         return tuple(args), kwargs
 
     @staticmethod

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import math
 import random
@@ -38,12 +37,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import EngineConfig, build, option
 from engine.engine import RequestHandle, VideoEngine
-from engine.families.base import MAX_STEPS
 from engine.outputs import Admitted, Cancelled, Failed, Finished, FramesChunk, Queued, Requeued, StepProgress
 from engine.request import GenerationSpec, RequestError
 from engine.scheduler import QueueFullError, RequestState
+from server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
 from server.api.errors import APIError
 from server.api.metrics import Counter, Gauge, Histogram, Registry
 from server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList, parse_size
@@ -56,86 +54,6 @@ log = logging.getLogger("longserve.server")
 
 DENOISE_SHARE = 90   # progress points for denoising steps; decoded frames take 9 more; 100 = downloadable
 MAX_SEED = 2**63 - 1
-#: what serving changes of the engine's defaults
-SERVE_ENGINE_DEFAULTS = {"max_queue": 256}
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """Everything `longserve serve` configures: the engine's config, plus the server's own options."""
-
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(**SERVE_ENGINE_DEFAULTS))
-
-    # -- HTTP ---------------------------------------------------------------------------------------
-    host: str = option("127.0.0.1", "address to listen on", group="http")
-    port: int = option(8000, "port to listen on", group="http")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 (default: $LONGSERVE_API_KEY; "
-                                        "none = open)", group="http")
-    max_body_bytes: int = option(4 << 20, "largest request body (413 beyond)", group="http")
-    log_level: str = option("info", "server log level", group="http",
-                            choices=["debug", "info", "warning", "error"])
-    served_model_name: str | None = option(None, "the model id clients use (default: the model directory's name)",
-                                           group="http")
-
-    # -- jobs ---------------------------------------------------------------------------------------
-    data_dir: str = option("longserve-data", "SQLite job store and video files (kept across restarts)",
-                           group="jobs")
-    retention_s: float | None = option(None, "delete a finished video (completed or failed) and its files this "
-                                             "many seconds after it finished (its expires_at); none = keep them",
-                                       group="jobs", flag="--retention", metavar="SECONDS")
-
-    # -- request limits and defaults (limits default from the model) ------------------------------------
-    max_frames: int | None = option(None, "longest video in frames (default: 4 x the model's default frame count; "
-                                          "for a long-video model, --max-seconds at its fps)", group="limits")
-    max_seconds: float = option(60.0, "longest video of a long-video (diffusion forcing) model, in seconds at its "
-                                      "fps", group="limits")
-    max_size: int | None = option(None, "largest width or height in pixels (default: 2 x the model's native size)",
-                                  group="limits")
-    max_steps: int = option(200, "most denoising steps a request may ask for", group="limits")
-    default_steps: int = option(20, "num_inference_steps when a request gives none", group="limits")
-    default_guidance_scale: float | None = option(None, "guidance_scale when a request gives none (default: the "
-                                                        "model's)", group="limits", flag="--guidance-scale")
-    fps: int | None = option(None, "frames per second: seconds x fps = frames (default: the model's)",
-                             group="limits")
-    max_fps: int = option(60, "highest fps a request may ask for", group="limits")
-    max_prompt_chars: int = option(4000, "longest prompt (and negative prompt) in characters", group="limits")
-
-    # -- scoring (POST /v1/score) ----------------------------------------------------------------------
-    score_model: str | None = option("tiny-lm", "causal LM for /v1/score (tiny-lm or a local directory); 'none' "
-                                                "disables scoring", group="scoring")
-    score_workers: int = option(1, "workers of the scoring pool", group="scoring")
-    score_strategy: str = option("lss", "lss | ring", group="scoring", choices=["lss", "ring"])
-    score_preload: bool = option(False, "start the scoring pool now, not on first use", group="scoring")
-
-    def __post_init__(self):
-        for name in ("max_steps", "default_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.fps is not None and (isinstance(self.fps, bool) or not isinstance(self.fps, int) or self.fps < 1):
-            raise ValueError(f"fps must be a positive integer, got {self.fps!r}")
-        if self.default_steps > self.max_steps:
-            raise ValueError(f"default_steps ({self.default_steps}) exceeds max_steps ({self.max_steps})")
-        if self.max_steps > MAX_STEPS:
-            raise ValueError(f"max_steps must be <= {MAX_STEPS} (the engine's limit), got {self.max_steps}")
-        if self.retention_s is not None and (isinstance(self.retention_s, bool)
-                                             or not isinstance(self.retention_s, (int, float))
-                                             or not self.retention_s > 0 or not math.isfinite(self.retention_s)):
-            raise ValueError(f"retention_s must be a positive number of seconds or None, got {self.retention_s!r}")
-
-    @classmethod
-    def from_options(cls, **options) -> "ServeConfig":
-        """A config from one flat set of options: the engine's fields go to `engine` (with serving's defaults)."""
-        engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
-        engine = EngineConfig.from_options(**{**SERVE_ENGINE_DEFAULTS,
-                                              **{k: v for k, v in options.items() if k in engine_names}})
-        return build(cls, {"engine": engine, **{k: v for k, v in options.items() if k not in engine_names}})
-
-    @property
-    def model(self) -> str:
-        return self.engine.model
-
-
 @dataclass(frozen=True)
 class Limits:
     size_multiple: int
@@ -484,6 +402,11 @@ class VideoService:
             with self._lock:
                 if self._jobs.get(job.record.id) is job:
                     del self._jobs[job.record.id]
+            if job.deleted:        # deleted while it finished: whatever was written goes too
+                try:
+                    await self._run_io(self.store.remove_files, job.record.id)
+                except Exception:  # noqa: BLE001 - the loop may be closing; nothing else to do
+                    log.exception("removing the files of deleted %s failed", job.record.id)
             job.changed.notify()
 
     async def _apply(self, job: Job, out) -> None:
@@ -551,6 +474,9 @@ class VideoService:
             return
         now = int(time.time())
         await self._update(job, status="completed", progress=100, completed_at=now, expires_at=self._expiry(now))
+        if job.deleted:            # deleted while its record was written: it was cancelled, not completed
+            await self._drop_output(job)
+            return
         self.m_finished.inc(outcome="completed")
         self.broker.publish(job.record.id, "video.completed", self._video(job.record).model_dump())
 
@@ -724,4 +650,4 @@ def _not_ready(rec: VideoRecord) -> APIError:
                          f"(or ask for ?stream=true)", param="video_id", code="video_not_ready")
 
 
-__all__ = ["ServeConfig", "VideoService", "Limits", "Job"]
+__all__ = ["SERVE_ENGINE_DEFAULTS", "ServeConfig", "VideoService", "Limits", "Job"]

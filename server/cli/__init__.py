@@ -41,8 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: commands whose own process starts a worker pool: the fork server is launched before their heavy imports
+STARTS_WORKERS = ("generate", "serve")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in STARTS_WORKERS:
+        from engine.startup import prestart
+
+        prestart(args.device, args.launcher)
     try:
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as e:  # bad arguments, missing model: a message, not a traceback

@@ -1,7 +1,7 @@
 """`longserve serve --model tiny-latte --workers 2 --host 127.0.0.1 --port 8000`: the OpenAI-compatible server.
 
 Every flag is a field of `engine.config.EngineConfig` (the model, its workers, the
-scheduler) or of `server.api.service.ServeConfig` (HTTP, jobs, limits, scoring), with the
+scheduler) or of `server.api.config.ServeConfig` (HTTP, jobs, limits, scoring), with the
 field's help text. See docs/serving.md for the API, the scheduler and the deployment.
 """
 
@@ -19,7 +19,7 @@ GROUP_TITLES = {"model": "model and workers", "scheduling": "scheduling", "http"
 
 def add_arguments(p) -> None:
     from engine.config import EngineConfig, add_cli_args
-    from server.api.service import SERVE_ENGINE_DEFAULTS, ServeConfig
+    from server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
 
     add_cli_args(p, EngineConfig, defaults=SERVE_ENGINE_DEFAULTS, titles=GROUP_TITLES)
     add_cli_args(p, ServeConfig, defaults={"api_key": os.environ.get("LONGSERVE_API_KEY")}, titles=GROUP_TITLES)
@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
 
 def config_from_args(args):
     from engine.config import EngineConfig, from_cli_args
-    from server.api.service import ServeConfig
+    from server.api.config import ServeConfig
 
     return from_cli_args(ServeConfig, args, engine=from_cli_args(EngineConfig, args))
 

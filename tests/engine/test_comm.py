@@ -249,3 +249,42 @@ def test_the_accounted_bytes_are_the_bytes_the_backend_really_sends(pool3):
             else:
                 assert abs(real - accounted) <= 4096, (rank, kind, accounted, real)   # headers: about 1 KiB
         assert got["all_to_all"][0] == round(4 * n * 3 * 2 / 3), "the formula itself: (N-1)/N of the input"
+
+
+def test_a_worker_whose_sentinel_reads_dead_is_still_alive_by_its_pid_and_killed_by_it():
+    """Workers forked by the fork server report through it; if it dies, their sentinels read dead. The pool
+    then asks the processes themselves (and kills them by pid), so no live worker is left behind."""
+    import signal
+    import subprocess
+
+    from engine.pool import _alive, _pid_running
+
+    proc = subprocess.Popen(["sleep", "30"])
+
+    class Sentinel:             # what a forked worker's Process looks like once its fork server is gone
+        pid = proc.pid
+
+        @staticmethod
+        def is_alive():
+            return False
+
+    try:
+        assert _alive(Sentinel) and _pid_running(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        assert not _alive(Sentinel) and not _pid_running(proc.pid)
+    finally:
+        proc.kill()
+
+
+def test_the_fork_server_is_prestarted_only_where_this_process_will_fork_workers(monkeypatch):
+    from engine.startup import prestart, start_method
+
+    assert (start_method("cpu"), start_method("cuda"), start_method("cuda:1")) == ("forkserver", "spawn", "spawn")
+    assert prestart("cuda") is False, "CUDA workers are spawned"
+    assert prestart("cpu", launcher="torchrun") is False, "a torchrun group has no local workers"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert prestart("cpu") is False
+    monkeypatch.delenv("RANK")
+    assert prestart("cpu") is True

@@ -202,3 +202,25 @@ def test_outside_a_sharded_call_the_hooked_model_is_diffusers_model_unchanged():
     with torch.no_grad():
         assert torch.equal(hooked(*inputs, solo), want)
         assert torch.equal(model(*inputs, return_dict=False)[0], want), "the hooks pass through when idle"
+
+
+def _modulation_rows(ctx, model_kwargs, inputs):
+    """The per-token modulation's token count each block receives, on a 4-way sharded diffusion-forcing forward."""
+    if "sps" not in ctx.state:
+        _make_groups(ctx)
+    seen = []
+    model = random_wan_transformer(**model_kwargs)
+    model.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[2].shape[2]))
+    with torch.no_grad():
+        WanSequenceParallel(model)(*inputs, ctx.state["sps"][("ulysses", 4)], fps=1, frames_per_block=2)
+    return seen[0]
+
+
+def test_diffusion_forcing_modulation_is_built_for_each_rank_s_frames_only(pool):
+    """diffusers repeats per-frame modulation over every token; sharded, each rank builds it for its own
+    frames (at most its tokens plus one partial frame at each end), not for all S tokens."""
+    model_kwargs = dict(heads=3, skyreels=True, frames_per_block=2, inject_sample_info=True, seed=5)
+    inputs = wan_inputs(batch=1, frames=8, grid_h=3, grid_w=5, per_frame=True, seed=6)     # S = 8 * 15 = 120
+    rows = pool.run(_modulation_rows, model_kwargs, inputs)
+    S, frame_tokens, Sl = 8 * 15, 15, 30
+    assert all(r <= Sl + 2 * frame_tokens and r < S for r in rows), rows

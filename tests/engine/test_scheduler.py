@@ -469,3 +469,56 @@ def test_a_crash_during_one_admission_requeues_the_same_boundarys_others_without
     h.run()
     assert h.kinds("a")[-1] == h.kinds("c")[-1] == "Finished"
     assert [o.admissions for o in h.of(Admitted) if o.request_id == "c"] == [1]
+
+
+def test_a_crash_in_the_release_at_a_boundary_voids_the_rest_of_that_boundary():
+    h = Harness(max_batch=2, max_running=2)
+    for rid in "abc":
+        h.submit(spec(rid, steps=3))
+    h.step()                                   # a and b admitted
+    h.step()                                   # a and b step
+    h.cancel("a")
+    h.pool.crash_when = lambda name, args: name == "release"
+    h.step()                                   # a's release meets a dead worker: b lost its state too
+    assert h.kinds("a").count("Cancelled") == 1 and h.kinds("a")[-1] == "Cancelled"
+    assert "Requeued" in h.kinds("b")
+    assert h.pool.admitted() == ["a", "b"], "nothing of the void decision ran: c was not admitted on it"
+    h.run()
+    for rid in "bc":
+        finals = [k for k in h.kinds(rid) if k in ("Finished", "Failed", "Cancelled")]
+        assert finals == ["Finished"], (rid, h.kinds(rid))
+
+
+def test_an_error_outside_the_pools_failure_model_fails_the_call_restarts_the_workers_and_the_rest_go_on():
+    class OddPool(ScriptedPool):
+        def restart(self):
+            self.restarts += 1
+            self.held.clear()
+
+        def run(self, fn, *args, **kw):
+            if fn.__name__ == "step" and "x" in args[0]:
+                raise OSError("too many open files")
+            return super().run(fn, *args, **kw)
+
+    h = Harness(OddPool(), max_batch=1, max_running=2)
+    h.submit(spec("x", steps=2, size=32))
+    h.submit(spec("y", steps=2, size=64))
+    h.run()
+    assert h.kinds("x")[-1] == "Failed" and h.of(Failed)[0].error.kind == "internal"
+    assert "OSError" in h.of(Failed)[0].error.message
+    assert h.kinds("y")[-1] == "Finished" and "Requeued" in h.kinds("y")
+
+
+def test_closing_ends_every_unfinished_request_with_one_final_output():
+    h = Harness(max_batch=1, max_running=1)
+    h.submit(spec("running", steps=5))
+    h.submit(spec("waiting", steps=5))
+    h.step()
+    h.step()
+    h.core.close()
+    h.drain()
+    for rid in ("running", "waiting"):
+        assert h.kinds(rid)[-1] == "Failed", h.kinds(rid)
+    assert {o.error.code for o in h.of(Failed)} == {"engine_closed"}
+    h.reqs[0].stream.put(Finished("running"))
+    assert h.reqs[0].stream.get(timeout=0) is None, "nothing is told after a request's final output"

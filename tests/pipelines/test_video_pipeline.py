@@ -168,11 +168,20 @@ def test_torchrun_launched_group_matches_one_worker(pipe1, tmp_path):
     assert np.abs(np.load(path) - want.frames).max() <= ATOL
 
 
-def test_cfg_parallel_on_two_groups_matches_one_worker(pipe1):
+def _cfg_groups_in_use(ctx):
+    return ctx.state["family"].cfg_groups is not None
+
+
+def test_cfg_parallel_on_two_groups_matches_one_worker_and_switches_off(pipe1):
     kw = dict(num_frames=7, height=48, width=80, num_inference_steps=STEPS, guidance_scale=4.5, seed=5)
+    want = pipe1(PROMPT, **kw).frames
     with VideoPipeline.from_pretrained("tiny-latte", workers=2, cfg_parallel=True, device="cpu") as pipe:
-        got = pipe(PROMPT, **kw).frames
-    assert np.abs(got - pipe1(PROMPT, **kw).frames).max() <= ATOL
+        assert pipe.pool.run(_cfg_groups_in_use) == [True, True]
+        assert np.abs(pipe(PROMPT, **kw).frames - want).max() <= ATOL
+        pipe.engine.set_plan("dsp", cfg_parallel=False)
+        assert pipe.pool.run(_cfg_groups_in_use) == [False, False], "the plan says no CFG-parallel: none runs"
+        assert not pipe.info.plan.cfg_parallel
+        assert np.abs(pipe(PROMPT, **kw).frames - want).max() <= ATOL
 
 
 def test_latte1_shaped_checkpoint_runs_sharded_and_matches_diffusers(tmp_path):
@@ -218,3 +227,27 @@ def test_a_failure_on_one_video_worker_restarts_the_pool_and_the_next_video_is_e
         assert (e.value.kind, e.value.rank) == (kind, 1)
         assert pipe.pool.restarts == restarts + 1, "a collective may be pending: the pool must not be reused as is"
         assert np.abs(pipe(PROMPT, **kw).frames - want).max() <= ATOL
+
+
+def test_a_request_made_again_after_a_worker_restart_is_not_handed_out_twice():
+    """The engine sends a request back to the queue when the workers restart under it (Requeued) and makes it
+    again from its first frame: `stream` hands out only the frames it has not yet, `__call__` keeps the remake."""
+    from types import SimpleNamespace
+
+    from engine.config import GenerationDefaults
+    from engine.outputs import Finished, FramesChunk, Requeued
+
+    def chunk(start, stop, value):
+        return FramesChunk("r", np.full((1, stop - start, 2, 2, 3), value, np.float32), start, stop, 9, 0.0)
+
+    outputs = [chunk(0, 5, 0.1), Requeued("r", "restart"), chunk(0, 5, 0.2), chunk(5, 9, 0.3),
+               Finished("r", {"encode_s": 0.0, "transformer_s": 0.0, "vae_s": 0.0})]
+    engine = SimpleNamespace(submit=lambda spec: iter(outputs), info=SimpleNamespace(
+        defaults=GenerationDefaults(num_frames=9, height=2, width=2, num_inference_steps=2, guidance_scale=1.0,
+                                    fps=8)))
+    pipe = VideoPipeline(engine)
+    streamed = list(pipe.stream(PROMPT, seed=0))
+    assert [c.shape[0] for c in streamed] == [5, 4]
+    assert [float(c[0, 0, 0, 0]) for c in streamed] == [pytest.approx(0.1), pytest.approx(0.3)]
+    whole = pipe(PROMPT, seed=0).frames
+    assert whole.shape[1] == 9 and float(whole[0, 0, 0, 0, 0]) == pytest.approx(0.2), "the remake, not both"

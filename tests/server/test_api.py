@@ -570,3 +570,36 @@ def test_score_returns_consistent_likelihood_numbers(server, http):
     assert again["total_nll"] == pytest.approx(s["total_nll"], rel=1e-9)
     shorter = http.post("/v1/score", json={"text": text[:40]}).json()
     assert shorter["num_tokens"] < s["num_tokens"] and shorter["total_nll"] != s["total_nll"]
+
+
+def test_a_video_deleted_while_its_completion_is_recorded_leaves_no_file_and_no_completed_event(server, http):
+    service = server["service"]
+    update = service._update
+    deleted = []
+
+    async def delete_then_update(job, **fields):
+        if fields.get("status") == "completed" and job.record.prompt == "deleted as it completes":
+            deleted.append(service.delete(job.record.id))
+        await update(job, **fields)
+
+    events, ready = [], threading.Event()
+    completed_before = metric(http, 'longserve_jobs_finished_total{outcome="completed"}')
+    service._update = delete_then_update
+    try:
+        v = create(http, prompt="deleted as it completes", **{k: v for k, v in VALID.items() if k != "prompt"})
+        sse = threading.Thread(target=collect_events, args=(server["url"], v["id"], events, ready))
+        sse.start()
+        deadline = time.monotonic() + 60
+        while not deleted:
+            assert time.monotonic() < deadline, "the video never reached its completion"
+            time.sleep(0.01)
+        sse.join(30)
+    finally:
+        service._update = update
+    assert http.get(f"/v1/videos/{v['id']}").status_code == 404
+    deadline = time.monotonic() + 10
+    while list(server["data_dir"].glob(f"videos/{v['id']}*")):
+        assert time.monotonic() < deadline, "the deleted video's files stayed"
+        time.sleep(0.01)
+    assert [e for e, _ in events if e in TERMINAL] == ["video.deleted"]
+    assert metric(http, 'longserve_jobs_finished_total{outcome="completed"}') == completed_before

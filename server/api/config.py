@@ -1,0 +1,89 @@
+"""`ServeConfig`: everything `longserve serve` configures, declared once (the engine's config, composed with the
+server's own fields). Light on purpose: the CLI reads it to build its flags before anything heavy is imported."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from engine.config import MAX_STEPS, EngineConfig, build, option
+
+#: what serving changes of the engine's defaults
+SERVE_ENGINE_DEFAULTS = {"max_queue": 256}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `longserve serve` configures: the engine's config, plus the server's own options."""
+
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(**SERVE_ENGINE_DEFAULTS))
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+    host: str = option("127.0.0.1", "address to listen on", group="http")
+    port: int = option(8000, "port to listen on", group="http")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 (default: $LONGSERVE_API_KEY; "
+                                        "none = open)", group="http")
+    max_body_bytes: int = option(4 << 20, "largest request body (413 beyond)", group="http")
+    log_level: str = option("info", "server log level", group="http",
+                            choices=["debug", "info", "warning", "error"])
+    served_model_name: str | None = option(None, "the model id clients use (default: the model directory's name)",
+                                           group="http")
+
+    # -- jobs ---------------------------------------------------------------------------------------
+    data_dir: str = option("longserve-data", "SQLite job store and video files (kept across restarts)",
+                           group="jobs")
+    retention_s: float | None = option(None, "delete a finished video (completed or failed) and its files this "
+                                             "many seconds after it finished (its expires_at); none = keep them",
+                                       group="jobs", flag="--retention", metavar="SECONDS")
+
+    # -- request limits and defaults (limits default from the model) ------------------------------------
+    max_frames: int | None = option(None, "longest video in frames (default: 4 x the model's default frame count; "
+                                          "for a long-video model, --max-seconds at its fps)", group="limits")
+    max_seconds: float = option(60.0, "longest video of a long-video (diffusion forcing) model, in seconds at its "
+                                      "fps", group="limits")
+    max_size: int | None = option(None, "largest width or height in pixels (default: 2 x the model's native size)",
+                                  group="limits")
+    max_steps: int = option(200, "most denoising steps a request may ask for", group="limits")
+    default_steps: int = option(20, "num_inference_steps when a request gives none", group="limits")
+    default_guidance_scale: float | None = option(None, "guidance_scale when a request gives none (default: the "
+                                                        "model's)", group="limits", flag="--guidance-scale")
+    fps: int | None = option(None, "frames per second: seconds x fps = frames (default: the model's)",
+                             group="limits")
+    max_fps: int = option(60, "highest fps a request may ask for", group="limits")
+    max_prompt_chars: int = option(4000, "longest prompt (and negative prompt) in characters", group="limits")
+
+    # -- scoring (POST /v1/score) ----------------------------------------------------------------------
+    score_model: str | None = option("tiny-lm", "causal LM for /v1/score (tiny-lm or a local directory); 'none' "
+                                                "disables scoring", group="scoring")
+    score_workers: int = option(1, "workers of the scoring pool", group="scoring")
+    score_strategy: str = option("lss", "lss | ring", group="scoring", choices=["lss", "ring"])
+    score_preload: bool = option(False, "start the scoring pool now, not on first use", group="scoring")
+
+    def __post_init__(self):
+        for name in ("max_steps", "default_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.fps is not None and (isinstance(self.fps, bool) or not isinstance(self.fps, int) or self.fps < 1):
+            raise ValueError(f"fps must be a positive integer, got {self.fps!r}")
+        if self.default_steps > self.max_steps:
+            raise ValueError(f"default_steps ({self.default_steps}) exceeds max_steps ({self.max_steps})")
+        if self.max_steps > MAX_STEPS:
+            raise ValueError(f"max_steps must be <= {MAX_STEPS} (the engine's limit), got {self.max_steps}")
+        if self.retention_s is not None and (isinstance(self.retention_s, bool)
+                                             or not isinstance(self.retention_s, (int, float))
+                                             or not self.retention_s > 0 or not math.isfinite(self.retention_s)):
+            raise ValueError(f"retention_s must be a positive number of seconds or None, got {self.retention_s!r}")
+
+    @classmethod
+    def from_options(cls, **options) -> "ServeConfig":
+        """A config from one flat set of options: the engine's fields go to `engine` (with serving's defaults)."""
+        engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+        engine = EngineConfig.from_options(**{**SERVE_ENGINE_DEFAULTS,
+                                              **{k: v for k, v in options.items() if k in engine_names}})
+        return build(cls, {"engine": engine, **{k: v for k, v in options.items() if k not in engine_names}})
+
+    @property
+    def model(self) -> str:
+        return self.engine.model
