@@ -74,6 +74,9 @@ class EngineConfig:
                                          flag="--job-timeout")
     oom_retry: bool = option(False, "when a batch runs out of memory, run its requests again one at a time "
                                     "instead of failing them", group="scheduling")
+    live_kv_budget: float | None = option(None, "KV cache of causal (live) models' sessions and jobs, in MiB per "
+                                                "worker: a request past it is refused (HTTP 503) instead of "
+                                                "queued; none = no limit", group="scheduling", metavar="MIB")
     setup_retry_max_s: float = option(60.0, "longest wait between attempts to (re)load a model that fails to "
                                             "load (exponential backoff; seconds)", group="scheduling")
 
@@ -101,6 +104,8 @@ class EngineConfig:
             raise ValueError(f"max_queue must be a non-negative integer or None, got {self.max_queue!r}")
         if self.job_timeout_s is not None and not _positive_number(self.job_timeout_s):
             raise ValueError(f"job_timeout_s must be a positive number of seconds or None, got {self.job_timeout_s!r}")
+        if self.live_kv_budget is not None and not _positive_number(self.live_kv_budget):
+            raise ValueError(f"live_kv_budget must be a positive number of MiB or None, got {self.live_kv_budget!r}")
         if not _positive_number(self.setup_retry_max_s, allow_zero=True):
             raise ValueError(f"setup_retry_max_s must be a non-negative number, got {self.setup_retry_max_s!r}")
 
@@ -111,6 +116,10 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return build(type(self), {**dataclasses.asdict(self), **changes})
+
+    @property
+    def live_kv_budget_bytes(self) -> int | None:
+        return None if self.live_kv_budget is None else int(self.live_kv_budget * (1 << 20))
 
     @property
     def running_limit(self) -> int:

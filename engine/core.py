@@ -102,9 +102,9 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def add_request(self, spec: GenerationSpec) -> ScheduledRequest:
-        """Queue a checked request (QueueFullError, ValueError for a duplicate id)."""
-        req = self.scheduler.submit(spec)
+    def add_request(self, spec: GenerationSpec, kv_bytes: int = 0) -> ScheduledRequest:
+        """Queue a checked request (QueueFullError, KVBudgetError, ValueError for a duplicate id)."""
+        req = self.scheduler.submit(spec, kv_bytes)
         self._tell_positions()
         return req
 
@@ -117,6 +117,10 @@ class EngineCore:
             req.stream.put(Cancelled(req.id))
             self._tell_positions()
         return True
+
+    def update_request(self, request_id: str, payload: dict) -> bool:
+        """A running request changes course at the next step boundary (checked payload). False if unknown."""
+        return self.scheduler.update(request_id, payload)
 
     def close(self) -> None:
         """The engine closes: every unfinished request ends now, with a final output (Failed: engine_closed)."""
@@ -144,6 +148,16 @@ class EngineCore:
         for req in plan.admit:
             if not self._admit(req) and self._pool_lost(restarts):
                 return True
+        for req, payloads in plan.update:
+            for payload in payloads:
+                if req.state is not RequestState.RUNNING or req.cancel_requested:
+                    break
+                res = self._call(jobs.update, req.id, payload, involved=[req])
+                if res is None:
+                    if self._pool_lost(restarts):
+                        return True
+                    break
+                self.scheduler.stepped(req, res["progress"])
         if plan.decode is not None and not plan.decode.cancel_requested:
             if not self._decode(plan.decode, plan.decode_frames) and self._pool_lost(restarts):
                 return True
@@ -193,7 +207,8 @@ class EngineCore:
         if req.cancel_requested:
             return True   # cancelled meanwhile: released (Cancelled) at the next boundary
         done = self.scheduler.decoded(req, chunk)
-        req.stream.put(FramesChunk(req.id, chunk.frames, chunk.start, chunk.stop, chunk.num_frames, chunk.vae_s))
+        req.stream.put(FramesChunk(req.id, chunk.frames, chunk.start, chunk.stop, chunk.num_frames, chunk.vae_s,
+                                   chunk.info))
         if done:
             self._release([req.id])
             req.stream.put(Finished(req.id, dict(req.timings)))

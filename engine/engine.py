@@ -108,6 +108,14 @@ class RequestHandle:
     def cancel(self) -> bool:
         return self._engine.cancel(self.request_id)
 
+    def switch(self, prompt: str) -> bool:
+        """A live session's new prompt, applied at its next chunk (its chunks' `info["prompt_index"]` tells)."""
+        return self._engine.update(self.request_id, prompt=prompt)
+
+    def stop(self) -> bool:
+        """A live session ends after the chunk it is making (its frames so far are delivered, then Finished)."""
+        return self._engine.update(self.request_id, stop=True)
+
     def __iter__(self) -> Iterator[RequestOutput]:
         done = False
         try:
@@ -210,9 +218,22 @@ class VideoEngine:
         if self._closed:
             raise RuntimeError("the engine is closed")
         spec = self.family.check_request(self.info.description, spec)
-        req = self.core.add_request(spec)
+        kv = self.family.kv_bytes(self.info.description, spec, self.config)
+        req = self.core.add_request(spec, kv)
         self._notify()
         return RequestHandle(self, req)
+
+    def update(self, request_id: str, **payload) -> bool:
+        """Change a running request at its next step boundary: a live session's `prompt=` (applied at its next
+        chunk) or `stop=True` (it ends after the chunk it is making). The family checks the payload
+        (RequestError naming the field). False when the request is unknown or finished."""
+        req = self.core.scheduler.get(request_id)
+        if req is None:
+            return False
+        payload = self.family.check_update(self.info.description, req.spec, payload)
+        ok = self.core.update_request(request_id, payload)
+        self._notify()
+        return ok
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request: a waiting one now, a running one at the next step boundary. False if it is unknown

@@ -60,6 +60,7 @@ class FramesChunk(RequestOutput):
     stop: int
     num_frames: int
     vae_s: float
+    info: dict = field(default_factory=dict)   # the family's: a causal model's {"chunk", "prompt_index"}
 
 
 @dataclass(frozen=True)

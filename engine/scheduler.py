@@ -40,8 +40,11 @@ One iteration's decision (`schedule()`), in the order the engine core carries it
    up to `max_batch`. A request admitted in this iteration joins the batches of the next:
    its batch key is known once its admission ran.
 
-Room for other work: a live session (a causal model's chunk loop) will be another field of
-`SchedulerOutput` that the engine core carries out beside `step`.
+Live sessions (causal models, `engine/families/causal_wan.py`) are requests too: a chunk loop of
+`steps_per_chunk` steps per chunk whose frames are decoded chunk by chunk, plus `update`: changes
+asked for while a request runs (a new prompt, stop), carried out between admission and decode
+(`Scheduler.update`, `SchedulerOutput.update`). A causal request's KV cache is counted against
+`live_kv_budget` when it is submitted (`KVBudgetError` past it) and freed when it finishes.
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ class QueueFullError(RuntimeError):
     """`submit` refused: the waiting queue already holds `max_queue` requests."""
 
 
+class KVBudgetError(QueueFullError):
+    """`submit` refused: the request's KV cache would not fit in `live_kv_budget` beside the others'."""
+
+
 @dataclass(eq=False)
 class ScheduledRequest:
     """One request as the coordinator tracks it (the worker-side state lives in the model family)."""
@@ -93,6 +100,8 @@ class ScheduledRequest:
     error: RequestFailure | None = None        # when FINISHED_FAILED
     admissions: int = 0                        # > 1 after a crash sent it back to the queue
     queue_position: int | None = None          # the last position its stream was told
+    kv_bytes: int = 0                          # KV cache it holds per worker (causal models), counted on submit
+    updates: list = field(default_factory=list)  # changes asked for while it runs (a live session's prompt, stop)
     timings: dict = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.time)
     finished_at: float | None = None
@@ -105,6 +114,10 @@ class ScheduledRequest:
     def progressed(self, p) -> None:
         """Take in what a worker job reports of it (`engine.worker.Progress`)."""
         self.steps_done, self.batch_key, self.decodable = p.steps_done, tuple(p.batch_key), p.decodable
+        if p.num_steps is not None:
+            self.num_steps = p.num_steps
+        if p.num_frames is not None:
+            self.num_frames = p.num_frames
 
 
 @dataclass
@@ -119,13 +132,14 @@ class SchedulerOutput:
 
     release: list[ScheduledRequest] = field(default_factory=list)
     admit: list[ScheduledRequest] = field(default_factory=list)
+    update: list[tuple[ScheduledRequest, list[dict]]] = field(default_factory=list)
     decode: ScheduledRequest | None = None
     decode_frames: int = 0
     step: StepPlan | None = None
 
     @property
     def empty(self) -> bool:
-        return not (self.release or self.admit or self.decode or self.step)
+        return not (self.release or self.admit or self.update or self.decode or self.step)
 
 
 class Scheduler:
@@ -137,6 +151,7 @@ class Scheduler:
         self.max_waiting = config.max_queue
         self.decode_chunk_frames = config.decode_chunk_frames
         self.max_steps_per_job = config.max_steps_per_job
+        self.kv_budget = config.live_kv_budget_bytes
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._requests: dict[str, ScheduledRequest] = {}      # every unfinished request
@@ -146,14 +161,23 @@ class Scheduler:
 
     # -- requests come and go (any thread) --------------------------------------------------------
 
-    def submit(self, spec: GenerationSpec) -> ScheduledRequest:
-        """Queue a validated request; it is admitted at a coming step boundary."""
+    def submit(self, spec: GenerationSpec, kv_bytes: int = 0) -> ScheduledRequest:
+        """Queue a validated request; it is admitted at a coming step boundary. `kv_bytes`: the KV cache it will
+        hold per worker, counted against `live_kv_budget` from now until it finishes (KVBudgetError past it)."""
         with self._lock:
             if spec.request_id in self._requests:
                 raise ValueError(f"request_id {spec.request_id!r} is already scheduled")
             if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
                 raise QueueFullError(f"the queue is full ({self.max_waiting} requests waiting)")
-            req = ScheduledRequest(spec=spec, seq=next(self._seq))
+            if kv_bytes and self.kv_budget is not None:
+                held = [r.kv_bytes for r in self._requests.values() if r.kv_bytes]
+                if sum(held) + kv_bytes > self.kv_budget:
+                    mib = 1 << 20
+                    raise KVBudgetError(
+                        f"the live KV budget is full: {len(held)} session(s) hold {sum(held) / mib:.1f} MiB of "
+                        f"{self.kv_budget / mib:.1f} MiB per worker and this one needs {kv_bytes / mib:.1f} MiB; "
+                        f"retry when a session ends")
+            req = ScheduledRequest(spec=spec, seq=next(self._seq), kv_bytes=kv_bytes)
             self._requests[req.id] = req
             self._waiting.append(req)
         return req
@@ -172,6 +196,16 @@ class Scheduler:
             self._waiting.remove(req)
             self._finish_locked(req, RequestState.FINISHED_CANCELLED)
         return req, True
+
+    def update(self, request_id: str, payload: dict) -> bool:
+        """Ask a request to change course at the next step boundary (after its admission, in the order asked).
+        False when it is unknown or finished."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.state.finished or req.cancel_requested:
+                return False
+            req.updates.append(payload)
+        return True
 
     def get(self, request_id: str) -> ScheduledRequest | None:
         with self._lock:
@@ -222,13 +256,18 @@ class Scheduler:
                 req.admissions += 1
                 self._admitted.append(req)
                 out.admit.append(req)
+            for r in stepping:
+                if r.updates and r.batch_key is not None and not r.cancel_requested:
+                    out.update.append((r, r.updates))
+                    r.updates = []
             ready = [r for r in self._admitted if r.decodable and not r.cancel_requested]
             if ready:
                 out.decode = min(ready, key=lambda r: r.seq)
                 out.decode_frames = self.decode_chunk_frames
             batch = self._select_batch_locked(stepping)
             if batch:
-                quiet = (not self._waiting and not out.admit and out.decode is None
+                quiet = (not self._waiting and not out.admit and out.decode is None and not out.update
+                         and not any(r.updates for r in stepping)
                          and all(r in batch for r in stepping))
                 steps = 1 if not quiet else max(1, min(self.max_steps_per_job,
                                                        *(r.num_steps - r.steps_done for r in batch)))

@@ -12,6 +12,7 @@ and stay in lockstep. The model family (`engine/families/`) found from the check
   (they may be at different timesteps, guidance scales and prompt lengths);
 - `decode_next(id, max_frames)`: the next final frames are VAE-decoded, split across the
   workers, and handed to rank 0 (for a long video, while later segments still denoise);
+- `update(id, payload)`: a running request changes course (a live session's new prompt, or stop);
 - `release(ids)`: the state is dropped.
 
 The coordinator (`engine.core.EngineCore`, deciding with `engine.scheduler.Scheduler`)
@@ -37,6 +38,8 @@ class Progress:
     steps_done: int
     batch_key: tuple
     decodable: bool            # final frames wait to be decoded
+    num_steps: int | None = None    # when the totals changed since admission (a live session was stopped)
+    num_frames: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class DecodedChunk:
     done: bool
     progress: Progress
     timings: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)     # the family's (a causal model: chunk index, prompt index)
 
 
 def setup_worker(ctx, config: WorkerConfig) -> None:
@@ -125,7 +129,14 @@ def decode_next(ctx, request_id: str, max_frames: int) -> DecodedChunk | None:
     if ctx.pg.rank != 0:
         return None
     return DecodedChunk(frames, start, req.decoded_frames, req.num_frames, req.timings["vae_s"] - vae_before,
-                        req.decoded_frames >= req.num_frames, req.progress(), dict(req.timings))
+                        req.decoded_frames >= req.num_frames, req.progress(), dict(req.timings),
+                        dict(getattr(req, "chunk_info", None) or {}))
+
+
+def update(ctx, request_id: str, payload: dict) -> dict:
+    """Change a running request between two steps (a live session: a new prompt, or stop); the family
+    validated `payload` on the coordinator. Returns what the family says of it."""
+    return ctx.state["family"].update(ctx.state["requests"][request_id], payload)
 
 
 def release(ctx, request_ids: list[str]) -> None:

@@ -177,7 +177,12 @@ class VideoPipeline:
                 chunks.clear()      # the workers restarted under it: it is made again, from the first frame
             elif isinstance(out, Finished):
                 timings = out.timings
-        video = chunks[0] if output_type == "latent" else np.concatenate(chunks, axis=1)
+        if output_type == "latent":      # one piece, or a causal model's chunks (B, C, k, h, w) in order
+            import torch
+
+            video = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+        else:
+            video = np.concatenate(chunks, axis=1)
         wall = time.perf_counter() - t_start
         timings = dict(timings, wall_s=wall)
         timings["overhead_s"] = wall - timings["encode_s"] - timings["transformer_s"] - timings["vae_s"]

@@ -21,7 +21,8 @@ A causal checkpoint directory::
     <weights>                   the released generator file (.pt or .safetensors), untouched
     transformer/config.json     the diffusers WanTransformer3DModel config of that generator
     model_index.json            a diffusers WanPipeline index whose "transformer" entry is [null, null]
-    text_encoder/ tokenizer/ vae/ scheduler/   the base model's (Wan 2.1 T2V 1.3B for the released ones)
+    text_encoder/ tokenizer/ vae/ scheduler/   the base model's (for the released ones: symlinks to the
+                                folders of Wan-AI/Wan2.1-T2V-1.3B-Diffusers, which their inference scripts load)
 
 causal_config.json::
 
@@ -133,6 +134,7 @@ def read_generator(path: str | Path, state_dict_key: str | None) -> dict:
 def load_causal_transformer(model_dir: str | Path, dtype=None):
     """diffusers' `WanTransformer3DModel` with the released generator's weights (strict: no missing or
     unexpected parameters)."""
+    import torch
     from diffusers import WanTransformer3DModel
 
     model_dir = Path(model_dir)
@@ -151,4 +153,9 @@ def load_causal_transformer(model_dir: str | Path, dtype=None):
                          f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
     model.load_state_dict(sd, assign=True, strict=True)
     model.eval()
-    return model.to(dtype) if dtype is not None else model
+    if dtype is not None and dtype != torch.float32:
+        # what diffusers' from_pretrained(dtype=...) does: the modules it lists stay in float32
+        keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+        for name, p in model.named_parameters():
+            p.data = p.data.float() if keep & set(name.split(".")) else p.data.to(dtype)
+    return model

@@ -38,7 +38,11 @@ def family_for(pipeline_class: str) -> type[VideoFamily]:
 
 
 def detect_family(model_dir: str | Path) -> type[VideoFamily]:
-    """The family of a checkpoint directory, from its `model_index.json`."""
+    """The family of a checkpoint directory: one that claims the directory by a file of its own (a causal
+    model's `causal_config.json`), else the one serving its `model_index.json`'s `_class_name`."""
     from engine.families.base import read_json
 
+    for family in all_families():
+        if family.claims(Path(model_dir)):
+            return family
     return family_for(read_json(Path(model_dir) / "model_index.json").get("_class_name", "?"))

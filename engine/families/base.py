@@ -76,7 +76,7 @@ class WorkerRequest:
         """What the coordinator learns after each job (`engine.worker.Progress`)."""
         from engine.worker import Progress
 
-        return Progress(self.steps_done, self.batch_key, self.decodable())
+        return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames)
 
 
 class VideoFamily:
@@ -92,6 +92,11 @@ class VideoFamily:
     # -- coordinator side ------------------------------------------------------------------
 
     @classmethod
+    def claims(cls, model_dir: Path) -> bool:
+        """Does this family serve `model_dir` whatever its `model_index.json` names? (Most families: no.)"""
+        return False
+
+    @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
         raise NotImplementedError
 
@@ -105,6 +110,17 @@ class VideoFamily:
         """Validate what every family shares; families extend it for their own rules and options."""
         check_common(desc, spec)
         return spec
+
+    @classmethod
+    def kv_bytes(cls, desc: ModelDescription, spec: GenerationSpec, config) -> int:
+        """The KV cache a request holds per worker (counted against `live_kv_budget`): none but causal models'."""
+        return 0
+
+    @classmethod
+    def check_update(cls, desc: ModelDescription, spec: GenerationSpec, payload: dict) -> dict:
+        """Validate a change to a running request (`VideoEngine.update`)."""
+        raise RequestError("request", f"a {cls.name} request cannot be changed while it runs (live sessions of "
+                                      f"causal models can)")
 
     # -- worker side: loading ------------------------------------------------------------------
 
@@ -217,6 +233,10 @@ class VideoFamily:
 
     def decode(self, r: WorkerRequest, max_frames: int):
         raise NotImplementedError
+
+    def update(self, r: WorkerRequest, payload: dict) -> dict:
+        """A running request changes course (`engine.worker.update`); only live-capable families accept it."""
+        raise ValueError(f"a {self.name} request cannot be changed while it runs")
 
     # -- helpers the families share ----------------------------------------------------------
 

@@ -1,0 +1,407 @@
+"""Causal few-step Wan models (Self-Forcing, LongLive, CausVid kind): live and finite video, chunk by chunk.
+
+A checkpoint of this family is a directory with `causal_config.json` (weights/causal_wan.py
+describes it; the released generator file is loaded as it is). A request is a loop of
+chunks; each chunk is `steps_per_chunk` engine steps, so chunks of different requests share
+batched forwards (any phase: a row's timestep, prompt and cache are its own):
+
+    step 0..n-1   denoise the chunk: v = model(x, t_i) over [cache | chunk]; x0 = x - sigma_i v;
+                  x = (1 - sigma_{i+1}) x0 + sigma_{i+1} noise (fresh, from the request's generator)
+    after n-1     the chunk (x0) is final: queued for decoding, decoded at the next boundary
+    step n        the context pass: model(x0, context_noise) writes the chunk's K/V into the cache
+                  (skipped after the last chunk); then the next chunk starts from fresh noise
+
+Prompts: a request starts with prompt index 0. `options["prompt_schedule"]` ([[chunk, prompt],
+...], the first at chunk 0) switches at the listed chunks; `update(prompt=...)` adds a prompt
+that applies at the next chunk boundary. A switch recomputes the cached frames' K/V under the
+new prompt (LongLive's recache: context passes over the cached clean latents, oldest first)
+and the text K/V. Every decoded chunk says which chunk it is and which prompt made it
+(`DecodedChunk.info`), so a switch is observable exactly. `update(stop=True)` ends a request
+after the chunk it is making; `options["live"]` marks a session (its length, `num_frames`, is
+then the front door's limit).
+
+The engine's memory for a request is fixed: per row one `KVCache` (engine/models/causal.py),
+the latents of the cached frames (for a recache), the current chunk, and the streaming VAE's cache.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig, ModelDescription
+from engine.families.base import (
+    VideoFamily,
+    check_common,
+    generation_defaults,
+    read_json,
+    seeded_generator,
+    sync_cuda,
+    to_pixels,
+)
+from engine.families.wan import MAX_SEQUENCE_LENGTH, WanFamily, WanRequest, decoded_frames, vae_factors
+from engine.models.causal import CausalConfig, CausalWan, KVCache
+from engine.parallel import ParallelPlan, make_sequence_parallel
+from engine.request import GenerationSpec, RequestError
+
+CAUSAL_CONFIG_FILE = "causal_config.json"
+OPTIONS = ("prompt_schedule", "live")
+
+
+def chunk_frames(chunks: int, frames_per_block: int, temporal: int) -> int:
+    """Pixel frames of the first `chunks` chunks."""
+    return decoded_frames(chunks * frames_per_block, temporal)
+
+
+@dataclass
+class CausalRequest(WanRequest):
+    cfg: CausalConfig = None
+    caches: list = field(default_factory=list)      # one KVCache per row
+    generator: torch.Generator = None
+    num_chunks: int = 0
+    latent_frames: int = 0
+    chunk: int = 0                                  # the chunk being made
+    phase: int = 0                                  # its next forward: 0..n-1 denoise, n context pass
+    x: torch.Tensor = None                          # the chunk's noisy latents (B, C, fb, h, w), float32
+    x0: torch.Tensor = None                         # the chunk once final
+    texts: list = field(default_factory=list)       # per prompt index: (B, L, C_text)
+    prompt_index: int = 0
+    schedule: dict = field(default_factory=dict)    # chunk -> prompt index (the request's prompt_schedule)
+    pending_prompt: int | None = None               # a switch asked for, applied at the next chunk boundary
+    clean: torch.Tensor = None                      # the cached frames' clean latents, by cache slot
+    to_decode: list = field(default_factory=list)   # [(chunk, prompt index, latents)] final, not decoded yet
+    chunk_info: dict = field(default_factory=dict)  # what the last decode handed out
+
+    def decodable(self) -> bool:
+        return bool(self.to_decode)
+
+
+class CausalWanFamily(WanFamily):
+    """Self-Forcing / LongLive / CausVid-style checkpoints on diffusers' `WanTransformer3DModel`."""
+
+    name = "causal-wan"
+    plans = ("ulysses",)
+    auto_plan = "sequence"
+    pipeline_classes = frozenset()          # claimed by causal_config.json, not by model_index.json
+
+    @classmethod
+    def claims(cls, model_dir: Path) -> bool:
+        return (Path(model_dir) / CAUSAL_CONFIG_FILE).is_file()
+
+    @classmethod
+    def describe(cls, model_dir: Path) -> ModelDescription:
+        model_dir = Path(model_dir)
+        raw = read_json(model_dir / CAUSAL_CONFIG_FILE)
+        cfg = CausalConfig.from_dict(raw)
+        t = read_json(model_dir / "transformer" / "config.json")
+        spatial, temporal = vae_factors(read_json(model_dir / "vae" / "config.json"))
+        fallback = {"height": 480, "width": 832, "num_frames": chunk_frames(7, cfg.frames_per_block, temporal),
+                    "num_inference_steps": len(cfg.timesteps), "guidance_scale": 1.0, "fps": cfg.fps}
+        return ModelDescription(
+            family=cls.name, pipeline="CausalWan", heads=t["num_attention_heads"],
+            size_multiple=spatial * t["patch_size"][1], frame_multiple=temporal * t["patch_size"][0],
+            defaults=generation_defaults(model_dir, fallback), options=OPTIONS, long_video=True,
+            extra={"causal": raw, "layers": t["num_layers"], "head_dim": t["attention_head_dim"],
+                   "patch": t["patch_size"], "vae_spatial": spatial, "vae_temporal": temporal, "live": True})
+
+    @classmethod
+    def resolve_plan(cls, desc: ModelDescription, parallel: str, workers: int, ulysses_degree: int | None = None,
+                     cfg_parallel: bool = False) -> ParallelPlan:
+        if cfg_parallel:
+            raise ValueError("cfg_parallel does not apply to causal models (they run without guidance)")
+        if parallel not in ("auto", "ulysses"):
+            raise ValueError(f"parallel must be 'auto' or 'ulysses' for a causal model (its chunks are sharded "
+                             f"with Ulysses, heads padded when fewer than the workers); got {parallel!r}")
+        if ulysses_degree not in (None, 1, workers):
+            raise ValueError("ulysses_degree does not apply to a causal model (all workers form one Ulysses group)")
+        return ParallelPlan("ulysses")
+
+    @classmethod
+    def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
+        cfg = CausalConfig.from_dict(desc.extra["causal"])
+        n = len(cfg.timesteps)
+        if spec.num_inference_steps != n:
+            raise RequestError("num_inference_steps", f"this causal model denoises every chunk in exactly {n} steps "
+                                                      f"(its denoising_step_list); got {spec.num_inference_steps}")
+        if spec.guidance_scale > 1.0:
+            raise RequestError("guidance_scale", f"causal few-step models run without classifier-free guidance: "
+                                                 f"guidance_scale must be at most 1; got {spec.guidance_scale}")
+        check_common(desc, spec)
+        schedule = spec.options.get("prompt_schedule")
+        if schedule is not None:
+            if spec.batch_size != 1:
+                raise RequestError("prompt_schedule", "a prompt schedule is for one video (one prompt)")
+            ok = isinstance(schedule, (list, tuple)) and schedule and all(
+                isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], int) and not isinstance(e[0], bool)
+                and isinstance(e[1], str) and e[1].strip() for e in schedule)
+            chunks = [e[0] for e in schedule] if ok else []
+            if not ok or chunks[0] != 0 or any(b <= a for a, b in zip(chunks, chunks[1:])):
+                raise RequestError("prompt_schedule", "prompt_schedule must be a list of [chunk, prompt] pairs "
+                                                      "with non-empty prompts, the first at chunk 0, chunks "
+                                                      f"increasing; got {schedule!r}")
+            spec.options = {**spec.options, "prompt_schedule": [[int(c), p] for c, p in schedule]}
+            spec.prompt = [schedule[0][1]]
+        live = spec.options.get("live", False)
+        if not isinstance(live, bool):
+            raise RequestError("live", f"live must be true or false; got {live!r}")
+        return spec
+
+    @classmethod
+    def check_update(cls, desc: ModelDescription, spec: GenerationSpec, payload: dict) -> dict:
+        unknown = sorted(set(payload) - {"prompt", "stop"})
+        if unknown or not payload:
+            raise RequestError(unknown[0] if unknown else "request", "a running causal request takes prompt= (a "
+                                                                     "new prompt) or stop=True")
+        if "prompt" in payload:
+            p = payload["prompt"]
+            if not isinstance(p, str) or not p.strip():
+                raise RequestError("prompt", f"prompt must be a non-empty string; got {p!r}")
+            if spec.batch_size != 1:
+                raise RequestError("prompt", "a prompt switch is for a one-video request")
+        if "stop" in payload and payload["stop"] is not True:
+            raise RequestError("stop", f"stop must be true; got {payload['stop']!r}")
+        return dict(payload)
+
+    @classmethod
+    def kv_bytes(cls, desc: ModelDescription, spec: GenerationSpec, config: EngineConfig) -> int:
+        """Per worker: one KVCache per video (engine/models/causal.py), at the engine's dtype."""
+        from engine.dist import parse_dtype
+
+        cfg = CausalConfig.from_dict(desc.extra["causal"])
+        x = desc.extra
+        tokens = (spec.height // x["vae_spatial"] // x["patch"][1]) * (spec.width // x["vae_spatial"] // x["patch"][2])
+        per_video = KVCache.nbytes(cfg, x["layers"], tokens, math.ceil(desc.heads / config.workers), desc.heads,
+                                   x["head_dim"], MAX_SEQUENCE_LENGTH, parse_dtype(config.dtype).itemsize)
+        return per_video * spec.batch_size
+
+    # -- worker side --------------------------------------------------------------------------------
+
+    def __init__(self, ctx, config):
+        import diffusers
+        import transformers
+
+        from weights.causal_wan import load_causal_transformer
+
+        VideoFamily.__init__(self, ctx, config)
+        diffusers.utils.logging.disable_progress_bar()
+        model_dir = base = Path(config.model_dir)
+        self.desc = desc = self.describe(model_dir)
+        self.cfg = CausalConfig.from_dict(desc.extra["causal"])
+        device = self.pg.device
+        transformer = load_causal_transformer(model_dir, self.dtype).to(device)
+        index = read_json(base / "model_index.json")
+        tokenizer = text_encoder = None
+        if self.pg.rank == 0:          # the text encoder on rank 0 only (it broadcasts the embeddings)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(base / "tokenizer")
+            text_encoder = getattr(transformers, index["text_encoder"][1]).from_pretrained(
+                base / "text_encoder", dtype=self.dtype).to(device)
+        vae = diffusers.AutoencoderKLWan.from_pretrained(base / "vae", torch_dtype=torch.float32).to(device)
+        scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(base / "scheduler")
+        self.pipe = diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
+                                          vae=vae, scheduler=scheduler)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.model = CausalWan(transformer, self.cfg)
+        self.vae_spatial, self.vae_temporal = vae_factors(dict(vae.config))
+        self.boundary = None
+        self.set_plan(config.plan)
+
+    def set_plan(self, plan: ParallelPlan) -> None:
+        self.cfg_groups, self.sp_cfg = None, None
+        self.sp = make_sequence_parallel(self.pg, "ulysses")
+        self.plan = plan
+
+    # -- a request ----------------------------------------------------------------------------------
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """UMT5 embeddings of `prompts` (rank 0 encodes, every rank gets them): (len, L, C_text)."""
+        def run():
+            with torch.no_grad():
+                return self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
+                                               num_videos_per_prompt=1, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                                               device=self.pg.device)[0].cpu()
+
+        return self.broadcast_from_first(run).to(self.pg.device, self.dtype)
+
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> CausalRequest:
+        cfg = self.cfg
+        latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
+        num_chunks = -(-latent_frames // cfg.frames_per_block)
+        B, h, w = spec.batch_size, spec.height // self.vae_spatial, spec.width // self.vae_spatial
+        texts, schedule = [text], {}
+        entries = spec.options.get("prompt_schedule") or []
+        if len(entries) > 1:
+            more = self.encode([p for _, p in entries[1:]])
+            texts += [more[i:i + 1] for i in range(len(entries) - 1)]
+            schedule = {c: i for i, (c, _) in enumerate(entries) if i > 0}
+        C = self.pipe.transformer.config.in_channels
+        r = CausalRequest(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=(),
+                          num_frames=spec.num_frames, cfg=cfg, generator=seeded_generator(spec.seed),
+                          num_chunks=num_chunks, latent_frames=latent_frames, texts=texts, schedule=schedule,
+                          caches=[self.model.new_cache(h, w, self.sp, text.shape[1]) for _ in range(B)],
+                          clean=torch.zeros(B, C, cfg.capacity, h, w, device=self.pg.device))
+        self._start_chunk(r)
+        return r
+
+    def batch_key(self, r: CausalRequest) -> tuple:
+        if r.denoised:
+            return ("causal", "done")
+        return ("causal", *(r.x if r.x is not None else r.x0).shape[1:])
+
+    def _noise(self, r: CausalRequest) -> torch.Tensor:
+        return torch.randn(r.x0.shape if r.x is None else r.x.shape, generator=r.generator,
+                           dtype=torch.float32).to(self.pg.device)
+
+    def _start_chunk(self, r: CausalRequest) -> None:
+        """A new chunk from fresh noise, under the prompt that applies from it (a switch recaches first)."""
+        switch = r.schedule.get(r.chunk, r.pending_prompt)
+        if switch is not None and switch != r.prompt_index:
+            self._switch(r, switch)
+        r.pending_prompt = None
+        B, C = r.spec.batch_size, self.pipe.transformer.config.in_channels
+        h, w = r.spec.height // self.vae_spatial, r.spec.width // self.vae_spatial
+        r.x = torch.randn((B, C, self.cfg.frames_per_block, h, w), generator=r.generator,
+                          dtype=torch.float32).to(self.pg.device)
+        r.phase = 0
+        r.batch_key = self.batch_key(r)
+
+    def _switch(self, r: CausalRequest, index: int) -> None:
+        """Prompt `index` from now: the cached frames' K/V are recomputed under it (oldest first, a chunk's worth
+        of frames per context pass), then its text K/V on the next forward."""
+        r.prompt_index = index
+        order = sorted((f, s) for s, f in enumerate(r.caches[0].slot_frame) if f >= 0)
+        if not order:
+            return
+        sync_cuda()
+        t0 = time.perf_counter()
+        latents = r.clean[:, :, [s for _, s in order]]                    # (B, C, P, h, w), oldest first
+        for c in r.caches:
+            c.reset()
+        fb, B = self.cfg.frames_per_block, latents.shape[0]
+        text = r.texts[index].expand(B, -1, -1)
+        t = torch.full((B,), self.cfg.context_noise, device=self.pg.device)
+        with torch.no_grad():
+            for g in range(0, latents.shape[2], fb):
+                part = latents[:, :, g:g + fb]
+                self.model(part.to(self.dtype), t, text, self.sp, r.caches, [index] * B, [True] * B)
+                for i in range(part.shape[2]):
+                    r.clean[:, :, r.caches[0].slot_of(g + i)] = part[:, :, i]
+        sync_cuda()
+        r.timings["transformer_s"] += time.perf_counter() - t0
+
+    def step(self, reqs: list[CausalRequest]) -> None:
+        """One forward for every request's rows (each at its own phase), then each request's update."""
+        t0 = time.perf_counter()
+        n, cfg = len(self.cfg.timesteps), self.cfg
+        xs, ts, texts, caches, versions, writes = [], [], [], [], [], []
+        for r in reqs:
+            B = r.spec.batch_size
+            context = r.phase == n
+            xs.append((r.x0 if context else r.x).to(self.dtype))
+            ts.append(torch.full((B,), cfg.context_noise if context else cfg.timesteps[r.phase]))
+            texts.append(r.texts[r.prompt_index].expand(B, -1, -1))
+            caches += r.caches
+            versions += [r.prompt_index] * B
+            writes += [context] * B
+        with torch.no_grad():
+            out = self.model(torch.cat(xs), torch.cat(ts).to(self.pg.device), torch.cat(texts), self.sp, caches,
+                             versions, writes).float()
+        rows = 0
+        for r in reqs:
+            pred = out[rows:rows + r.spec.batch_size]
+            rows += r.spec.batch_size
+            self._advance(r, pred)
+        sync_cuda()
+        elapsed = time.perf_counter() - t0
+        for r in reqs:
+            r.timings["transformer_s"] += elapsed / len(reqs)
+
+    def _advance(self, r: CausalRequest, pred: torch.Tensor) -> None:
+        n, cfg = len(self.cfg.timesteps), self.cfg
+        r.steps_done += 1
+        if r.phase < n:
+            x0 = r.x - cfg.sigma(cfg.timesteps[r.phase]) * pred
+            if r.phase < n - 1:
+                s = cfg.sigma(cfg.timesteps[r.phase + 1])
+                r.x = (1 - s) * x0 + s * self._noise(r)
+                r.phase += 1
+            else:
+                r.x0, r.x = x0, None
+                r.to_decode.append((r.chunk, r.prompt_index, x0))
+                r.phase = n
+        else:                                   # the context pass wrote the chunk: keep its clean latents
+            first = r.caches[0].frames_written - r.x0.shape[2]
+            for i in range(r.x0.shape[2]):
+                r.clean[:, :, r.caches[0].slot_of(first + i)] = r.x0[:, :, i]
+            r.chunk += 1
+            r.x0 = None
+            self._start_chunk(r)
+        if r.denoised:
+            r.x = r.x0 = None
+        r.batch_key = self.batch_key(r) if r.x is not None or r.x0 is not None else ("causal", "done")
+
+    def update(self, r: CausalRequest, payload: dict) -> dict:
+        """A new prompt (applied at the next chunk boundary; at once when no forward of the current chunk ran
+        yet) or stop (after the chunk being made). Returns the progress and, for a prompt, where it applies."""
+        info = {}
+        if "prompt" in payload:
+            r.texts.append(self.encode([payload["prompt"]]))
+            index = len(r.texts) - 1
+            r.schedule = {c: i for c, i in r.schedule.items() if c <= r.chunk}   # a live switch overrides the rest
+            if r.phase == 0 and not r.denoised:
+                if r.chunk > 0:
+                    self._switch(r, index)      # between chunks: this chunk is already the next one
+                else:
+                    r.prompt_index = index
+                r.schedule.pop(r.chunk, None)
+                info = {"prompt_index": index, "chunk": r.chunk}
+            else:
+                r.pending_prompt = index
+                info = {"prompt_index": index, "chunk": r.chunk + 1}
+        if payload.get("stop") and not r.denoised:
+            # the chunk being made is the last (at a boundary: the one about to start, so that a chunk always
+            # follows a stop and ends the request); a final chunk's context pass is not needed
+            n = len(self.cfg.timesteps)
+            chunks = r.chunk + 1
+            r.num_chunks = chunks
+            r.num_steps = r.steps_done + (n - r.phase)
+            r.num_frames = min(r.num_frames, chunk_frames(chunks, self.cfg.frames_per_block, self.vae_temporal))
+            r.latent_frames = min(r.latent_frames, chunks * self.cfg.frames_per_block)
+            if r.denoised:                       # phase n: the chunk was final already
+                r.x = r.x0 = None
+                r.batch_key = ("causal", "done")
+        return {"progress": r.progress(), **info}
+
+    # -- decoding: one chunk per call ------------------------------------------------------------------
+
+    def decode_next(self, r: CausalRequest, max_frames: int):
+        """The oldest final chunk, whole (a chunk is the unit a live client sees): pixels (B, n, H, W, 3) on
+        rank 0, or its latents for output "latent". `max_frames` does not split a chunk."""
+        chunk, prompt_index, latents = r.to_decode.pop(0)
+        keep = max(0, min(latents.shape[2], r.latent_frames - r.latents_decoded))
+        latents = latents[:, :, :keep]
+        r.chunk_info = {"chunk": chunk, "prompt_index": prompt_index}
+        start = r.decoded_frames
+        r.latents_decoded += keep
+        r.decoded_frames = min(r.num_frames, decoded_frames(r.latents_decoded, self.vae_temporal))
+        if r.spec.output == "latent":
+            return latents.cpu() if self.pg.rank == 0 else None
+        t0 = time.perf_counter()
+        if r.decoder is None:
+            r.decoder = self.start_decoder(latents)
+        with torch.no_grad():
+            video = r.decoder.decode(self.unnormalize(latents)) if keep else None
+        if r.decoded_frames >= r.num_frames:
+            r.decoder.close()
+            r.decoder = None
+        sync_cuda()
+        r.timings["vae_s"] += time.perf_counter() - t0
+        if video is None:
+            return None
+        return to_pixels(video[:, :, :r.decoded_frames - start], self.pipe.video_processor, r.spec.output)
+
+
+FAMILY = CausalWanFamily
