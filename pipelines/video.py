@@ -64,6 +64,62 @@ def save_video(frames: np.ndarray, path, fps: int = 8) -> None:
             writer.append_data(frame)
 
 
+@dataclass
+class LiveChunk:
+    """One chunk of a live session: float32 frames (n, H, W, 3) in [0, 1]."""
+
+    index: int
+    frames: np.ndarray
+    prompt_index: int          # which prompt made it: 0 the first, then one per switch() in order
+    start: int                 # its first frame's index in the session
+
+
+class LiveSession:
+    """A running live session (`VideoPipeline.live`). Iterate for its chunks; `switch`, `stop`, `close`."""
+
+    def __init__(self, handle, fps: int):
+        self.handle, self.fps = handle, fps
+        self.prompts = [handle.spec.prompt[0]]
+        self.timings: dict = {}
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
+
+    def switch(self, prompt: str) -> int:
+        """A new prompt from the next chunk on; returns its prompt index (what its chunks will carry)."""
+        if not self.handle.switch(prompt):
+            raise RuntimeError("the session has ended")
+        self.prompts.append(prompt)
+        return len(self.prompts) - 1
+
+    def stop(self) -> None:
+        """End after the chunk being made (the iteration delivers it, then ends)."""
+        self.handle.stop()
+
+    def close(self) -> None:
+        """End now: the session's cache is freed at the next step boundary."""
+        self.handle.cancel()
+
+    def __iter__(self) -> Iterator[LiveChunk]:
+        for out in self.handle:
+            if isinstance(out, FramesChunk):
+                yield LiveChunk(out.info.get("chunk", 0), out.frames[0], out.info.get("prompt_index", 0), out.start)
+            elif isinstance(out, Failed):
+                e = out.error
+                if e.kind == "input":
+                    raise RequestError(e.field or "request", e.message)
+                raise WorkerError(e.message, kind=e.kind, rank=e.rank)
+            elif isinstance(out, Finished):
+                self.timings = dict(out.timings)
+
+    def __enter__(self) -> "LiveSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class VideoPipeline:
     """A text-to-video pipeline whose transformer runs sharded across `workers` processes."""
 
@@ -188,8 +244,8 @@ class VideoPipeline:
         timings["overhead_s"] = wall - timings["encode_s"] - timings["transformer_s"] - timings["vae_s"]
         return VideoOutput(frames=video, timings=timings)
 
-    def stream(self, prompt: str, negative_prompt: str = "", num_frames: int | None = None, height: int | None = None,
-               width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
+    def stream(self, prompt: str | list, negative_prompt: str = "", num_frames: int | None = None,
+               height: int | None = None, width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
                seed: int | None = None, callback: Callable[[int, int], None] | None = None,
                decode_chunk_size: int = 8, timings: dict | None = None, **options) -> Iterator[np.ndarray]:
         """Generate one video and yield its frames as soon as they are final: float32 (T_i, H, W, 3) in [0, 1].
@@ -198,9 +254,16 @@ class VideoPipeline:
         video (diffusion forcing) yields each segment's frames while later segments are
         still being denoised; closing the generator early cancels the request. Pass a dict as
         `timings` to receive the request's timings once it is done.
+
+        On a causal model (`causal_config.json`: Self-Forcing, LongLive) each yield is one chunk,
+        and `prompt` may be a schedule `[(0, "a red ball bouncing"), (8, "a blue ball bouncing")]`:
+        chunk index -> the prompt from that chunk on (a switch recaches the window, as LongLive does).
         """
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(e, (list, tuple)) for e in prompt):
+            options["prompt_schedule"] = [list(e) for e in prompt]
+            prompt = prompt[0][1] if len(prompt[0]) == 2 and isinstance(prompt[0][1], str) else ""
         if not isinstance(prompt, str):
-            raise RequestError("prompt", "stream() takes one prompt (a string)")
+            raise RequestError("prompt", "stream() takes one prompt (a string) or a schedule [(chunk, prompt), ...]")
         spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
                               guidance_scale, seed, "np", decode_chunk_size, **options)
         yielded = 0      # frames handed out: after a worker restart the video is made again, the same frames
@@ -211,6 +274,20 @@ class VideoPipeline:
                 yield frames
             elif isinstance(out, Finished) and timings is not None:
                 timings.update(out.timings)
+
+    def live(self, prompt: str, seconds: float = 600.0, height: int | None = None, width: int | None = None,
+             seed: int | None = None, fps: int | None = None, **options) -> "LiveSession":
+        """Start a live session on a causal model: chunks of frames as they are made, `switch(prompt)` at any
+        time (applied at the next chunk), `close()` (or leaving a `with` block) to end it. The session ends
+        by itself after `seconds` of video."""
+        fps = self.defaults.fps if fps is None else fps
+        if not isinstance(seconds, (int, float)) or not 0 < seconds <= 24 * 3600:
+            raise RequestError("seconds", f"seconds must be in (0, 86400]; got {seconds!r}")
+        rule = self.info.frame_multiple
+        frames = max(1, int(round(seconds * fps)))
+        frames = (frames - 1) // rule * rule + 1 if rule > 1 else frames
+        spec = self.make_spec(prompt, "", frames, height, width, None, None, seed, "np", live=True, **options)
+        return LiveSession(self.engine.submit(spec), fps)
 
     def _outputs(self, spec: GenerationSpec, callback) -> Iterator[RequestOutput]:
         """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError)."""

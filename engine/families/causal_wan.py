@@ -130,7 +130,6 @@ class CausalWanFamily(WanFamily):
         if spec.guidance_scale > 1.0:
             raise RequestError("guidance_scale", f"causal few-step models run without classifier-free guidance: "
                                                  f"guidance_scale must be at most 1; got {spec.guidance_scale}")
-        check_common(desc, spec)
         schedule = spec.options.get("prompt_schedule")
         if schedule is not None:
             if spec.batch_size != 1:
@@ -145,6 +144,7 @@ class CausalWanFamily(WanFamily):
                                                       f"increasing; got {schedule!r}")
             spec.options = {**spec.options, "prompt_schedule": [[int(c), p] for c, p in schedule]}
             spec.prompt = [schedule[0][1]]
+        check_common(desc, spec)
         live = spec.options.get("live", False)
         if not isinstance(live, bool):
             raise RequestError("live", f"live must be true or false; got {live!r}")
