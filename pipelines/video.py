@@ -245,7 +245,8 @@ class VideoPipeline:
         return VideoOutput(frames=video, timings=timings)
 
     def stream(self, prompt: str | list, negative_prompt: str = "", num_frames: int | None = None,
-               height: int | None = None, width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
+               height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
+               guidance_scale: float | None = None,
                seed: int | None = None, callback: Callable[[int, int], None] | None = None,
                decode_chunk_size: int = 8, timings: dict | None = None, **options) -> Iterator[np.ndarray]:
         """Generate one video and yield its frames as soon as they are final: float32 (T_i, H, W, 3) in [0, 1].

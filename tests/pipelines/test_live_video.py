@@ -81,7 +81,7 @@ def test_the_cache_keeps_its_sinks_and_rebases_positions_past_the_window(causal_
 
     cfg = CausalConfig.from_dict({**TINY_CAUSAL, "local_attn_size": 9, "sink_size": 1})   # 6 cached: 1 sink + 5
     cache = KVCache(cfg, 1, 2, 1, 4, 3, 1, torch.float32, "cpu")
-    for chunk in range(5):
+    for _ in range(5):
         cache.commit(3)
     assert cache.slot_frame[0] == 0                                    # the sink is never evicted
     assert sorted(cache.slot_frame[1:]) == [10, 11, 12, 13, 14]         # the ring: the 5 most recent frames
