@@ -223,6 +223,10 @@ class VideoEngine:
         self._notify()
         return RequestHandle(self, req)
 
+    def kv_bytes_held(self) -> int:
+        """KV cache bytes per worker that unfinished requests hold (counted against `live_kv_budget`)."""
+        return self.core.scheduler.kv_bytes_held()
+
     def update(self, request_id: str, **payload) -> bool:
         """Change a running request at its next step boundary: a live session's `prompt=` (applied at its next
         chunk) or `stop=True` (it ends after the chunk it is making). The family checks the payload

@@ -207,6 +207,10 @@ class Scheduler:
             req.updates.append(payload)
         return True
 
+    def kv_bytes_held(self) -> int:
+        with self._lock:
+            return sum(r.kv_bytes for r in self._requests.values())
+
     def get(self, request_id: str) -> ScheduledRequest | None:
         with self._lock:
             return self._requests.get(request_id)

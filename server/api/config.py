@@ -52,6 +52,10 @@ class ServeConfig:
                              group="limits")
     max_fps: int = option(60, "highest fps a request may ask for", group="limits")
     max_prompt_chars: int = option(4000, "longest prompt (and negative prompt) in characters", group="limits")
+    max_live_seconds: float = option(600.0, "a live session (WebSocket /v1/videos/live, causal models) ends after "
+                                            "this many seconds of video", group="limits")
+    live_buffer_chunks: int = option(8, "chunks a live session's client may fall behind before new ones are "
+                                        "dropped for it (the others never wait)", group="limits")
 
     # -- scoring (POST /v1/score) ----------------------------------------------------------------------
     score_model: str | None = option("tiny-lm", "causal LM for /v1/score (tiny-lm or a local directory); 'none' "

@@ -11,7 +11,7 @@ import json
 import secrets
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -115,6 +115,12 @@ async def parse_create_body(request: Request) -> dict:
 
 
 # -- videos -----------------------------------------------------------------------------------------------
+
+
+@router.websocket("/v1/videos/live")
+async def live_video(websocket: WebSocket):
+    """A live session on a causal model (server/api/live.py): JSON events and one fMP4 fragment per chunk."""
+    await websocket.app.state.videos.live.run(websocket, websocket.app.state.api_key)
 
 
 @v1.post("/videos")

@@ -66,6 +66,7 @@ class Limits:
     max_steps: int
     fps: int
     guidance_scale: float
+    default_steps: int
 
 
 @dataclass(eq=False)
@@ -123,7 +124,12 @@ class VideoService:
                              max_size=max_size, frame_multiple=rule, default_frames=min(d.num_frames, max_frames),
                              max_frames=max_frames, max_steps=cfg.max_steps, fps=fps,
                              guidance_scale=(cfg.default_guidance_scale if cfg.default_guidance_scale is not None
-                                             else d.guidance_scale))
+                                             else d.guidance_scale),
+                             # a causal model's step count is its step list's: the model's own default
+                             default_steps=d.num_inference_steps if info.extra.get("live") else cfg.default_steps)
+        from server.api.live import LiveSessions
+
+        self.live = LiveSessions(self, cfg.max_live_seconds, cfg.live_buffer_chunks)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
         self.model_names = {self.model_name, str(cfg.model)}
         self._loop_thread.start()
@@ -201,7 +207,7 @@ class VideoService:
         _check_range("fps", fps, 1, cfg.max_fps)
         width, height = self._size(req.size)
         num_frames = self._frames(req.seconds, req.num_frames, fps)
-        steps = cfg.default_steps if req.num_inference_steps is None else req.num_inference_steps
+        steps = lim.default_steps if req.num_inference_steps is None else req.num_inference_steps
         _check_range("num_inference_steps", steps, 1, lim.max_steps)
         guidance = lim.guidance_scale if req.guidance_scale is None else req.guidance_scale
         seed = random.randrange(MAX_SEED) if req.seed is None else req.seed
@@ -599,6 +605,10 @@ class VideoService:
                     lambda: stats().waiting if self.engine else 0))
         r.add(Gauge("longserve_running_requests", "Admitted video requests (denoising or decoding).",
                     lambda: stats().running if self.engine else 0))
+        r.add(Gauge("longserve_live_sessions", "Open live sessions (WebSocket /v1/videos/live).",
+                    lambda: len(self.live.active) if getattr(self, "live", None) else 0))
+        r.add(Gauge("longserve_kv_cache_bytes", "KV cache held per worker by causal-model requests (counted against "
+                    "--live-kv-budget; freed when a request ends).", self._kv_bytes))
         r.add(Gauge("longserve_batch_size", "Requests in the most recent denoising step.",
                     lambda: stats().last_batch_size if self.engine else 0))
         self.m_batch = r.add(Histogram("longserve_step_batch_size", "Requests per denoising step.",
@@ -617,6 +627,9 @@ class VideoService:
                     lambda: stats().restarts if self.engine else 0))
         r.add(Gauge("longserve_workers_ready", "1 while the worker pool is up.",
                     lambda: 1 if self.engine and stats().workers_ready else 0))
+
+    def _kv_bytes(self) -> int:
+        return self.engine.kv_bytes_held() if self.engine is not None else 0
 
     def _jobs_by_status(self) -> dict:
         counts = {s: 0 for s in ("queued", "in_progress", "completed", "failed")}
