@@ -13,6 +13,8 @@ BENCHES = {
     "score": ("server.bench.score", "LSS / ring long-text scoring: time, memory, bytes"),
     "vae": ("server.bench.vae", "Wan VAE decode across workers, chunk by chunk: peak memory per worker"),
     "gpu": ("server.bench.gpu", "one GPU: bf16 error, step time vs diffusers, SDPA backends, memory by video length"),
+    "live": ("server.bench.live", "live video on a causal model: first fragment, frames/s, memory by chunks, "
+                                  "prompt switch, vs diffusion forcing"),
     "long": ("server.bench.long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),
 }
 

@@ -1,0 +1,229 @@
+"""`longserve bench live`: a causal few-step model streamed chunk by chunk, against diffusion forcing.
+
+    longserve bench live [--model tiny-live] [--size 64x64] [--seconds 10] [--memory-chunks 10,100,1000] \\
+        [--df-steps 30] [--json out.json] [--markdown docs/benchmarks.md]
+
+One run, one process, the same machine, side by side:
+
+- live: a `VideoPipeline.live` session of `--seconds` of video; time from the call to the first
+  fMP4 fragment (the chunk decoded and muxed by `server.live_media.ChunkMuxer`, what the
+  WebSocket sends first), sustained frames per second after the first chunk, seconds per chunk;
+- memory: peak tensor memory per worker over sessions of 10, 100, 1000 chunks (separate runs
+  with the tracker on: engine/memory.py), and each against the first (flat: 1.0);
+- prompt switch: `switch()` called as a chunk arrives; the latency in chunks (from the chunk
+  being made at the call to the first chunk under the new prompt) and in seconds;
+- diffusion forcing: the same number of frames by `SkyReelsV2DiffusionForcingPipeline`'s
+  method in longserve (`skyreels-df`) on a transformer of the same shape (same width, heads,
+  layers, VAE and text encoder; random weights), at `--df-steps` steps with guidance 6,
+  segments of the causal model's window overlapping by 17 frames: frames per second, and the
+  live / diffusion forcing ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from server.bench.util import (
+    Column,
+    int_list,
+    load_average,
+    machine_info,
+    markdown_table,
+    replace_markdown_section,
+    text_table,
+    write_json,
+)
+
+SECTION = "## Live video: causal few-step chunks against diffusion forcing"
+PROMPT = "a red ball bouncing"
+SWITCH = "a blue ball bouncing"
+
+
+def add_arguments(parser) -> None:
+    from engine.config import EngineConfig, add_cli_args
+
+    parser.add_argument("--size", default="64x64", help="WIDTHxHEIGHT in pixels")
+    parser.add_argument("--seconds", type=float, default=10.0, help="video length of the timed session")
+    parser.add_argument("--memory-chunks", default="10,100,1000", help="session lengths (chunks) for peak memory")
+    parser.add_argument("--df-steps", type=int, default=30, help="diffusion forcing's steps per segment")
+    parser.add_argument("--no-df", action="store_true", help="skip the diffusion-forcing comparison")
+    parser.add_argument("--json", default=None, metavar="PATH")
+    parser.add_argument("--markdown", default=None, metavar="PATH",
+                        help=f"replace the section '{SECTION}' of this Markdown file with the tables")
+    add_cli_args(parser, EngineConfig, groups=("model",), defaults={"model": "tiny-live"},
+                 titles={"model": "engine options"})
+
+
+def _live_row(pipe, seconds: float, width: int, height: int) -> dict:
+    from server.live_media import ChunkMuxer
+
+    fps = pipe.defaults.fps
+    t0 = time.perf_counter()
+    first = None
+    frames = chunks = 0
+    with pipe.live(PROMPT, seconds=seconds, width=width, height=height, seed=0) as session, \
+            ChunkMuxer(width, height, fps) as muxer:
+        for chunk in session:
+            data = muxer.push((chunk.frames.clip(0, 1) * 255).round().astype("uint8"))
+            if first is None:
+                first = time.perf_counter() - t0
+                t_first, frames_first = time.perf_counter(), len(chunk.frames)
+            frames += len(chunk.frames)
+            chunks += 1
+            assert data
+    total = time.perf_counter() - t0
+    sustained = (frames - frames_first) / max(1e-9, time.perf_counter() - t_first) if chunks > 1 else 0.0
+    return dict(kind="live", chunks=chunks, frames=frames, seconds=total, first_fragment_s=first,
+                fps=sustained, s_per_chunk=(total - first) / max(1, chunks - 1), video_seconds=frames / fps)
+
+
+def _switch_row(pipe, width: int, height: int) -> dict:
+    t_switch = at_chunk = None
+    with pipe.live(PROMPT, seconds=3600, width=width, height=height, seed=0) as session:
+        for chunk in session:
+            if chunk.index == 2:
+                t_switch, at_chunk = time.perf_counter(), chunk.index + 1     # the chunk being made now
+                session.switch(SWITCH)
+            elif t_switch is not None and chunk.prompt_index == 1:
+                return dict(kind="prompt switch", switch_chunks=chunk.index - at_chunk,
+                            switch_s=time.perf_counter() - t_switch)
+    raise RuntimeError("the switch never applied")
+
+
+def _memory_rows(pipe, counts: list[int], width: int, height: int) -> list[dict]:
+    from engine import worker
+
+    cfg = pipe.info.description.extra["causal"]
+    fb, temporal = cfg["num_frame_per_block"], pipe.info.frame_multiple
+    rows = []
+    for n in counts:
+        frames = 1 + (n * fb - 1) * temporal
+        pipe.pool.run(worker.memory_start)
+        got = sum(1 for _ in pipe.stream(PROMPT, num_frames=frames, width=width, height=height, seed=0))
+        peaks = pipe.pool.run(worker.memory_stop)
+        assert got == n, (got, n)
+        rows.append(dict(kind="memory", chunks=n, latent_frames=n * fb, peak_bytes=max(peaks),
+                         peak_bytes_per_worker=peaks))
+        print(f"  memory: {n} chunks ({n * fb} latent frames): peak {max(peaks) / 2**20:.2f} MiB per worker",
+              file=sys.stderr, flush=True)
+    for r in rows:
+        r["vs_first"] = r["peak_bytes"] / rows[0]["peak_bytes"]
+    return rows
+
+
+def build_df_twin(causal_dir: Path, out: Path, window_frames: int) -> Path:
+    """A SkyReels-V2 diffusion-forcing checkpoint with the causal model's transformer shape, VAE and text encoder."""
+    import torch
+    from diffusers import SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
+
+    from weights.build_tiny_latte import reinit_
+    from weights.wan import SKYREELS_V2_SCHEDULER
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("text_encoder", "tokenizer", "vae"):
+        shutil.copytree(causal_dir / name, out / name, dirs_exist_ok=True)
+    t = json.loads((causal_dir / "transformer" / "config.json").read_text())
+    keys = ("added_kv_proj_dim", "attention_head_dim", "cross_attn_norm", "eps", "ffn_dim", "freq_dim", "image_dim",
+            "in_channels", "num_attention_heads", "num_layers", "out_channels", "patch_size", "pos_embed_seq_len",
+            "qk_norm", "rope_max_seq_len", "text_dim")
+    with torch.no_grad():
+        model = reinit_(SkyReelsV2Transformer3DModel(**{k: t[k] for k in keys if k in t}, inject_sample_info=True,
+                                                     num_frame_per_block=1), 0)
+    model.save_pretrained(out / "transformer")
+    UniPCMultistepScheduler(**{k: v for k, v in SKYREELS_V2_SCHEDULER.items() if not k.startswith("_")}) \
+        .save_pretrained(out / "scheduler")
+    index = json.loads((causal_dir / "model_index.json").read_text())
+    index.update(_class_name="SkyReelsV2DiffusionForcingPipeline", transformer=["diffusers",
+                 "SkyReelsV2Transformer3DModel"], scheduler=["diffusers", "UniPCMultistepScheduler"])
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+def _df_row(model_dir: str, config, frames: int, width: int, height: int, steps: int, window: int) -> dict:
+    from pipelines import VideoPipeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        df_dir = build_df_twin(Path(model_dir), Path(tmp) / "df", window)
+        base = 1 + (window - 1) * 4
+        options = dict(base_num_frames=base, overlap_history=17, ar_step=0, causal_block_size=1)
+        with VideoPipeline.from_config(config.replace(model=str(df_dir))) as pipe:
+            t0 = time.perf_counter()
+            got = sum(len(c) for c in pipe.stream(PROMPT, num_frames=frames, width=width, height=height, seed=0,
+                                                  num_inference_steps=steps, guidance_scale=6.0, **options))
+            seconds = time.perf_counter() - t0
+    return dict(kind=f"diffusion forcing ({steps} steps, CFG)", frames=got, seconds=seconds, fps=got / seconds,
+                s_per_chunk=None, first_fragment_s=None, chunks=None)
+
+
+COLUMNS = [
+    Column("run", "kind"),
+    Column("frames", "frames"),
+    Column("s", "seconds", ".2f"),
+    Column("s to first fragment",
+           lambda r: "" if r.get("first_fragment_s") is None else f"{r['first_fragment_s']:.2f}"),
+    Column("frames / s", "fps", ".1f"),
+    Column("vs diffusion forcing", lambda r: "" if r.get("vs_df") is None else f"{r['vs_df']:.1f}x"),
+]
+MEMORY_COLUMNS = [
+    Column("chunks", "chunks"),
+    Column("latent frames", "latent_frames"),
+    Column("peak MiB / worker", lambda r: f"{r['peak_bytes'] / 2**20:.2f}"),
+    Column("vs first", "vs_first", ".3f"),
+]
+
+
+def run(args) -> int:
+    import torch
+
+    from engine.config import EngineConfig, from_cli_args
+    from pipelines import VideoPipeline
+    from pipelines.video import PIPELINE_DEFAULTS
+    from server.api.protocol import parse_size
+    from weights import resolve_model
+
+    width, height = parse_size(args.size)
+    counts = int_list(args.memory_chunks, "--memory-chunks")
+    model_dir = str(resolve_model(args.model))
+    config = from_cli_args(EngineConfig, args, model=model_dir, **PIPELINE_DEFAULTS)
+    load = load_average()
+    with VideoPipeline.from_config(config) as pipe:
+        if not pipe.info.description.extra.get("live"):
+            raise ValueError(f"--model: {args.model} is not a causal (live) checkpoint")
+        window = pipe.info.description.extra["causal"]["local_attn_size"]
+        list(pipe.stream(PROMPT, num_frames=2 * pipe.info.frame_multiple + 1, width=width, height=height))  # warm-up
+        live = _live_row(pipe, args.seconds, width, height)
+        print(f"  live: {live['frames']} frames, first fragment {live['first_fragment_s']:.2f} s, "
+              f"{live['fps']:.1f} frames/s", file=sys.stderr, flush=True)
+        switch = _switch_row(pipe, width, height)
+        memory = _memory_rows(pipe, counts, width, height)
+    rows = [live]
+    if not args.no_df:
+        df = _df_row(model_dir, config, live["frames"], width, height, args.df_steps, window)
+        live["vs_df"] = live["fps"] / df["fps"]
+        rows.append(df)
+    machine = machine_info(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for r in rows + memory + [switch]:
+        r.update(machine=machine, model=args.model, size=args.size, workers=config.workers, loadavg_before=load,
+                 loadavg_after=load_average())
+    table, mem_table = markdown_table(rows, COLUMNS), markdown_table(memory, MEMORY_COLUMNS)
+    switch_line = (f"Prompt switch: `switch()` called as chunk 2 arrived applied {switch['switch_chunks']} chunk(s) "
+                   f"after the chunk then being made, {switch['switch_s']:.2f} s after the call.")
+    print()
+    print(text_table(rows, COLUMNS))
+    print(text_table(memory, MEMORY_COLUMNS))
+    print(switch_line)
+    if args.json:
+        write_json(rows + memory + [switch], args.json)
+    if args.markdown:
+        command = (f"longserve bench live --model {args.model} --size {args.size} --seconds {args.seconds:g} "
+                   f"--memory-chunks {args.memory_chunks} --df-steps {args.df_steps} --workers {config.workers}")
+        body = (f"Measured with `{command}` on {machine['cpu']} ({machine['cores']} cores, {machine['device']}, "
+                f"torch {machine['torch']}); load average before {load}.\n\n{table}\n\nPeak tensor memory per worker "
+                f"by session length (the tracker on; engine/memory.py):\n\n{mem_table}\n\n{switch_line}")
+        replace_markdown_section(args.markdown, SECTION, body)
+    return 0
