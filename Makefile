@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint fmt demo demo-long bench docker clean
+.PHONY: install test lint fmt demo demo-long demo-live bench docker clean
 
 install: $(STAMP)
 
@@ -39,6 +39,13 @@ demo: install
 	$(PY) -m tools.frame_strip out/demo.mp4 -o out/demo_strip.png --scale 2
 
 # long video by diffusion forcing: 89 frames = 10 segments of tiny-skyreels-df, written as they are made
+# a 30 s live video on tiny-live (a trained causal few-step model: weights/README.md) whose prompt switches from
+# "a red ball bouncing" to "a blue ball bouncing" at 15 s; docs/demo_live_strip.png (README.md) shows the switch
+demo-live: install
+	mkdir -p out
+	$(PY) -m tools.live_demo --model tiny-live --seconds 30 --switch-at 15 -o out/demo_live.mp4 \
+		--strip out/demo_live_strip.png --chunks-json out/demo_live_chunks.json
+
 demo-long: install
 	mkdir -p out
 	$(VENV)/bin/longserve generate "a ship sailing along a coast at sunset" --model tiny-skyreels-df --workers 2 \

@@ -1,0 +1,54 @@
+"""`make demo-live` on the trained tiny-live: the 30-second video's chunks are red before the switch at 15 s and
+blue from one chunk after it (tests/support/content.py names each chunk's colour), and the README's strip is that
+run's."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import imageio_ffmpeg
+import numpy as np
+import pytest
+from content import describe
+
+from weights.registry import TINY_MODELS
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not (TINY_MODELS.get("tiny-live", Path("/nonexistent")) / "causal_config.json")
+                                .exists(), reason="weights/tiny-live is not built")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from tools.live_demo import main
+
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^demo-live:.*?\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "tools.live_demo --model tiny-live --seconds 30 --switch-at 15" in recipe
+    out = tmp_path_factory.mktemp("demo-live")
+    assert main(["--model", "tiny-live", "--seconds", "30", "--switch-at", "15", "-o", str(out / "demo_live.mp4"),
+                 "--strip", str(out / "strip.png"), "--chunks-json", str(out / "chunks.json")]) == 0
+    return out
+
+
+def test_the_demo_is_red_before_the_switch_and_blue_from_one_chunk_after(demo):
+    info = json.loads((demo / "chunks.json").read_text())
+    fps, switch, chunks = info["fps"], info["switch_chunk"], info["chunks"]
+    reader = imageio_ffmpeg.read_frames(str(demo / "demo_live.mp4"))
+    meta = next(reader)
+    W, H = meta["size"]
+    video = np.stack([np.frombuffer(f, np.uint8).reshape(H, W, 3) for f in reader])
+    assert len(video) == sum(c["frames"] for c in chunks) and abs(len(video) / fps - 30) < 1
+    assert abs(chunks[switch]["start"] / fps - 15) < 1
+    colours = [describe(video[c["start"]:c["start"] + c["frames"]]).colour for c in chunks]
+    before, after = colours[:switch], colours[switch + 1:]
+    red = sum(c == "red" for c in before) / len(before)
+    blue = sum(c == "blue" for c in after) / len(after)
+    assert red >= 0.9 and blue >= 0.9, (red, blue, colours)
+
+
+def test_the_readme_strip_is_the_demo_s(demo):
+    assert "docs/demo_live_strip.png" in (ROOT / "README.md").read_text()
+    assert (ROOT / "docs" / "demo_live_strip.png").read_bytes() == (demo / "strip.png").read_bytes()
