@@ -64,6 +64,14 @@ def save_video(frames: np.ndarray, path, fps: int = 8) -> None:
             writer.append_data(frame)
 
 
+def raise_failure(out: Failed):
+    """A failed request's error as the pipeline raises it: RequestError for the request's fault, else WorkerError."""
+    e = out.error
+    if e.kind == "input":
+        raise RequestError(e.field or "request", e.message)
+    raise WorkerError(e.message, kind=e.kind, rank=e.rank)
+
+
 @dataclass
 class LiveChunk:
     """One chunk of a live session: float32 frames (n, H, W, 3) in [0, 1]."""
@@ -106,10 +114,7 @@ class LiveSession:
             if isinstance(out, FramesChunk):
                 yield LiveChunk(out.info.get("chunk", 0), out.frames[0], out.info.get("prompt_index", 0), out.start)
             elif isinstance(out, Failed):
-                e = out.error
-                if e.kind == "input":
-                    raise RequestError(e.field or "request", e.message)
-                raise WorkerError(e.message, kind=e.kind, rank=e.rank)
+                raise_failure(out)
             elif isinstance(out, Finished):
                 self.timings = dict(out.timings)
 
@@ -296,10 +301,7 @@ class VideoPipeline:
             if isinstance(out, StepProgress) and callback is not None:
                 callback(out.step, out.num_steps)
             elif isinstance(out, Failed):
-                e = out.error
-                if e.kind == "input":
-                    raise RequestError(e.field or "request", e.message)
-                raise WorkerError(e.message, kind=e.kind, rank=e.rank)
+                raise_failure(out)
             elif isinstance(out, Cancelled):
                 raise RuntimeError(f"request {spec.request_id} was cancelled")
             yield out
