@@ -130,3 +130,81 @@ def render_clip(prompt: str, rng: np.random.Generator) -> np.ndarray:
     radius = rng.uniform(MIN_RADIUS, MAX_RADIUS)
     track = bounce_track(radius, rng) if motion == "bouncing" else straight_track(motion, radius, rng)
     return np.stack([draw_frame(tuple(c), radius, shape, colour) for c in track]).astype(np.float32)
+
+
+# -- long clips: bouncing for as long as asked, with a prompt schedule ------------------------------
+#
+# `weights/tiny-live` (a causal, chunk-by-chunk video model) is trained on windows of long clips: a
+# bouncing object that keeps bouncing for any number of frames, whose prompt (colour, and the shape if
+# asked) changes at scheduled frames while the motion carries on. The bounce is periodic (a perfectly
+# elastic floor), so frame 2000 looks like frame 20; the parameters vary from clip to clip in narrow
+# ranges, and a clip starts near the top of an arc, so that its first frames vary little.
+
+#: Long bounces: the period in frames, the arc height as a fraction of the frame, the phase at frame 0
+#: (0 = on the floor, 0.5 = the top of the arc), and the horizontal speed in pixels a frame (the object
+#: turns back off the side margins).
+LONG_PERIOD = (11.0, 13.0)
+LONG_HEIGHT = (0.5, 0.6)
+LONG_START_PHASE = (0.4, 0.6)
+LONG_MAX_SPEED_X = 0.3
+LONG_SIDE_MARGIN = 4.0
+
+
+def long_bounce_track(frames: int, radius: float, rng: np.random.Generator) -> np.ndarray:
+    """Centre positions (frames, 2) as (x, y) pixels of an object bouncing on parabolic arcs for `frames` frames.
+
+    Every arc has the same height and period (a floor contact every `period` frames, whatever
+    `frames` is); the object drifts sideways slowly and turns back at `LONG_SIDE_MARGIN` pixels
+    from the sides, so that any 16 frames drift at most `16 * LONG_MAX_SPEED_X` pixels."""
+    t = np.arange(frames, dtype=np.float64)
+    floor = rng.uniform(SIZE - radius - 4.0, SIZE - radius)              # centre height at contact (y grows down)
+    height = min(rng.uniform(*LONG_HEIGHT) * SIZE, floor - radius - 2.0)  # the top stays inside
+    period = rng.uniform(*LONG_PERIOD)
+    phase = (rng.uniform(*LONG_START_PHASE) + t / period) % 1.0           # 0 at every contact
+    y = floor - 4.0 * height * phase * (1.0 - phase)
+    lo, hi = radius + LONG_SIDE_MARGIN, SIZE - radius - LONG_SIDE_MARGIN
+    start = SIZE / 2 + rng.uniform(-ACROSS_JITTER, ACROSS_JITTER) * 0.75
+    unfolded = start - lo + rng.uniform(-LONG_MAX_SPEED_X, LONG_MAX_SPEED_X) * t   # reflect off [lo, hi]
+    folded = np.mod(unfolded, 2 * (hi - lo))
+    x = lo + np.where(folded > hi - lo, 2 * (hi - lo) - folded, folded)
+    return np.stack([x, y], axis=1)
+
+
+def normalise_schedule(prompt_schedule) -> list[tuple[int, str]]:
+    """A prompt, or [(first_frame, prompt), ...] starting at frame 0 -> the sorted list, checked:
+    every prompt in the vocabulary and bouncing (the only motion a long clip can keep up)."""
+    schedule = [(0, prompt_schedule)] if isinstance(prompt_schedule, str) else \
+        sorted((int(f), p) for f, p in prompt_schedule)
+    if not schedule or schedule[0][0] != 0:
+        raise ValueError(f"a prompt schedule starts at frame 0; got {prompt_schedule!r}")
+    for _, prompt in schedule:
+        if parse_prompt(prompt)[2] != "bouncing":
+            raise ValueError(f"long clips only bounce; {prompt!r} does not")
+    return schedule
+
+
+def prompt_at(prompt_schedule, frame: int) -> str:
+    """The prompt that `prompt_schedule` shows at `frame`."""
+    current = None
+    for first, prompt in normalise_schedule(prompt_schedule):
+        if first <= frame:
+            current = prompt
+    return current
+
+
+def render_long_clip(prompt_schedule, frames: int, rng: np.random.Generator) -> np.ndarray:
+    """A bouncing clip of any length: float32 (frames, 64, 64, 3) in [0, 1], drawn with `rng`.
+
+    `prompt_schedule` is one bouncing prompt ("a red ball bouncing") or [(first_frame, prompt), ...]
+    from frame 0, e.g. [(0, "a red ball bouncing"), (120, "a blue ball bouncing")]: from each
+    first_frame on the object takes that prompt's colour and shape and keeps its motion."""
+    schedule = normalise_schedule(prompt_schedule)
+    radius = rng.uniform(MIN_RADIUS, MAX_RADIUS)
+    track = long_bounce_track(frames, radius, rng)
+    out = np.empty((frames, SIZE, SIZE, 3), dtype=np.float32)
+    for index, (first, prompt) in enumerate(schedule):
+        colour, shape, _ = parse_prompt(prompt)
+        last = schedule[index + 1][0] if index + 1 < len(schedule) else frames
+        for f in range(first, min(last, frames)):
+            out[f] = draw_frame(tuple(track[f]), radius, shape, colour)
+    return out

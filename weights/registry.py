@@ -36,6 +36,7 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-latte": _HERE / "tiny-latte",
     "tiny-wan": _HERE / "tiny-wan",
     "tiny-skyreels-df": _HERE / "tiny-skyreels-df",
+    "tiny-live": _HERE / "tiny-live",
 }
 
 #: How to rebuild each shipped checkpoint (named in the error when one is missing).
@@ -43,6 +44,7 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-latte": "python -m weights.train_tiny_latte",
     "tiny-wan": "python -m weights.build_tiny_wan --kind wan",
     "tiny-skyreels-df": "python -m weights.build_tiny_wan --kind skyreels-df",
+    "tiny-live": "python -m weights.train_tiny_live",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

@@ -6,7 +6,18 @@ import numpy as np
 import pytest
 from content import describe, recognises
 
-from weights.clips import COLOURS, FRAMES, MOTIONS, PROMPTS, SHAPES, SIZE, parse_prompt, render_clip
+from weights.clips import (
+    COLOURS,
+    FRAMES,
+    MOTIONS,
+    PROMPTS,
+    SHAPES,
+    SIZE,
+    parse_prompt,
+    prompt_at,
+    render_clip,
+    render_long_clip,
+)
 
 
 def test_vocabulary_is_four_colours_two_shapes_five_motions():
@@ -47,3 +58,32 @@ def test_noise_and_a_still_object_are_recognised_as_nothing():
     assert d.colour is None or d.motion is None
     still = np.repeat(render_clip("a red ball moving right", rng)[:1], FRAMES, axis=0)
     assert describe(still).motion is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_long_clip_keeps_bouncing_and_changes_colour_where_scheduled(seed):
+    """30 s at 8 fps: every 16-frame window bounces, every 3-frame chunk has its scheduled colour, and the
+    object's path runs on through the changes as if there were none (only the colour and shape change)."""
+    rng = np.random.default_rng(seed)
+    schedule = [(0, "a red ball bouncing"), (120, "a blue ball bouncing"), (201, "a green square bouncing")]
+    clip = render_long_clip(schedule, 240, rng)
+    assert clip.shape == (240, SIZE, SIZE, 3) and clip.dtype == np.float32
+    assert 0.0 <= clip.min() and clip.max() <= 1.0
+    for first in range(0, 240 - 15, 8):
+        assert describe(clip[first:first + 16]).motion == "bouncing", first
+    for first in range(0, 240, 3):
+        d = describe(clip[first:first + 3])
+        assert d.colour == parse_prompt(prompt_at(schedule, first))[0], first
+    track = describe(clip).track                                                     # (240, 2), no gaps
+    same = describe(render_long_clip("a red ball bouncing", 240, np.random.default_rng(seed))).track
+    assert not np.isnan(track).any() and np.abs(track - same).max() < 0.5             # the path ignores the prompts
+    assert describe(clip[201:]).shape == "square" and describe(clip[:120]).shape == "ball"
+
+
+def test_long_clips_take_only_bouncing_schedules_from_frame_0():
+    rng = np.random.default_rng(0)
+    assert render_long_clip("a yellow ball bouncing", 5, rng).shape == (5, SIZE, SIZE, 3)
+    with pytest.raises(ValueError):
+        render_long_clip("a red ball moving right", 16, rng)
+    with pytest.raises(ValueError):
+        render_long_clip([(3, "a red ball bouncing")], 16, rng)

@@ -99,7 +99,7 @@ def test_tiny_checkpoints_are_small_and_name_the_published_classes():
 def test_resolve_model_finds_every_shipped_name_from_any_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     classes = {"tiny-latte": "LattePipeline", "tiny-wan": "WanPipeline",
-               "tiny-skyreels-df": "SkyReelsV2DiffusionForcingPipeline"}
+               "tiny-skyreels-df": "SkyReelsV2DiffusionForcingPipeline", "tiny-live": "WanPipeline"}
     assert sorted(TINY_MODELS) == sorted(classes)
     for name, cls in classes.items():
         root = resolve_model(name)

@@ -1,0 +1,780 @@
+"""Train `weights/tiny-live`: a tiny causal few-step Wan model that draws `weights.clips`' long bouncing clips
+chunk by chunk, and follows a prompt that changes while it plays.
+
+Usage::
+
+    python -m weights.train_tiny_live                 # rewrites weights/tiny-live/ (+ train_tiny_live.json, -loss.png)
+    python -m weights.train_tiny_live --out DIR       # writes DIR instead (and DIR.json, DIR-loss.png beside it)
+    python -m weights.train_tiny_live --out DIR --vae-steps 4 --steps 4 --clips 4   # a smoke run
+
+Everything runs on the CPU, seeded (numpy and torch generators, deterministic torch algorithms, a fixed
+thread count), so the same seed, thread count, CPU and library versions give the same files.
+
+What the model is for (the runtime, `weights/causal_wan.py`'s causal_config.json): a video is made of
+chunks of `F_B` latent frames. Chunk c starts from noise and is denoised in the few steps of
+`DENOISING_STEP_LIST`, warped by the shifted flow schedule (sigma(u) = s u / (1 + (s - 1) u), u = n / 1000),
+re-noising the predicted x0 with fresh noise between steps; every step's model call sees the chunk (full
+attention inside it) and the K/V of the previous clean frames, and the chunk's caption. The last x0 is
+the chunk; a "context pass" at t = 0 then writes its K/V into the cache. The cache keeps at most
+`L - F_B` frames: the first `K` (sink) forever plus the most recent, with positions rebased to 0..P-1, so
+the model never sees a RoPE frame position >= L. When the prompt changes, the cached frames' K/V are
+recomputed under the new caption (LongLive's recache).
+
+The recipe, in order:
+
+1. Text: the random tiny UMT5 encoder and tokenizer of `weights/tiny-wan`, frozen, encoding every
+   caption as `WanPipeline` does (512 positions, zero past the prompt's tokens). The 512 - n zero rows
+   all become the same key and value in every cross-attention, so training keeps the n real rows plus
+   one zero row whose attention logit gets + log(512 - n): the same attention, exactly, at 1/50 of the cost.
+2. Clips: `--clips` long clips (`weights.clips.render_long_clip`, `CLIP_FRAMES` frames, one of the 8
+   bouncing prompts "a {red|green|blue|yellow} {ball|square} bouncing") whose colour changes at 0 to 3
+   chunk boundaries (the object keeps its motion and shape, the caption changes with the colour).
+3. VAE: diffusers' `AutoencoderKLWan` at toy width (8x spatial, no temporal compression: one latent
+   frame is one video frame), trained on 5-frame stretches of long clips (all frames at once: with no
+   temporal down-sampling the causal encoder and decoder give the same result whole as chunked) with an
+   object-weighted squared error and a small KL term. Its latents_mean / latents_std are the per-channel
+   statistics of the encoded clips, and the transformer works on latents normalised by them, as
+   diffusers' Wan pipelines normalise.
+4. Latents: every clip encoded whole (posterior mean), normalised.
+5. Transformer: diffusers' `WanTransformer3DModel` (adaLN-Zero start: the output projection, the timestep
+   projection and every block's gates are zero), trained with "teacher forcing" in the two-stream form of
+   the runtime: the sequence is [clean frames (t = context_noise) | noisy frames (each chunk at one t of the
+   warped list)]; a clean chunk sees the clean chunks up to itself, a noisy chunk the clean chunks before
+   it and itself; a noisy chunk has the RoPE frame positions of the clean chunk it stands for; every chunk
+   (clean or noisy) cross-attends to its own caption. Per-token timesteps go through diffusers' own
+   per-token (Wan 2.2 TI2V) path; masks, positions and per-chunk captions through this module's attention
+   processors. Loss: MSE of the flow v = noise - x0 on the noisy chunks. Each step has two batches:
+   * "start": the first L frames of a clip, noisy chunks 0..L/F_B-1 (the video's first chunks, before any
+     eviction);
+   * "sink": the clip's first K frames (the sink) followed by a later stretch of L - F_B - K clean frames
+     and one noisy chunk, positions 0..L-1 contiguous: what every later chunk of a long video sees once the
+     cache evicts. Half of these windows are placed 0, 1 or 2 chunks after a colour change, so the model
+     learns to switch colour with the caption while its context is still the old colour.
+   In windows with a change, the clean chunks get the current (the last noisy chunk's) caption most of the
+   time, as recache gives them, and otherwise each its own. The clean frames get a little Gaussian noise
+   now and then, and half of the windows get their clean frames mixed with a 3x3 spatial blur of themselves
+   (still at t = 0), so that the model copes with its own imperfect frames as context: a few-step sampler's
+   x0 is a little faded and blurred, and without this a faded chunk made the next one fainter until the
+   object vanished for a few chunks (2 of 8 seeds of the 30-s evaluation).
+   AdamW, warm-up and cosine decay, gradient clipping; the saved weights are the EMA.
+6. Output: the causal checkpoint directory `weights.causal_wan` loads (weights in the released layout,
+   `to_upstream`), its training record and the loss curves beside it.
+"""
+
+from __future__ import annotations
+
+import os
+
+# GNU OpenMP's default wait policy makes every parallel op wait for a thread that is off the CPU when
+# another process shares the 2 cores (a small matmul 10x and an elementwise op 100x slower); PASSIVE
+# only changes how idle threads wait, never a result. Set before torch starts its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from weights.build_tiny_latte import _normalise_permissions, file_digests  # noqa: E402
+from weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream  # noqa: E402
+from weights.clips import COLOURS, SHAPES, SIZE, render_long_clip  # noqa: E402
+from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
+
+SEED = 0
+THREADS = 2
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "tiny-live"
+TEXT_FROM = TINY_MODELS["tiny-wan"]            # the random tiny UMT5 and its tokenizer, copied as they are
+MAX_SEQUENCE_LENGTH = 512                      # WanPipeline's prompt length
+
+# -- the runtime's settings (causal_config.json) --------------------------------------------------------
+FPS = 8
+F_B = 3                                        # latent frames a chunk (= video frames: no temporal compression)
+DENOISING_STEP_LIST = [1000, 750, 500, 250]
+TIMESTEP_SHIFT = 3.0
+LOCAL_ATTN_SIZE = 12                           # L: frames a chunk attends to, itself included
+SINK_SIZE = 3                                  # K
+CONTEXT_NOISE = 0
+DEFAULT_FRAMES = 48                            # generation_defaults: 6 s, 16 chunks
+
+PROMPTS = tuple(f"a {c} {s} bouncing" for c in COLOURS for s in SHAPES)
+
+# -- models -----------------------------------------------------------------------------------------------
+Z_DIM = 4
+VAE_CONFIG = dict(
+    base_dim=8,                                # channels 8 / 16 / 32 / 32
+    z_dim=Z_DIM,
+    dim_mult=[1, 2, 4, 4],                     # 3 down-samplings: 64x64 -> 8x8
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[False, False, False],
+    dropout=0.0,
+    scale_factor_spatial=8,
+    scale_factor_temporal=1,
+)
+TRANSFORMER_CONFIG = dict(
+    patch_size=[1, 2, 2],                      # 16 tokens an 8x8 latent frame
+    num_attention_heads=4,
+    attention_head_dim=24,                     # rope t/h/w = 8/8/8
+    in_channels=Z_DIM,
+    out_channels=Z_DIM,
+    text_dim=32,                               # the tiny UMT5's d_model
+    freq_dim=256,
+    ffn_dim=256,
+    num_layers=4,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+    rope_max_seq_len=1024,
+    pos_embed_seq_len=None,
+)
+
+# -- data ---------------------------------------------------------------------------------------------------
+CLIPS = 128
+CLIP_FRAMES = 96
+MAX_SWITCHES = 3
+MIN_SWITCH_GAP = 4                              # chunks between colour changes
+# -- VAE training -------------------------------------------------------------------------------------------
+VAE_STEPS = 550
+VAE_FRAMES = 5
+VAE_CROP, VAE_CROP_BATCH = 32, 16               # crops around the object: 4x cheaper a stretch than full frames
+VAE_FULL_BATCH, VAE_FULL_FRACTION = 4, 0.15     # the last 15% of the steps on full frames
+VAE_ANCHOR_WEIGHT, VAE_ANCHOR_SCALE = 1.0, 2.0  # latent channels 0-2 pulled towards 2 x the 8x8 mean colour
+VAE_LR = 1e-3
+VAE_KL_WEIGHT = 1e-5
+VAE_OBJECT_WEIGHT = 4.0
+VAE_INITIAL_LOGVAR = -6.0
+# -- transformer training --------------------------------------------------------------------------------
+STEPS = 1150
+START_BATCH, SINK_BATCH = 8, 16
+LR = 2e-3
+WARMUP = 60
+WEIGHT_DECAY = 0.01
+EMA_DECAY = 0.995
+SWITCH_WINDOW_PROB = 0.5                        # sink windows placed just after a colour change
+RECACHE_PROB = 0.75                             # clean chunks under the current caption (else their own)
+CONTEXT_AUG_PROB, CONTEXT_AUG_MAX = 0.5, 0.1    # noise on the clean stream (std, latents have std 1)
+CONTEXT_BLUR_PROB, CONTEXT_BLUR_MAX = 0.5, 0.6  # the clean stream mixed towards its 3x3 spatial blur
+
+
+def seed_everything(seed: int, threads: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+
+
+def cosine_lr(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def warped_timesteps(step_list=DENOISING_STEP_LIST, shift: float = TIMESTEP_SHIFT) -> list[float]:
+    """Self-Forcing's warp: n -> 1000 sigma(n / 1000), sigma(u) = s u / (1 + (s - 1) u)."""
+    return [1000.0 * shift * (n / 1000) / (1 + (shift - 1) * (n / 1000)) for n in step_list]
+
+
+def causal_config() -> dict:
+    return {"weights": "model.safetensors", "state_dict_key": None, "key_prefix": "model.",
+            "num_frame_per_block": F_B, "denoising_step_list": list(DENOISING_STEP_LIST),
+            "warp_denoising_step": True, "timestep_shift": TIMESTEP_SHIFT, "local_attn_size": LOCAL_ATTN_SIZE,
+            "sink_size": SINK_SIZE, "context_noise": CONTEXT_NOISE, "fps": FPS}
+
+
+# -- 1. text ------------------------------------------------------------------------------------------------
+
+def load_text(text_from: Path = TEXT_FROM):
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    tokenizer = AutoTokenizer.from_pretrained(text_from / "tokenizer")
+    encoder = UMT5EncoderModel.from_pretrained(text_from / "text_encoder").eval()
+    return tokenizer, encoder
+
+
+@torch.no_grad()
+def encode_prompts(tokenizer, encoder, prompts) -> dict[str, torch.Tensor]:
+    """prompt -> its WanPipeline embedding (512, 32): the prompt's n token rows, then zeros."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=None, transformer=None, scheduler=None)
+    embeds = pipe._get_t5_prompt_embeds(list(prompts), max_sequence_length=MAX_SEQUENCE_LENGTH,
+                                        device=torch.device("cpu"), dtype=torch.float32)
+    return {p: e for p, e in zip(prompts, embeds)}
+
+
+def compress_text(embeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt's rows as (P, N, C) text and (P, N) logit bias: its n real rows (bias 0), one zero row
+    standing for the 512 - n zero rows (bias log(512 - n)), padding rows (bias -inf)."""
+    lengths = [int((e.abs().sum(dim=1) > 0).nonzero().max()) + 1 for e in embeds.values()]
+    N = max(lengths) + 1
+    C = next(iter(embeds.values())).shape[1]
+    text = torch.zeros(len(embeds), N, C)
+    bias = torch.full((len(embeds), N), float("-inf"))
+    for i, (e, n) in enumerate(zip(embeds.values(), lengths)):
+        text[i, :n] = e[:n]
+        bias[i, :n] = 0.0
+        bias[i, n] = math.log(MAX_SEQUENCE_LENGTH - n)
+    return text, bias
+
+
+# -- 2. clips -----------------------------------------------------------------------------------------------
+
+def clip_schedule(rng: np.random.Generator, frames: int) -> list[tuple[int, str]]:
+    """A random prompt schedule: one shape, a start colour, 0..MAX_SWITCHES colour changes at chunk boundaries."""
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    colour = COLOURS[rng.integers(len(COLOURS))]
+    schedule = [(0, f"a {colour} {shape} bouncing")]
+    chunks = frames // F_B
+    chunk = 0
+    for _ in range(rng.integers(0, MAX_SWITCHES + 1)):
+        chunk += int(rng.integers(MIN_SWITCH_GAP, max(MIN_SWITCH_GAP + 1, chunks // 2)))
+        if chunk >= chunks:
+            break
+        colour = [c for c in COLOURS if c != colour][rng.integers(len(COLOURS) - 1)]
+        schedule.append((chunk * F_B, f"a {colour} {shape} bouncing"))
+    return schedule
+
+
+def chunk_prompts(schedule, frames: int) -> list[int]:
+    """Index into PROMPTS of each chunk's prompt."""
+    out = []
+    for c in range(frames // F_B):
+        prompt = [p for first, p in schedule if first <= c * F_B][-1]
+        out.append(PROMPTS.index(prompt))
+    return out
+
+
+def to_vae_pixels(clip: np.ndarray) -> torch.Tensor:
+    """float (T, H, W, 3) in [0, 1] -> (3, T, H, W) in [-1, 1]."""
+    return torch.from_numpy(clip).permute(3, 0, 1, 2) * 2 - 1
+
+
+# -- 3. VAE -------------------------------------------------------------------------------------------------
+
+def new_vae(seed: int):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(**VAE_CONFIG)
+
+
+def vae_encode(vae, x: torch.Tensor) -> torch.Tensor:
+    """(B, 3, T, H, W) -> the posterior's (mean, logvar) stacked on channels (B, 2 z, T, h, w), all frames at once."""
+    return vae.quant_conv(vae.encoder(x))
+
+
+def vae_decode(vae, z: torch.Tensor) -> torch.Tensor:
+    return vae.decoder(vae.post_quant_conv(z))
+
+
+def vae_batch(clips: list[np.ndarray], rng: np.random.Generator, batch: int, crop: int) -> torch.Tensor:
+    """`batch` stretches of VAE_FRAMES frames of random clips, (B, 3, T, crop, crop) in [-1, 1]: a crop of
+    `crop` pixels (a multiple of 8, so the latent grid stays aligned) near the object's centre."""
+    out = []
+    for _ in range(batch):
+        clip = clips[rng.integers(len(clips))]
+        first = int(rng.integers(len(clip) - VAE_FRAMES + 1))
+        stretch = clip[first:first + VAE_FRAMES]
+        if crop < stretch.shape[1]:
+            ys, xs = np.nonzero(np.abs(stretch[VAE_FRAMES // 2] - 0.5).max(axis=-1) > 0.2)
+            cy, cx = (ys.mean(), xs.mean()) if len(ys) else (SIZE / 2, SIZE / 2)
+            oy, ox = (int(np.clip(round((c - crop / 2 + rng.uniform(-8, 8)) / 8) * 8, 0, SIZE - crop))
+                      for c in (cy, cx))
+            stretch = np.ascontiguousarray(stretch[:, oy:oy + crop, ox:ox + crop])
+        out.append(to_vae_pixels(stretch))
+    return torch.stack(out)
+
+
+def train_vae(vae, clips: list[np.ndarray], steps: int, rng: np.random.Generator, log) -> list[float]:
+    """Object-weighted squared error + a small KL term + the anchor (latent channels 0-2 ~ the 8x8 mean colour);
+    crops of VAE_CROP pixels (many objects a step, cheap) and then full frames for the last VAE_FULL_FRACTION."""
+    with torch.no_grad():
+        vae.quant_conv.bias[Z_DIM:] += VAE_INITIAL_LOGVAR
+    vae.train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=VAE_LR, betas=(0.9, 0.99), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    losses = []
+    t0 = time.perf_counter()
+    full_from = steps - int(round(VAE_FULL_FRACTION * steps))
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, steps, VAE_LR, min(WARMUP, steps // 10 + 1))
+        full = step >= full_from
+        x = vae_batch(clips, rng, VAE_FULL_BATCH if full else VAE_CROP_BATCH, SIZE if full else VAE_CROP)
+        h = vae_encode(vae, x)
+        mean, logvar = h[:, :Z_DIM], h[:, Z_DIM:].clamp(-30.0, 20.0)
+        z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
+        recon = vae_decode(vae, z)
+        on_object = (x.abs().amax(dim=1, keepdim=True) > 0.05).float()               # grey is 0
+        weight = 1 + VAE_OBJECT_WEIGHT * on_object
+        rec = ((recon - x) ** 2 * weight).mean() / weight.mean()
+        kl = 0.5 * (mean ** 2 + logvar.exp() - 1 - logvar).mean()
+        anchor = ((mean[:, :3] - VAE_ANCHOR_SCALE * F.avg_pool3d(x, (1, 8, 8))) ** 2).mean()
+        loss = rec + VAE_KL_WEIGHT * kl + VAE_ANCHOR_WEIGHT * anchor
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        losses.append(rec.item())
+        if step % 50 == 0 or step == steps - 1:
+            log(f"vae {step + 1}/{steps} ({'full' if full else 'crops'}): reconstruction "
+                f"{np.mean(losses[-50:]):.4f}, anchor {anchor.item():.4f}, kl {kl.item():.3f}, "
+                f"{time.perf_counter() - t0:.0f} s")
+    vae.eval()
+    return losses
+
+
+@torch.no_grad()
+def encode_clips(vae, clips: list[np.ndarray]) -> torch.Tensor:
+    """Posterior means (N, z, T, h, w) of whole clips."""
+    return torch.stack([vae_encode(vae, to_vae_pixels(c)[None])[0, :Z_DIM] for c in clips])
+
+
+# -- 4. transformer -------------------------------------------------------------------------------------------
+
+def new_transformer(seed: int):
+    """diffusers' initialisation from `seed`, then adaLN-Zero: the output projection, the timestep projection
+    (the blocks' and the head's modulation) and the blocks' gates are zero, so every block starts as the
+    identity plus its (ungated) cross-attention and the model starts by predicting 0."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**TRANSFORMER_CONFIG)
+    with torch.no_grad():
+        model.proj_out.weight.zero_()
+        model.proj_out.bias.zero_()
+        model.condition_embedder.time_proj.weight.zero_()
+        model.condition_embedder.time_proj.bias.zero_()
+        for block in model.blocks:
+            block.scale_shift_table[:, 2].zero_()
+            block.scale_shift_table[:, 5].zero_()
+    return model
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' Wan rotary embedding on interleaved pairs; x (B, S, H, D), cos/sin (1, S, 1, D)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class Layout:
+    """What the processors need for one forward: rotary (cos, sin), the self-attention mask and the
+    cross-attention bias. Set by `two_stream_forward`, read by every block."""
+
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    self_mask: torch.Tensor | None = None
+    cross_bias: torch.Tensor | None = None
+
+
+class SelfAttnProcessor:
+    """WanAttnProcessor's self-attention with the layout's positions and mask."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        k = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
+        v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        cos, sin = self.layout.rope
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=self.layout.self_mask)
+        out = out.transpose(1, 2).flatten(2).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class CrossAttnProcessor:
+    """WanAttnProcessor's cross-attention with an additive bias (B, 1, S, N): each chunk its own caption."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        k = attn.norm_k(attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1))
+        v = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=self.layout.cross_bias)
+        out = out.transpose(1, 2).flatten(2).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def install_processors(model) -> Layout:
+    layout = Layout()
+    for block in model.blocks:
+        block.attn1.set_processor(SelfAttnProcessor(layout))
+        block.attn2.set_processor(CrossAttnProcessor(layout))
+    return layout
+
+
+def restore_processors(model) -> None:
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    for block in model.blocks:
+        block.attn1.set_processor(WanAttnProcessor())
+        block.attn2.set_processor(WanAttnProcessor())
+
+
+def two_stream_forward(model, layout: Layout, clean, noisy, noisy_chunks: list[int], t_noisy, text, text_bias,
+                       clean_caption, noisy_caption):
+    """The runtime's attention pattern in one pass (no cache).
+
+    clean (B, C, Tc, h, w): clean chunks 0..Tc/F_B-1 at positions 0..Tc-1, timestep CONTEXT_NOISE;
+    noisy (B, C, Tn, h, w): chunks `noisy_chunks` (their positions), timesteps t_noisy (B, len(noisy_chunks));
+    text (P, N, 32) and text_bias (P, N): the compressed captions; clean_caption (B, Tc/F_B) and
+    noisy_caption (B, len(noisy_chunks)): each chunk's prompt index. Returns the flow (B, C, Tn, h, w)."""
+    B, C, Tc, h, w = clean.shape
+    Tn = noisy.shape[2]
+    p = model.config.patch_size
+    per_frame = (h // p[1]) * (w // p[2])
+    nc = Tc // F_B
+    # positions: clean frame f at f, noisy chunk j's frames at j*F_B..j*F_B+F_B-1
+    positions = list(range(Tc)) + [j * F_B + i for j in noisy_chunks for i in range(F_B)]
+    cos, sin = model.rope(torch.zeros(1, C, max(positions) + 1, h, w))               # (1, T*pf, 1, D)
+    rows = torch.tensor([f * per_frame + s for f in positions for s in range(per_frame)])
+    layout.rope = (cos[:, rows], sin[:, rows])
+    # self-attention mask over chunks: [clean 0..nc-1 | noisy chunks]
+    chunk_of = torch.tensor([f // F_B for f in range(Tc)] + [j for j in noisy_chunks for _ in range(F_B)])
+    is_noisy = torch.tensor([False] * Tc + [True] * Tn)
+    qc, kc = chunk_of[:, None], chunk_of[None, :]
+    qn, kn = is_noisy[:, None], is_noisy[None, :]
+    frame_mask = (~qn & ~kn & (kc <= qc)) | (qn & ~kn & (kc < qc)) | (qn & kn & (kc == qc))   # (T, T)
+    layout.self_mask = frame_mask.repeat_interleave(per_frame, 0).repeat_interleave(per_frame, 1)
+    # cross-attention: slot per chunk (clean chunks, then noisy chunks), each its own caption
+    captions = torch.cat([clean_caption, noisy_caption], dim=1)                       # (B, nc + nn)
+    N = text.shape[1]
+    slots = captions.shape[1]
+    enc = text[captions].reshape(B, slots * N, -1)                                    # (B, slots*N, 32)
+    slot_bias = text_bias[captions]                                                   # (B, slots, N)
+    token_slot = torch.tensor([f // F_B for f in range(Tc)] + [nc + k for k in range(len(noisy_chunks))
+                                                               for _ in range(F_B)])
+    token_slot = token_slot.repeat_interleave(per_frame)                              # (S,)
+    own = F.one_hot(token_slot, slots).bool()                                         # (S, slots)
+    bias = torch.where(own[None, :, :, None], slot_bias[:, None, :, :], float("-inf"))  # (B, S, slots, N)
+    layout.cross_bias = bias.reshape(B, 1, own.shape[0], slots * N)
+    # per-token timesteps
+    t_clean = torch.full((B, Tc * per_frame), float(CONTEXT_NOISE))
+    t_tok = torch.cat([t_clean, t_noisy.repeat_interleave(F_B * per_frame, dim=1)], dim=1)
+    out = model(torch.cat([clean, noisy], dim=2), timestep=t_tok, encoder_hidden_states=enc,
+                return_dict=False)[0]
+    return out[:, :, Tc:]
+
+
+class Windows:
+    """Training windows from the encoded clips: latents (N, C, T, h, w) and chunk prompts (N, T/F_B)."""
+
+    def __init__(self, latents: torch.Tensor, prompts: torch.Tensor, generator: torch.Generator):
+        self.latents, self.prompts, self.g = latents, prompts, generator
+        self.chunks = latents.shape[2] // F_B
+        self.switches = [(i, c) for i in range(len(prompts)) for c in range(1, self.chunks)
+                         if prompts[i, c] != prompts[i, c - 1]]
+
+    def _int(self, n: int) -> int:
+        return int(torch.randint(n, (1,), generator=self.g))
+
+    def _rand(self) -> float:
+        return float(torch.rand(1, generator=self.g))
+
+    def _clean_captions(self, chunk_caps: torch.Tensor, current: int) -> torch.Tensor:
+        if bool((chunk_caps != current).any()) and self._rand() < RECACHE_PROB:
+            return torch.full_like(chunk_caps, current)
+        return chunk_caps
+
+    def start(self, batch: int):
+        """The first L frames of clips: clean chunks 0..n-2, noisy chunks 0..n-1."""
+        n = LOCAL_ATTN_SIZE // F_B
+        x0, clean_caps, noisy_caps = [], [], []
+        for _ in range(batch):
+            i = self._int(len(self.latents))
+            x0.append(self.latents[i, :, :n * F_B])
+            caps = self.prompts[i, :n]
+            noisy_caps.append(caps)
+            clean_caps.append(self._clean_captions(caps[:-1], int(caps[-1])))
+        return torch.stack(x0), list(range(n)), torch.stack(clean_caps), torch.stack(noisy_caps)
+
+    def sink(self, batch: int):
+        """The sink (a clip's first K frames) + a later stretch: clean chunks 0..n-2, noisy chunk n-1."""
+        n = LOCAL_ATTN_SIZE // F_B
+        sink_chunks = SINK_SIZE // F_B
+        recent = n - 1 - sink_chunks                                                  # clean chunks after the sink
+        x0, clean_caps, noisy_caps = [], [], []
+        for _ in range(batch):
+            if self.switches and self._rand() < SWITCH_WINDOW_PROB:
+                i, at = self.switches[self._int(len(self.switches))]
+                last = min(self.chunks - 1, at + self._int(3))                        # 0..2 chunks after the change
+                last = max(last, sink_chunks + recent)
+            else:
+                i = self._int(len(self.latents))
+                last = sink_chunks + recent + self._int(self.chunks - sink_chunks - recent)
+            first = last - recent                                                     # first chunk of the stretch
+            chunks = list(range(sink_chunks)) + list(range(first, last + 1))
+            frames = [c * F_B + f for c in chunks for f in range(F_B)]
+            x0.append(self.latents[i][:, frames])
+            caps = self.prompts[i, chunks]
+            noisy_caps.append(caps[-1:])
+            clean_caps.append(self._clean_captions(caps[:-1], int(caps[-1])))
+        return torch.stack(x0), [n - 1], torch.stack(clean_caps), torch.stack(noisy_caps)
+
+
+def flow_loss(model, layout, window, timesteps: torch.Tensor, text, text_bias, g: torch.Generator):
+    x0, noisy_chunks, clean_caps, noisy_caps = window
+    B = x0.shape[0]
+    nn_ = len(noisy_chunks)
+    clean = x0[:, :, :clean_caps.shape[1] * F_B]
+    if CONTEXT_BLUR_MAX > 0:     # a faded, blurred context (what a few-step sampler's x0 drifts to) -> the true chunk
+        mix = torch.rand(B, generator=g) * CONTEXT_BLUR_MAX * (torch.rand(B, generator=g) < CONTEXT_BLUR_PROB)
+        blurred = F.avg_pool3d(clean, (1, 3, 3), stride=1, padding=(0, 1, 1), count_include_pad=False)
+        clean = clean + mix.view(-1, 1, 1, 1, 1) * (blurred - clean)
+    if CONTEXT_AUG_MAX > 0:
+        std = torch.rand(B, generator=g) * CONTEXT_AUG_MAX * (torch.rand(B, generator=g) < CONTEXT_AUG_PROB)
+        clean = clean + std.view(-1, 1, 1, 1, 1) * torch.randn(clean.shape, generator=g)
+    target_x0 = torch.cat([x0[:, :, j * F_B:(j + 1) * F_B] for j in noisy_chunks], dim=2)
+    t = timesteps[torch.randint(len(timesteps), (B, nn_), generator=g)]              # (B, nn)
+    sigma = (t / 1000).repeat_interleave(F_B, dim=1).view(B, 1, -1, 1, 1)
+    noise = torch.randn(target_x0.shape, generator=g)
+    xt = (1 - sigma) * target_x0 + sigma * noise
+    v = two_stream_forward(model, layout, clean, xt, noisy_chunks, t, text, text_bias, clean_caps, noisy_caps)
+    return ((v - (noise - target_x0)) ** 2).mean()
+
+
+def train_transformer(model, windows: Windows, text, text_bias, steps: int, g: torch.Generator, log,
+                      lr: float = LR) -> tuple[list[float], list[float]]:
+    layout = install_processors(model)
+    timesteps = torch.tensor(warped_timesteps())
+    model.train()
+    ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=WEIGHT_DECAY)
+    start_losses, sink_losses = [], []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, steps, lr, min(WARMUP, steps // 10 + 1))
+        start = flow_loss(model, layout, windows.start(START_BATCH), timesteps, text, text_bias, g)
+        sink = flow_loss(model, layout, windows.sink(SINK_BATCH), timesteps, text, text_bias, g)
+        loss = (START_BATCH * start + SINK_BATCH * sink) / (START_BATCH + SINK_BATCH)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        decay = min(EMA_DECAY, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
+        start_losses.append(start.item())
+        sink_losses.append(sink.item())
+        if step % 25 == 0 or step == steps - 1:
+            log(f"transformer {step + 1}/{steps}: loss start {np.mean(start_losses[-50:]):.4f} "
+                f"sink {np.mean(sink_losses[-50:]):.4f}, {time.perf_counter() - t0:.0f} s")
+    model.load_state_dict(ema)
+    model.eval()
+    restore_processors(model)
+    return start_losses, sink_losses
+
+
+# -- 5. output ------------------------------------------------------------------------------------------------
+
+def write_checkpoint(out: Path, transformer, vae, text_from: Path = TEXT_FROM) -> None:
+    """The causal checkpoint directory (see weights/causal_wan.py), written to a temporary sibling and swapped in."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from safetensors.torch import save_file
+
+    out = Path(out).resolve()
+    if out.exists() and any(out.iterdir()) and not (out / "model_index.json").is_file():
+        raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / CAUSAL_CONFIG_FILE).write_text(json.dumps(causal_config(), indent=2) + "\n")
+        sd = {k: v.detach().contiguous() for k, v in to_upstream(transformer.state_dict()).items()}
+        save_file(sd, str(tmp / "model.safetensors"))
+        transformer.save_config(str(tmp / "transformer"))
+        vae.save_pretrained(str(tmp / "vae"), safe_serialization=True)
+        FlowMatchEulerDiscreteScheduler(shift=TIMESTEP_SHIFT).save_pretrained(str(tmp / "scheduler"))
+        for part in ("text_encoder", "tokenizer"):
+            shutil.copytree(text_from / part, tmp / part)
+        index = {"_class_name": "WanPipeline", "_diffusers_version": diffusers.__version__,
+                 "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+                 "text_encoder": ["transformers", "UMT5EncoderModel"],
+                 "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": [None, None],
+                 "vae": ["diffusers", "AutoencoderKLWan"]}
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+        defaults = {"height": 64, "width": 64, "num_frames": DEFAULT_FRAMES,
+                    "num_inference_steps": len(DENOISING_STEP_LIST), "guidance_scale": 1.0, "fps": FPS}
+        (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2) + "\n")
+        _normalise_permissions(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def plot_losses(vae_losses, start_losses, sink_losses, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    curves = ((axes[0], [(vae_losses, "reconstruction")], "VAE (object-weighted MSE)"),
+              (axes[1], [(start_losses, "start windows"), (sink_losses, "sink windows")], "transformer (v MSE)"))
+    for ax, series, name in curves:
+        for i, (values, label) in enumerate(series):
+            window = max(1, len(values) // 40)
+            smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+            ax.plot(np.arange(1, len(values) + 1), values, color="0.85", lw=0.5)
+            ax.plot(np.arange(window, len(values) + 1), smooth, color=f"C{i}", lw=1.5, label=label)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _versions() -> dict:
+    import diffusers
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__, "numpy": np.__version__}
+
+
+def train(out: Path, seed: int = SEED, vae_steps: int = VAE_STEPS, steps: int = STEPS, clips: int = CLIPS,
+          threads: int = THREADS, lr: float = LR, record_path: Path | None = None, plot: Path | None = None,
+          log=print) -> dict:
+    threads_before, deterministic_before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        return _train(Path(out), seed=seed, vae_steps=vae_steps, steps=steps, n_clips=clips, threads=threads, lr=lr,
+                      record_path=record_path, plot=plot, log=log)
+    finally:
+        torch.set_num_threads(threads_before)
+        torch.use_deterministic_algorithms(deterministic_before)
+
+
+def _train(out, *, seed, vae_steps, steps, n_clips, threads, lr, record_path, plot, log) -> dict:
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    seed_everything(seed, threads)
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+
+    tokenizer, encoder = load_text()
+    embeds = encode_prompts(tokenizer, encoder, PROMPTS)
+    text, text_bias = compress_text(embeds)
+
+    t0 = time.perf_counter()
+    schedules = [clip_schedule(rng, CLIP_FRAMES) for _ in range(n_clips)]
+    clips = [render_long_clip(s, CLIP_FRAMES, rng) for s in schedules]
+    prompts = torch.tensor([chunk_prompts(s, CLIP_FRAMES) for s in schedules])      # (N, chunks)
+    render_s = time.perf_counter() - t0
+    log(f"rendered {n_clips} clips of {CLIP_FRAMES} frames in {render_s:.0f} s")
+
+    t0 = time.perf_counter()
+    vae = new_vae(seed + 3)
+    vae_losses = train_vae(vae, clips, vae_steps, rng, log)
+    vae_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    raw = encode_clips(vae, clips)                                                     # (N, z, T, h, w)
+    mean = [round(float(m), 4) for m in raw.mean(dim=(0, 2, 3, 4))]
+    std = [round(float(s), 4) for s in raw.std(dim=(0, 2, 3, 4))]
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+    latents = (raw - torch.tensor(mean).view(1, -1, 1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1, 1)
+    del clips
+    encode_s = time.perf_counter() - t0
+    log(f"encoded in {encode_s:.0f} s; latents_mean {mean}, latents_std {std}")
+
+    t0 = time.perf_counter()
+    transformer = new_transformer(seed + 2)
+    windows = Windows(latents, prompts, g)
+    start_losses, sink_losses = train_transformer(transformer, windows, text, text_bias, steps, g, log, lr=lr)
+    transformer_s = time.perf_counter() - t0
+
+    write_checkpoint(out, transformer, vae)
+    wall_s = time.perf_counter() - t_start
+    cpu_s = time.process_time() - cpu_start
+    record = {
+        "seed": seed, "threads": threads, "vae_steps": vae_steps, "steps": steps, "clips": n_clips,
+        "clip_frames": CLIP_FRAMES, "colour_changes": len(windows.switches),
+        "start_batch": START_BATCH, "sink_batch": SINK_BATCH, "lr": lr, "ema_decay": EMA_DECAY,
+        "vae_crop": VAE_CROP, "vae_crop_batch": VAE_CROP_BATCH, "vae_full_batch": VAE_FULL_BATCH,
+        "vae_frames": VAE_FRAMES, "vae_anchor_weight": VAE_ANCHOR_WEIGHT, "vae_lr": VAE_LR,
+        "vae_kl_weight": VAE_KL_WEIGHT, "switch_window_prob": SWITCH_WINDOW_PROB, "recache_prob": RECACHE_PROB,
+        "context_noise_aug": [CONTEXT_AUG_PROB, CONTEXT_AUG_MAX],
+        "context_blur_aug": [CONTEXT_BLUR_PROB, CONTEXT_BLUR_MAX],
+        "causal_config": causal_config(), "warped_timesteps": warped_timesteps(),
+        "latents_mean": mean, "latents_std": std,
+        "final_vae_reconstruction_loss": float(np.mean(vae_losses[-50:])),
+        "final_loss_start": float(np.mean(start_losses[-50:])),
+        "final_loss_sink": float(np.mean(sink_losses[-50:])),
+        "transformer_parameters": sum(p.numel() for p in transformer.parameters()),
+        "vae_parameters": sum(p.numel() for p in vae.parameters()),
+        "seconds": {"render": round(render_s, 1), "vae": round(vae_s, 1), "encode": round(encode_s, 1),
+                    "transformer": round(transformer_s, 1), "total": round(wall_s, 1)},
+        "cpu_seconds": round(cpu_s, 1),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
+        "versions": _versions(),
+        "files": file_digests(out),
+        "command": " ".join(["python -m weights.train_tiny_live", *sys.argv[1:]]),
+    }
+    if record_path is not None:
+        Path(record_path).write_text(json.dumps(record, indent=2) + "\n")
+    if plot is not None:
+        plot_losses(vae_losses, start_losses, sink_losses, plot,
+                    f"weights/tiny-live training: {wall_s / 60:.1f} min on {threads} CPU threads, seed {seed}")
+    log(f"wrote {out} in {wall_s / 60:.1f} min ({cpu_s / 60:.1f} min of CPU): loss start "
+        f"{record['final_loss_start']:.4f}, sink {record['final_loss_sink']:.4f}, vae "
+        f"{record['final_vae_reconstruction_loss']:.4f}")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m weights.train_tiny_live", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
+    ap.add_argument("--steps", type=int, default=STEPS, help="transformer steps")
+    ap.add_argument("--clips", type=int, default=CLIPS, help=f"long training clips of {CLIP_FRAMES} frames")
+    ap.add_argument("--lr", type=float, default=LR, help="transformer peak learning rate")
+    ap.add_argument("--threads", type=int, default=THREADS, help="torch CPU threads (results depend on it)")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    stem = HERE / "train_tiny_live" if out == DEFAULT_OUT else out.parent / out.name
+    train(out, seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, clips=args.clips, threads=args.threads,
+          lr=args.lr, record_path=Path(f"{stem}.json"), plot=Path(f"{stem}-loss.png"),
+          log=lambda msg: print(msg, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
