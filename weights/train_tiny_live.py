@@ -74,7 +74,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
-import random  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -89,6 +88,7 @@ from weights.build_tiny_latte import _normalise_permissions, file_digests  # noq
 from weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream  # noqa: E402
 from weights.clips import COLOURS, SHAPES, SIZE, render_long_clip  # noqa: E402
 from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
+from weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
 
 SEED = 0
 THREADS = 2
@@ -167,21 +167,6 @@ SWITCH_WINDOW_PROB = 0.5                        # sink windows placed just after
 RECACHE_PROB = 0.75                             # clean chunks under the current caption (else their own)
 CONTEXT_AUG_PROB, CONTEXT_AUG_MAX = 0.5, 0.1    # noise on the clean stream (std, latents have std 1)
 CONTEXT_BLUR_PROB, CONTEXT_BLUR_MAX = 0.5, 0.6  # the clean stream mixed towards its 3x3 spatial blur
-
-
-def seed_everything(seed: int, threads: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
-
-
-def cosine_lr(step: int, steps: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def warped_timesteps(step_list=DENOISING_STEP_LIST, shift: float = TIMESTEP_SHIFT) -> list[float]:
@@ -655,14 +640,6 @@ def plot_losses(vae_losses, start_losses, sink_losses, path: Path, title: str) -
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _versions() -> dict:
-    import diffusers
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
-            "transformers": transformers.__version__, "numpy": np.__version__}
 
 
 def train(out: Path, seed: int = SEED, vae_steps: int = VAE_STEPS, steps: int = STEPS, clips: int = CLIPS,
