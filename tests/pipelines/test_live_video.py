@@ -163,3 +163,28 @@ def test_a_session_past_the_kv_budget_is_refused_with_a_clear_error(causal_dir):
         assert list(first)[-1].__class__.__name__ == "Cancelled"
         second = engine.submit(spec())                          # its bytes were given back
         assert [o for o in second if isinstance(o, FramesChunk)]
+
+
+
+
+def test_a_stream_of_2000_latent_frames_past_the_rope_table_keeps_per_worker_memory_flat(tmp_path):
+    """Wan's rotary table has `rope_max_seq_len` (1024) frame positions; a causal stream never uses more than
+    `local_attn_size` of them (cache-relative), so it runs on past it, and each worker's peak tensor memory
+    (engine/memory.py, the tracker on) over 20 chunks (2000 latent frames, 17 of them evicting from the cache)
+    is that over 3 within 5%. Chunks of 100 latent frames and one denoising step keep the tracked run short
+    (the tracker's cost is per op); 2 workers, Ulysses pads the 3 heads."""
+    from engine import worker
+    from weights.causal_wan import load_causal_transformer
+
+    model = build_tiny_causal(tmp_path / "long", num_frame_per_block=100, denoising_step_list=[1000],
+                              local_attn_size=250, sink_size=4)
+    assert load_causal_transformer(model).config.rope_max_seq_len < 2000
+    peaks = {}
+    with VideoPipeline.from_pretrained(str(model), workers=2) as p:
+        for chunks in (3, 20):
+            p.pool.run(worker.memory_start)
+            out = p("a red ball bouncing", num_frames=1 + (chunks * 100 - 1) * 4, height=16, width=16,
+                    num_inference_steps=1, seed=0, output_type="latent").frames
+            peaks[chunks] = p.pool.run(worker.memory_stop)
+            assert out.shape[2] == chunks * 100 and torch.isfinite(out).all()
+    assert all(0 < b <= 1.05 * a for a, b in zip(peaks[3], peaks[20])), peaks
