@@ -7,7 +7,14 @@
 #
 # Weights are not baked in: mount a directory of diffusers-format checkpoints at /models.
 # Jobs and videos go to /data (a volume, so completed videos survive a container restart).
-# See docs/serving.md.
+# The server runs as the unprivileged user `longserve`, which owns /data (mode 0700: every prompt is there).
+#
+# It listens on 0.0.0.0 and, with no key, is open to anyone who reaches the port (it warns so at start
+# and in /health). Give it a key in the environment or in a file, never on the command line (the process
+# list shows arguments):
+#   docker run ... -e LONGSERVE_API_KEY=sk-... longserve:latest ...
+#   docker run ... -v /srv/keys:/run/secrets:ro -e LONGSERVE_API_KEY_FILE=/run/secrets/longserve_keys ...
+# (a key file holds one key per line, one per client). See docs/serving.md, "Deployment and security".
 
 ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
@@ -34,6 +41,11 @@ RUN python -c "import torch; print('torch==' + torch.__version__.split('+')[0])"
  && pip install -c /tmp/torch-constraint.txt '.[gpu]' \
  && python -c "import xformers, imageio_ffmpeg; print(xformers.__version__, imageio_ffmpeg.get_ffmpeg_exe())" \
  && rm /tmp/torch-constraint.txt
+
+# An unprivileged user owns the data dir; a new named volume is created from it (owner and mode kept)
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/longserve longserve \
+ && mkdir -p /data && chown longserve:longserve /data && chmod 0700 /data
+USER longserve
 
 VOLUME ["/data"]
 EXPOSE 8000

@@ -3,6 +3,12 @@
 One process per worker. With CUDA, NCCL and one GPU per worker (``cuda:local_rank``);
 without it, gloo on CPU. Local groups rendezvous over TCP on a free loopback port, so
 several groups (for instance test modules run side by side) never collide.
+
+Every listener of a local group is on loopback (the group is unauthenticated): rank 0's
+TCPStore serves a socket this module binds to 127.0.0.1 (torch's own binds every
+interface whatever host it is given), and gloo's and NCCL's connections between workers
+use the loopback interface (`GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME`, unless set). A
+group made by `torchrun` spans machines: it keeps the addresses torchrun was given.
 """
 
 from __future__ import annotations
@@ -88,15 +94,46 @@ def init_local_group(
         kwargs = {}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
+        timeout = datetime.timedelta(seconds=timeout_s)
+        lo = loopback_interface()
+        if lo is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)    # else gloo listens on the hostname's address
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)    # else NCCL's bootstrap picks a network interface
         dist.init_process_group(
             backend=backend_for(device),
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=loopback_store(rank, world_size, port, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             **kwargs,
         )
     return ParallelGroup(rank=rank, world_size=world_size, device=dev)
+
+
+def loopback_store(rank: int, world_size: int, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's rendezvous store on 127.0.0.1:`port`, served by rank 0 on a socket bound to loopback only
+    (handed to the store, which owns it from then on)."""
+    listen_fd = None
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen(max(128, world_size))
+        except OSError:
+            sock.close()
+            raise
+        listen_fd = sock.detach()
+    return dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, master_listen_fd=listen_fd)
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS), None if none is found."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def init_from_torchrun(device: str | None = None) -> ParallelGroup:

@@ -23,12 +23,28 @@ class ServeConfig:
     host: str = option("127.0.0.1", "address to listen on", group="http")
     port: int = option(8000, "port to listen on", group="http")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1 (default: $LONGSERVE_API_KEY; "
-                                        "none = open)", group="http")
+                                        "none = open); visible in the process list: prefer the variable or "
+                                        "--api-key-file", group="http")
     max_body_bytes: int = option(4 << 20, "largest request body (413 beyond)", group="http")
     log_level: str = option("info", "server log level", group="http",
                             choices=["debug", "info", "warning", "error"])
     served_model_name: str | None = option(None, "the model id clients use (default: the model directory's name)",
                                            group="http")
+    api_key_file: str | None = option(None, "read the API key(s) from this file, one per line (default: "
+                                            "$LONGSERVE_API_KEY_FILE); keeps them out of the process list",
+                                      group="http", metavar="PATH")
+    allowed_hosts: str | None = option(None, "comma-separated Host names the server answers (400 otherwise; '*' any; "
+                                             "default: the bound address, plus localhost, 127.0.0.1 and ::1 when "
+                                             "it is loopback; any when bound to 0.0.0.0 or ::)", group="http")
+    allowed_origins: str | None = option(None, "comma-separated origins (scheme://host[:port], '*' any) that may "
+                                               "POST/DELETE or open a live socket when no API key is set, besides "
+                                               "the server's own (403 otherwise)", group="http")
+    timeout_keep_alive: int = option(5, "close an idle kept-alive connection after this many seconds", group="http")
+    limit_concurrency: int | None = option(1024, "most open connections and requests at once (503 beyond)",
+                                           group="http")
+    request_read_timeout_s: float = option(30.0, "a client must send a whole request (headers and body) within "
+                                                 "this many seconds, or it gets 408 and is disconnected",
+                                           group="http", flag="--request-read-timeout", metavar="SECONDS")
 
     # -- jobs ---------------------------------------------------------------------------------------
     data_dir: str = option("longserve-data", "SQLite job store and video files (kept across restarts)",
@@ -52,6 +68,13 @@ class ServeConfig:
                              group="limits")
     max_fps: int = option(60, "highest fps a request may ask for", group="limits")
     max_prompt_chars: int = option(4000, "longest prompt (and negative prompt) in characters", group="limits")
+    max_queued_work: float | None = option(256.0, "most queued plus running work, in default requests (frames x "
+                                                  "pixels x steps relative to the model's defaults): a create past "
+                                                  "it gets 429 (one request alone is always admitted); none = count "
+                                                  "only --max-queue", group="limits", metavar="REQUESTS")
+    max_work_per_key: float | None = option(None, "most queued plus running work of one API key, in default "
+                                                  "requests (429 beyond); none = no per-key limit",
+                                            group="limits", metavar="REQUESTS")
     max_live_seconds: float = option(600.0, "a live session (WebSocket /v1/videos/live, causal models) ends after "
                                             "this many seconds of video", group="limits")
     live_buffer_chunks: int = option(8, "chunks a live session's client may fall behind before new ones are "
@@ -63,8 +86,15 @@ class ServeConfig:
     score_workers: int = option(1, "workers of the scoring pool", group="scoring")
     score_strategy: str = option("lss", "lss | ring", group="scoring", choices=["lss", "ring"])
     score_preload: bool = option(False, "start the scoring pool now, not on first use", group="scoring")
+    score_concurrency: int = option(1, "/v1/score calls run at once (on threads of their own, not the API's)",
+                                    group="scoring")
+    score_max_queue: int = option(8, "/v1/score calls that may wait for a free slot (429 beyond)", group="scoring")
+    score_max_bytes: int | None = option(None, "longest /v1/score text in UTF-8 bytes, checked before tokenizing "
+                                               "(413 beyond; default: the model's positions x its longest token, "
+                                               "the most a text that fits can have)", group="scoring")
 
     def __post_init__(self):
+        self._check_edge_and_admission()
         for name in ("max_steps", "default_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -79,6 +109,30 @@ class ServeConfig:
                                              or not isinstance(self.retention_s, (int, float))
                                              or not self.retention_s > 0 or not math.isfinite(self.retention_s)):
             raise ValueError(f"retention_s must be a positive number of seconds or None, got {self.retention_s!r}")
+
+    def _check_edge_and_admission(self) -> None:
+        for name in ("timeout_keep_alive", "score_concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("limit_concurrency", "score_max_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if isinstance(self.score_max_queue, bool) or not isinstance(self.score_max_queue, int) \
+                or self.score_max_queue < 0:
+            raise ValueError(f"score_max_queue must be a non-negative integer, got {self.score_max_queue!r}")
+        for name in ("request_read_timeout_s", "max_queued_work", "max_work_per_key"):
+            value = getattr(self, name)
+            if value is None and name != "request_read_timeout_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        for name in ("allowed_hosts", "allowed_origins"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a comma-separated list of names, got {value!r}")
 
     @classmethod
     def from_options(cls, **options) -> "ServeConfig":

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import uuid
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -39,6 +38,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from engine.outputs import Cancelled, Failed, Finished, FramesChunk
 from engine.request import GenerationSpec, RequestError
 from engine.scheduler import KVBudgetError, QueueFullError
+from server.api.edge import matching_key
 from server.api.errors import APIError
 
 log = logging.getLogger("longserve.live")
@@ -48,12 +48,12 @@ CLOSE_TRY_LATER = 1013
 CLOSE_POLICY = 1008
 
 
-def authorized(ws: WebSocket, key: str | None) -> bool:
-    if not key:
+def authorized(ws: WebSocket, keys: tuple[str, ...]) -> bool:
+    if not keys:
         return True
     scheme, _, token = ws.headers.get("authorization", "").partition(" ")
     given = token.strip() if scheme.lower() == "bearer" else ws.query_params.get("api_key", "")
-    return secrets.compare_digest(given.encode(), key.encode())
+    return matching_key(given, keys) is not None
 
 
 class LiveSessions:
@@ -113,9 +113,9 @@ class LiveSessions:
 
     # -- one session --------------------------------------------------------------------------------
 
-    async def run(self, ws: WebSocket, api_key: str | None) -> None:
+    async def run(self, ws: WebSocket, api_keys: tuple[str, ...]) -> None:
         await ws.accept()
-        if not authorized(ws, api_key):
+        if not authorized(ws, api_keys):
             await self._error(ws, "invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer <key>' "
                                                       "or ?api_key=<key>")
             await ws.close(CLOSE_POLICY)

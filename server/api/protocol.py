@@ -209,6 +209,7 @@ class Health(BaseModel):
     queued: int
     running: int
     last_error: HealthError | None = None
+    warnings: list[str] = []          # the deployment's risks (an open server on a reachable address)
 
 
 # -- scoring ----------------------------------------------------------------------------------------

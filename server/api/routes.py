@@ -7,8 +7,8 @@ Request and response bodies are the models of `server/api/protocol.py`; the work
 
 from __future__ import annotations
 
+import asyncio
 import json
-import secrets
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, WebSocket
@@ -16,8 +16,10 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Str
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect
 
 from server.api import metrics
+from server.api.edge import client_id, matching_key
 from server.api.errors import APIError, validation_error
 from server.api.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest
 from server.api.streaming import sse_stream, tail_file
@@ -26,13 +28,16 @@ FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 
 
 def require_api_key(request: Request) -> None:
-    key = request.app.state.api_key
-    if not key:
+    keys = request.app.state.api_keys
+    request.state.client = None
+    if not keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+    key = matching_key(token.strip(), keys) if scheme.lower() == "bearer" else None
+    if key is None:
         raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
+    request.state.client = client_id(key)
 
 
 router = APIRouter()                                                     # no auth: probes and scrapers
@@ -54,11 +59,14 @@ async def read_body(request: Request) -> bytes:
         except ValueError:
             raise APIError(400, "the Content-Length header is not a number", code="invalid_request") from None
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:    # gone, or cut off by --request-read-timeout: nobody reads the answer
+        raise APIError(408, "the request body was not received in full", code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -120,7 +128,7 @@ async def parse_create_body(request: Request) -> dict:
 @router.websocket("/v1/videos/live")
 async def live_video(websocket: WebSocket):
     """A live session on a causal model (server/api/live.py): JSON events and one fMP4 fragment per chunk."""
-    await websocket.app.state.videos.live.run(websocket, websocket.app.state.api_key)
+    await websocket.app.state.videos.live.run(websocket, websocket.app.state.api_keys)
 
 
 @v1.post("/videos")
@@ -130,7 +138,7 @@ async def create_video(request: Request):
         req = VideoCreateRequest.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    video = await run_in_threadpool(request.app.state.videos.create, req)
+    video = await run_in_threadpool(request.app.state.admission.create, req, request.state.client)
     return JSONResponse(video.model_dump())
 
 
@@ -221,7 +229,7 @@ async def score_text(request: Request):
     except ValidationError as e:
         raise validation_error(e) from None
     score.check_model(req.model)
-    result = await run_in_threadpool(score.score, req.text)
+    result = await asyncio.wrap_future(score.submit(req.text))    # its own threads and queue, not the API's
     return JSONResponse(result.model_dump())
 
 
@@ -231,6 +239,7 @@ async def score_text(request: Request):
 @router.get("/health")
 async def health(request: Request):
     status, body = request.app.state.videos.health()
+    body["warnings"] = request.app.state.edge_warnings
     return JSONResponse(Health(**body).model_dump(), status_code=status)
 
 

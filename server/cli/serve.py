@@ -11,6 +11,9 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
+
+log = logging.getLogger("longserve.server")
 
 GROUP_TITLES = {"model": "model and workers", "scheduling": "scheduling", "http": "HTTP",
                 "jobs": "jobs", "limits": "request limits and defaults (limits default from the model)",
@@ -22,7 +25,28 @@ def add_arguments(p) -> None:
     from server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
 
     add_cli_args(p, EngineConfig, defaults=SERVE_ENGINE_DEFAULTS, titles=GROUP_TITLES)
-    add_cli_args(p, ServeConfig, defaults={"api_key": os.environ.get("LONGSERVE_API_KEY")}, titles=GROUP_TITLES)
+    add_cli_args(p, ServeConfig, defaults={"api_key_file": os.environ.get("LONGSERVE_API_KEY_FILE")},
+                 titles=GROUP_TITLES)
+
+
+def api_keys(args) -> tuple[str, ...]:
+    """The keys the server requires, from the first of: --api-key (logged as visible to every local user),
+    --api-key-file (one key per line; blank lines and # comments skipped), $LONGSERVE_API_KEY. None: open."""
+    if args.api_key:
+        log.warning("--api-key given on the command line: every local user can read it in the process list "
+                    "(ps, /proc/<pid>/cmdline); use $LONGSERVE_API_KEY or --api-key-file instead")
+        return (args.api_key,)
+    if args.api_key_file:
+        try:
+            text = Path(args.api_key_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+        keys = tuple(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+        if not keys:
+            raise SystemExit(f"--api-key-file {args.api_key_file}: no key in it (one key per line)")
+        return keys
+    env = os.environ.get("LONGSERVE_API_KEY", "").strip()
+    return (env,) if env else ()
 
 
 def config_from_args(args):
@@ -39,14 +63,18 @@ def build(args):
     from server.api.service import VideoService
 
     config = config_from_args(args)
+    keys = api_keys(args)                     # a bad key file stops the start before the workers load
     videos = VideoService(config).start()
     score = None
     if config.score_model and config.score_model.lower() != "none":
         score = ScoreService(config.score_model, workers=config.score_workers, strategy=config.score_strategy,
-                             device=config.engine.device)
+                             device=config.engine.device, concurrency=config.score_concurrency,
+                             max_queue=config.score_max_queue, max_bytes=config.score_max_bytes)
         if config.score_preload:
             score.load()
-    app = create_app(videos, score, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app = create_app(videos, score, api_key=keys, max_body_bytes=config.max_body_bytes)
+    for warning in app.state.edge_warnings:
+        log.warning("%s", warning)
     return videos, score, app
 
 
@@ -56,6 +84,7 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"loading {args.model} on {args.workers} worker(s), parallel={args.parallel} ...", file=sys.stderr)
     videos, score, app = build(args)
+    from server.api.edge import uvicorn_options
     lim = videos.limits
     print(f"serving {videos.model_name} on http://{args.host}:{args.port} (data in {args.data_dir}; "
           f"max batch {args.max_batch}; frames <= {lim.max_frames}, sides <= {lim.max_size} px, "
@@ -65,7 +94,8 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                    timeout_graceful_shutdown=5)  # open SSE streams must not hold the shutdown
+                    timeout_graceful_shutdown=5,  # open SSE streams must not hold the shutdown
+                    **uvicorn_options(videos.config))
     except SystemExit as e:
         if e.code not in (0, None):
             raise

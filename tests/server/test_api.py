@@ -29,8 +29,9 @@ TERMINAL = ("video.completed", "video.failed", "video.deleted")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("serve-data")
+    # max_steps 250 x default_steps: the cost of a long-running video is not this module's subject
     config = ServeConfig.from_options(model="tiny-latte", workers=2, device="cpu", data_dir=str(data_dir), max_batch=16,
-                         max_queue=64, default_steps=4, max_steps=1000, decode_chunk_frames=4)
+                         max_queue=64, default_steps=4, max_steps=1000, decode_chunk_frames=4, max_queued_work=None)
     service = VideoService(config).start()
     app = create_app(service, ScoreService("tiny-lm", workers=1, device="cpu"), poll_after_ms=50)
     try:

@@ -98,3 +98,24 @@ def test_the_gpu_image_installs_no_benchmark_only_dependency():
     assert "matplotlib" not in core and "matplotlib" in " ".join(meta["optional-dependencies"]["bench"])
     runs = " ".join(a for k, a in instructions() if k == "RUN")
     assert "bench" not in re.findall(r"'\.\[([\w,]+)\]'", runs)[0]
+
+
+def test_the_server_runs_as_an_unprivileged_user_owning_a_private_data_dir():
+    ins = instructions()
+    kinds = [k for k, _ in ins]
+    users = [a for k, a in ins if k == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), "the image should not run as root"
+    user = users[-1].split(":")[0]
+    setup = next((a for k, a in ins if k == "RUN" and "/data" in a), "")
+    assert "useradd" in setup and f"chown {user}:{user} /data" in setup and "chmod 0700 /data" in setup, setup
+    # the data dir is made and the user switched to after the install (pip runs as root) and before the volume
+    assert kinds.index("USER") > max(i for i, (k, a) in enumerate(ins) if k == "RUN" and "pip install" in a)
+    assert kinds.index("USER") < kinds.index("VOLUME") and kinds.index("ENTRYPOINT") > kinds.index("USER")
+
+
+def test_the_dockerfile_documents_keys_from_the_environment_or_a_file_never_the_command_line():
+    text = (ROOT / "Dockerfile").read_text()
+    header = text.split("ARG ", 1)[0]
+    assert "LONGSERVE_API_KEY=" in header and "LONGSERVE_API_KEY_FILE=" in header
+    cmd = json.loads(dict(instructions())["CMD"])
+    assert "--api-key" not in cmd

@@ -8,7 +8,7 @@ import contextlib
 @contextlib.contextmanager
 def serving(data_dir, score=None, poll_after_ms: int = 50, **options):
     """An in-process server: `VideoService(ServeConfig.from_options(**options))` behind uvicorn on a free port.
-    Yields {"url", "service", "data_dir"}; everything is closed on exit."""
+    Yields {"url", "service", "data_dir", "app"}; everything is closed on exit."""
     from server.api.app import create_app, serve_in_thread
     from server.api.service import ServeConfig, VideoService
 
@@ -17,7 +17,7 @@ def serving(data_dir, score=None, poll_after_ms: int = 50, **options):
     app = create_app(service, score, poll_after_ms=poll_after_ms)
     try:
         with serve_in_thread(app) as url:
-            yield {"url": url, "service": service, "data_dir": data_dir}
+            yield {"url": url, "service": service, "data_dir": data_dir, "app": app}
     finally:
         if score is not None:
             score.close()

@@ -1,0 +1,212 @@
+"""The server's network edge: which Host and Origin a request may carry, and how long a client may take to send it.
+
+- `EdgeGuard` (ASGI middleware, outermost): a `Host` not in `--allowed-hosts` gets 400 (a DNS-rebinding page
+  reaches the server under its own name, so the name is what gives it away); with no API key, a request
+  that changes state (anything but GET/HEAD/OPTIONS, and the live WebSocket's handshake) whose `Origin`
+  is neither the server's own nor in `--allowed-origins` gets 403. Browsers send urlencoded, multipart and
+  typeless bodies cross-origin without a CORS preflight, so without this any page the operator visits
+  could create jobs; with a key, a page cannot send it (no CORS here), so the key is the defence.
+- `read_deadline_protocol(seconds)`: uvicorn's h11 protocol with a deadline on reading one request (its
+  headers and its body, from its first byte; from the connection's start for the first request).
+  uvicorn 0.54 has none (its `timeout_keep_alive` only runs between requests), so a client that trickles
+  a header line every few seconds would hold a connection for ever (slowloris). Past the deadline the
+  client gets 408 if its headers were incomplete, and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import logging
+import secrets
+from urllib.parse import urlsplit
+
+log = logging.getLogger("longserve.server")
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    return host.strip("[]") in ("0.0.0.0", "::", "")
+
+
+def parse_list(text: str | None) -> tuple[str, ...]:
+    """A comma-separated flag value -> its items (lower case, stripped)."""
+    return tuple(item.strip().lower() for item in (text or "").split(",") if item.strip())
+
+
+def default_allowed_hosts(bind_host: str) -> tuple[str, ...]:
+    """--allowed-hosts when none is given: the bound address (and the loopback names when it is loopback);
+    any host when bound to every interface (0.0.0.0, ::), where the server cannot know its own names."""
+    if is_wildcard(bind_host):
+        return ("*",)
+    names = [bind_host.strip("[]").lower()]
+    if is_loopback(bind_host):
+        names += [n for n in LOOPBACK_NAMES if n not in names]
+    return tuple(names)
+
+
+def split_host_header(value: str) -> str:
+    """'example.com:8000' -> 'example.com'; '[::1]:8000' -> '::1' (lower case)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    if value.count(":") == 1:
+        return value.partition(":")[0]
+    return value
+
+
+def exposure_warnings(bind_host: str, keyed: bool) -> list[str]:
+    """What `longserve serve` logs at start and `/health` shows: an open server on a reachable address."""
+    if keyed or is_loopback(bind_host):
+        return []
+    return [f"listening on {bind_host} with no API key: anyone who can reach this address can create, read and "
+            f"delete videos; set LONGSERVE_API_KEY or --api-key-file, or bind 127.0.0.1 behind a proxy"]
+
+
+def matching_key(given: str, keys: tuple[str, ...]) -> str | None:
+    """The key among `keys` that `given` is, compared in constant time against every one; None if none."""
+    found = None
+    for key in keys:
+        if secrets.compare_digest(given.encode(), key.encode()):
+            found = key
+    return found
+
+
+def client_id(key: str) -> str:
+    """Who a key is, for per-key limits and logs: a digest, never the key itself."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class EdgeGuard:
+    """ASGI middleware: the Host check for every request, the Origin check for state-changing ones when no
+    key is set. Answers in the API's error envelope (a WebSocket handshake is refused, which uvicorn answers
+    with 403)."""
+
+    def __init__(self, app, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...], keyed):
+        self.app = app
+        self.allowed_hosts = tuple(h.strip("[]") for h in allowed_hosts)
+        self.any_host = "*" in self.allowed_hosts
+        self.allowed_origins = tuple(o.rstrip("/") for o in allowed_origins)
+        self.any_origin = "*" in self.allowed_origins
+        self.keyed = keyed                  # a callable: is an API key required right now
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = {}
+        for name, value in scope.get("headers") or ():
+            headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        host = headers.get("host", "")
+        if not self.host_allowed(host):
+            return await self._refuse(scope, receive, send, 400, "invalid_host",
+                                      f"Host {host!r} is not served here (--allowed-hosts)", "host")
+        state_changing = scope["type"] == "websocket" or scope.get("method", "GET").upper() not in SAFE_METHODS
+        origin = headers.get("origin")
+        if state_changing and origin is not None and not self.keyed() and not self.origin_allowed(origin, host):
+            return await self._refuse(scope, receive, send, 403, "cross_origin_refused",
+                                      f"Origin {origin!r} may not change state on this server: it has no API key, "
+                                      f"so cross-site requests are refused (--allowed-origins)", "origin")
+        return await self.app(scope, receive, send)
+
+    def host_allowed(self, host_header: str) -> bool:
+        if self.any_host:
+            return True
+        host = split_host_header(host_header)
+        return bool(host) and host in self.allowed_hosts
+
+    def origin_allowed(self, origin: str, host_header: str) -> bool:
+        origin = origin.strip().lower().rstrip("/")
+        if self.any_origin or origin in self.allowed_origins:
+            return True
+        parts = urlsplit(origin)
+        # the page the server itself served (same scheme-less host:port as the request's Host)
+        return parts.scheme in ("http", "https") and bool(parts.netloc) and parts.netloc == host_header.strip().lower()
+
+    async def _refuse(self, scope, receive, send, status: int, code: str, message: str, param: str) -> None:
+        log.warning("refused %s %s: %s", scope.get("method", "WEBSOCKET"), scope.get("path"), message)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})   # before accept: the handshake gets 403
+            return
+        from server.api.errors import ERROR_TYPES
+
+        body = json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                                     "param": param, "code": code}}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# -- slow clients ------------------------------------------------------------------------------------------
+
+REQUEST_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                            b"content-length: 25\r\nconnection: close\r\n\r\nrequest not sent in time\n")
+
+
+def read_deadline_protocol(timeout_s: float):
+    """uvicorn's h11 protocol class with a deadline of `timeout_s` on reading each request (headers and body)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class ReadDeadlineH11Protocol(H11Protocol):
+        _deadline = None          # asyncio.TimerHandle while a request is being read
+        _armed_cycle = None       # the request cycle that existed when the deadline was armed
+
+        def _arm(self) -> None:
+            self._armed_cycle = self.cycle
+            self._deadline = self.loop.call_later(timeout_s, self._read_timed_out)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()             # the first bytes of the next request on a kept-alive connection
+            super().data_received(data)
+            cycle = self.cycle
+            if cycle is not None and cycle is not self._armed_cycle and not cycle.more_body:
+                self._disarm()          # this request is read in full: the app has it
+
+        def handle_websocket_upgrade(self, event) -> None:
+            self._disarm()              # the socket belongs to the WebSocket protocol from here on
+            super().handle_websocket_upgrade(event)
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _read_timed_out(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return
+            if self.cycle is self._armed_cycle:        # the headers never came
+                self.transport.write(REQUEST_TIMEOUT_RESPONSE)
+            self.logger.info("closed a connection from %s: the request was not read within %g s",
+                             self.client, timeout_s)
+            self.transport.close()
+
+    return ReadDeadlineH11Protocol
+
+
+def uvicorn_options(config) -> dict:
+    """The connection settings of `uvicorn.Config` from a `ServeConfig` (the CLI's and the tests' servers)."""
+    return {"timeout_keep_alive": config.timeout_keep_alive, "limit_concurrency": config.limit_concurrency,
+            "http": read_deadline_protocol(config.request_read_timeout_s)}
