@@ -98,3 +98,18 @@ def test_the_gpu_image_installs_no_benchmark_only_dependency():
     assert "matplotlib" not in core and "matplotlib" in " ".join(meta["optional-dependencies"]["bench"])
     runs = " ".join(a for k, a in instructions() if k == "RUN")
     assert "bench" not in re.findall(r"'\.\[([\w,]+)\]'", runs)[0]
+
+
+def test_the_stop_timeout_the_image_and_the_docs_give_leaves_room_for_the_drain():
+    """SIGTERM drains for up to --drain-seconds, then the server stops: the stop timeout the Dockerfile and
+    docs/serving.md tell operators to set (docker --stop-timeout, compose stop_grace_period) must exceed it."""
+    from server.api.config import DEFAULT_DRAIN_S
+
+    ins = instructions()
+    assert ("STOPSIGNAL", "SIGTERM") in ins
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    docs = (ROOT / "docs" / "serving.md").read_text()
+    for text in (dockerfile, docs):
+        [timeout] = set(re.findall(r"--stop-timeout (\d+)", text))
+        assert f"stop_grace_period: {timeout}s" in text
+        assert int(timeout) >= DEFAULT_DRAIN_S + 10, "drain, then failing the rest and stopping the workers"
