@@ -266,13 +266,13 @@ def test_a_disk_that_fills_while_a_video_encodes_fails_it_refuses_creates_and_re
     assert http.get(f"/v1/videos/{video['id']}").json()["status"] == "failed", "still served from memory"
 
     disk.full = disk.fill_when_encoding = False        # space is freed
+    again = wait(http, create(http, seed=1)["id"])
+    assert again["status"] == "completed", again
     deadline = time.monotonic() + 10
     while service.store.get(video["id"]).status != "failed" or http.get("/health").status_code != 200:
         assert time.monotonic() < deadline, (service.store.get(video["id"]), http.get("/health").json()["reason"])
         time.sleep(0.1)
     assert service.store.get(video["id"]).error["code"] == "storage_full"
-    again = wait(http, create(http, seed=1)["id"])
-    assert again["status"] == "completed", again
     assert http.get(f"/v1/videos/{again['id']}/content").content[4:8] == b"ftyp"
 
 
@@ -306,7 +306,7 @@ def test_the_storage_quota_evicts_the_oldest_completed_videos_first_and_never_a_
     service.expire(now=int(time.time()) + 10 * RETENTION_S)      # what earlier tests left: out of the way
     same = {"seed": 7, "prompt": "a blue ball bouncing"}          # the same bytes: sizes are exact
     same["num_frames"] = 4
-    first, second = (wait(http, create(http, **same)["id"]) for _ in range(2))
+    first, second = [wait(http, vid) for vid in [create(http, **same)["id"] for _ in range(2)]]
     sizes = {vid: b for vid, b, _ in service.store.stored()}
     assert list(sizes) == [first["id"], second["id"]] and sizes[first["id"]] == sizes[second["id"]] > 0
     running = create(http, num_inference_steps=200, num_frames=4, seed=8)
