@@ -263,6 +263,11 @@ def test_a_disk_that_fills_while_a_video_encodes_fails_it_refuses_creates_and_re
     refused = http.post("/v1/videos", json={"prompt": "another", "size": "32x32", "num_frames": 4})
     assert refused.status_code == 507 and refused.headers["Retry-After"], refused.text
     assert refused.json()["error"]["code"] == "storage_full"
+    with monkeypatch.context() as m:           # free space that looks fine (a quota): SQLite refuses the insert
+        m.setattr(store_module, "disk_free_bytes", lambda path: 1 << 40)
+        refused = http.post("/v1/videos", json={"prompt": "another", "size": "32x32", "num_frames": 4})
+    assert refused.status_code == 507 and refused.json()["error"]["code"] == "storage_full", refused.text
+    assert http.get("/v1/models").status_code == 200, "the server keeps serving"
     assert http.get(f"/v1/videos/{video['id']}").json()["status"] == "failed", "still served from memory"
 
     disk.full = disk.fill_when_encoding = False        # space is freed
