@@ -409,8 +409,8 @@ def test_on_a_real_small_file_system_a_full_disk_fails_the_job_and_freeing_it_is
     with serving(small_file_system / "data", model="tiny-latte", workers=1, default_steps=2,
                  decode_chunk_frames=4, min_free_bytes=512 << 10) as s:
         http = http_client(s["url"])
-        video = create(http, num_inference_steps=20)
-        filler = fill(small_file_system)                        # while it denoises
+        video = create(http, num_inference_steps=6)
+        filler = fill(small_file_system)                        # while it denoises (4 MiB: a few ms)
         v = wait(http, video["id"], timeout=30)
         assert v["status"] == "failed" and v["error"]["code"] == "storage_full", v
         assert http.get("/health").json()["status"] == "degraded"
