@@ -52,6 +52,12 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s CMD \
     python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)" || exit 1
 
+# Stopping: SIGTERM drains (no new videos; running ones get --drain-seconds, default 20, to finish; the rest
+# fail with server_shutdown), then the server exits. Docker's default 10 s stop timeout would kill a drain:
+# give it 30 s (docker run --stop-timeout 30, docker stop -t 30, compose stop_grace_period: 30s; Kubernetes'
+# terminationGracePeriodSeconds is 30 by default). docs/serving.md, "Stopping".
+STOPSIGNAL SIGTERM
+
 ENTRYPOINT ["longserve", "serve"]
 CMD ["--model", "/models/Wan2.1-T2V-1.3B-Diffusers", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/data", \
      "--device", "cuda", "--dtype", "bfloat16"]

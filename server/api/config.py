@@ -11,6 +11,13 @@ from engine.config import MAX_STEPS, EngineConfig, build, option
 
 #: what serving changes of the engine's defaults
 SERVE_ENGINE_DEFAULTS = {"max_queue": 256}
+#: how long a finished video's files are kept by default (its expires_at): a week
+DEFAULT_RETENTION_S = 7 * 24 * 3600
+#: creates are refused (507) below this much free disk by default: a few videos' worth and the database's growth
+DEFAULT_MIN_FREE_BYTES = 256 << 20
+#: how long SIGTERM lets running jobs finish by default; the stop timeout documented for Docker, compose and
+#: Kubernetes (30 s) leaves the rest for failing what is left and stopping the workers
+DEFAULT_DRAIN_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -49,9 +56,20 @@ class ServeConfig:
     # -- jobs ---------------------------------------------------------------------------------------
     data_dir: str = option("longserve-data", "SQLite job store and video files (kept across restarts)",
                            group="jobs")
-    retention_s: float | None = option(None, "delete a finished video (completed or failed) and its files this "
-                                             "many seconds after it finished (its expires_at); none = keep them",
+    retention_s: float | None = option(DEFAULT_RETENTION_S, "delete a finished video's files this many seconds "
+                                                            "after it finished (its expires_at; the record stays, "
+                                                            "marked expired); none = keep them",
                                        group="jobs", flag="--retention", metavar="SECONDS")
+    max_storage_bytes: int | None = option(None, "quota on the stored videos' bytes: over it, the oldest completed "
+                                                 "videos' files are deleted first (marked expired; running jobs "
+                                                 "are never touched); none = no quota", group="jobs",
+                                           metavar="BYTES")
+    min_free_bytes: int = option(DEFAULT_MIN_FREE_BYTES, "refuse new videos (HTTP 507, Retry-After) while the data "
+                                                         "dir's file system has less free space than this; "
+                                                         "/health says degraded", group="jobs", metavar="BYTES")
+    drain_seconds: float = option(DEFAULT_DRAIN_S, "on SIGTERM: stop admitting, let running videos finish for up "
+                                                   "to this long, then fail the rest (server_shutdown) and exit",
+                                  group="jobs", metavar="SECONDS")
 
     # -- request limits and defaults (limits default from the model) ------------------------------------
     max_frames: int | None = option(None, "longest video in frames (default: 4 x the model's default frame count; "
@@ -109,6 +127,15 @@ class ServeConfig:
                                              or not isinstance(self.retention_s, (int, float))
                                              or not self.retention_s > 0 or not math.isfinite(self.retention_s)):
             raise ValueError(f"retention_s must be a positive number of seconds or None, got {self.retention_s!r}")
+        if self.max_storage_bytes is not None and (isinstance(self.max_storage_bytes, bool)
+                                                   or not isinstance(self.max_storage_bytes, int)
+                                                   or self.max_storage_bytes < 1):
+            raise ValueError(f"max_storage_bytes must be a positive integer or None, got {self.max_storage_bytes!r}")
+        if isinstance(self.min_free_bytes, bool) or not isinstance(self.min_free_bytes, int) or self.min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes must be a non-negative integer, got {self.min_free_bytes!r}")
+        if (isinstance(self.drain_seconds, bool) or not isinstance(self.drain_seconds, (int, float))
+                or not math.isfinite(self.drain_seconds) or self.drain_seconds < 0):
+            raise ValueError(f"drain_seconds must be a non-negative number of seconds, got {self.drain_seconds!r}")
 
     def _check_edge_and_admission(self) -> None:
         for name in ("timeout_keep_alive", "score_concurrency"):

@@ -31,6 +31,7 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    507: "server_error",
 }
 
 
@@ -105,5 +106,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
+        from server.media import storage_error_code
+
+        code = storage_error_code(exc)
+        if code is not None:          # a full disk or a failing database: the client may retry later
+            log.error("storage error on %s %s: %s", request.method, request.url.path, exc)
+            return error_response(507 if code == "storage_full" else 503, f"the server's storage failed: {exc}",
+                                  None, code, {"Retry-After": "30"})
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, f"internal server error: {type(exc).__name__}", None, "internal_error")

@@ -46,6 +46,7 @@ log = logging.getLogger("longserve.live")
 START_TIMEOUT_S = 30.0
 CLOSE_TRY_LATER = 1013
 CLOSE_POLICY = 1008
+CLOSE_SERVICE_RESTART = 1012
 
 
 def authorized(ws: WebSocket, keys: tuple[str, ...]) -> bool:
@@ -124,6 +125,10 @@ class LiveSessions:
             await self._error(ws, "unsupported_model", "this model does not stream live video (a causal model "
                                                         "does); use POST /v1/videos")
             await ws.close(CLOSE_POLICY)
+            return
+        if self.videos.draining:
+            await self._error(ws, "server_shutdown", "the server is shutting down and starts no new sessions")
+            await ws.close(CLOSE_SERVICE_RESTART)
             return
         try:
             msg = json.loads(await asyncio.wait_for(ws.receive_text(), START_TIMEOUT_S))

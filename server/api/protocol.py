@@ -199,7 +199,7 @@ class HealthError(BaseModel):
 class Health(BaseModel):
     """`GET /health`: 200 with status "ok" only while every worker is up and loaded; 503 otherwise."""
 
-    status: Literal["ok", "starting", "restarting", "unavailable"]
+    status: Literal["ok", "starting", "restarting", "unavailable", "degraded", "draining"]
     model: str
     workers: int
     workers_ready: bool
@@ -210,6 +210,8 @@ class Health(BaseModel):
     running: int
     last_error: HealthError | None = None
     warnings: list[str] = []          # the deployment's risks (an open server on a reachable address)
+    reason: str | None = None               # why "degraded" (storage) or "draining" (SIGTERM)
+    disk_free_bytes: int | None = None      # the data dir's file system, as last measured
 
 
 # -- scoring ----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from server.api import metrics
 from server.api.edge import client_id, matching_key
 from server.api.errors import APIError, validation_error
 from server.api.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest
-from server.api.streaming import sse_stream, tail_file
+from server.api.streaming import TERMINAL_EVENTS, shutdown_envelope, sse_stream, tail_file
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 
@@ -179,6 +179,9 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
             return StreamingResponse(tail_file(writer), media_type="video/mp4", headers={"Cache-Control": "no-store"})
         if await request.is_disconnected():
             return PlainTextResponse("", status_code=204)
+        if service.draining:
+            raise APIError(503, f"the server is shutting down before video {video_id!r} is written",
+                           param="video_id", code="server_shutdown", headers={"Retry-After": "10"})
     path = await run_in_threadpool(service.content_path, video_id, variant)
     media_type = "video/mp4" if variant == "video" else "image/png"
     return FileResponse(path, media_type=media_type, filename=path.name)
@@ -195,7 +198,10 @@ async def video_events(request: Request, video_id: str):
     except APIError:
         service.broker.unsubscribe(sub)
         raise
-    return StreamingResponse(sse_stream(sub, [first], lambda: service.broker.unsubscribe(sub)),
+    events = [first]
+    if first[0] not in TERMINAL_EVENTS and service.stream_ends_now(video_id):   # no more events will come
+        events.append(("error", shutdown_envelope()))
+    return StreamingResponse(sse_stream(sub, events, lambda: service.broker.unsubscribe(sub)),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

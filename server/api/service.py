@@ -14,13 +14,24 @@ Job status (the API's) and progress:
     queued       waiting in the engine (or re-queued after a worker crash), progress 0
     in_progress  admitted: progress = 90 * steps done / steps while denoising, then
                  90..99 as frames are decoded and written
-    completed    the MP4 is complete on disk, progress 100
+    completed    the MP4 is complete on disk (fsynced, with its directory), progress 100
     failed       `error` {code, message} says why
 
 Restart policy (`--data-dir` reused): a job that was in_progress when the server stopped
 is failed (code "server_restarted": its partial denoising lived in worker memory); a
 queued job is queued again, in its original order; completed videos stay downloadable
-(until `--retention` expires them).
+(until `--retention` or the `--max-storage-bytes` quota expires their files).
+
+Storage faults fail a job, never hang it: a failed write of its MP4 or thumbnail fails it
+with `storage_full` (no space) or `storage_error`; new creates are refused (507) while the
+data dir's file system has less than `--min-free-bytes` free, and /health says `degraded`.
+A record's state changes in memory first (what clients read); its SQLite write is retried,
+and one that still fails is kept and written again later, so a job never stays
+`in_progress` because its end could not be written.
+
+SIGTERM (`drain`): creates get 503; queued jobs leave the engine (their records stay queued
+for the next start); running jobs get `--drain-seconds` to finish; the rest fail with
+`server_shutdown`; open event streams end with the error envelope.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import os
 import random
 import re
 import threading
@@ -46,14 +58,23 @@ from server.api.errors import APIError
 from server.api.metrics import Counter, Gauge, Histogram, Registry
 from server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList, parse_size
 from server.api.store import JobStore, VideoRecord
-from server.api.streaming import EventBroker
-from server.media import FragmentedMP4Writer, write_png
+from server.api.streaming import EventBroker, shutdown_envelope
+from server.media import FragmentedMP4Writer, storage_error_code, write_png
 from server.notify import Notifier
 
 log = logging.getLogger("longserve.server")
 
 DENOISE_SHARE = 90   # progress points for denoising steps; decoded frames take 9 more; 100 = downloadable
 MAX_SEED = 2**63 - 1
+#: waits between the tries of a SQLite write before it is kept for the housekeeping task to write again
+WRITE_RETRY_S = (0.05, 0.25)
+#: seconds a client is told to wait (Retry-After) when there is no room, and while the server shuts down
+STORAGE_RETRY_AFTER_S = 30
+SHUTDOWN_RETRY_AFTER_S = 10
+#: tests only: a video whose prompt is this variable's value stops between its complete file and the record
+#: that says so (until the process is killed: tests/server/test_serve_process.py)
+PAUSE_BEFORE_COMMIT_ENV = "LONGSERVE_TEST_PAUSE_BEFORE_COMMIT"
+
 @dataclass(frozen=True)
 class Limits:
     size_multiple: int
@@ -79,6 +100,9 @@ class Job:
     changed: Notifier = field(default_factory=Notifier)   # a writer exists, or the job ended
     deleted: bool = False
     ended: bool = False
+    failed_early: bool = False         # failed by the service (its files could not be written): stop following
+    requeue_on_cancel: bool = False    # released from the engine by a drain: the record stays queued
+    fail_on_cancel: tuple[str, str] | None = None   # (code, message) when it ends: cut short by a drain
 
 
 class VideoService:
@@ -94,6 +118,12 @@ class VideoService:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="longserve-jobs", daemon=True)
         self.started_at = int(time.time())
+        self.draining = False                          # SIGTERM: no new jobs
+        self.drained = False                           # ... and the drain is over: every stream ends
+        self._unsaved: dict[str, dict] = {}            # video id -> record fields SQLite has not taken yet
+        self._storage_error: str | None = None         # the last failed write, until a write succeeds again
+        self._free_bytes: int | None = None            # the data dir's free space, as last measured
+        self._pause_prompt = os.environ.get(PAUSE_BEFORE_COMMIT_ENV)
         self._build_metrics()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -134,8 +164,8 @@ class VideoService:
         self.model_names = {self.model_name, str(cfg.model)}
         self._loop_thread.start()
         self._recover()
-        if cfg.retention_s is not None:
-            asyncio.run_coroutine_threadsafe(self._expire_forever(), self._loop)
+        self._measure_free()
+        asyncio.run_coroutine_threadsafe(self._housekeeping(), self._loop)
         return self
 
     def close(self) -> None:
@@ -173,6 +203,8 @@ class VideoService:
                            "worker memory); create it again"})
         for path in self.store.video_dir.glob("*.part"):
             path.unlink(missing_ok=True)
+        for video_id in self.store.unmeasured():          # kept from before sizes were recorded (the quota's)
+            self.store.update(video_id, bytes=self.store.files_bytes(video_id))
         for rec in self.store.by_status("queued"):
             try:
                 handle = self.engine.submit(GenerationSpec.from_params(rec.id, rec.prompt, rec.params))
@@ -264,6 +296,7 @@ class VideoService:
     # -- the API's operations -----------------------------------------------------------------------
 
     def create(self, req: VideoCreateRequest) -> Video:
+        self._check_admission()
         spec, fps = self.resolve(req)
         try:
             handle = self.engine.submit(spec)
@@ -278,15 +311,55 @@ class VideoService:
                           prompt=spec.prompt[0], seconds=_format_seconds(spec.num_frames, fps),
                           size=f"{spec.width}x{spec.height}", params={**spec.params(), "fps": fps})
         try:
-            self.store.insert(rec)
+            _retried(lambda: self.store.insert(rec))
         except Exception as e:
             handle.cancel()
-            log.exception("storing a new job failed")
-            raise APIError(500, f"the job could not be stored ({type(e).__name__}: {e}); nothing was queued",
-                           code="storage_failed") from None
+            code = storage_error_code(e)
+            if code is None:
+                raise
+            self._storage_failed(f"storing a new job failed: {e}")
+            raise _storage_api_error(code, f"the job could not be stored ({e}); nothing was queued") from None
         self.m_created.inc()
         self._follow_job(Job(record=rec, handle=handle))
         return self._video(rec)
+
+    def _check_admission(self) -> None:
+        """503 while shutting down; 507 while the data dir's file system has less than --min-free-bytes free."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new videos; retry on another server or "
+                                "after its restart", code="server_shutdown",
+                           headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+        floor = self.config.min_free_bytes
+        if floor and self._measure_free() < floor:
+            raise _storage_api_error("storage_full", f"the server's disk is nearly full ({self._free_bytes} bytes "
+                                                     f"free, below {floor}); no new videos until space is freed")
+
+    def _measure_free(self) -> int:
+        try:
+            self._free_bytes = self.store.free_bytes()
+        except OSError as e:
+            log.warning("measuring the free space of %s failed: %s", self.store.data_dir, e)
+            self._free_bytes = 0
+        return self._free_bytes
+
+    def _storage_failed(self, message: str) -> None:
+        if self._storage_error is None:
+            log.error("storage: %s", message)
+        self._storage_error = message
+        self._measure_free()
+
+    def storage_problem(self) -> str | None:
+        """Why the server's storage is degraded (health's reason), None while it is fine."""
+        floor, free = self.config.min_free_bytes, self._free_bytes
+        problems = []
+        if floor and free is not None and free < floor:
+            problems.append(f"{free} bytes free in {self.store.data_dir}, below --min-free-bytes ({floor}): new "
+                            f"videos are refused")
+        if self._storage_error is not None:
+            problems.append(f"a write failed: {self._storage_error}")
+        if self._unsaved:
+            problems.append(f"{len(self._unsaved)} job record(s) wait to be written to the database")
+        return "; ".join(problems) or None
 
     def _follow_job(self, job: Job) -> None:
         with self._lock:
@@ -335,7 +408,20 @@ class VideoService:
                                code="video_not_found")
             if job is not None:
                 job.deleted = True
-        self.store.delete(video_id)
+        try:
+            _retried(lambda: self.store.delete(video_id))
+        except Exception as e:
+            if job is not None:
+                job.deleted = False
+            code = storage_error_code(e)
+            if code is None:
+                raise
+            raise _storage_api_error(code, f"video {video_id!r} could not be deleted ({e}); retry later") from None
+        with self._lock:
+            self._unsaved.pop(video_id, None)
+            if job is not None and job.ended:     # finished, kept only while its record waited for SQLite
+                self._jobs.pop(video_id, None)
+                job = None
         if job is not None:
             job.handle.cancel()         # its follower drops what was written once the engine let it go
             job.changed.notify()
@@ -350,6 +436,9 @@ class VideoService:
         rec = self.record(video_id)
         if rec.status != "completed":
             raise _not_ready(rec)
+        if rec.expired:
+            raise APIError(404, f"the content of video {video_id!r} expired at {rec.expires_at} and was deleted "
+                                f"(the video object stays readable)", param="video_id", code="video_expired")
         path = self.store.video_path(video_id) if variant == "video" else self.store.thumbnail_path(video_id)
         if not path.exists():
             raise APIError(404, f"the {variant} of {video_id!r} is missing from the data directory",
@@ -361,7 +450,7 @@ class VideoService:
         job ended first or `await disconnected()` turns true."""
         while True:
             job = self._job(video_id)
-            if job is None or job.ended:
+            if job is None or job.ended or job.requeue_on_cancel or (self.drained and job.writer is None):
                 return None
             version = job.changed.version
             if job.writer is not None:
@@ -397,6 +486,8 @@ class VideoService:
         try:
             async for out in job.handle:
                 await self._apply(job, out)
+                if job.failed_early:
+                    break          # leaving the iteration cancels the request in the engine
         except asyncio.CancelledError:
             raise
         except Exception as e:     # a bug in one job's handling must not touch any other job
@@ -405,8 +496,8 @@ class VideoService:
             await self._fail(job, "internal_error", f"the server failed while handling this video: {e}")
         finally:
             job.ended = True
-            with self._lock:
-                if self._jobs.get(job.record.id) is job:
+            with self._lock:           # a record SQLite has not taken yet is still served from memory
+                if self._jobs.get(job.record.id) is job and job.record.id not in self._unsaved:
                     del self._jobs[job.record.id]
             if job.deleted:        # deleted while it finished: whatever was written goes too
                 try:
@@ -436,32 +527,46 @@ class VideoService:
                 self.broker.publish(rec.id, "video.decoding", self._event(rec, frames_done=0,
                                                                           num_frames=job.handle.status().num_frames))
         elif isinstance(out, FramesChunk):
-            await self._run_io(self._write_frames, job, out)
+            frames = out.frames[0]                                   # (n, H, W, 3) uint8, first prompt
+            try:
+                await self._run_io(self._write_frames, job, out)
+                await job.writer.write_async(frames)              # this job's own hand-off: never a shared wait
+            except OSError as e:                                     # the thumbnail, or the writer's part file
+                await self._fail_early(job, storage_error_code(e), f"writing the video failed: {e}")
+                return
+            if job.writer.failed:
+                await self._fail_early(job, job.writer.error_code, job.writer.error)
+                return
             self._set(rec, progress=self._progress(job))
             self.broker.publish(rec.id, "video.decoding", self._event(rec, frames_done=out.stop,
                                                                       num_frames=out.num_frames))
         elif isinstance(out, Finished):
             await self._complete(job)
+        elif isinstance(out, Failed) and job.requeue_on_cancel and job.fail_on_cancel is None:
+            await self._drop_output(job)         # released by a drain (the engine closed first): stays queued
         elif isinstance(out, Failed):
-            await self._fail(job, out.error.code, out.error.message)
+            await self._fail(job, *(job.fail_on_cancel or (out.error.code, out.error.message)))
         elif isinstance(out, Cancelled):
             await self._drop_output(job)
+            if job.fail_on_cancel is not None:
+                await self._fail(job, *job.fail_on_cancel)
+            elif job.requeue_on_cancel and rec.status != "queued":
+                await self._update(job, status="queued", progress=0)
         elif isinstance(out, Requeued):
             await self._drop_output(job)
             await self._update(job, status="queued", progress=0)
             self.m_requeued.inc()
 
     def _write_frames(self, job: Job, out: FramesChunk) -> None:
-        """The io thread: the first chunk makes the thumbnail and the writer; every chunk is encoded."""
+        """The io thread: the first chunk makes the thumbnail and the writer (the frames are then handed to the
+        writer by the job's follower, `FragmentedMP4Writer.write_async`)."""
         rec, p = job.record, job.record.params
-        frames = out.frames[0]                                   # (n, H, W, 3) uint8, first prompt
         if job.writer is None:
-            write_png(self.store.thumbnail_path(rec.id), frames[0])
+            write_png(self.store.thumbnail_path(rec.id), out.frames[0][0])
             job.writer = FragmentedMP4Writer(self.store.partial_path(rec.id), self.store.video_path(rec.id),
                                              p["width"], p["height"], p["fps"],
                                              keyframe_interval=self.config.engine.decode_chunk_frames)
             job.changed.notify()
-        job.writer.write(frames)
 
     async def _complete(self, job: Job) -> None:
         if job.writer is None:
@@ -476,24 +581,49 @@ class VideoService:
             await self._drop_output(job)
             return
         if not ok:
-            await self._fail(job, "encoding_failed", f"writing the MP4 failed: {error}")
+            code = job.writer.error_code or "encoding_failed"
+            if code.startswith("storage"):
+                self._storage_failed(error)
+            await self._fail(job, code, f"writing the MP4 failed: {error}")
             return
+        if self._pause_prompt and job.record.prompt == self._pause_prompt:
+            await asyncio.sleep(3600)            # tests: a crash between the complete file and its record
         now = int(time.time())
-        await self._update(job, status="completed", progress=100, completed_at=now, expires_at=self._expiry(now))
+        size = await self._run_io(self.store.files_bytes, job.record.id)
+        await self._update(job, status="completed", progress=100, completed_at=now, expires_at=self._expiry(now),
+                           bytes=size)
         if job.deleted:            # deleted while its record was written: it was cancelled, not completed
             await self._drop_output(job)
             return
         self.m_finished.inc(outcome="completed")
         self.broker.publish(job.record.id, "video.completed", self._video(job.record).model_dump())
+        if self.config.max_storage_bytes is not None:
+            try:
+                await self._run_io(self.enforce_quota)
+            except Exception:
+                log.exception("enforcing the storage quota failed")
 
     async def _fail(self, job: Job, code: str, message: str) -> None:
-        await self._drop_output(job)
-        error = {"code": code, "message": message}
+        """Failed in memory first (what clients read, and the event), then the files go and SQLite is told."""
+        fields = {"status": "failed", "error": {"code": code, "message": message},
+                  "expires_at": self._expiry(int(time.time()))}
+        self._set(job.record, **fields)
+        self.m_finished.inc(outcome="failed")
+        self.broker.publish(job.record.id, "video.failed", self._video(job.record).model_dump())
         try:
-            await self._update(job, status="failed", error=error, expires_at=self._expiry(int(time.time())))
-        finally:
-            self.m_finished.inc(outcome="failed")
-            self.broker.publish(job.record.id, "video.failed", self._video(job.record).model_dump())
+            await self._drop_output(job)
+        except Exception:          # noqa: BLE001 - the record must still be written
+            log.exception("removing the files of failed %s failed", job.record.id)
+        if not job.deleted:
+            await self._save(job.record.id, fields)
+
+    async def _fail_early(self, job: Job, code: str, message: str) -> None:
+        """Fail a job the engine still runs (its files cannot be written): the follower stops, which cancels it."""
+        if code.startswith("storage"):
+            self._storage_failed(message)
+        job.failed_early = True
+        job.handle.cancel()
+        await self._fail(job, code, message)
 
     async def _drop_output(self, job: Job) -> None:
         writer, job.writer = job.writer, None
@@ -506,7 +636,46 @@ class VideoService:
         """The record in memory first (what clients read), then in SQLite (unless the job was deleted)."""
         self._set(job.record, **fields)
         if not job.deleted:
-            await self._run_io(lambda: self.store.update(job.record.id, **fields))
+            await self._save(job.record.id, fields)
+
+    async def _save(self, video_id: str, fields: dict) -> None:
+        """Write fields of a record to SQLite, tried again after a failure (a full disk, a locked database); what
+        still fails is kept, with the job served from memory, for `_housekeeping` to write. Never raises."""
+        with self._lock:
+            pending = {**self._unsaved.pop(video_id, {}), **fields}   # in order: later fields win
+        for wait in (*WRITE_RETRY_S, None):
+            try:
+                await self._run_io(lambda: self.store.update(video_id, **pending))
+                if not self._unsaved:
+                    self._storage_error = None     # writes go through again
+                return
+            except Exception as e:  # noqa: BLE001 - sqlite3 and OS errors alike
+                if wait is None:
+                    with self._lock:
+                        self._unsaved[video_id] = {**pending, **self._unsaved.get(video_id, {})}
+                    self._storage_failed(f"writing the record of {video_id} failed: {e}")
+                    return
+                await asyncio.sleep(wait)
+
+    def _flush_unsaved(self) -> None:
+        """The io thread: write the records SQLite could not take before; a job fully written is let go."""
+        with self._lock:
+            pending = dict(self._unsaved)
+        for video_id, fields in pending.items():
+            try:
+                self.store.update(video_id, **dict(fields))
+            except Exception as e:  # noqa: BLE001
+                self._storage_failed(f"writing the record of {video_id} failed: {e}")
+                return
+            with self._lock:
+                if self._unsaved.get(video_id) == fields:
+                    del self._unsaved[video_id]
+                job = self._jobs.get(video_id)
+                if job is not None and job.ended and video_id not in self._unsaved:
+                    del self._jobs[video_id]
+        if not self._unsaved:
+            log.info("storage: the pending job records are written")
+            self._storage_error = None
 
     def _finish_record(self, rec: VideoRecord, **fields) -> None:
         self.store.update(rec.id, **fields, expires_at=self._expiry(int(time.time())))
@@ -526,33 +695,132 @@ class VideoService:
             for k, v in fields.items():
                 setattr(rec, k, v)
 
-    # -- retention -------------------------------------------------------------------------------------
+    # -- retention, quota, housekeeping ------------------------------------------------------------------
 
     def _expiry(self, finished_at: int) -> int | None:
         r = self.config.retention_s
         return None if r is None else finished_at + math.ceil(r)
 
     def expire(self, now: int | None = None) -> list[str]:
-        """Delete the jobs whose expires_at has passed, with their files; returns their ids."""
-        gone = self.store.expired(int(time.time()) if now is None else now)
-        for video_id in gone:
+        """Delete the files of the finished videos whose expires_at has passed and mark their records expired
+        (GET still answers; content says video_expired); returns their ids."""
+        now = int(time.time()) if now is None else now
+        gone = []
+        for video_id in self.store.expired(now):
             with self._lock:
                 if video_id in self._jobs:
                     continue               # still being finished: its next sweep
-            self.store.delete(video_id)
-            self.store.remove_files(video_id)
-            self.m_expired.inc()
-            log.info("expired %s", video_id)
+            self._expire_files(video_id)
+            gone.append(video_id)
         return gone
 
-    async def _expire_forever(self) -> None:
-        period = max(1.0, min(60.0, self.config.retention_s / 2))
+    def enforce_quota(self) -> list[str]:
+        """Over --max-storage-bytes: expire completed videos, oldest completed first, until the rest fit. The
+        newest completed video is kept (its client has not had a chance to fetch it) and running jobs are
+        never touched. Returns the ids evicted."""
+        limit = self.config.max_storage_bytes
+        if limit is None:
+            return []
+        stored = self.store.stored()
+        total = sum(size for _, size, _ in stored)
+        evicted = []
+        for video_id, size, expires_at in stored[:-1]:
+            if total <= limit:
+                break
+            with self._lock:
+                if video_id in self._jobs:
+                    continue
+            now = int(time.time())
+            self._expire_files(video_id, expires_at=now if expires_at is None else min(expires_at, now))
+            total -= size
+            evicted.append(video_id)
+        if evicted:
+            log.info("storage quota (%d bytes): expired %d oldest video(s)", limit, len(evicted))
+        return evicted
+
+    def _expire_files(self, video_id: str, **fields) -> None:
+        self.store.remove_files(video_id)
+        self.store.update(video_id, expired=True, **fields)
+        self.m_expired.inc()
+        log.info("expired %s", video_id)
+
+    def stored_bytes(self) -> int:
+        return sum(size for _, size, _ in self.store.stored()) if self.store is not None else 0
+
+    async def _housekeeping(self) -> None:
+        """Every second: write the records SQLite could not take; every few seconds: measure the free space;
+        at every half retention (at most a minute): expire old videos and apply the quota."""
+        retention = self.config.retention_s
+        sweep_s = 60.0 if retention is None else max(1.0, min(60.0, retention / 2))
+        last_sweep = last_free = float("-inf")
         while True:
+            now = time.monotonic()
             try:
-                await self._run_io(self.expire)
-            except Exception:
-                log.exception("expiring old videos failed")
-            await asyncio.sleep(period)
+                if self._unsaved:
+                    await self._run_io(self._flush_unsaved)
+                if now - last_free >= 2.0:
+                    last_free = now
+                    await self._run_io(self._measure_free)
+                if now - last_sweep >= sweep_s:
+                    last_sweep = now
+                    await self._run_io(self.expire)
+                    await self._run_io(self.enforce_quota)
+            except Exception as e:  # noqa: BLE001 - the next round tries again
+                log.exception("housekeeping failed")
+                if storage_error_code(e) is not None:
+                    self._storage_failed(str(e))
+            await asyncio.sleep(1.0)
+
+    # -- shutdown ----------------------------------------------------------------------------------------
+
+    def drain(self, timeout_s: float, cut_short: threading.Event | None = None) -> None:
+        """SIGTERM: admit nothing new (creates get 503); queued jobs leave the engine (their records stay queued:
+        the next start on this data dir runs them); running jobs get `timeout_s` to finish (less if `cut_short`
+        is set); what still runs then fails with `server_shutdown`; open event streams end with the error
+        envelope. Blocks (call it from a thread of its own); the caller then stops the HTTP server."""
+        self.draining = True
+        stop = cut_short or threading.Event()
+        deadline = time.monotonic() + timeout_s
+        log.warning("draining: %d job(s) followed; running ones get %g s to finish", len(self._jobs), timeout_s)
+        while True:
+            running = []
+            for job in self._followed():
+                if job.requeue_on_cancel or job.fail_on_cancel:
+                    continue
+                if job.handle.status().state is RequestState.WAITING:
+                    job.requeue_on_cancel = True
+                    job.handle.cancel()
+                else:
+                    running.append(job)
+            if not running or time.monotonic() >= deadline or stop.wait(0.1):
+                break
+        message = (f"the server shut down before this video was finished (running videos had {timeout_s:g} s to "
+                   f"finish); create it again")
+        for job in running:
+            job.fail_on_cancel = ("server_shutdown", message)
+            job.handle.cancel()
+        live = getattr(self, "live", None)
+        for handle in list(live.active.values()) if live is not None else ():
+            handle.cancel()                     # a live session ends at its next step
+        until = time.monotonic() + 3.0          # the followers write what the cancellations mean
+        while any(not j.ended for j in self._followed()) and time.monotonic() < until:
+            time.sleep(0.05)
+        self.drained = True
+        self.broker.close_all("error", shutdown_envelope())
+        for job in self._followed():
+            job.changed.notify()
+        log.warning("drained: %d video(s) failed with server_shutdown", len(running))
+
+    def stream_ends_now(self, video_id: str) -> bool:
+        """While shutting down: no more events will come for `video_id` (it is not running here any more)."""
+        if not self.draining:
+            return False
+        job = self._job(video_id)
+        return self.drained or job is None or job.ended or job.requeue_on_cancel
+
+    def _followed(self) -> list[Job]:
+        with self._lock:
+            return [j for j in self._jobs.values() if not j.ended]
 
     # -- views ----------------------------------------------------------------------------------------
 
@@ -587,11 +855,17 @@ class VideoService:
         else:
             status = s.pool_state if s.pool_state in ("starting", "restarting") else "unavailable"
         error = s.last_error
+        reason = None
+        if status == "ok" and self.draining:
+            status, reason = "draining", "the server is shutting down: no new videos"
+        elif status == "ok" and (problem := self.storage_problem()) is not None:
+            status, reason = "degraded", problem
         body = {"status": status, "model": getattr(self, "model_name", self.config.model), "workers": s.workers,
                 "workers_ready": s.workers_ready, "worker_state": s.pool_state, "worker_restarts": s.restarts,
                 "setup_failures": s.setup_failures, "queued": s.waiting, "running": s.running,
                 "last_error": None if error is None else {"kind": error.kind, "rank": error.rank,
-                                                          "message": str(error).splitlines()[0][:500]}}
+                                                          "message": str(error).splitlines()[0][:500]},
+                "reason": reason, "disk_free_bytes": self._free_bytes}
         return (200 if status == "ok" else 503), body
 
     def _on_batch(self, step) -> None:
@@ -622,7 +896,12 @@ class VideoService:
         self.m_requeued = r.add(Counter("longserve_jobs_requeued_total",
                                         "Admitted jobs queued again after a worker pool restart."))
         self.m_expired = r.add(Counter("longserve_jobs_expired_total",
-                                       "Finished jobs deleted with their files when their retention ran out."))
+                                       "Finished videos whose files were deleted (retention ran out, or the storage "
+                                       "quota evicted them); their records stay, marked expired."))
+        r.add(Gauge("longserve_stored_video_bytes", "Bytes of the completed videos kept (--max-storage-bytes "
+                    "counts these).", self.stored_bytes))
+        r.add(Gauge("longserve_disk_free_bytes", "Free bytes on the data dir's file system, as last measured.",
+                    lambda: self._free_bytes or 0))
         r.add(Gauge("longserve_worker_restarts", "Worker pool restarts since the server started.",
                     lambda: stats().restarts if self.engine else 0))
         r.add(Gauge("longserve_workers_ready", "1 while the worker pool is up.",
@@ -639,6 +918,23 @@ class VideoService:
 
     def metrics_text(self) -> str:
         return self.registry.render()
+
+
+def _retried(write):
+    """`write()`, tried again after a short wait when it fails (SQLite busy or out of space for a moment)."""
+    for wait in (*WRITE_RETRY_S, None):
+        try:
+            return write()
+        except Exception:  # noqa: BLE001 - the last failure is raised
+            if wait is None:
+                raise
+            time.sleep(wait)
+
+
+def _storage_api_error(code: str, message: str) -> APIError:
+    """507 (no room) or 503 (another storage fault), both with Retry-After: the client may try again later."""
+    status = 507 if code == "storage_full" else 503
+    return APIError(status, message, code=code, headers={"Retry-After": str(STORAGE_RETRY_AFTER_S)})
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:

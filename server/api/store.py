@@ -1,6 +1,7 @@
 """The job store: one SQLite table of video jobs, and their files under the data directory.
 
-    <data-dir>/longserve.db            jobs (WAL mode; survives restarts)
+    <data-dir>/                        mode 0700 when the server creates it (prompts are private)
+    <data-dir>/longserve.db            jobs (WAL mode; survives restarts; mode 0600)
     <data-dir>/videos/<id>.mp4         the finished video (fragmented MP4, H.264)
     <data-dir>/videos/<id>.mp4.part    the video while it is being written (streamed from)
     <data-dir>/videos/<id>.png         the thumbnail (first frame)
@@ -8,13 +9,17 @@
 Status transitions are written through at once (queued, in_progress, completed, failed,
 deleted); the per-step progress of a running job is the engine's (`server/api/service.py`
 reads it from the request's handle), since a job that was running when the server stopped
-is failed on the next start anyway. `expires_at` is set when a job finishes and the server
-keeps finished videos for a limited time (`--retention`); expired rows and files are deleted.
+is failed on the next start anyway. `expires_at` is set when a job finishes: when its files
+expire (`--retention`), or sooner when the storage quota (`--max-storage-bytes`) evicts it,
+the files are deleted and the row is kept, marked `expired` (its GET still answers; its
+content is gone). `bytes` is the size of a completed video's files (the quota's measure).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sqlite3
 import threading
 from dataclasses import dataclass
@@ -34,13 +39,23 @@ CREATE TABLE IF NOT EXISTS videos (
     size         TEXT NOT NULL,
     params       TEXT NOT NULL,
     error        TEXT,
-    expires_at   INTEGER
+    expires_at   INTEGER,
+    expired      INTEGER NOT NULL DEFAULT 0,
+    bytes        INTEGER
 );
 CREATE INDEX IF NOT EXISTS videos_status ON videos(status);
 """
 
 _COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
-            "params", "error", "expires_at")
+            "params", "error", "expires_at", "expired", "bytes")
+#: columns added after the first release, with their declarations (a data dir written before gets them)
+_ADDED = {"expires_at": "INTEGER", "expired": "INTEGER NOT NULL DEFAULT 0", "bytes": "INTEGER"}
+
+
+def disk_free_bytes(path: str | Path) -> int:
+    """Bytes free for this user on the file system holding `path` (what admission and /health compare with
+    --min-free-bytes)."""
+    return shutil.disk_usage(path).free
 
 
 @dataclass
@@ -60,6 +75,8 @@ class VideoRecord:
     error: dict | None = None
     seq: int | None = None
     expires_at: int | None = None
+    expired: bool = False          # its files were deleted (retention or quota); the record stays
+    bytes: int | None = None       # a completed video's MP4 + thumbnail, in bytes
 
 
 class JobStore:
@@ -68,16 +85,26 @@ class JobStore:
     def __init__(self, data_dir: str | Path):
         self.data_dir = Path(data_dir)
         self.video_dir = self.data_dir / "videos"
-        self.video_dir.mkdir(parents=True, exist_ok=True)
+        # every prompt is in the database: only this user may read the directory (mkdir's mode applies to the
+        # directories it creates; one that exists keeps its mode, the operator's choice)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.video_dir.mkdir(mode=0o700, exist_ok=True)
         self.db_path = self.data_dir / "longserve.db"
+        # created 0600 before SQLite opens it: its -wal and -shm files take the database's mode
+        os.close(os.open(self.db_path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.chmod(self.db_path, 0o600)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(videos)")}
-        if "expires_at" not in columns:           # a data dir written before retention existed
-            self._db.execute("ALTER TABLE videos ADD COLUMN expires_at INTEGER")
+        for name, declaration in _ADDED.items():  # a data dir written before the column existed
+            if name not in columns:
+                self._db.execute(f"ALTER TABLE videos ADD COLUMN {name} {declaration}")
+
+    def free_bytes(self) -> int:
+        return disk_free_bytes(self.data_dir)
 
     def close(self) -> None:
         with self._lock:
@@ -113,6 +140,8 @@ class JobStore:
     def update(self, video_id: str, **fields) -> None:
         if "error" in fields:
             fields["error"] = _dump(fields["error"])
+        if "expired" in fields:
+            fields["expired"] = int(fields["expired"])
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self._lock:
             self._db.execute(f"UPDATE videos SET {sets} WHERE id = ?", (*fields.values(), video_id))
@@ -142,11 +171,34 @@ class JobStore:
         return dict(rows)
 
     def expired(self, now: int) -> list[str]:
-        """Ids of the jobs whose `expires_at` has passed."""
+        """Ids of the finished jobs whose `expires_at` has passed and that are not yet marked expired."""
         with self._lock:
             rows = self._db.execute("SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at <= ? "
-                                    "ORDER BY seq", (now,)).fetchall()
+                                    "AND expired = 0 ORDER BY seq", (now,)).fetchall()
         return [r[0] for r in rows]
+
+    def stored(self) -> list[tuple[str, int, int | None]]:
+        """(id, bytes, expires_at) of every completed video whose files are kept, oldest completed first."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, COALESCE(bytes, 0), expires_at FROM videos WHERE status = "
+                                    "'completed' AND expired = 0 ORDER BY completed_at, seq").fetchall()
+        return [tuple(r) for r in rows]
+
+    def unmeasured(self) -> list[str]:
+        """Completed videos kept from before `bytes` was recorded."""
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM videos WHERE status = 'completed' AND expired = 0 AND "
+                                    "bytes IS NULL").fetchall()
+        return [r[0] for r in rows]
+
+    def files_bytes(self, video_id: str) -> int:
+        total = 0
+        for path in (self.video_path(video_id), self.thumbnail_path(video_id)):
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
 
     def by_status(self, status: str) -> list[VideoRecord]:
         with self._lock:
@@ -163,4 +215,5 @@ def _record(row) -> VideoRecord:
     d = dict(zip(_COLUMNS, row))
     d["params"] = json.loads(d["params"])
     d["error"] = json.loads(d["error"]) if d["error"] else None
+    d["expired"] = bool(d["expired"])
     return VideoRecord(**d)

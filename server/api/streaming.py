@@ -12,7 +12,8 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-TERMINAL_EVENTS = ("video.completed", "video.failed", "video.deleted")
+#: events after which a stream ends; "error" (the OpenAI error envelope) ends every open stream at shutdown
+TERMINAL_EVENTS = ("video.completed", "video.failed", "video.deleted", "error")
 
 
 @dataclass(eq=False)
@@ -43,6 +44,13 @@ class EventBroker:
                 if not subs:
                     del self._subs[sub.video_id]
 
+    def close_all(self, event: str, data: dict) -> None:
+        """Send every open stream a last (terminal) event: the server is shutting down."""
+        with self._lock:
+            video_ids = list(self._subs)
+        for video_id in video_ids:
+            self.publish(video_id, event, data)
+
     def has_subscribers(self, video_id: str) -> bool:
         return video_id in self._subs
 
@@ -55,6 +63,12 @@ class EventBroker:
                 sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (event, data))
             except RuntimeError:  # that connection's loop is gone
                 self.unsubscribe(sub)
+
+
+def shutdown_envelope() -> dict:
+    return {"error": {"message": "the server is shutting down; this stream ends here (a queued video stays queued "
+                                 "and runs when the server starts again on the same data dir)",
+                      "type": "server_error", "param": None, "code": "server_shutdown"}}
 
 
 def sse_message(event: str, data: dict) -> bytes:

@@ -3,6 +3,11 @@
 Every flag is a field of `engine.config.EngineConfig` (the model, its workers, the
 scheduler) or of `server.api.config.ServeConfig` (HTTP, jobs, limits, scoring), with the
 field's help text. See docs/serving.md for the API, the scheduler and the deployment.
+
+SIGTERM (and a first Ctrl-C) drains: no new videos (503), running ones get --drain-seconds to
+finish, the rest fail with `server_shutdown`, open streams end with the error envelope; then
+uvicorn's own graceful shutdown (SHUTDOWN_GRACE_S) and the workers stop. A second signal cuts
+the drain short.
 """
 
 from __future__ import annotations
@@ -11,9 +16,13 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 log = logging.getLogger("longserve.server")
+
+#: uvicorn's graceful shutdown after the drain: every stream has ended by then, only plain requests remain
+SHUTDOWN_GRACE_S = 2
 
 GROUP_TITLES = {"model": "model and workers", "scheduling": "scheduling", "http": "HTTP",
                 "jobs": "jobs", "limits": "request limits and defaults (limits default from the model)",
@@ -89,13 +98,14 @@ def run(args) -> int:
     print(f"serving {videos.model_name} on http://{args.host}:{args.port} (data in {args.data_dir}; "
           f"max batch {args.max_batch}; frames <= {lim.max_frames}, sides <= {lim.max_size} px, "
           f"steps <= {lim.max_steps})", file=sys.stderr, flush=True)
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal: make that an orderly exit
-    # so the workers and the job store are closed below (instead of dying of the default action)
+    # a SIGTERM before uvicorn takes the signals over: an orderly exit (the workers and the job store are
+    # closed below) instead of the default action
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **uvicorn_options(videos.config))
+    server = _draining_server_class()(config, videos, videos.config.drain_seconds)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                    timeout_graceful_shutdown=5,  # open SSE streams must not hold the shutdown
-                    **uvicorn_options(videos.config))
+        server.run()
     except SystemExit as e:
         if e.code not in (0, None):
             raise
@@ -108,3 +118,39 @@ def run(args) -> int:
 
 def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
+
+
+def _draining_server_class():
+    """`DrainingServer` (a subclass of uvicorn's server, so built where uvicorn is imported: not for --help)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server whose first SIGTERM or SIGINT drains the video jobs (`VideoService.drain`, on a
+        thread of its own) before uvicorn's graceful shutdown starts; a second one cuts the drain short. The
+        signal is not raised again afterwards: the process exits 0 once everything is closed."""
+
+        def __init__(self, config, videos, drain_s: float):
+            super().__init__(config)
+            self.videos, self.drain_s = videos, drain_s
+            self._drain: threading.Thread | None = None
+            self._cut_short = threading.Event()
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._drain is None:
+                log.warning("signal %d: draining (running videos get %g s), then stopping", sig, self.drain_s)
+                self._drain = threading.Thread(target=self._drain_then_exit, name="longserve-drain", daemon=True)
+                self._drain.start()
+            else:
+                log.warning("signal %d again: failing what still runs now", sig)
+                self._cut_short.set()
+
+        def _drain_then_exit(self) -> None:
+            try:
+                self.videos.drain(self.drain_s, self._cut_short)
+            except Exception:
+                log.exception("draining failed")
+            finally:
+                self.should_exit = True
+
+    return DrainingServer
+

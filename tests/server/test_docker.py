@@ -119,3 +119,18 @@ def test_the_dockerfile_documents_keys_from_the_environment_or_a_file_never_the_
     assert "LONGSERVE_API_KEY=" in header and "LONGSERVE_API_KEY_FILE=" in header
     cmd = json.loads(dict(instructions())["CMD"])
     assert "--api-key" not in cmd
+
+
+def test_the_stop_timeout_the_image_and_the_docs_give_leaves_room_for_the_drain():
+    """SIGTERM drains for up to --drain-seconds, then the server stops: the stop timeout the Dockerfile and
+    docs/serving.md tell operators to set (docker --stop-timeout, compose stop_grace_period) must exceed it."""
+    from server.api.config import DEFAULT_DRAIN_S
+
+    ins = instructions()
+    assert ("STOPSIGNAL", "SIGTERM") in ins
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    docs = (ROOT / "docs" / "serving.md").read_text()
+    for text in (dockerfile, docs):
+        [timeout] = set(re.findall(r"--stop-timeout (\d+)", text))
+        assert f"stop_grace_period: {timeout}s" in text
+        assert int(timeout) >= DEFAULT_DRAIN_S + 10, "drain, then failing the rest and stopping the workers"

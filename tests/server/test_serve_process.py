@@ -1,39 +1,35 @@
 """`longserve serve` as a process: API key, queue limit and queue positions, then a hard kill and a
 restart on the same --data-dir (completed videos stay downloadable, the interrupted job is failed
-with a clear error, queued jobs run)."""
+with a clear error, queued jobs run). One job is killed between its complete MP4 and the record that
+says so (a test-only pause: LONGSERVE_TEST_PAUSE_BEFORE_COMMIT): it is not completed after the restart.
+The data dir the server creates is private (0700, the database 0600)."""
 
 import json
+import os
 import signal
+import stat
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from servers import ROOT, SERVE_KEY, serve_command
 
 from server.api.app import free_port
 
-KEY = "sk-test-longserve"
+KEY = SERVE_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def serve_command(port, data_dir):
-    script = Path(sys.executable).parent / "longserve"
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
-    return head + ["serve", "--model", "tiny-latte", "--workers", "2", "--device", "cpu", "--host", "127.0.0.1",
-                   "--port", str(port), "--data-dir", str(data_dir), "--max-batch", "1", "--max-queue", "2",
-                   "--default-steps", "3", "--max-steps", "1000", "--api-key", KEY, "--score-model", "none",
-                   "--log-level", "warning"]
+PAUSED = "pause before commit"       # the prompt of the video that stops between its file and its record
 
 
 class Server:
-    def __init__(self, data_dir):
+    def __init__(self, data_dir, env=None):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(serve_command(port, data_dir), cwd=ROOT)
+        self.proc = subprocess.Popen(serve_command(port, data_dir), cwd=ROOT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 180
         while True:
             assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
@@ -98,8 +94,10 @@ def servers():
 
 
 def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the_queued(tmp_path, servers):
-    first = Server(tmp_path)
+    data = tmp_path / "data"
+    first = Server(data, env={"LONGSERVE_TEST_PAUSE_BEFORE_COMMIT": PAUSED})
     servers.append(first)
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700 and stat.S_IMODE((data / "longserve.db").stat().st_mode) == 0o600
 
     # --api-key: /v1 needs the bearer token; the probes do not
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -112,6 +110,13 @@ def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the
     assert first.wait(done["id"])["status"] == "completed"
     mp4 = first.http.get(f"/v1/videos/{done['id']}/content").content
     assert mp4[4:8] == b"ftyp"
+
+    paused = first.create(prompt=PAUSED, num_inference_steps=3).json()    # its MP4 is complete, its record not
+    deadline = time.monotonic() + 60
+    while not (data / "videos" / f"{paused['id']}.mp4").exists():
+        assert time.monotonic() < deadline, "the paused video's MP4 never appeared"
+        time.sleep(0.05)
+    assert first.http.get(f"/v1/videos/{paused['id']}").json()["status"] == "in_progress"
 
     running = first.create(num_inference_steps=1000).json()   # max-batch 1: it holds the only slot
     deadline = time.monotonic() + 60
@@ -146,7 +151,7 @@ def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the
     first.stop(signal.SIGKILL)                                 # no chance to clean up
     watcher.join(10)
 
-    second = Server(tmp_path)
+    second = Server(data)
     servers.append(second)
     kept = second.http.get(f"/v1/videos/{done['id']}")
     assert kept.json()["status"] == "completed"
@@ -157,12 +162,15 @@ def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the
     assert interrupted["status"] == "failed"
     assert interrupted["error"]["code"] == "server_restarted" and "create it again" in interrupted["error"]["message"]
     assert second.http.get(f"/v1/videos/{running['id']}/content").status_code == 409
+    unfinished = second.http.get(f"/v1/videos/{paused['id']}").json()
+    assert unfinished["status"] == "failed" and unfinished["error"]["code"] == "server_restarted", unfinished
+    assert not list((data / "videos").glob(f"{paused['id']}*")), "no stored file without a completed record"
 
     for job in (waiting, later):                             # queued before the kill: run now
         assert second.wait(job["id"])["status"] == "completed"
     assert second.http.get(f"/v1/videos/{dropped['id']}").status_code == 404
     listed = [v["id"] for v in second.http.get("/v1/videos", params={"order": "asc"}).json()["data"]]
-    assert listed == [done["id"], running["id"], waiting["id"], later["id"]]
+    assert listed == [done["id"], paused["id"], running["id"], waiting["id"], later["id"]]
     assert second.stop() == 0, "SIGTERM shuts the server down cleanly"
 
 

@@ -1,8 +1,24 @@
-"""In-process servers for the tests: a `VideoService` behind uvicorn on a free port."""
+"""Servers for the tests: an in-process `VideoService` behind uvicorn on a free port, and the command line of a
+`longserve serve` process."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE_KEY = "sk-test-longserve"
+
+
+def serve_command(port, data_dir, workers: int = 2, max_batch: int = 1):
+    """`longserve serve` on tiny-latte with small limits and the key SERVE_KEY (append more flags to the list)."""
+    script = Path(sys.executable).parent / "longserve"
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+    return head + ["serve", "--model", "tiny-latte", "--workers", str(workers), "--device", "cpu", "--host",
+                   "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), "--max-batch", str(max_batch),
+                   "--max-queue", "2", "--default-steps", "3", "--max-steps", "1000", "--api-key", SERVE_KEY,
+                   "--score-model", "none", "--log-level", "warning"]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,113 @@
+"""SIGTERM drains `longserve serve` (a real process): new creates get 503 in the JSON envelope while the running
+video finishes within --drain-seconds (its event stream and its streamed MP4 end cleanly), a queued one stays
+queued for the next start (its event stream ends with the error envelope), and the process exits before the
+stop timeout the docs give (drain + 10 s). A video that runs past the drain fails with server_shutdown:
+tests/server/test_storage.py drains an in-process server for that."""
+
+import json
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
+
+import httpx
+from servers import ROOT, SERVE_KEY, serve_command
+
+from server.api.app import free_port
+
+DRAIN_S = 20               # --drain-seconds' default
+STOP_MARGIN_S = 10          # docs/serving.md: the stop timeout is --drain-seconds + 10 s (30 s)
+KEY = {"Authorization": f"Bearer {SERVE_KEY}"}
+
+
+def read_events(url, vid, out):
+    """(event, data) of one video's SSE stream until it ends; "closed" last if the body ended cleanly."""
+    try:
+        with httpx.Client(base_url=url, headers=KEY, timeout=60) as c, c.stream("GET", f"/v1/videos/{vid}/events") as r:
+            event = None
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: "):
+                    out.append((event, json.loads(line[6:])))
+        out.append(("closed", None))
+    except httpx.HTTPError as e:
+        out.append(("broken", repr(e)))
+
+
+def read_content(url, vid, out):
+    try:
+        with httpx.Client(base_url=url, headers=KEY, timeout=60) as c, \
+                c.stream("GET", f"/v1/videos/{vid}/content", params={"stream": "true"}) as r:
+            out.append((r.status_code, r.headers.get("content-type"), b"".join(r.iter_bytes())))
+    except httpx.HTTPError as e:
+        out.append(("broken", repr(e), b""))
+
+
+def test_sigterm_lets_the_running_video_finish_refuses_new_ones_and_exits_before_the_stop_timeout(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # the default --drain-seconds (20): the drain ends as soon as the running video is done
+    proc = subprocess.Popen(serve_command(port, tmp_path / "data", workers=1, max_batch=1), cwd=ROOT)
+    try:
+        http = httpx.Client(base_url=url, headers=KEY, timeout=30)
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"the server exited with {proc.returncode}"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+
+        def create(steps):
+            r = http.post("/v1/videos", json={"prompt": "a red ball bouncing", "size": "32x32", "num_frames": 8,
+                                              "num_inference_steps": steps})
+            assert r.status_code == 200, r.text
+            return r.json()["id"]
+
+        running, queued = create(20), create(3)                 # --max-batch 1: the second one waits
+        content, events = [], {running: [], queued: []}
+        readers = [threading.Thread(target=read_content, args=(url, running, content), daemon=True)]
+        readers += [threading.Thread(target=read_events, args=(url, vid, out), daemon=True)
+                    for vid, out in events.items()]
+        for t in readers:
+            t.start()
+        while not all(events.values()):                          # both event streams are open
+            time.sleep(0.02)
+        assert http.get(f"/v1/videos/{queued}").json()["status"] == "queued"
+        assert http.get(f"/v1/videos/{running}").json()["status"] in ("queued", "in_progress"), "it ran too fast"
+
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        while (r := http.post("/v1/videos", json={"prompt": "too late"})).status_code == 200:
+            assert time.monotonic() - t0 < 2, "creates are still admitted after SIGTERM"
+        assert r.status_code == 503 and r.headers["Retry-After"], r.text
+        assert r.json()["error"]["code"] == "server_shutdown" and r.json()["error"]["type"] == "server_error"
+        health = httpx.get(url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+
+        proc.wait(DRAIN_S + STOP_MARGIN_S)
+        exited_after = time.monotonic() - t0
+        for t in readers:
+            t.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and exited_after < DRAIN_S + STOP_MARGIN_S, exited_after
+
+    assert [e for e, _ in events[running][-2:]] == ["video.completed", "closed"], events[running][-3:]
+    [(status, ctype, mp4)] = content
+    assert status == 200 and ctype == "video/mp4" and mp4[4:8] == b"ftyp"
+    assert mp4 == (tmp_path / "data" / "videos" / f"{running}.mp4").read_bytes(), "the whole MP4 was streamed"
+    (last, envelope), (closed, _) = events[queued][-2:]
+    assert last == "error" and envelope["error"]["code"] == "server_shutdown" and closed == "closed"
+
+    db = sqlite3.connect(tmp_path / "data" / "longserve.db")
+    rows = dict(db.execute("SELECT id, status FROM videos").fetchall())
+    db.close()
+    assert rows == {running: "completed", queued: "queued"}, "the queued video runs after a restart"
