@@ -229,11 +229,11 @@ def test_content_stream_sends_the_mp4_while_frames_are_still_being_decoded(serve
     gate, first_chunk = threading.Event(), threading.Event()
     write_frames = service._write_frames
 
-    def gated(job, out):  # hold the video's writing after its first chunk until the client has bytes
-        write_frames(job, out)
-        if job.record.prompt == "stream me" and out.start == 0:
-            first_chunk.set()
+    def gated(job, out):  # hold the video's writing at its second chunk until the client has bytes
+        if job.record.prompt == "stream me" and out.start > 0 and not gate.is_set():
+            first_chunk.set()      # the first chunk's frames were handed to the writer before this call
             gate.wait(30)
+        write_frames(job, out)
 
     monkeypatch.setattr(service, "_write_frames", gated)
     v = create(http, prompt="stream me", size="64x64", num_frames=16, num_inference_steps=3)
