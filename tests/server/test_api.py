@@ -3,7 +3,6 @@ tiny-latte on 2 workers): the official openai client, batching under concurrency
 GET and SSE, a streamed MP4, cancellation, malformed requests, a killed worker, /v1/score."""
 
 import io
-import json
 import math
 import os
 import signal
@@ -14,6 +13,7 @@ import warnings
 import httpx
 import imageio.v3 as iio
 import pytest
+from servers import sse_events
 
 from server.api.app import create_app, serve_in_thread
 from server.api.metrics import parse_text
@@ -72,14 +72,10 @@ def collect_events(url, vid, out: list, ready: threading.Event | None = None, ti
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             if ready is not None:
                 ready.set()
-            event = None
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: "):
-                    out.append((event, json.loads(line[6:])))
-                    if event in TERMINAL:
-                        return
+            for event, data in sse_events(r):
+                out.append((event, data))
+                if event in TERMINAL:
+                    return
 
 
 def multipart(fields: dict, files: dict | None = None) -> dict:

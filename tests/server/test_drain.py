@@ -4,7 +4,6 @@ queued for the next start (its event stream ends with the error envelope), and t
 stop timeout the docs give (drain + 10 s). A video that runs past the drain fails with server_shutdown:
 tests/server/test_storage.py drains an in-process server for that."""
 
-import json
 import signal
 import sqlite3
 import subprocess
@@ -12,7 +11,7 @@ import threading
 import time
 
 import httpx
-from servers import ROOT, SERVE_KEY, serve_command
+from servers import ROOT, SERVE_KEY, serve_command, sse_events, wait_until_healthy
 
 from server.api.app import free_port
 
@@ -25,12 +24,7 @@ def read_events(url, vid, out):
     """(event, data) of one video's SSE stream until it ends; "closed" last if the body ended cleanly."""
     try:
         with httpx.Client(base_url=url, headers=KEY, timeout=60) as c, c.stream("GET", f"/v1/videos/{vid}/events") as r:
-            event = None
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: "):
-                    out.append((event, json.loads(line[6:])))
+            out.extend(sse_events(r))
         out.append(("closed", None))
     except httpx.HTTPError as e:
         out.append(("broken", repr(e)))
@@ -53,16 +47,7 @@ def test_sigterm_lets_the_running_video_finish_refuses_new_ones_and_exits_before
                             + ["--drain-seconds", str(DRAIN_S)], cwd=ROOT)
     try:
         http = httpx.Client(base_url=url, headers=KEY, timeout=30)
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"the server exited with {proc.returncode}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_until_healthy(proc, url)
 
         def create(steps):
             r = http.post("/v1/videos", json={"prompt": "a red ball bouncing", "size": "32x32", "num_frames": 8,

@@ -17,6 +17,7 @@ import imageio_ffmpeg
 import numpy as np
 import pytest
 from causal_models import build_tiny_causal
+from servers import wait_until_healthy
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -41,16 +42,7 @@ def server(tmp_path_factory):
                                     "--api-key", KEY, "--score-model", "none", "--log-level", "warning",
                                     "--live-kv-budget", str(BUDGET_MIB), "--max-live-seconds", "30"], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
+    wait_until_healthy(proc, url)
     yield {"url": url, "ws": f"ws://127.0.0.1:{port}/v1/videos/live"}
     proc.terminate()
     try:

@@ -4,7 +4,6 @@ with a clear error, queued jobs run). One job is killed between its complete MP4
 says so (a test-only pause: LONGSERVE_TEST_PAUSE_BEFORE_COMMIT): it is not completed after the restart.
 The data dir the server creates is private (0700, the database 0600)."""
 
-import json
 import os
 import signal
 import stat
@@ -14,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from servers import ROOT, SERVE_KEY, serve_command
+from servers import ROOT, SERVE_KEY, serve_command, sse_events, wait_until_healthy
 
 from server.api.app import free_port
 
@@ -30,16 +29,7 @@ class Server:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(serve_command(port, data_dir), cwd=ROOT, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_until_healthy(self.proc, self.url)
         self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
 
     def create(self, **body):
@@ -72,15 +62,11 @@ class Server:
 def sse(url, vid, out, ready):
     with httpx.Client(base_url=url, headers=AUTH, timeout=120) as c, c.stream("GET", f"/v1/videos/{vid}/events") as r:
         ready.set()
-        event = None
         try:
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: "):
-                    out.append((event, json.loads(line[6:])))
-                    if event in ("video.completed", "video.failed", "video.deleted"):
-                        return
+            for event, data in sse_events(r):
+                out.append((event, data))
+                if event in ("video.completed", "video.failed", "video.deleted"):
+                    return
         except httpx.HTTPError:
             return  # the server was killed under us
 

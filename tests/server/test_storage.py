@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 import pytest
-from servers import serving
+from servers import serving, sse_events
 
 import server.api.store as store_module
 import server.media as media
@@ -361,17 +361,10 @@ def test_a_drain_fails_what_runs_past_its_time_with_server_shutdown_and_refuses_
 
 
 def collect_events(url, vid, out):
-    import json
-
     import httpx
 
     with httpx.Client(base_url=url, timeout=60) as c, c.stream("GET", f"/v1/videos/{vid}/events") as r:
-        event = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                out.append((event, json.loads(line[6:])))
+        out.extend(sse_events(r))
 
 
 @pytest.fixture

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,3 +40,29 @@ def serving(data_dir, score=None, poll_after_ms: int = 50, **options):
         if score is not None:
             score.close()
         service.close()
+
+
+def wait_until_healthy(proc, url: str, timeout_s: float = 180) -> None:
+    """Poll a `longserve serve` process's /health until it answers 200; fail if the process exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
+def sse_events(response):
+    """(event, data) of a Server-Sent Events response (httpx streaming), one pair per `data:` line."""
+    event = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            yield event, json.loads(line[6:])
