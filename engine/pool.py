@@ -30,6 +30,7 @@ import itertools
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -481,6 +482,10 @@ class TorchrunPool:
                 failure = describe_failure(e, comm.ISSUED[0] != issued)
                 failure.update(rank=self.ctx.pg.rank, time=time.time())
                 self._store.set(f"longserve/failure/{job_id}/{self.ctx.pg.rank}", json.dumps(failure))
+                # torchrun's agent stops the whole group about monitor-interval (0.1 s) after we exit, possibly
+                # before rank 0 reports: say it here too, so torchrun's log names the failure
+                print(f"longserve: rank {self.ctx.pg.rank} failed in {getattr(fn, '__name__', fn)} "
+                      f"({failure['kind']}): {failure['traceback'] or failure['message']}", file=sys.stderr, flush=True)
                 os._exit(1)  # peers waiting for us in a collective must fail, not hang
             self._report_outcome(True)
 
