@@ -145,4 +145,54 @@ def recognition_rate(clips, prompts) -> float:
     return float(np.mean([recognises(c, p) for c, p in zip(clips, prompts)]))
 
 
+def segment_starts(num_frames: int, base_num_frames: int, overlap_history: int | None) -> list[int]:
+    """The first new frame of each segment of a diffusion-forcing video without temporal compression (one latent
+    frame = one frame), as the pipeline lays the segments out (`engine.families.skyreels_df.segment_plan`)."""
+    from engine.families.skyreels_df import segment_frame_starts
+
+    return segment_frame_starts(num_frames, base_num_frames, overlap_history)
+
+
+@dataclass
+class SegmentReport:
+    """What `describe_segments` finds: per segment its colour; per boundary the centroid's jump from the
+    segment's last frame to the next segment's first new frame; the largest jump between two frames of one
+    segment; jumps are in pixels, NaN where the object is missing in one of the two frames."""
+    colours: list
+    colour_rate: float
+    boundary_jumps: list
+    largest_inside_jump: float
+    continuous: bool
+
+    @property
+    def largest_boundary_jump(self) -> float:
+        measured = [j for j in self.boundary_jumps if not np.isnan(j)]
+        return max(measured) if measured else float("nan")
+
+
+def describe_segments(video, starts, colour: str) -> SegmentReport:
+    """A long video (T, H, W, 3) made of segments whose new frames start at `starts` (`segment_starts`):
+    the colour of each segment's new frames (against `colour`), and whether the object's position is
+    continuous across every boundary: no boundary jump larger than the largest jump inside a segment.
+    Positions come from the centroid track of the whole video (one background for all frames)."""
+    video = as_float_clip(video)
+    bounds = list(starts) + [len(video)]
+    colours = [describe(video[a:b]).colour for a, b in zip(bounds, bounds[1:])]
+    track = describe(video).track                                                     # (T, 2)
+    step = np.linalg.norm(np.diff(track, axis=0), axis=1)                             # (T-1,) step[f-1]: f-1 -> f
+    inside = [step[f - 1] for a, b in zip(bounds, bounds[1:]) for f in range(a + 1, b)]
+    largest_inside = float(np.nanmax(inside)) if not np.all(np.isnan(inside)) else float("nan")
+    boundary = [float(step[s - 1]) for s in starts[1:]]
+    continuous = all(np.isnan(j) or j <= largest_inside for j in boundary)
+    return SegmentReport(colours=colours, colour_rate=float(np.mean([c == colour for c in colours])),
+                         boundary_jumps=boundary, largest_inside_jump=largest_inside, continuous=continuous)
+
+
+def long_video_recognised(video, starts, prompt: str, min_colour_rate: float = 0.9) -> bool:
+    """The long-video content test: the prompt's colour in at least `min_colour_rate` of the segments and the
+    object's position continuous across every segment boundary."""
+    r = describe_segments(video, starts, parse_prompt(prompt)[0])
+    return r.colour_rate >= min_colour_rate and r.continuous
+
+
 assert set(_DIRECTIONS) | {"bouncing"} == set(MOTIONS)
