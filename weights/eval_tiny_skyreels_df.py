@@ -65,13 +65,16 @@ def judge(video: np.ndarray, prompt: str, settings: dict) -> dict:
     from content import describe_segments, segment_starts
 
     starts = segment_starts(len(video), settings["base_num_frames"], settings["overlap_history"])
-    r = describe_segments(video, starts, parse_prompt(prompt)[0])
+    r = describe_segments(video, starts, prompt)
     return {"prompt": prompt, "segments": len(starts), "colour_rate": r.colour_rate,
             "colours": "".join((c or "-")[0] for c in r.colours), "continuous": r.continuous,
             "recognised": r.colour_rate >= 0.9 and r.continuous,
             "largest_inside_jump": round(r.largest_inside_jump, 2),
+            "median_inside_jump": round(r.median_inside_jump, 2),
             "largest_boundary_jump": round(r.largest_boundary_jump, 2),
-            "boundary_jumps": [round(j, 2) for j in r.boundary_jumps]}
+            "boundary_jumps": [round(j, 2) for j in r.boundary_jumps],
+            "largest_inside_acceleration": round(r.largest_inside_acceleration, 2),
+            "boundary_accelerations": [round(a, 2) for a in r.boundary_accelerations]}
 
 
 def _ratios(results: list[dict]) -> dict:
@@ -79,6 +82,11 @@ def _ratios(results: list[dict]) -> dict:
     r = [x["largest_boundary_jump"] / x["largest_inside_jump"] for x in results
          if x["largest_inside_jump"] > 0 and not np.isnan(x["largest_boundary_jump"])]
     return {"median": round(float(np.median(r)), 3), "max": round(float(np.max(r)), 3)} if r else {}
+
+
+def _median(results: list[dict], key: str) -> float | None:
+    values = [v for r in results for v in (r[key] if isinstance(r[key], list) else [r[key]]) if not np.isnan(v)]
+    return round(float(np.median(values)), 2) if values else None
 
 
 def main(argv=None) -> int:
@@ -89,10 +97,16 @@ def main(argv=None) -> int:
                     help="prompts of the overlap_history=1 control (default: the 8 bouncing ones)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write every result here")
+    ap.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the checkpoint's)")
+    ap.add_argument("--guidance", type=float, default=None, help="guidance_scale (default: the checkpoint's)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     model = Path(args.model)
     settings = demo_settings(model)
+    if args.steps is not None:
+        settings["num_inference_steps"] = args.steps
+    if args.guidance is not None:
+        settings["guidance_scale"] = args.guidance
     print(json.dumps({"settings": settings}), flush=True)
     prompts = list(PROMPTS) if args.prompts == "all" else [DEMO_PROMPT]
     control_prompts = {"all": list(PROMPTS), "demo": [DEMO_PROMPT],
@@ -115,6 +129,13 @@ def main(argv=None) -> int:
         "largest_boundary_vs_inside": _ratios(results), "control_largest_boundary_vs_inside": _ratios(controls),
         "control_continuous": float(np.mean([r["continuous"] for r in controls])),
         "control_colour_ok": float(np.mean([r["colour_rate"] >= 0.9 for r in controls])),
+        # smoothness inside segments (the rendered clips: at most 13 px a frame), and the velocity change at the
+        # boundaries (a segment that forgets the motion turns there: what the control should show)
+        "largest_inside_jump_median": _median(results, "largest_inside_jump"),
+        "control_largest_inside_jump_median": _median(controls, "largest_inside_jump"),
+        "boundary_acceleration_median": _median(results, "boundary_accelerations"),
+        "control_boundary_acceleration_median": _median(controls, "boundary_accelerations"),
+        "inside_acceleration_median": _median(results, "largest_inside_acceleration"),
         "misses": [r["prompt"] for r in results if not r["recognised"]],
         "seconds": round(time.perf_counter() - t0, 1),
     }

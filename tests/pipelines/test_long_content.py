@@ -34,17 +34,22 @@ def flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-def test_the_segment_helper_finds_a_continuous_clip_and_a_spliced_one():
-    clip = render_long_clip("a blue ball bouncing", 89, np.random.default_rng(0))
+def test_the_segment_helper_finds_continuous_clips_and_spliced_ones():
     starts = segment_starts(89, 17, 9)
     assert starts == [0, 17, 25, 33, 41, 49, 57, 65, 73, 81]
-    r = describe_segments(clip, starts, "blue")
-    assert r.colour_rate == 1.0 and r.continuous and r.largest_boundary_jump <= r.largest_inside_jump
-    spliced = clip.copy()
-    spliced[41:] = np.roll(clip[41:], 20, axis=2)                                   # the ball jumps 20 px sideways
-    r = describe_segments(spliced, starts, "blue")
-    assert not r.continuous and r.boundary_jumps[3] == r.largest_boundary_jump > r.largest_inside_jump
-    assert describe_segments(clip, starts, "red").colour_rate == 0.0
+    # each splice moves the object 20 px across its motion from frame 41 (the fourth boundary) on
+    for prompt, across in (("a blue ball bouncing", 2), ("a blue square moving left", 1)):
+        clip = render_long_clip(prompt, 89, np.random.default_rng(0))
+        r = describe_segments(clip, starts, prompt)
+        assert r.colour_rate == 1.0 and r.continuous and r.largest_boundary_jump <= r.largest_inside_jump
+        # the rendered motion is smooth: no jump inside a segment over 13 px (a bounce's speed at the floor; a wrap
+        # round the frame is not a jump)
+        assert r.largest_inside_jump <= 13, (prompt, r)
+        spliced = clip.copy()
+        spliced[41:] = np.roll(clip[41:], 20, axis=across)
+        r = describe_segments(spliced, starts, prompt)
+        assert not r.continuous and r.boundary_jumps[3] == r.largest_boundary_jump > r.largest_inside_jump
+        assert describe_segments(clip, starts, prompt.replace("blue", "red")).colour_rate == 0.0
 
 
 def test_make_demo_long_draws_a_red_ball_continuous_across_ten_segments_and_the_readme_strip_is_its_frames(tmp_path):
@@ -67,7 +72,7 @@ def test_make_demo_long_draws_a_red_ball_continuous_across_ten_segments_and_the_
     assert main(generate[1:-1] + [str(video_path)]) == 0
     video = iio.imread(video_path, extension=".mp4")
     starts = segment_starts(len(video), base, overlap)
-    r = describe_segments(video, starts, "red")
+    r = describe_segments(video, starts, "a red ball bouncing")
     print(f"\nmake demo-long: {video.shape}, {len(starts)} segments, colours {r.colours}, boundary jumps "
           f"{np.round(r.boundary_jumps, 1).tolist()} px, largest inside a segment {r.largest_inside_jump:.1f} px")
     assert video.shape == (frames, 64, 64, 3) and len(starts) >= 10

@@ -12,28 +12,22 @@ from engine.request import RequestError
 from pipelines import VideoPipeline
 from weights import resolve_model
 
-# Later segments are conditioned on earlier ones, so the rounding differences of a different but equal
-# computation (CFG rows batched, attention split over workers) are carried on and grow through the trained model:
-# the first segment's frames agree within FIRST_ATOL (ring attention's fp32 merge: measured 1.1e-4), the whole
-# video within CHAIN_ATOL (measured on the trained tiny-skyreels-df at these odd sizes and guidance 6: up to
-# 2.9e-3; a wrong prefix or schedule differs by tenths)
-FIRST_ATOL = 3e-4
-CHAIN_ATOL = 1e-2
+ATOL = 1e-4
 
 
-def assert_equal_over_segments(got, want, first: int) -> None:
-    """got, want: frames (B, T, H, W, 3) or latents (B, C, T, h, w); `first`: the first segment's frames."""
-    axis = 1 if got.ndim == 5 and got.shape[-1] == 3 else 2
-    head = [slice(None)] * got.ndim
-    head[axis] = slice(0, first)
-    err_first = float(abs(got[tuple(head)] - want[tuple(head)]).max())
-    err_all = float(abs(got - want).max())
-    assert err_first <= FIRST_ATOL and err_all <= CHAIN_ATOL, (err_first, err_all)
+def assert_equal_over_segments(got, want) -> None:
+    """got, want: frames (B, T, H, W, 3) or latents (B, C, T, h, w), every segment's."""
+    err = float(abs(got - want).max())
+    assert err <= ATOL, f"differs by {err:.2e}"
 
 
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry"
-# 80x112 pixels -> a 5x7 patch grid (35 patches per latent frame: divisible by none of 2, 3, 4)
-SIZE = dict(height=80, width=112, num_inference_steps=2, guidance_scale=6.0)
+# 80x112 pixels -> a 5x7 patch grid (35 patches per latent frame: divisible by none of 2, 3, 4). Guidance 2.0 is the
+# trained checkpoint's own: a later segment is conditioned on the earlier ones, so the rounding differences of an
+# equal computation done differently (CFG rows batched, attention split over workers) are carried along the video,
+# and guidance multiplies them at every step. At guidance 6, measured: the first segment within 5.7e-5, the whole
+# video within 2.2e-3; at 2.0 the whole video within 3.4e-5 (a wrong prefix or schedule differs by tenths).
+SIZE = dict(height=80, width=112, num_inference_steps=2, guidance_scale=2.0)
 # tiny-skyreels-df's VAE does not compress time: one latent frame is one frame
 # 10 frames in 4 segments of <= 5, each after the first conditioned on 3 frames
 SYNC = dict(num_frames=10, base_num_frames=5, overlap_history=3, ar_step=0, causal_block_size=1, **SIZE)
@@ -74,8 +68,9 @@ def test_one_worker_matches_diffusers_diffusion_forcing_over_several_segments(pi
                           output_type="np", **diffusers_frames(case)).frames
     got = async_reference if case is ASYNC else pipe1(PROMPT, negative_prompt=NEGATIVE, seed=0, **case).frames
     assert got.shape == want.shape == (1, case["num_frames"], 80, 112, 3)
-    assert want.std() > 0.05, "the reference video should not be flat"
-    assert_equal_over_segments(got, want, case["base_num_frames"])
+    # a grey frame with nothing on it: std < 0.01; the trained model's ball on it at these sizes: 0.04-0.06
+    assert want.std() > 0.03, "the reference video should not be flat"
+    assert_equal_over_segments(got, want)
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -84,7 +79,8 @@ def test_n_workers_match_one_worker_with_ulysses_and_ring(async_reference, worke
         for parallel in ("ulysses", "ring"):
             pipe.set_parallel(parallel)
             got = pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, **ASYNC).frames
-            assert_equal_over_segments(got, async_reference, ASYNC["base_num_frames"])
+            err = np.abs(got - async_reference).max()
+            assert err <= ATOL, f"{parallel} on {workers} workers differs by {err:.2e}"
 
 
 def test_stream_hands_out_segments_while_later_segments_denoise_and_concatenates_to_the_call(pipe1):
@@ -114,7 +110,7 @@ def test_addnoise_condition_draws_the_same_noise_on_every_worker(pipe1):
     plain = pipe1(PROMPT, seed=5, **SYNC).frames
     assert np.abs(one - plain).max() > 1e-3, "the conditioning noise changes the later segments"
     with VideoPipeline.from_pretrained("tiny-skyreels-df", workers=2, device="cpu") as pipe:
-        assert_equal_over_segments(pipe(PROMPT, seed=5, **kw).frames, one, SYNC["base_num_frames"])
+        assert_equal_over_segments(pipe(PROMPT, seed=5, **kw).frames, one)
 
 
 def test_latent_output_is_every_final_latent_frame(pipe1, diffusers_pipe):
@@ -122,7 +118,7 @@ def test_latent_output_is_every_final_latent_frame(pipe1, diffusers_pipe):
                           **diffusers_frames(SYNC)).frames
     got = pipe1(PROMPT, seed=1, output_type="latent", **SYNC).frames
     assert got.shape == want.shape == (1, 4, 10, 10, 14)
-    assert_equal_over_segments(got, want, SYNC["base_num_frames"])
+    assert_equal_over_segments(got, want)
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -279,7 +279,7 @@ def test_tiny_skyreels_df_makes_a_long_video_in_segments(offline):
     assert isinstance(pipe.transformer, SkyReelsV2Transformer3DModel)
     tc = pipe.transformer.config
     assert tc.inject_sample_info is True and hasattr(pipe.transformer, "fps_embedding")
-    assert (tc.num_attention_heads, tc.attention_head_dim, tc.num_frame_per_block) == (3, 24, 1)
+    assert (tc.num_attention_heads, tc.attention_head_dim, tc.num_frame_per_block) == (3, 32, 1)
     assert pipe.vae_scale_factor_temporal == 1      # tiny-live's VAE: one latent frame a frame
 
     segments = []
