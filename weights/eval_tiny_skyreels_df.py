@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from weights.clips import PROMPTS, parse_prompt
+from weights.clips import PROMPTS
 
 DEMO_PROMPT = "a red ball bouncing"
 #: `make demo-long`'s settings beyond the checkpoint's generation_defaults.json (tests/pipelines/test_long_content.py

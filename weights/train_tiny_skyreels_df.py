@@ -93,7 +93,7 @@ OVERLAP = 9                                     # overlap_history: the prefix a 
 FPS = 8
 FLOW_SHIFT = 3.0
 STEPS_DEFAULT = 10
-GUIDANCE = 2.0                  # 40-prompt rate: 82.5% at 1.0 (the ball fades in some segments), 90% at 2.0 (weights/README.md)
+GUIDANCE = 2.0                  # 40-prompt rate: 82.5% at 1.0 (the ball fades), 90% at 2.0 (weights/README.md)
 GENERATION_DEFAULTS = {
     "height": 64, "width": 64, "num_frames": 37, "base_num_frames": WINDOW, "overlap_history": OVERLAP,
     "ar_step": 0, "causal_block_size": 1, "addnoise_condition": 0, "num_inference_steps": STEPS_DEFAULT,

@@ -216,7 +216,8 @@ def describe_segments(video, starts, prompt: str) -> SegmentReport:
         # the velocity change at a segment's last frame s-1 (s-2 -> s-1 -> s: the first new frame's motion against
         # the old frames'), and at frames whose neighbours are all in their segment
         boundary_accelerations=[float(accel[s - 1]) for s in starts[1:]],
-        largest_inside_acceleration=_nanmax([accel[g] for a, b in zip(bounds, bounds[1:]) for g in range(a + 1, b - 1)]))
+        largest_inside_acceleration=_nanmax([accel[g] for a, b in zip(bounds, bounds[1:])
+                                             for g in range(a + 1, b - 1)]))
 
 
 def long_video_recognised(video, starts, prompt: str, min_colour_rate: float = 0.9) -> bool:
