@@ -38,7 +38,6 @@ demo: install
 	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-latte --workers 2 --seed 0 -o out/demo.mp4
 	$(PY) -m tools.frame_strip out/demo.mp4 -o out/demo_strip.png --scale 2
 
-# long video by diffusion forcing: 89 frames = 10 segments of tiny-skyreels-df, written as they are made
 # a 30 s live video on tiny-live (a trained causal few-step model: weights/README.md) whose prompt switches from
 # "a red ball bouncing" to "a blue ball bouncing" at 15 s; docs/demo_live_strip.png (README.md) shows the switch
 demo-live: install
@@ -46,10 +45,14 @@ demo-live: install
 	$(PY) -m tools.live_demo --model tiny-live --seconds 30 --switch-at 15 -o out/demo_live.mp4 \
 		--strip out/demo_live_strip.png --chunks-json out/demo_live_chunks.json
 
+# long video by diffusion forcing on tiny-skyreels-df (trained on procedural clips: weights/README.md): "a red ball
+# bouncing", 89 frames = 10 segments of 17 frames, each given the last 9 of the one before, written as they are made;
+# docs/demo_long_strip.png (README.md) shows one frame a segment (tests/pipelines/test_long_content.py)
 demo-long: install
 	mkdir -p out
-	$(VENV)/bin/longserve generate "a ship sailing along a coast at sunset" --model tiny-skyreels-df --workers 2 \
-		--frames 89 --size 64x64 --steps 10 --seed 0 -o out/demo-long.mp4
+	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-skyreels-df --workers 2 \
+		--frames 89 --base-frames 17 --overlap 9 --size 64x64 --steps 10 --seed 0 -o out/demo-long.mp4
+	$(PY) -m tools.frame_strip out/demo-long.mp4 -o out/demo_long_strip.png --segments 17,9 --scale 2
 
 bench: install
 	$(VENV)/bin/longserve bench transformer --strategies dsp,ulysses,ring,megatron-sp \

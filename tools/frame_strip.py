@@ -1,9 +1,12 @@
 """A video's frames side by side in one PNG: what the README shows of `make demo`.
 
     python -m tools.frame_strip out/demo.mp4 -o docs/demo_strip.png [--every 2] [--scale 2]
+    python -m tools.frame_strip out/demo-long.mp4 -o out/demo_long_strip.png --segments 17,9  # a frame a segment
 
-Frames are taken every `--every` frames, scaled up `--scale` times without smoothing (the
-pixels stay visible), and separated by a thin white gap.
+Frames are taken every `--every` frames (or, with `--segments BASE,OVERLAP`, the first new frame of each
+segment of a diffusion-forcing video of BASE frames a segment overlapping by OVERLAP, no temporal
+compression), scaled up `--scale` times without smoothing (the pixels stay visible), and separated by a thin
+white gap.
 """
 
 from __future__ import annotations
@@ -38,8 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--output", required=True, help="PNG to write")
     ap.add_argument("--every", type=int, default=1, help="take every n-th frame (default 1)")
     ap.add_argument("--scale", type=int, default=2, help="integer upscaling (default 2)")
+    ap.add_argument("--segments", default=None, metavar="BASE,OVERLAP",
+                    help="take the first new frame of each diffusion-forcing segment instead")
     args = ap.parse_args(argv)
     frames = iio.imread(args.video)
+    if args.segments:
+        from engine.families.skyreels_df import segment_frame_starts
+
+        base, overlap = (int(x) for x in args.segments.split(","))
+        frames = frames[segment_frame_starts(len(frames), base, overlap)]
     strip = frame_strip(frames, every=args.every, scale=args.scale)
     iio.imwrite(args.output, strip)
     print(f"wrote {args.output}: {len(frames[::args.every])} frames of {frames.shape[2]}x{frames.shape[1]}, "

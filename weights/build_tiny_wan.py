@@ -3,9 +3,11 @@
 
 Usage::
 
-    python -m weights.build_tiny_wan                                  # (re)writes both shipped dirs
-    python -m weights.build_tiny_wan --kind wan                       # only weights/tiny-wan/
-    python -m weights.build_tiny_wan --kind skyreels-df --out DIR     # writes DIR instead
+    python -m weights.build_tiny_wan                                  # (re)writes weights/tiny-wan/
+    python -m weights.build_tiny_wan --kind skyreels-df --out DIR     # the random DF sibling, written to DIR
+
+The shipped ``tiny-skyreels-df`` is trained (``python -m weights.train_tiny_skyreels_df``, weights/README.md):
+this builder writes its random sibling only where ``--out`` says, never over the shipped one.
 
 ``tiny-wan`` is a complete diffusers ``WanPipeline`` directory in Wan 2.1 T2V format and
 ``tiny-skyreels-df`` a ``SkyReelsV2DiffusionForcingPipeline`` directory in SkyReels-V2 DF 1.3B
@@ -68,7 +70,7 @@ from .wan import (
 
 SEED = 0
 KINDS = ("wan", "skyreels-df")
-DEFAULT_OUT = {"wan": TINY_MODELS["tiny-wan"], "skyreels-df": TINY_MODELS["tiny-skyreels-df"]}
+DEFAULT_OUT = {"wan": TINY_MODELS["tiny-wan"]}   # tiny-skyreels-df is trained: its random build needs an --out
 
 # --- text encoder ----------------------------------------------------------------------------
 UMT5_CONFIG = dict(
@@ -274,17 +276,21 @@ def build(kind: str, out: str | Path | None = None) -> Path:
     """Build the ``kind`` checkpoint (``"wan"`` or ``"skyreels-df"``) into ``out`` (default: shipped dir)."""
     if kind not in WRITERS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if out is None and kind not in DEFAULT_OUT:
+        raise ValueError(f"the shipped {kind} checkpoint is trained (python -m weights.train_tiny_skyreels_df); "
+                         f"give an output directory for the random build")
     return build_into(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_wan", description=__doc__.split("\n")[0])
-    ap.add_argument("--kind", choices=(*KINDS, "all"), default="all", help="which checkpoint (default: all)")
-    ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs one --kind)")
+    ap.add_argument("--kind", choices=KINDS, default="wan", help="which checkpoint (default: wan)")
+    ap.add_argument("--out", default=None, help="output directory (default: weights/tiny-wan; needed for skyreels-df)")
     args = ap.parse_args(argv)
-    kinds = KINDS if args.kind == "all" else (args.kind,)
-    if args.out is not None and len(kinds) > 1:
-        ap.error("--out needs --kind wan or --kind skyreels-df")
+    kinds = (args.kind,)
+    if args.out is None and args.kind not in DEFAULT_OUT:
+        ap.error("tiny-skyreels-df is trained (python -m weights.train_tiny_skyreels_df): "
+                 "give --out for the random build")
     for kind in kinds:
         t0 = time.perf_counter()
         out = build(kind, args.out)

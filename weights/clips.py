@@ -132,13 +132,15 @@ def render_clip(prompt: str, rng: np.random.Generator) -> np.ndarray:
     return np.stack([draw_frame(tuple(c), radius, shape, colour) for c in track]).astype(np.float32)
 
 
-# -- long clips: bouncing for as long as asked, with a prompt schedule ------------------------------
+# -- long clips: any number of frames, with a prompt schedule ---------------------------------------
 #
 # `weights/tiny-live` (a causal, chunk-by-chunk video model) is trained on windows of long clips: a
 # bouncing object that keeps bouncing for any number of frames, whose prompt (colour, and the shape if
-# asked) changes at scheduled frames while the motion carries on. The bounce is periodic (a perfectly
-# elastic floor), so frame 2000 looks like frame 20; the parameters vary from clip to clip in narrow
-# ranges, and a clip starts near the top of an arc, so that its first frames vary little.
+# asked) changes at scheduled frames while the motion carries on. `weights/tiny-skyreels-df` (diffusion
+# forcing) is trained on long clips of all 40 prompts: the straight motions wrap round the frame. The
+# bounce is periodic (a perfectly elastic floor), so frame 2000 looks like frame 20; the parameters vary
+# from clip to clip in narrow ranges, and a clip starts near the top of an arc, so that its first frames
+# vary little.
 
 #: Long bounces: the period in frames, the arc height as a fraction of the frame, the phase at frame 0
 #: (0 = on the floor, 0.5 = the top of the arc), and the horizontal speed in pixels a frame (the object
@@ -148,6 +150,9 @@ LONG_HEIGHT = (0.5, 0.6)
 LONG_START_PHASE = (0.4, 0.6)
 LONG_MAX_SPEED_X = 0.3
 LONG_SIDE_MARGIN = 4.0
+#: Long straight motions: pixels a frame along the named direction (16 frames cross 47-62% of the frame, as
+#: the 16-frame clips do).
+LONG_SPEED = (2.0, 2.5)
 
 
 def long_bounce_track(frames: int, radius: float, rng: np.random.Generator) -> np.ndarray:
@@ -170,16 +175,34 @@ def long_bounce_track(frames: int, radius: float, rng: np.random.Generator) -> n
     return np.stack([x, y], axis=1)
 
 
+def long_straight_track(direction: str, frames: int, radius: float, rng: np.random.Generator) -> np.ndarray:
+    """Centre positions (frames, 2) of an object moving in `direction` at a constant speed for `frames` frames.
+
+    A straight motion cannot stay in the frame, so it wraps: the object leaves on one side and comes back in
+    on the opposite one, like something on a conveyor; it is wholly out of sight at one position of the
+    cycle (a cycle is SIZE + 2 radius pixels long). Across the motion it stays near the middle."""
+    dx, dy = _DIRECTIONS[direction]
+    cycle = SIZE + 2 * radius
+    speed = rng.uniform(*LONG_SPEED)
+    start = rng.uniform(0, cycle)
+    along = np.mod(start + speed * np.arange(frames, dtype=np.float64), cycle) - radius     # (frames,)
+    if dx + dy < 0:                                                                        # left / up
+        along = SIZE - along
+    across = np.full(frames, SIZE / 2 + rng.uniform(-ACROSS_JITTER, ACROSS_JITTER))
+    return np.stack([along, across] if dx else [across, along], axis=1)
+
+
 def normalise_schedule(prompt_schedule) -> list[tuple[int, str]]:
-    """A prompt, or [(first_frame, prompt), ...] starting at frame 0 -> the sorted list, checked:
-    every prompt in the vocabulary and bouncing (the only motion a long clip can keep up)."""
+    """A prompt, or [(first_frame, prompt), ...] starting at frame 0 -> the sorted list, checked: every
+    prompt in the vocabulary and all of one motion (a change of prompt changes colour or shape, the motion
+    carries on)."""
     schedule = [(0, prompt_schedule)] if isinstance(prompt_schedule, str) else \
         sorted((int(f), p) for f, p in prompt_schedule)
     if not schedule or schedule[0][0] != 0:
         raise ValueError(f"a prompt schedule starts at frame 0; got {prompt_schedule!r}")
-    for _, prompt in schedule:
-        if parse_prompt(prompt)[2] != "bouncing":
-            raise ValueError(f"long clips only bounce; {prompt!r} does not")
+    motions = {parse_prompt(prompt)[2] for _, prompt in schedule}
+    if len(motions) > 1:
+        raise ValueError(f"a long clip keeps one motion; {prompt_schedule!r} has {sorted(motions)}")
     return schedule
 
 
@@ -193,14 +216,17 @@ def prompt_at(prompt_schedule, frame: int) -> str:
 
 
 def render_long_clip(prompt_schedule, frames: int, rng: np.random.Generator) -> np.ndarray:
-    """A bouncing clip of any length: float32 (frames, 64, 64, 3) in [0, 1], drawn with `rng`.
+    """A clip of any length: float32 (frames, 64, 64, 3) in [0, 1], drawn with `rng`.
 
-    `prompt_schedule` is one bouncing prompt ("a red ball bouncing") or [(first_frame, prompt), ...]
-    from frame 0, e.g. [(0, "a red ball bouncing"), (120, "a blue ball bouncing")]: from each
-    first_frame on the object takes that prompt's colour and shape and keeps its motion."""
+    `prompt_schedule` is one prompt ("a red ball bouncing") or [(first_frame, prompt), ...] from frame 0,
+    e.g. [(0, "a red ball bouncing"), (120, "a blue ball bouncing")]: from each first_frame on the object
+    takes that prompt's colour and shape and keeps its motion. Bouncing is `long_bounce_track`; the
+    straight motions are `long_straight_track` (the object wraps round the frame)."""
     schedule = normalise_schedule(prompt_schedule)
     radius = rng.uniform(MIN_RADIUS, MAX_RADIUS)
-    track = long_bounce_track(frames, radius, rng)
+    motion = parse_prompt(schedule[0][1])[2]
+    track = long_bounce_track(frames, radius, rng) if motion == "bouncing" else \
+        long_straight_track(motion, frames, radius, rng)
     out = np.empty((frames, SIZE, SIZE, 3), dtype=np.float32)
     for index, (first, prompt) in enumerate(schedule):
         colour, shape, _ = parse_prompt(prompt)

@@ -43,7 +43,7 @@ TINY_MODELS: dict[str, Path] = {
 REBUILD_COMMANDS: dict[str, str] = {
     "tiny-latte": "python -m weights.train_tiny_latte",
     "tiny-wan": "python -m weights.build_tiny_wan --kind wan",
-    "tiny-skyreels-df": "python -m weights.build_tiny_wan --kind skyreels-df",
+    "tiny-skyreels-df": "python -m weights.train_tiny_skyreels_df",
     "tiny-live": "python -m weights.train_tiny_live",
 }
 

@@ -339,15 +339,19 @@ def new_transformer(seed: int):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    model = WanTransformer3DModel(**TRANSFORMER_CONFIG)
-    with torch.no_grad():
-        model.proj_out.weight.zero_()
-        model.proj_out.bias.zero_()
-        model.condition_embedder.time_proj.weight.zero_()
-        model.condition_embedder.time_proj.bias.zero_()
-        for block in model.blocks:
-            block.scale_shift_table[:, 2].zero_()
-            block.scale_shift_table[:, 5].zero_()
+    return adaln_zero_(WanTransformer3DModel(**TRANSFORMER_CONFIG))
+
+
+@torch.no_grad()
+def adaln_zero_(model):
+    """Zero a Wan-style transformer's output projection, timestep projection and block gates (in place)."""
+    model.proj_out.weight.zero_()
+    model.proj_out.bias.zero_()
+    model.condition_embedder.time_proj.weight.zero_()
+    model.condition_embedder.time_proj.bias.zero_()
+    for block in model.blocks:
+        block.scale_shift_table[:, 2].zero_()
+        block.scale_shift_table[:, 5].zero_()
     return model
 
 

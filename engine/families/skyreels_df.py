@@ -60,6 +60,17 @@ def segment_plan(num_frames: int, base_num_frames: int, overlap_history: int | N
     return {"long": True, "overlap": overlap, "segments": segments}
 
 
+def segment_frame_starts(num_frames: int, base_num_frames: int, overlap_history: int | None,
+                         causal_block_size: int = 1, temporal: int = 1) -> list[int]:
+    """The first new (video) frame of each segment: where a segment's frames start in the finished video."""
+    plan = segment_plan(num_frames, base_num_frames, overlap_history, causal_block_size, temporal)
+    starts, latent = [], 0
+    for i, (frames, _) in enumerate(plan["segments"]):
+        starts.append(0 if latent == 0 else 1 + (latent - 1) * temporal)
+        latent += frames - (plan["overlap"] if i else 0)
+    return starts
+
+
 def check_schedule(desc: ModelDescription, steps: int, plan: dict, ar_step: int, cbs: int) -> None:
     """Build every segment's schedule with diffusers' own `generate_timestep_matrix`, as the pipeline
     would, so a schedule diffusers refuses (its minimum `ar_step`) is refused here, naming ar_step."""

@@ -97,8 +97,10 @@ def _diffusers_rows(model_dir: str, plan: list[tuple[int, int]], kw: dict, optio
     pipe = SkyReelsV2DiffusionForcingPipeline.from_pretrained(model_dir)
     pipe.set_progress_bar_config(disable=True)
     rows = []
+    # with a VAE that does not compress time, diffusers makes num_frames + 1 frames (weights/README.md)
+    fewer = 1 if pipe.vae_scale_factor_temporal == 1 else 0
     for segments, frames in plan:
-        call = dict(prompt=PROMPT, num_frames=frames, height=kw["height"], width=kw["width"],
+        call = dict(prompt=PROMPT, num_frames=frames - fewer, height=kw["height"], width=kw["width"],
                     num_inference_steps=kw["num_inference_steps"], output_type="np", **options)
         t0 = time.perf_counter()
         pipe(generator=torch.Generator("cpu").manual_seed(0), **call)

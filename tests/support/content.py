@@ -145,4 +145,86 @@ def recognition_rate(clips, prompts) -> float:
     return float(np.mean([recognises(c, p) for c, p in zip(clips, prompts)]))
 
 
+def segment_starts(num_frames: int, base_num_frames: int, overlap_history: int | None) -> list[int]:
+    """The first new frame of each segment of a diffusion-forcing video without temporal compression (one latent
+    frame = one frame), as the pipeline lays the segments out (`engine.families.skyreels_df.segment_plan`)."""
+    from engine.families.skyreels_df import segment_frame_starts
+
+    return segment_frame_starts(num_frames, base_num_frames, overlap_history)
+
+
+@dataclass
+class SegmentReport:
+    """What `describe_segments` finds: per segment its colour; per boundary the object's jump from the segment's
+    last frame to the next segment's first new frame, and the change of velocity there; the largest jump (and
+    change of velocity) between two frames of one segment. Pixels; NaN where the object is missing in a frame
+    the measure needs."""
+    colours: list
+    colour_rate: float
+    boundary_jumps: list
+    largest_inside_jump: float
+    continuous: bool
+    median_inside_jump: float = float("nan")
+    boundary_accelerations: list = None
+    largest_inside_acceleration: float = float("nan")
+
+    @property
+    def largest_boundary_jump(self) -> float:
+        return _nanmax(self.boundary_jumps)
+
+
+def _nanmax(values) -> float:
+    values = [v for v in values if not np.isnan(v)]
+    return float(max(values)) if values else float("nan")
+
+
+def steps_of(track: np.ndarray, motion: str | None, size: int) -> np.ndarray:
+    """(T-1, 2) displacement from each frame to the next. A straight motion wraps round the frame along its axis
+    (`weights.clips.long_straight_track`: it leaves on one side and comes back on the other), so along that axis a
+    displacement is taken the short way round (modulo the frame's side); across it, and for bouncing, as it is."""
+    d = np.diff(track, axis=0)
+    if motion in _DIRECTIONS:
+        axis = 0 if _DIRECTIONS[motion][0] else 1
+        d[:, axis] = (d[:, axis] + size / 2) % size - size / 2
+    return d
+
+
+def describe_segments(video, starts, prompt: str) -> SegmentReport:
+    """A long video (T, H, W, 3) made of segments whose new frames start at `starts` (`segment_starts`), drawn for
+    `prompt`: the colour of each segment's new frames (against the prompt's), and whether the object's position is
+    continuous across every boundary: no boundary jump larger than the largest jump inside a segment (the issue's
+    rule). Positions are the centroid track of the whole video (one background for all frames); jumps follow
+    `steps_of` (a straight motion's wrap round the frame is not a jump)."""
+    colour, _, motion = parse_prompt(prompt)
+    video = as_float_clip(video)
+    bounds = list(starts) + [len(video)]
+    colours = [describe(video[a:b]).colour for a, b in zip(bounds, bounds[1:])]
+    track = describe(video).track                                                     # (T, 2)
+    d = steps_of(track, motion, min(video.shape[1:3]))                                # d[f-1]: f-1 -> f
+    step = np.linalg.norm(d, axis=1)
+    accel = np.full(len(step), np.nan)                                                # accel[g]: at frame g,
+    accel[1:] = np.linalg.norm(np.diff(d, axis=0), axis=1)                           # g-1 -> g -> g+1
+    inside = [f for a, b in zip(bounds, bounds[1:]) for f in range(a + 1, b)]       # f-1 -> f inside a segment
+    largest_inside = _nanmax([step[f - 1] for f in inside])
+    boundary = [float(step[s - 1]) for s in starts[1:]]
+    continuous = all(np.isnan(j) or j <= largest_inside for j in boundary)
+    seen = [step[f - 1] for f in inside if not np.isnan(step[f - 1])]
+    return SegmentReport(
+        colours=colours, colour_rate=float(np.mean([c == colour for c in colours])), boundary_jumps=boundary,
+        largest_inside_jump=largest_inside, continuous=continuous,
+        median_inside_jump=float(np.median(seen)) if seen else float("nan"),
+        # the velocity change at a segment's last frame s-1 (s-2 -> s-1 -> s: the first new frame's motion against
+        # the old frames'), and at frames whose neighbours are all in their segment
+        boundary_accelerations=[float(accel[s - 1]) for s in starts[1:]],
+        largest_inside_acceleration=_nanmax([accel[g] for a, b in zip(bounds, bounds[1:])
+                                             for g in range(a + 1, b - 1)]))
+
+
+def long_video_recognised(video, starts, prompt: str, min_colour_rate: float = 0.9) -> bool:
+    """The long-video content test: the prompt's colour in at least `min_colour_rate` of the segments and the
+    object's position continuous across every segment boundary."""
+    r = describe_segments(video, starts, prompt)
+    return r.colour_rate >= min_colour_rate and r.continuous
+
+
 assert set(_DIRECTIONS) | {"bouncing"} == set(MOTIONS)

@@ -80,10 +80,26 @@ def test_a_long_clip_keeps_bouncing_and_changes_colour_where_scheduled(seed):
     assert describe(clip[201:]).shape == "square" and describe(clip[:120]).shape == "ball"
 
 
-def test_long_clips_take_only_bouncing_schedules_from_frame_0():
+@pytest.mark.parametrize("motion", ["moving right", "moving left", "moving up", "moving down"])
+def test_a_long_straight_clip_moves_its_way_and_wraps_round_the_frame(motion):
+    """Every 16-frame window in which the object stays wholly in sight is recognised as the motion; the
+    object leaves on one side and comes back on the other."""
+    clip = render_long_clip(f"a green square {motion}", 96, np.random.default_rng(1))
+    track = describe(clip).track                                                      # (96, 2)
+    steps = np.abs(np.diff(track, axis=0))
+    assert np.nanmax(steps) > SIZE / 2, "the object comes back in on the other side"
+    inside = np.all((track > 10) & (track < SIZE - 10), axis=1)                       # NaN compares False
+    windows = [f for f in range(0, 96 - 15) if inside[f:f + 16].all()]
+    assert windows
+    for first in windows:
+        assert describe(clip[first:first + 16]).motion == motion, first
+
+
+def test_long_clips_keep_one_motion_and_start_at_frame_0():
     rng = np.random.default_rng(0)
     assert render_long_clip("a yellow ball bouncing", 5, rng).shape == (5, SIZE, SIZE, 3)
+    assert render_long_clip("a red ball moving right", 16, rng).shape == (16, SIZE, SIZE, 3)
     with pytest.raises(ValueError):
-        render_long_clip("a red ball moving right", 16, rng)
+        render_long_clip([(0, "a red ball bouncing"), (8, "a red ball moving right")], 16, rng)
     with pytest.raises(ValueError):
         render_long_clip([(3, "a red ball bouncing")], 16, rng)

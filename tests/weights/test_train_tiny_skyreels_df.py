@@ -1,0 +1,37 @@
+"""`python -m weights.train_tiny_skyreels_df` (issue 23): a short run writes a `SkyReelsV2DiffusionForcingPipeline`
+directory with its record, and two runs with the same seed give byte-identical weights; the diffusion-forcing
+noise patterns give the sampler's situations (a clean prefix, one shared level, per-frame levels)."""
+
+import json
+
+import torch
+
+from weights import TINY_MODELS
+from weights.build_tiny_latte import file_digests
+from weights.clips import PROMPTS
+from weights.train_tiny_skyreels_df import GENERATION_DEFAULTS, OVERLAP, THREADS, WINDOW, noise_levels, train
+
+
+def test_short_training_runs_are_seeded_and_write_a_pipeline_with_its_record(tmp_path):
+    records = [train(tmp_path / name, steps=2, clips_per_prompt=1, clip_frames=WINDOW, prompts=PROMPTS[:2],
+                     log=lambda *_: None) for name in ("a", "b")]
+    a, b = file_digests(tmp_path / "a"), file_digests(tmp_path / "b")
+    assert a == b and "transformer/diffusion_pytorch_model.safetensors" in a
+    assert records[0]["files"] == a and records[0]["seed"] == 0 and records[0]["threads"] == THREADS
+    shipped = file_digests(TINY_MODELS["tiny-skyreels-df"])
+    for rel in a:
+        if rel.startswith(("text_encoder/", "tokenizer/", "vae/")):       # copied as they are
+            assert a[rel] == shipped[rel], rel
+    index = json.loads((tmp_path / "a" / "model_index.json").read_text())
+    assert index["_class_name"] == "SkyReelsV2DiffusionForcingPipeline"
+    assert json.loads((tmp_path / "a" / "generation_defaults.json").read_text()) == GENERATION_DEFAULTS
+
+
+def test_noise_levels_give_clean_prefixes_shared_levels_and_per_frame_levels():
+    sigma, target = noise_levels(400, WINDOW, torch.Generator().manual_seed(0))
+    prefix = (~target).sum(dim=1)                                                  # (B,) given frames
+    assert ((prefix == OVERLAP).float().mean() > 0.2) and (prefix == 0).float().mean() > 0.3
+    assert (sigma[~target] <= 0.06).all() and (sigma[~target] == 0).float().mean() > 0.6
+    made = [sigma[b, target[b]] for b in range(400)]
+    shared = sum(bool((m == m[0]).all()) for m in made)
+    assert 0.5 < shared / 400 < 0.9                                                # the rest: per-frame levels
