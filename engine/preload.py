@@ -12,12 +12,15 @@ from __future__ import annotations
 import importlib
 
 MODULES = ("engine.worker", "engine.lss", "engine.families.latte", "engine.families.wan",
-           "engine.families.skyreels_df", "engine.models.latte", "engine.models.wan", "engine.causal_vae")
+           "engine.families.wan_i2v", "engine.families.skyreels_df", "engine.models.latte", "engine.models.wan",
+           "engine.causal_vae")
 #: (module, attribute): diffusers and transformers import their classes lazily, on attribute access
-CLASSES = (("diffusers", "LattePipeline"), ("diffusers", "WanPipeline"), ("diffusers", "SkyReelsV2Pipeline"),
-           ("diffusers", "SkyReelsV2DiffusionForcingPipeline"), ("diffusers", "AutoencoderKLWan"),
+CLASSES = (("diffusers", "LattePipeline"), ("diffusers", "WanPipeline"), ("diffusers", "WanImageToVideoPipeline"),
+           ("diffusers", "SkyReelsV2Pipeline"), ("diffusers", "SkyReelsV2DiffusionForcingPipeline"),
+           ("diffusers", "AutoencoderKLWan"),
            ("transformers", "AutoModelForCausalLM"), ("transformers", "AutoTokenizer"),
-           ("transformers", "T5EncoderModel"), ("transformers", "UMT5EncoderModel"))
+           ("transformers", "T5EncoderModel"), ("transformers", "UMT5EncoderModel"),
+           ("transformers", "CLIPVisionModel"), ("transformers", "CLIPImageProcessor"))
 
 
 def preload() -> None:

@@ -37,6 +37,8 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-wan": _HERE / "tiny-wan",
     "tiny-skyreels-df": _HERE / "tiny-skyreels-df",
     "tiny-live": _HERE / "tiny-live",
+    "tiny-wan-i2v": _HERE / "tiny-wan-i2v",
+    "tiny-wan-flf2v": _HERE / "tiny-wan-flf2v",
 }
 
 #: How to rebuild each shipped checkpoint (named in the error when one is missing).
@@ -45,6 +47,8 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-wan": "python -m weights.build_tiny_wan --kind wan",
     "tiny-skyreels-df": "python -m weights.train_tiny_skyreels_df",
     "tiny-live": "python -m weights.train_tiny_live",
+    "tiny-wan-i2v": "python -m weights.build_tiny_wan_i2v --kind i2v",
+    "tiny-wan-flf2v": "python -m weights.build_tiny_wan_i2v --kind flf2v",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

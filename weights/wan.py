@@ -241,3 +241,80 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "vae": WAN_2_1_VAE, "text_encoder": UMT5_XXL_ENCODER, "scheduler": SKYREELS_V2_SCHEDULER,
     },
 }
+
+# --- image-to-video (WanImageToVideoPipeline) ---------------------------------------------------
+# Wan 2.1 I2V 14B (480P and 720P share it): huggingface/diffusers scripts/convert_wan_to_diffusers.py
+# ("Wan-I2V-14B-480p" / "-720p"): the 14B T2V transformer plus the image branch. in_channels 36 = the noisy
+# latent (16) + the VAE-encoded condition video (16) + the 4-channel first-frame mask; image_dim 1280 is the
+# CLIP ViT-H/14 hidden size (the penultimate layer's tokens, 257 of them); added_kv_proj_dim = the inner dim,
+# the image tokens' own K/V projections in every cross-attention. The published config.json files could not
+# be read: the keys beyond the script's are the class defaults save_pretrained writes.
+WAN_2_1_I2V_14B_TRANSFORMER: dict[str, Any] = {
+    **WAN_2_1_T2V_14B_TRANSFORMER,
+    "added_kv_proj_dim": 5120,
+    "image_dim": 1280,
+    "in_channels": 36,
+    "pos_embed_seq_len": None,
+}
+# Wan 2.1 FLF2V 14B 720P (first-last-frame): the same plus a learned position table over the two images'
+# 2 x 257 CLIP tokens (the pipeline encodes [image, last_image] and the model views them as one sequence).
+WAN_2_1_FLF2V_14B_TRANSFORMER: dict[str, Any] = {
+    **WAN_2_1_I2V_14B_TRANSFORMER,
+    "pos_embed_seq_len": 2 * 257,
+}
+
+# The image encoder: the vision tower of laion/CLIP-ViT-H-14-laion2B-s32B-b79K (what the conversion script
+# loads), used as a CLIPVisionModel; WanImageToVideoPipeline.encode_image takes hidden_states[-2].
+CLIP_VIT_H_14_VISION: dict[str, Any] = {
+    "hidden_act": "gelu",
+    "hidden_size": 1280,
+    "image_size": 224,
+    "intermediate_size": 5120,
+    "layer_norm_eps": 1e-05,
+    "num_attention_heads": 16,
+    "num_channels": 3,
+    "num_hidden_layers": 32,
+    "patch_size": 14,
+    "projection_dim": 1024,
+}
+# Its CLIPImageProcessor: the shorter side resized to 224 (bicubic), a 224 x 224 centre crop, OpenAI CLIP's
+# mean and std.
+CLIP_IMAGE_PROCESSOR: dict[str, Any] = {
+    "crop_size": {"height": 224, "width": 224},
+    "do_center_crop": True,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"shortest_edge": 224},
+}
+
+# Schedulers: the conversion script's flow_shift is 3.0 for I2V and 16.0 for FLF2V.
+WAN_2_1_I2V_SCHEDULER: dict[str, Any] = dict(WAN_2_1_T2V_SCHEDULER)
+WAN_2_1_FLF2V_SCHEDULER: dict[str, Any] = {**WAN_2_1_T2V_SCHEDULER, "flow_shift": 16.0}
+
+# model_index.json: WanImageToVideoPipeline with the CLIP image encoder and processor (the component names
+# and classes of WanImageToVideoPipeline.__init__ as the conversion script fills them).
+WAN_2_1_I2V_MODEL_INDEX: dict[str, Any] = {
+    **WAN_2_1_T2V_MODEL_INDEX,
+    "_class_name": "WanImageToVideoPipeline",
+    "image_encoder": ["transformers", "CLIPVisionModel"],
+    "image_processor": ["transformers", "CLIPImageProcessor"],
+}
+
+PUBLISHED.update({
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {
+        "model_index": WAN_2_1_I2V_MODEL_INDEX, "transformer": WAN_2_1_I2V_14B_TRANSFORMER, "vae": WAN_2_1_VAE,
+        "text_encoder": UMT5_XXL_ENCODER, "image_encoder": CLIP_VIT_H_14_VISION,
+        "image_processor": CLIP_IMAGE_PROCESSOR, "scheduler": WAN_2_1_I2V_SCHEDULER,
+    },
+    "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers": {
+        "model_index": WAN_2_1_I2V_MODEL_INDEX, "transformer": WAN_2_1_FLF2V_14B_TRANSFORMER, "vae": WAN_2_1_VAE,
+        "text_encoder": UMT5_XXL_ENCODER, "image_encoder": CLIP_VIT_H_14_VISION,
+        "image_processor": CLIP_IMAGE_PROCESSOR, "scheduler": WAN_2_1_FLF2V_SCHEDULER,
+    },
+})

@@ -88,6 +88,8 @@ class VideoFamily:
     auto_plan: ClassVar[str]                       # "dsp" or "sequence" (see engine.parallel.resolve_plan)
     options: ClassVar[tuple[str, ...]] = ()        # family-specific request options it accepts
     split_variance: bool = False     # the model predicts [noise; variance] and the scheduler takes the noise alone
+    #: pipeline components only rank 0 loads (it encodes for everyone and broadcasts the result)
+    rank0_components: ClassVar[tuple[str, ...]] = ("text_encoder", "tokenizer")
 
     # -- coordinator side ------------------------------------------------------------------
 
@@ -142,7 +144,7 @@ class VideoFamily:
 
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
-        skip = {} if self.pg.rank == 0 else {"text_encoder": None, "tokenizer": None}
+        skip = {} if self.pg.rank == 0 else dict.fromkeys(self.rank0_components)
         pipe = pipeline_class.from_pretrained(self.model_dir, dtype=dtype, **skip)
         pipe.to(self.pg.device)
         pipe.set_progress_bar_config(disable=True)
@@ -154,17 +156,22 @@ class VideoFamily:
     # -- worker side: a request ----------------------------------------------------------------
 
     def admit(self, spec: GenerationSpec) -> WorkerRequest:
-        """Encode the prompt on rank 0 (the only rank with the text encoder), share it, prepare the rest."""
+        """Encode the prompt (and any other condition) on rank 0, the only rank with the encoders; share it in one
+        broadcast; prepare the rest."""
         t0 = time.perf_counter()
 
         def encode():
             with torch.no_grad():
                 positive, negative = self.encode_prompt(spec)
-            return (torch.cat([negative, positive]) if spec.use_cfg else positive).cpu()    # (2B|B, L, C_text)
+                conditions = {k: v.cpu() for k, v in self.encode_conditions(spec).items()}
+            text = torch.cat([negative, positive]) if spec.use_cfg else positive          # (2B|B, L, C_text)
+            return text.cpu(), conditions
 
-        text = self.broadcast_from_first(encode).to(self.pg.device, self.dtype)
+        text, conditions = self.broadcast_from_first(encode)
+        text = text.to(self.pg.device, self.dtype)
+        conditions = {k: v.to(self.pg.device) for k, v in conditions.items()}
         encode_s = time.perf_counter() - t0
-        req = self.prepare(spec, text)
+        req = self.prepare(spec, text, **conditions)
         req.timings["encode_s"] = encode_s
         return req
 
@@ -172,8 +179,13 @@ class VideoFamily:
         """(positive, negative) prompt embeddings, as the family's diffusers pipeline makes them."""
         raise NotImplementedError
 
+    def encode_conditions(self, spec: GenerationSpec) -> dict[str, torch.Tensor]:
+        """Conditions besides the prompt, made on rank 0 and broadcast with it (an image's encodings); they reach
+        `prepare` as keyword arguments. None for text-to-video."""
+        return {}
+
     def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> WorkerRequest:
-        """Latents, the request's own scheduler and its batch key."""
+        """Latents, the request's own scheduler and its batch key (plus `encode_conditions`' tensors, if any)."""
         raise NotImplementedError
 
     def step(self, reqs: list[WorkerRequest]) -> None:
@@ -399,6 +411,10 @@ def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:
         raise RequestError("output_type", f"output_type must be one of {', '.join(OUTPUTS)}; got {spec.output!r}")
     check_int("decode_chunk_size", spec.decode_chunk_size, 1)
     unknown = sorted(set(spec.options) - set(desc.options))
+    for name in ("image", "last_image"):
+        if name in unknown:
+            raise RequestError(name, f"{name} is not supported: this model generates video from text only (a "
+                                     f"{desc.family} model; image-to-video needs a WanImageToVideoPipeline checkpoint)")
     if unknown:
         raise RequestError(unknown[0], f"{unknown[0]} is not an option of this model (a {desc.family} model "
                                        f"accepts: {', '.join(desc.options) or 'no extra options'})")

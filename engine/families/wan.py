@@ -69,6 +69,7 @@ class WanFamily(VideoFamily):
                                "guidance_scale": 6.0, "fps": 24},
     }
     pipeline_classes = frozenset(pipeline_defaults)
+    request_class = WanRequest
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
@@ -101,9 +102,7 @@ class WanFamily(VideoFamily):
         if config.engine.attention == "xformers":
             raise ValueError("attention='xformers' is not available for the Wan family (it uses PyTorch SDPA)")
         desc = self.describe(Path(config.model_dir))
-        # the VAE stays in float32 (diffusers' Wan examples load it so); the rest in `dtype`
-        self.pipe = self.load_pipeline(getattr(diffusers, desc.pipeline), {"default": self.dtype,
-                                                                             "vae": torch.float32})
+        self.pipe = self.load_pipeline(getattr(diffusers, desc.pipeline), self.component_dtypes())
         self.desc = desc
         experts = [m for m in (self.pipe.transformer, getattr(self.pipe, "transformer_2", None)) if m is not None]
         self.experts = [WanSequenceParallel(m) for m in experts]
@@ -111,6 +110,10 @@ class WanFamily(VideoFamily):
         self.boundary = (desc.extra["boundary_ratio"] * self.pipe.scheduler.config.num_train_timesteps
                          if desc.extra["two_experts"] else None)
         self.set_plan(config.plan)
+
+    def component_dtypes(self) -> dict:
+        """The VAE stays in float32 (diffusers' Wan examples load it so); the rest in `dtype`."""
+        return {"default": self.dtype, "vae": torch.float32}
 
     def set_plan(self, plan: ParallelPlan) -> None:
         """Build the worker groups of `plan` (collective: every rank calls it)."""
@@ -145,7 +148,7 @@ class WanFamily(VideoFamily):
                                        max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.pg.device)
 
     def latent_shape(self, spec: GenerationSpec, frames: int) -> tuple:
-        return (spec.batch_size, self.pipe.transformer.config.in_channels, frames,
+        return (spec.batch_size, self.pipe.vae.config.z_dim, frames,
                 spec.height // self.vae_spatial, spec.width // self.vae_spatial)
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> WanRequest:
@@ -155,9 +158,10 @@ class WanFamily(VideoFamily):
         generator = seeded_generator(spec.seed)
         shape = self.latent_shape(spec, (spec.num_frames - 1) // self.vae_temporal + 1)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.pg.device)  # prepare_latents
-        req = WanRequest(spec=spec, num_steps=len(scheduler.timesteps), batch_key=(), num_frames=spec.num_frames,
-                         text=text, scheduler=scheduler, latents=latents, timesteps_cpu=scheduler.timesteps.tolist(),
-                         step_kwargs=scheduler_step_kwargs(scheduler, generator))
+        req = self.request_class(spec=spec, num_steps=len(scheduler.timesteps), batch_key=(),
+                                 num_frames=spec.num_frames, text=text, scheduler=scheduler, latents=latents,
+                                 timesteps_cpu=scheduler.timesteps.tolist(),
+                                 step_kwargs=scheduler_step_kwargs(scheduler, generator))
         req.batch_key = self.batch_key(req)
         return req
 
@@ -170,8 +174,9 @@ class WanFamily(VideoFamily):
 
     def forward(self, model, inputs: dict, cfg_parallel: bool) -> torch.Tensor:
         x, t, text = (torch.cat(inputs[k]) for k in ("x", "t", "text"))
+        image = torch.cat(inputs["image"]) if "image" in inputs else None        # image-to-video's CLIP tokens
         return model(x, t.to(self.pg.device), text, self.sp_cfg if cfg_parallel else self.sp,
-                     cfg=self.cfg_groups if cfg_parallel else None)              # (rows, C, F, h, w)
+                     cfg=self.cfg_groups if cfg_parallel else None, image=image)  # (rows, C, F, h, w)
 
     def guidance_scale(self, r: WanRequest) -> float:
         if self.expert(r.timesteps_cpu[r.steps_done]) == 0:

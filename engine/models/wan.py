@@ -144,8 +144,6 @@ class WanSequenceParallel:
     """
 
     def __init__(self, model):
-        if getattr(model.config, "image_dim", None) is not None or getattr(model.config, "added_kv_proj_dim", None):
-            raise ValueError("image-conditioned (I2V) Wan checkpoints are not supported: text-to-video only")
         self.model = model
         self.skyreels = hasattr(model.config, "num_frame_per_block")
         self.shard: Shard | None = None
@@ -226,9 +224,15 @@ class WanSequenceParallel:
     # -- a forward --------------------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, sp: SequenceParallel,
-                 cfg: CfgGroups | None = None, fps: int | None = None, frames_per_block: int = 1) -> torch.Tensor:
+                 cfg: CfgGroups | None = None, fps: int | None = None, frames_per_block: int = 1,
+                 image: torch.Tensor | None = None) -> torch.Tensor:
         """diffusers' forward over the group. x (B, C, F, H, W); timestep (B,), or (B, F) per latent frame
         (diffusion forcing, SkyReels-V2 only); text (B, L, C_text) -> (B, C_out, F, H, W) on every rank.
+
+        `image`: image-to-video's CLIP tokens (`encoder_hidden_states_image`), (k B, T, C_img) with k images per
+        row (FLF2V: 2, first and last, which diffusers' image embedder views as one row of 2T tokens). The image
+        path is cross-attention (replicated keys, per-token queries) and the extra input channels (the condition
+        concatenated to the latents) only widen `patch_embedding`'s input: neither needs a hook.
 
         `cfg`: the unconditional and conditional halves of the batch run on two halves of the workers
         (each half sharding its sequence over `sp`), then the pairs join them. `fps`: SkyReels' fps id, one
@@ -238,8 +242,9 @@ class WanSequenceParallel:
         """
         if cfg is not None:
             half = slice(cfg.index * (x.shape[0] // 2), (cfg.index + 1) * (x.shape[0] // 2))
+            image_half = None if image is None else image.chunk(2)[cfg.index]      # (k B/2, T, C_img)
             out = self(x[half], timestep[half], text[half], sp, fps=fps,
-                       frames_per_block=frames_per_block)                       # (B/2, C_out, F, H, W)
+                       frames_per_block=frames_per_block, image=image_half)      # (B/2, C_out, F, H, W)
             return comm.all_gather(out, 0, cfg.pair)                              # (B, C_out, F, H, W)
         per_frame = timestep.ndim == 2
         if per_frame and not self.skyreels:
@@ -247,6 +252,8 @@ class WanSequenceParallel:
         kwargs = {}
         if self.skyreels:
             kwargs = {"enable_diffusion_forcing": per_frame, "fps": None if fps is None else [fps]}
+        if image is not None:
+            kwargs["encoder_hidden_states_image"] = image
         self.shard = Shard.of(self.model, x, sp, per_frame, frames_per_block)
         try:
             return self.model(x, timestep, text, return_dict=False, **kwargs)[0]

@@ -86,6 +86,9 @@ class ServeConfig:
                              group="limits")
     max_fps: int = option(60, "highest fps a request may ask for", group="limits")
     max_prompt_chars: int = option(4000, "longest prompt (and negative prompt) in characters", group="limits")
+    max_image_pixels: int = option(4096 * 4096, "largest input_reference image (width x height), checked from its "
+                                                "header before it is decoded (400 beyond)", group="limits",
+                                   metavar="PIXELS")
     max_queued_work: float | None = option(256.0, "most queued plus running work, in default requests (frames x "
                                                   "pixels x steps relative to the model's defaults): a create past "
                                                   "it gets 429 (one request alone is always admitted); none = count "
@@ -113,7 +116,8 @@ class ServeConfig:
 
     def __post_init__(self):
         self._check_edge_and_admission()
-        for name in ("max_steps", "default_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers"):
+        for name in ("max_steps", "default_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers",
+                     "max_image_pixels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

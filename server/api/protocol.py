@@ -96,7 +96,7 @@ class VideoCreateRequest(BaseModel):
     model: str | None = None
     seconds: SecondsText | None = None
     size: str | None = None
-    input_reference: Any = None  # accepted by the schema so the refusal can name it (text-to-video only)
+    input_reference: Any = None  # image-to-video: an uploaded file (`uploads.Upload`) or {"image_url": data URL}
     # extensions
     num_frames: FormInt | None = None
     fps: FormInt | None = None

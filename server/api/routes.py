@@ -23,8 +23,11 @@ from server.api.edge import client_id, matching_key
 from server.api.errors import APIError, validation_error
 from server.api.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest
 from server.api.streaming import TERMINAL_EVENTS, shutdown_envelope, sse_stream, tail_file
+from server.api.uploads import Upload
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+#: the create body's file fields: OpenAI's image (or other reference) and the first-last-frame extension
+FILE_FIELDS = ("input_reference", "last_image")
 
 
 def require_api_key(request: Request) -> None:
@@ -91,9 +94,14 @@ def parse_json_object(body: bytes, what: str = "request body") -> dict:
 
 
 async def parse_create_body(request: Request) -> dict:
-    """JSON, multipart/form-data or urlencoded form -> a dict for `VideoCreateRequest`."""
+    """JSON, multipart/form-data or urlencoded form -> a dict for `VideoCreateRequest` (file parts as `Upload`s)."""
     ctype = _content_type(request)
-    body = await read_body(request)
+    try:
+        body = await read_body(request)
+    except APIError as e:
+        if e.status == 413 and ctype == "multipart/form-data":    # what makes a form that large is its file
+            e.param = "input_reference"
+        raise
     if ctype in FORM_TYPES:
         async def replay():
             return {"type": "http.request", "body": body, "more_body": False}
@@ -107,14 +115,14 @@ async def parse_create_body(request: Request) -> dict:
         try:
             for key, value in form.multi_items():
                 if isinstance(value, UploadFile):
-                    if key != "input_reference":
+                    if key not in FILE_FIELDS:
                         raise APIError(400, f"{key} must be a text field, not a file upload", param=key,
                                        code="invalid_value")
-                    data[key] = value.filename or "upload"
+                    data[key] = Upload(await value.read(), value.filename, value.content_type)
                 else:
                     data[key] = value
         finally:
-            await form.close()
+            await form.close()             # starlette's spooled temporary files go with it
         return data
     if ctype in ("", "application/json", "text/json") or ctype.endswith("+json"):
         return parse_json_object(body)

@@ -59,6 +59,7 @@ from server.api.metrics import Counter, Gauge, Histogram, Registry
 from server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList, parse_size
 from server.api.store import JobStore, VideoRecord
 from server.api.streaming import EventBroker, shutdown_envelope
+from server.api.uploads import decode_image, image_bytes
 from server.media import FragmentedMP4Writer, storage_error_code, write_png
 from server.notify import Notifier
 
@@ -206,6 +207,12 @@ class VideoService:
         for video_id in self.store.unmeasured():          # kept from before sizes were recorded (the quota's)
             self.store.update(video_id, bytes=self.store.files_bytes(video_id))
         for rec in self.store.by_status("queued"):
+            if "image" in (rec.params.get("options") or {}):
+                self._finish_record(rec, status="failed", error={
+                    "code": "server_restarted",
+                    "message": "the server stopped before this image-to-video job ran, and its input_reference "
+                               "image was held in memory only; create it again"})
+                continue
             try:
                 handle = self.engine.submit(GenerationSpec.from_params(rec.id, rec.prompt, rec.params))
             except (QueueFullError, ValueError) as e:
@@ -228,9 +235,8 @@ class VideoService:
         if req.model is not None and req.model not in self.model_names:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-        if req.input_reference is not None:
-            raise APIError(400, "input_reference is not supported: this model generates video from text only",
-                           param="input_reference", code="unsupported_parameter")
+        options = req.options()
+        images = self._images(req.input_reference, options)
         negative = req.negative_prompt if req.negative_prompt is not None else ""
         if len(negative) > cfg.max_prompt_chars:
             raise APIError(400, f"negative_prompt is longer than {cfg.max_prompt_chars} characters",
@@ -243,13 +249,37 @@ class VideoService:
         _check_range("num_inference_steps", steps, 1, lim.max_steps)
         guidance = lim.guidance_scale if req.guidance_scale is None else req.guidance_scale
         seed = random.randrange(MAX_SEED) if req.seed is None else req.seed
-        options = req.options()
+        options.update(images)
         if "fps" in self.engine.info.options:       # a model conditioned on fps gets the video's
             options.setdefault("fps", fps)
         spec = GenerationSpec(request_id=f"video_{uuid.uuid4().hex}", prompt=[prompt], negative_prompt=negative,
                               num_frames=num_frames, height=height, width=width, num_inference_steps=steps,
                               guidance_scale=float(guidance), seed=seed, output="uint8", options=options)
         return spec, fps
+
+    def _images(self, input_reference, options: dict) -> dict:
+        """An image-to-video model's images, decoded (`server/api/uploads.py`): `input_reference` is the first
+        frame's image, the `last_image` file field (an extension) the last frame's. Refused, naming the field, on
+        a text-to-video model, and when missing on an image-to-video one."""
+        last = options.pop("last_image", None)
+        if "image" in options:
+            raise APIError(400, "image: send the image as the file field input_reference", param="image",
+                           code="invalid_value")
+        if not self.engine.info.extra.get("image_to_video"):
+            for name, value in (("input_reference", input_reference), ("last_image", last)):
+                if value is not None:
+                    raise APIError(400, f"{name} is not supported: this model generates video from text only",
+                                   param=name, code="unsupported_parameter")
+            return {}
+        if input_reference is None:
+            raise APIError(400, "input_reference is required: this model makes a video from an image (send a PNG, "
+                                "JPEG or WebP file as the multipart field input_reference)",
+                           param="input_reference", code="missing_parameter")
+        limit = self.config.max_image_pixels
+        images = {"image": decode_image(image_bytes(input_reference, "input_reference"), "input_reference", limit)}
+        if last is not None:
+            images["last_image"] = decode_image(image_bytes(last, "last_image"), "last_image", limit)
+        return images
 
     def _size(self, size: str | None) -> tuple[int, int]:
         lim = self.limits
@@ -301,7 +331,7 @@ class VideoService:
         try:
             handle = self.engine.submit(spec)
         except RequestError as e:
-            param = "size" if e.field in ("height", "width") else e.field
+            param = {"height": "size", "width": "size", "image": "input_reference"}.get(e.field, e.field)
             raise APIError(400, str(e), param=param, code="invalid_value") from None
         except QueueFullError:
             raise APIError(429, f"the queue is full ({self.config.engine.max_queue} videos waiting); retry later",
@@ -309,7 +339,7 @@ class VideoService:
         spec = handle.spec                                 # as the family completed it (its defaults filled in)
         rec = VideoRecord(id=spec.request_id, created_at=int(time.time()), status="queued", model=self.model_name,
                           prompt=spec.prompt[0], seconds=_format_seconds(spec.num_frames, fps),
-                          size=f"{spec.width}x{spec.height}", params={**spec.params(), "fps": fps})
+                          size=f"{spec.width}x{spec.height}", params={**stored_params(spec), "fps": fps})
         try:
             _retried(lambda: self.store.insert(rec))
         except Exception as e:
@@ -940,6 +970,18 @@ def _storage_api_error(code: str, message: str) -> APIError:
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise APIError(400, f"{name} must be in [{low}, {high}]; got {value}", param=name, code="invalid_value")
+
+
+def stored_params(spec: GenerationSpec) -> dict:
+    """The spec's parameters as the record keeps them (JSON): an image is kept as its size, not its pixels. A
+    queued image-to-video job is therefore not run again after a restart (its image lived in memory only)."""
+    params = spec.params()
+    options = params["options"]
+    for name in ("image", "last_image"):
+        if name in options:
+            height, width = options.pop(name).shape[:2]
+            options[name] = f"{width}x{height}"
+    return params
 
 
 def _format_seconds(num_frames: int, fps: int) -> str:

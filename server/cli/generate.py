@@ -5,6 +5,10 @@ Long video (a diffusion-forcing checkpoint)::
     longserve generate "a ship at sea" --model tiny-skyreels-df --frames 481 --base-frames 97 --overlap 17 \\
         --ar-step 5 --causal-block 5 -o long.mp4
 
+Image-to-video (a WanImageToVideoPipeline checkpoint)::
+
+    longserve generate "the cat walks away" --model tiny-wan-i2v --image cat.png [--last-image end.png] -o cat.mp4
+
 The MP4 is written while the video is generated: every chunk of final frames (a long
 video's segment) is encoded into a fragmented MP4 at once, so an interrupted run leaves a
 playable file of the frames made so far. A tqdm bar counts every denoising step (of every
@@ -40,6 +44,11 @@ def add_arguments(p) -> None:
     g.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
                    help="a model-specific option, e.g. --opt guidance_scale_2=3 (Wan 2.2); repeatable")
     g.add_argument("-o", "--output", default="out.mp4", help="MP4 path to write")
+    g = p.add_argument_group("image-to-video (WanImageToVideoPipeline checkpoints)")
+    g.add_argument("--image", default=None, metavar="PATH", help="the first frame's image (PNG, JPEG or WebP); "
+                                                                 "resized to --size as diffusers' pipeline does")
+    g.add_argument("--last-image", default=None, metavar="PATH", help="the last frame's image (first-last-frame "
+                                                                      "checkpoints)")
     g = p.add_argument_group("long video (diffusion-forcing checkpoints)")
     g.add_argument("--base-frames", type=int, default=None, help="frames per segment (base_num_frames)")
     g.add_argument("--overlap", type=int, default=None, help="frames a segment shares with the one before "
@@ -63,6 +72,10 @@ def run(args) -> int:
     if args.size is not None:
         width, height = parse_size(args.size)
     options = parse_options(args.opt)
+    for flag, name in (("--image", "image"), ("--last-image", "last_image")):
+        path = getattr(args, name)
+        if path is not None:
+            options[name] = read_image(path, flag)
     options.update({name: getattr(args, flag) for flag, name in LONG_VIDEO_FLAGS.items()
                     if getattr(args, flag) is not None})
     t0 = time.perf_counter()
@@ -107,6 +120,21 @@ def run(args) -> int:
           f"pool overhead {wall - t['transformer_s'] - t['vae_s'] - t['encode_s']:.2f} s); "
           f"model load {loaded - t0:.1f} s; total {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def read_image(path: str, flag: str):
+    """An image file -> (H, W, 3) uint8, decoded as the server decodes uploads; ValueError naming the flag."""
+    from server.api.errors import APIError
+    from server.api.uploads import decode_image
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        return decode_image(data, flag, max_pixels=1 << 28)
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
+    except APIError as e:
+        raise ValueError(e.message) from None
 
 
 def parse_options(items: list[str]) -> dict:

@@ -104,7 +104,8 @@ def test_tiny_checkpoints_are_small_and_name_the_published_classes():
 def test_resolve_model_finds_every_shipped_name_from_any_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     classes = {"tiny-latte": "LattePipeline", "tiny-wan": "WanPipeline",
-               "tiny-skyreels-df": "SkyReelsV2DiffusionForcingPipeline", "tiny-live": "WanPipeline"}
+               "tiny-skyreels-df": "SkyReelsV2DiffusionForcingPipeline", "tiny-live": "WanPipeline",
+               "tiny-wan-i2v": "WanImageToVideoPipeline", "tiny-wan-flf2v": "WanImageToVideoPipeline"}
     assert sorted(TINY_MODELS) == sorted(classes)
     for name, cls in classes.items():
         root = resolve_model(name)
@@ -327,7 +328,8 @@ def test_published_transformer_configs_have_the_published_sizes():
     assert published.WAN_2_2_T2V_A14B_MODEL_INDEX["boundary_ratio"] == 0.875
     assert set(published.PUBLISHED) == {
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
-        "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers", "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers"}
+        "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers", "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers",
+        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers"}
 
 
 # --- real-config checkpoints (tests/support/wan_models.py) ------------------------------------------------

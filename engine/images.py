@@ -1,0 +1,73 @@
+"""Input images of image-to-video requests, as plain data: an RGB uint8 array (H, W, 3).
+
+A request's image travels inside its `GenerationSpec` (pickled to every worker), so it is held
+as the one form every front door can produce and every worker can hand to diffusers: the
+Python API's PIL image or array, and the server's decoded upload, all become `(H, W, 3)` uint8
+RGB here; a worker turns it back into the PIL image diffusers' `WanImageToVideoPipeline`
+takes (`to_pil`), which is exactly the image the caller gave when that was an RGB PIL image.
+
+Conversions, as diffusers' own helpers make them:
+- a PIL image of any mode -> `image.convert("RGB")` (what `diffusers.utils.load_image` does; the
+  pipeline's processors take RGB);
+- a float array in [0, 1] -> `round(x * 255)` as uint8 (`VaeImageProcessor.numpy_to_pil`);
+- a 2-D array, or (H, W, 1) -> grey replicated to RGB; (H, W, 4) -> its RGB channels (PIL's
+  RGBA -> RGB conversion drops alpha the same way).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.request import RequestError
+
+#: the largest image a request may carry (pixels): a 16k x 16k frame; larger is refused, naming the field
+MAX_IMAGE_PIXELS = 1 << 28
+
+
+def as_rgb_array(value, field: str) -> np.ndarray:
+    """A PIL image or an (H, W[, C]) array -> a C-contiguous uint8 (H, W, 3) RGB array; RequestError naming
+    `field` for anything else."""
+    try:
+        import PIL.Image
+    except ImportError:          # pragma: no cover - Pillow is a dependency of diffusers
+        PIL = None
+    if PIL is not None and isinstance(value, PIL.Image.Image):
+        if value.width * value.height == 0:
+            raise RequestError(field, f"{field} is an empty image ({value.width}x{value.height})")
+        _check_pixels(field, value.width, value.height)
+        return np.ascontiguousarray(np.asarray(value.convert("RGB"), dtype=np.uint8))
+    if not isinstance(value, np.ndarray):
+        raise RequestError(field, f"{field} must be a PIL image or an (H, W, 3) array; got {type(value).__name__}")
+    array = value
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if array.ndim == 2:
+        array = np.stack([array] * 3, axis=2)
+    if array.ndim != 3 or array.shape[2] not in (3, 4):
+        raise RequestError(field, f"{field} must be shaped (H, W), (H, W, 1), (H, W, 3) or (H, W, 4); "
+                                  f"got {value.shape}")
+    array = array[:, :, :3]
+    height, width = array.shape[:2]
+    if height * width == 0:
+        raise RequestError(field, f"{field} is an empty image ({width}x{height})")
+    _check_pixels(field, width, height)
+    if array.dtype == np.uint8:
+        return np.ascontiguousarray(array)
+    if np.issubdtype(array.dtype, np.floating):
+        if not np.isfinite(array).all() or array.min() < 0 or array.max() > 1:
+            raise RequestError(field, f"{field}: a float image must hold values in [0, 1]")
+        return np.ascontiguousarray((array * 255).round().astype(np.uint8))
+    raise RequestError(field, f"{field} must be a uint8 array, or floats in [0, 1]; got dtype {array.dtype}")
+
+
+def _check_pixels(field: str, width: int, height: int) -> None:
+    if width * height > MAX_IMAGE_PIXELS:
+        raise RequestError(field, f"{field} is {width}x{height} = {width * height} pixels; the limit is "
+                                  f"{MAX_IMAGE_PIXELS}")
+
+
+def to_pil(array: np.ndarray):
+    """The (H, W, 3) uint8 array -> the RGB PIL image diffusers' pipelines take."""
+    import PIL.Image
+
+    return PIL.Image.fromarray(np.ascontiguousarray(array, dtype=np.uint8))      # (H, W, 3) uint8: RGB

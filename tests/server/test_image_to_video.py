@@ -1,0 +1,142 @@
+"""Image-to-video at the front doors, on tiny-wan-i2v: the official openai client's
+`videos.create(input_reference=open("cat.png", "rb"))` against an in-process server; every malformed upload
+answered in the error envelope naming `input_reference`, leaving no file and no job behind; `longserve
+generate --image`."""
+
+import io
+import struct
+import time
+import warnings
+import zlib
+
+import httpx
+import imageio.v3 as iio
+import numpy as np
+import PIL.Image
+import pytest
+from servers import serving
+
+from server.cli import main
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
+
+MAX_PIXELS = 256 * 256
+MAX_BODY = 64 << 10
+
+
+def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 255 // width, y * 255 // height, np.full_like(x, rng.integers(0, 255))], -1)
+    buf = io.BytesIO()
+    PIL.Image.fromarray(pixels.astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def with_png_size(png: bytes, width: int, height: int) -> bytes:
+    """The same PNG whose header claims another size (its CRC recomputed): a decompression bomb's header."""
+    ihdr = png[12:29]                                   # b"IHDR" + 13 bytes of data
+    data = struct.pack(">II", width, height) + ihdr[12:]
+    chunk = b"IHDR" + data
+    return png[:8] + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk)) + png[33:]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("serve-i2v"), model="tiny-wan-i2v", workers=1, max_batch=4,
+                 default_steps=2, max_image_pixels=MAX_PIXELS) as s:
+        s["app"].state.max_body_bytes = MAX_BODY         # what `longserve serve --max-body-bytes` gives create_app
+        yield s
+
+
+def test_openai_client_makes_a_video_from_an_uploaded_image(server, tmp_path):
+    from openai import OpenAI
+
+    cat = tmp_path / "cat.png"
+    cat.write_bytes(png_bytes(70, 52))
+    client = OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    with open(cat, "rb") as f:
+        video = client.videos.create(prompt="the cat walks away", input_reference=f, size="64x48", seconds="1",
+                                     extra_body={"fps": 4, "seed": 3})
+    done = client.videos.poll(video.id, poll_interval_ms=50)
+    assert done.status == "completed", done.error
+    assert done.model_extra["num_frames"] == 5 and done.size == "64x48"
+    assert done.model_extra["options"]["image"] == "70x52", "the record keeps the image's size, not its pixels"
+    frames = iio.imread(io.BytesIO(client.videos.download_content(video.id).read()), extension=".mp4")
+    assert frames.shape == (5, 48, 64, 3) and frames.std() > 3
+
+
+def test_a_base64_data_url_in_json_is_an_input_reference_too(server):
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(32, 32)).decode()
+    r = httpx.post(server["url"] + "/v1/videos", json={"prompt": "a", "size": "32x32", "num_frames": 1,
+                                                       "num_inference_steps": 1, "input_reference": {"image_url": url}},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["options"]["image"] == "32x32"
+    vid, deadline = r.json()["id"], time.monotonic() + 60
+    while (status := httpx.get(server["url"] + f"/v1/videos/{vid}").json()["status"]) not in ("completed", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert status == "completed"
+
+
+def _gif() -> bytes:
+    buf = io.BytesIO()
+    PIL.Image.new("RGB", (8, 8), (255, 0, 0)).save(buf, format="GIF")
+    return buf.getvalue()
+
+
+PNG = png_bytes(48, 40)
+MALFORMED = [
+    ("empty", b"", 400, "invalid_image"),
+    ("not an image", b"hello, this is text", 400, "unsupported_image"),
+    ("truncated png", PNG[: len(PNG) // 2], 400, "invalid_image"),
+    ("gif", _gif(), 400, "unsupported_image"),
+    ("bomb past the server's limit", with_png_size(PNG, 4096, 4096), 400, "image_too_large"),
+    ("bomb past pillow's own limit", with_png_size(PNG, 100_000, 100_000), 400, "image_too_large"),
+    ("over the body limit", b"\x89PNG\r\n\x1a\n" + bytes(MAX_BODY), 413, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("name, data, status, code", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_a_malformed_upload_is_refused_naming_input_reference_and_leaves_nothing(server, name, data, status, code):
+    before = set(server["data_dir"].rglob("*"))
+    jobs = len(httpx.get(server["url"] + "/v1/videos", params={"limit": 100}).json()["data"])
+    r = httpx.post(server["url"] + "/v1/videos", data={"prompt": "a cat", "size": "32x32"},
+                   files={"input_reference": ("cat.png", data, "image/png")}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == "input_reference" and error["code"] == code, error
+    assert set(server["data_dir"].rglob("*")) == before, "no file is left behind"
+    assert len(httpx.get(server["url"] + "/v1/videos", params={"limit": 100}).json()["data"]) == jobs
+    stats = server["service"].engine.stats()
+    assert (stats.waiting, stats.running, stats.loop_alive) == (0, 0, True), "no job is stuck"
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"data": {"prompt": "a cat"}}, "input_reference"),                                     # missing
+    ({"data": {"prompt": "a cat", "input_reference": "cat.png"}}, "input_reference"),       # text, not a file
+    ({"json": {"prompt": "a", "input_reference": {"image_url": "https://x/cat.png"}}}, "input_reference"),
+    ({"json": {"prompt": "a", "input_reference": {"image_url": "data:image/png;base64,@@"}}}, "input_reference"),
+    ({"data": {"prompt": "a"}, "files": {"input_reference": ("a.png", PNG, "image/png"),
+                                         "last_image": ("b.png", PNG, "image/png")}}, "last_image"),  # one-image model
+])
+def test_other_bad_references_are_refused_naming_the_field(server, body, field):
+    r = httpx.post(server["url"] + "/v1/videos", timeout=60, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_generate_with_an_image_writes_the_video(tmp_path, capfd):
+    image = tmp_path / "cat.png"
+    image.write_bytes(png_bytes(50, 30))
+    out = tmp_path / "cat.mp4"
+    assert main(["generate", "the cat walks away", "--model", "tiny-wan-i2v", "--workers", "1", "--device", "cpu",
+                 "--image", str(image), "--frames", "5", "--size", "48x32", "--steps", "2", "--seed", "0",
+                 "-o", str(out)]) == 0
+    assert iio.imread(out, extension=".mp4").shape == (5, 32, 48, 3)
+    assert main(["generate", "x", "--model", "tiny-wan-i2v", "--image", str(tmp_path / "none.png"),
+                 "-o", str(tmp_path / "x.mp4")]) == 2
+    assert "--image" in capfd.readouterr().err

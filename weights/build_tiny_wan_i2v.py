@@ -1,0 +1,167 @@
+"""Build the tiny, randomly initialised image-to-video Wan checkpoints shipped as ``weights/tiny-wan-i2v``
+(Wan 2.1 I2V) and ``weights/tiny-wan-flf2v`` (Wan 2.1 FLF2V, first and last frame).
+
+Usage::
+
+    python -m weights.build_tiny_wan_i2v                               # (re)writes both shipped dirs
+    python -m weights.build_tiny_wan_i2v --kind i2v --out DIR          # writes DIR instead
+
+Both are complete diffusers ``WanImageToVideoPipeline`` directories whose model_index.json names
+the published components (``weights.wan.WAN_2_1_I2V_MODEL_INDEX``: the Wan 2.1 T2V ones plus
+``CLIPVisionModel`` and ``CLIPImageProcessor``). They share tiny-wan's text encoder, tokenizer
+and VAE builders (``weights.build_tiny_wan``: same seeds, so the same weights) and add:
+
+* transformer: tiny-wan's (3 heads x 12, 2 blocks, patch (1, 2, 2)) with the I2V branch of
+  Wan 2.1 I2V 14B: in_channels 20 = latent 8 + condition 8 + the 4-channel first-frame mask
+  (36 = 16 + 16 + 4 in the real one), image_dim 32 (= the tiny CLIP's width), added_kv_proj_dim 36
+  (= the inner dim, as 5120 is the 14B's). FLF2V adds pos_embed_seq_len = 2 x 17 (the two
+  images' CLIP tokens; 2 x 257 in the real one).
+* image_encoder: ``CLIPVisionModel`` with ViT-H/14's structure (gelu, pre/post layer norms) at
+  width 32, 4 heads x 8, mlp 64, 3 layers, 32 x 32 images in 8 x 8 patches: 16 patches + the class
+  token = 17 tokens (257 in ViT-H/14). The pipeline reads ``hidden_states[-2]``.
+* image_processor: ``CLIPImageProcessor`` with ViT-H/14's settings (shorter side resized,
+  bicubic, centre crop, OpenAI CLIP mean/std) at 32 px instead of 224.
+* scheduler: UniPC flow prediction, flow_shift 3.0 (I2V) / 16.0 (FLF2V), as the conversion script.
+* generation_defaults.json: tiny-wan's (64 x 64, 9 frames, 20 steps, guidance 5.0, fps 16).
+
+Every parameter is redrawn from a generator seeded per component, so the same library versions
+give byte-identical files. The weights are meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .build_tiny_latte import file_digests
+from .build_tiny_wan import (
+    SEED,
+    TINY_Z_DIM,
+    WAN_GENERATION_DEFAULTS,
+    WAN_TRANSFORMER_CONFIG,
+    build_into,
+    build_scheduler,
+    build_text_encoder,
+    build_vae,
+    build_wan_tokenizer,
+    redraw_,
+    save_pipeline,
+)
+from .registry import TINY_MODELS
+from .wan import (
+    CLIP_IMAGE_PROCESSOR,
+    CLIP_VIT_H_14_VISION,
+    WAN_2_1_FLF2V_SCHEDULER,
+    WAN_2_1_I2V_MODEL_INDEX,
+    WAN_2_1_I2V_SCHEDULER,
+)
+
+KINDS = ("i2v", "flf2v")
+DEFAULT_OUT = {"i2v": TINY_MODELS["tiny-wan-i2v"], "flf2v": TINY_MODELS["tiny-wan-flf2v"]}
+
+# --- image encoder -----------------------------------------------------------------------------
+TINY_CLIP_IMAGE_SIZE = 32
+CLIP_VISION_CONFIG = dict(
+    CLIP_VIT_H_14_VISION,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_hidden_layers=3,
+    image_size=TINY_CLIP_IMAGE_SIZE,
+    patch_size=8,
+    projection_dim=16,
+)
+CLIP_TOKENS = (TINY_CLIP_IMAGE_SIZE // CLIP_VISION_CONFIG["patch_size"]) ** 2 + 1   # 17
+CLIP_PROCESSOR_CONFIG = dict(
+    CLIP_IMAGE_PROCESSOR,
+    crop_size={"height": TINY_CLIP_IMAGE_SIZE, "width": TINY_CLIP_IMAGE_SIZE},
+    size={"shortest_edge": TINY_CLIP_IMAGE_SIZE},
+)
+
+# --- transformers ------------------------------------------------------------------------------
+MASK_CHANNELS = 4        # the first-frame mask: one channel per pixel frame of a latent frame (VAE temporal 4x)
+I2V_TRANSFORMER_CONFIG = {
+    **WAN_TRANSFORMER_CONFIG,
+    "in_channels": 2 * TINY_Z_DIM + MASK_CHANNELS,
+    "image_dim": CLIP_VISION_CONFIG["hidden_size"],
+    "added_kv_proj_dim": WAN_TRANSFORMER_CONFIG["num_attention_heads"] * WAN_TRANSFORMER_CONFIG["attention_head_dim"],
+    "pos_embed_seq_len": None,
+}
+FLF2V_TRANSFORMER_CONFIG = {**I2V_TRANSFORMER_CONFIG, "pos_embed_seq_len": 2 * CLIP_TOKENS}
+
+
+def build_image_encoder(seed: int = SEED + 4, **overrides):
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    model = CLIPVisionModel(CLIPVisionConfig(**{**CLIP_VISION_CONFIG, **overrides})).eval()
+    return redraw_(model, seed)
+
+
+def build_image_processor():
+    from transformers import CLIPImageProcessor
+
+    return CLIPImageProcessor(**CLIP_PROCESSOR_CONFIG)
+
+
+def build_i2v_transformer(config: dict, seed: int = SEED + 2):
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel(**config).eval()
+    return redraw_(model, seed)
+
+
+def write_tiny_i2v(out_dir: Path, transformer_config: dict, scheduler_config: dict) -> None:
+    from diffusers import WanImageToVideoPipeline
+
+    torch.manual_seed(SEED)  # only affects default inits, which the redraws overwrite
+    tokenizer, spiece_model = build_wan_tokenizer()
+    pipe = WanImageToVideoPipeline(
+        tokenizer=tokenizer, text_encoder=build_text_encoder(), vae=build_vae(),
+        scheduler=build_scheduler(scheduler_config), image_processor=build_image_processor(),
+        image_encoder=build_image_encoder(), transformer=build_i2v_transformer(transformer_config),
+    )
+    save_pipeline(pipe, out_dir, WAN_2_1_I2V_MODEL_INDEX, spiece_model, WAN_GENERATION_DEFAULTS)
+
+
+WRITERS: dict[str, Callable[[Path], None]] = {
+    "i2v": lambda out: write_tiny_i2v(out, I2V_TRANSFORMER_CONFIG, WAN_2_1_I2V_SCHEDULER),
+    "flf2v": lambda out: write_tiny_i2v(out, FLF2V_TRANSFORMER_CONFIG, WAN_2_1_FLF2V_SCHEDULER),
+}
+
+
+def build(kind: str, out: str | Path | None = None) -> Path:
+    """Build the ``kind`` checkpoint (``"i2v"`` or ``"flf2v"``) into ``out`` (default: the shipped dir)."""
+    if kind not in WRITERS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    return build_into(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_wan_i2v", description=__doc__.split("\n")[0])
+    ap.add_argument("--kind", choices=(*KINDS, "all"), default="all", help="which checkpoint (default: all)")
+    ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs one --kind)")
+    args = ap.parse_args(argv)
+    kinds = KINDS if args.kind == "all" else (args.kind,)
+    if args.out is not None and len(kinds) > 1:
+        ap.error("--out needs --kind i2v or --kind flf2v")
+    for kind in kinds:
+        t0 = time.perf_counter()
+        out = build(kind, args.out)
+        digests = file_digests(out)
+        total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        for rel, digest in digests.items():
+            if rel.endswith(".safetensors"):
+                print(f"{digest}  {rel}")
+        print(json.dumps({"kind": kind, "out": str(out), "files": len(digests), "bytes": total,
+                          "seconds": round(time.perf_counter() - t0, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
