@@ -56,15 +56,14 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from weights.build_tiny_latte import _normalise_permissions, file_digests  # noqa: E402
-from weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_scheduler  # noqa: E402
+from weights.build_tiny_latte import file_digests  # noqa: E402
+from weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_into, build_scheduler  # noqa: E402
 from weights.clips import PROMPTS, render_long_clip  # noqa: E402
 from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
 from weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
@@ -243,15 +242,10 @@ def train_transformer(model, windows: Windows, text, text_bias, steps: int, g: t
 
 
 def write_checkpoint(out: Path, transformer, text_from: Path = TEXT_FROM, vae_from: Path = VAE_FROM) -> None:
-    """The pipeline directory, written to a temporary sibling and swapped in."""
+    """The pipeline directory, written to a temporary sibling and swapped in (`build_into`)."""
     import diffusers
 
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()) and not (out / "model_index.json").is_file():
-        raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    def write(tmp: Path) -> None:
         transformer.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
         build_scheduler({**SKYREELS_V2_SCHEDULER, "flow_shift": FLOW_SHIFT}).save_pretrained(str(tmp / "scheduler"))
         for part, source in (("text_encoder", text_from), ("tokenizer", text_from), ("vae", vae_from)):
@@ -260,13 +254,8 @@ def write_checkpoint(out: Path, transformer, text_from: Path = TEXT_FROM, vae_fr
                  **{k: list(v) for k, v in SKYREELS_V2_DF_MODEL_INDEX.items() if not k.startswith("_")}}
         (tmp / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
         (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
-        _normalise_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    build_into(out, write)
 
 
 def plot_losses(losses, path: Path, title: str) -> None:
