@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench,lint]'
 	touch $(STAMP)
 
-# the suite: under 8 minutes of pytest on a quiet 2-core machine (docs/test_durations.md has the table)
+# the suite: under 8 minutes of pytest on a quiet 2-core machine (docs/test_durations.md has the table). Two
+# pytest processes (pytest-xdist), each file's tests kept together so module fixtures are made once: much of
+# the suite waits on process starts, imports and sockets, one core each, and the other process fills the gap
 test: install
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # style gate (run first by .ci/run): pyflakes, pycodestyle, import order, bugbear ([tool.ruff] in pyproject.toml)
 lint: install
