@@ -77,6 +77,13 @@ class EngineConfig:
     live_kv_budget: float | None = option(None, "KV cache of causal (live) models' sessions and jobs, in MiB per "
                                                 "worker: a request past it is refused (HTTP 503) instead of "
                                                 "queued; none = no limit", group="scheduling", metavar="MIB")
+    offload: str = option("none", "none | expert: a two-expert model (Wan 2.2 A14B) keeps only the current "
+                                  "batch's expert on the device, the other in pinned host memory; batches are "
+                                  "grouped by expert so that swaps are rare", choices=["none", "expert"],
+                          group="scheduling")
+    offload_max_wait: int = option(32, "with --offload expert: most batches of one expert that run while a "
+                                       "request waits for the other, before the experts swap for it",
+                                   group="scheduling")
     setup_retry_max_s: float = option(60.0, "longest wait between attempts to (re)load a model that fails to "
                                             "load (exponential backoff; seconds)", group="scheduling")
 
@@ -96,7 +103,9 @@ class EngineConfig:
         from engine.dist import parse_dtype
 
         parse_dtype(self.dtype)
-        for name in ("max_batch", "decode_chunk_frames", "max_steps_per_job"):
+        if self.offload not in ("none", "expert"):
+            raise ValueError(f"offload must be 'none' or 'expert'; got {self.offload!r}")
+        for name in ("max_batch", "decode_chunk_frames", "max_steps_per_job", "offload_max_wait"):
             _positive_int(name, getattr(self, name))
         if self.max_running is not None:
             _positive_int("max_running", self.max_running)

@@ -180,6 +180,9 @@ class VideoEngine:
         model_dir = resolve_checkpoint(config.model)
         family = detect_family(model_dir)
         desc = family.describe(model_dir)
+        if config.offload == "expert" and not desc.extra.get("two_experts"):
+            raise ValueError(f"offload='expert' needs a two-expert checkpoint (Wan 2.2 A14B: transformer, "
+                             f"transformer_2 and boundary_ratio); {config.model!r} has one denoiser")
         if config.launcher == "torchrun" or (config.launcher == "auto" and launched_by_torchrun()):
             config = config.replace(workers=int(os.environ.get("WORLD_SIZE", config.workers)))
         plan = family.resolve_plan(desc, config.parallel, config.workers, config.ulysses_degree,

@@ -94,6 +94,8 @@ class ScheduledRequest:
     num_frames: int = 0                        # output frames, known once admitted
     frames_done: int = 0                       # output frames decoded and handed out
     batch_key: tuple | None = None             # the family's: equal keys can share a step
+    model: int = 0                             # the denoiser its next step uses (a two-expert model's expert)
+    passed_over: int = 0                       # offload: batches of the other expert run while it waited
     decodable: bool = False                    # final frames wait to be decoded
     cancel_requested: bool = False
     solo: bool = False                         # runs in a batch of its own (after an out-of-memory batch)
@@ -114,6 +116,7 @@ class ScheduledRequest:
     def progressed(self, p) -> None:
         """Take in what a worker job reports of it (`engine.worker.Progress`)."""
         self.steps_done, self.batch_key, self.decodable = p.steps_done, tuple(p.batch_key), p.decodable
+        self.model = p.model
         if p.num_steps is not None:
             self.num_steps = p.num_steps
         if p.num_frames is not None:
@@ -158,6 +161,10 @@ class Scheduler:
         self._waiting: collections.deque[ScheduledRequest] = collections.deque()
         self._admitted: list[ScheduledRequest] = []           # RUNNING + DECODING, in admission order
         self._key_turns: collections.deque[tuple] = collections.deque()  # round-robin order of batch keys
+        # expert offload: batches of the resident expert first (see `_select_batch_locked`)
+        self.group_by_model = config.offload == "expert"
+        self.max_model_wait = config.offload_max_wait
+        self.resident_model: int | None = None
 
     # -- requests come and go (any thread) --------------------------------------------------------
 
@@ -288,9 +295,30 @@ class Scheduler:
         # round-robin over batch keys: new keys join at the back of the rotation
         self._key_turns = collections.deque(s for s in self._key_turns if s in groups)
         self._key_turns.extend(s for s in groups if s not in self._key_turns)
-        key = self._key_turns[0]
-        self._key_turns.rotate(-1)
-        return groups[key][:self.max_batch]
+        eligible = set(groups)
+        if self.group_by_model:
+            eligible = self._model_phase_locked(groups)
+        key = next(k for k in self._key_turns if k in eligible)
+        self._key_turns.remove(key)
+        self._key_turns.append(key)
+        batch = groups[key][:self.max_batch]
+        if self.group_by_model:
+            self.resident_model = batch[0].model
+            for group in groups.values():
+                for r in group:
+                    r.passed_over = 0 if r.model == self.resident_model else r.passed_over + 1
+        return batch
+
+    def _model_phase_locked(self, groups: dict[tuple, list[ScheduledRequest]]) -> set[tuple]:
+        """Expert offload: the keys whose expert is the resident one, while any is runnable, so that staggered
+        requests finish one expert's steps together and one swap moves them all to the other; a key whose
+        oldest request was passed over `max_model_wait` times goes first (nobody waits for ever)."""
+        overdue = {k for k, g in groups.items() if g[0].model != self.resident_model
+                   and max(r.passed_over for r in g) >= self.max_model_wait}
+        if overdue:
+            return overdue
+        resident = {k for k, g in groups.items() if g[0].model == self.resident_model}
+        return resident or set(groups)
 
     # -- results of the work (the engine core's thread) -----------------------------------------------
 

@@ -40,6 +40,7 @@ class Progress:
     decodable: bool            # final frames wait to be decoded
     num_steps: int | None = None    # when the totals changed since admission (a live session was stopped)
     num_frames: int | None = None
+    model: int = 0             # which of the family's denoisers its next step uses (Wan 2.2: the expert)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class WorkerRequest:
     scheduler: object = None           # the request's own diffusers scheduler
     step_kwargs: dict = field(default_factory=dict)
     steps_done: int = 0
+    model: int = 0                     # which denoiser its next step uses (a two-expert family's expert)
     decoded_frames: int = 0
     timings: dict = field(default_factory=lambda: {"encode_s": 0.0, "transformer_s": 0.0, "vae_s": 0.0})
 
@@ -76,7 +77,8 @@ class WorkerRequest:
         """What the coordinator learns after each job (`engine.worker.Progress`)."""
         from engine.worker import Progress
 
-        return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames)
+        return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames,
+                        self.model)
 
 
 class VideoFamily:
@@ -137,8 +139,9 @@ class VideoFamily:
         self.attention = "sdpa"
         self.cfg_groups = None
 
-    def load_pipeline(self, pipeline_class, dtype):
-        """The family's diffusers pipeline on this worker's device (the text encoder on rank 0 only)."""
+    def load_pipeline(self, pipeline_class, dtype, on_host=()):
+        """The family's diffusers pipeline on this worker's device (the text encoder on rank 0 only; the
+        components named in `on_host` stay in host memory, for an offload to place)."""
         import diffusers
         import transformers
 
@@ -146,7 +149,12 @@ class VideoFamily:
         transformers.utils.logging.disable_progress_bar()
         skip = {} if self.pg.rank == 0 else dict.fromkeys(self.rank0_components)
         pipe = pipeline_class.from_pretrained(self.model_dir, dtype=dtype, **skip)
-        pipe.to(self.pg.device)
+        if on_host:
+            for name, component in pipe.components.items():
+                if name not in on_host and isinstance(component, torch.nn.Module):
+                    component.to(self.pg.device)
+        else:
+            pipe.to(self.pg.device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -6,6 +6,7 @@ adapter: loading, prompts, latents, the expert of each step, and the streaming V
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from engine.families.base import (
     to_pixels,
 )
 from engine.models.wan import WanSequenceParallel
+from engine.offload import ExpertResidency
 from engine.parallel import ParallelPlan, make_cfg_groups, make_sequence_parallel
 from engine.request import GenerationSpec
 
@@ -102,10 +104,14 @@ class WanFamily(VideoFamily):
         if config.engine.attention == "xformers":
             raise ValueError("attention='xformers' is not available for the Wan family (it uses PyTorch SDPA)")
         desc = self.describe(Path(config.model_dir))
-        self.pipe = self.load_pipeline(getattr(diffusers, desc.pipeline), self.component_dtypes())
+        offload = config.engine.offload == "expert" and desc.extra.get("two_experts")
+        self.pipe = self.load_pipeline(getattr(diffusers, desc.pipeline), self.component_dtypes(),
+                                       on_host=("transformer", "transformer_2") if offload else ())
         self.desc = desc
         experts = [m for m in (self.pipe.transformer, getattr(self.pipe, "transformer_2", None)) if m is not None]
         self.experts = [WanSequenceParallel(m) for m in experts]
+        #: expert offload (engine/offload.py): which expert is on the device; None when both are
+        self.residency = ExpertResidency(experts, self.pg.device) if offload else None
         self.vae_spatial, self.vae_temporal = vae_factors(dict(self.pipe.vae.config))
         self.boundary = (desc.extra["boundary_ratio"] * self.pipe.scheduler.config.num_train_timesteps
                          if desc.extra["two_experts"] else None)
@@ -138,7 +144,10 @@ class WanFamily(VideoFamily):
         return 0 if self.boundary is None or t >= self.boundary else 1
 
     def batch_key(self, r: WanRequest) -> tuple:
+        """Latent shape and expert; it also records the expert as the request's `model` (the scheduler groups
+        batches by it under expert offload)."""
         expert = self.expert(r.timesteps_cpu[r.steps_done]) if r.steps_done < r.num_steps else -1
+        r.model = max(expert, 0)
         return ("wan", *r.latents.shape, expert)
 
     def encode_prompt(self, spec: GenerationSpec):
@@ -166,7 +175,14 @@ class WanFamily(VideoFamily):
         return req
 
     def model_for(self, reqs: list[WanRequest]):
-        return self.experts[self.expert(reqs[0].timesteps_cpu[reqs[0].steps_done])]
+        i = self.expert(reqs[0].timesteps_cpu[reqs[0].steps_done])
+        if self.residency is not None:
+            t0 = time.perf_counter()
+            if self.residency.use(i):     # the batch that needed the swap pays for it, in its requests' info
+                for r in reqs:
+                    r.timings["expert_swaps"] = r.timings.get("expert_swaps", 0) + 1
+                    r.timings["swap_s"] = r.timings.get("swap_s", 0.0) + (time.perf_counter() - t0) / len(reqs)
+        return self.experts[i]
 
     def inputs(self, r: WanRequest) -> dict:
         x = cfg_rows(r, r.latents).to(self.dtype)                                 # (2B|B, C, F, h, w)

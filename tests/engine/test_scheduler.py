@@ -522,3 +522,72 @@ def test_closing_ends_every_unfinished_request_with_one_final_output():
     assert {o.error.code for o in h.of(Failed)} == {"engine_closed"}
     h.reqs[0].stream.put(Finished("running"))
     assert h.reqs[0].stream.get(timeout=0) is None, "nothing is told after a request's final output"
+
+
+class TwoExpertPool(ScriptedPool):
+    """A two-expert model (Wan 2.2): a request's first half of steps uses expert 0, the rest expert 1 (in its batch
+    key and `Progress.model`); the pool counts swaps the way the workers' ExpertResidency makes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.resident, self.swaps = 0, 0
+
+    def expert(self, rid):
+        st = self.held[rid]
+        return 0 if st["step"] < st["spec"].num_inference_steps // 2 else 1
+
+    def run(self, fn, *args, timeout_s=None, on_event=None):
+        if fn is jobs.step:
+            experts = {self.expert(rid) for rid in args[0]}
+            assert len(experts) == 1, "a batch mixes experts"
+            if experts != {self.resident}:
+                self.resident, self.swaps = experts.pop(), self.swaps + 1
+        return super().run(fn, *args, timeout_s=timeout_s, on_event=on_event)
+
+    def progress(self, rid):
+        p = super().progress(rid)
+        e = self.expert(rid)
+        return jobs.Progress(p.steps_done, (*p.batch_key, e), p.decodable, model=e)
+
+
+def run_staggered(offload, n=8, every=2, steps=10, **config):
+    """n requests, one every `every` step boundaries, through a two-expert model; the pool's swaps."""
+    h = Harness(pool=TwoExpertPool(), max_batch=8, offload=offload, **config)
+    for i in range(n):
+        h.submit(spec(f"r{i}", steps=steps))
+        for _ in range(every):
+            h.step()
+    h.run()
+    assert len(h.of(Finished)) == n
+    return h
+
+
+def test_expert_offload_groups_staggered_requests_by_expert_so_swaps_are_rare():
+    grouped = run_staggered("expert")
+    plain = run_staggered("none")
+    print(f"\nswaps for 8 staggered requests: {grouped.pool.swaps} grouped by expert, {plain.pool.swaps} round-robin")
+    assert grouped.pool.swaps <= 2 < plain.pool.swaps
+    # the same steps ran: every request stepped its 10 steps, in batches of one expert each
+    assert sorted(sum(grouped.pool.batches(), [])) == sorted(sum(plain.pool.batches(), []))
+
+
+PATIENCE = 3
+
+
+def test_expert_offload_serves_a_request_waiting_for_the_other_expert_within_its_patience():
+    # a request every boundary keeps expert 0 busy for ever: the first request, at expert 1 since its 5th step,
+    # must still be served after at most `offload_max_wait` batches that passed it over
+    h = Harness(pool=TwoExpertPool(), max_batch=2, max_running=8, offload="expert", offload_max_wait=PATIENCE)
+    longest = 0
+    for i in range(30):
+        h.submit(spec(f"r{i}", steps=10))
+        h.step()
+        for r in h.core.scheduler._admitted:
+            if r.state is RequestState.RUNNING and r.batch_key is not None:
+                longest = max(longest, r.passed_over)
+    h.run()
+    assert len(h.of(Finished)) == 30
+    print(f"\nlongest wait {longest} (patience {PATIENCE})")
+    assert longest <= PATIENCE, longest
+    with pytest.raises(ValueError, match="offload"):
+        EngineConfig(offload="disk")
