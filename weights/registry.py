@@ -39,6 +39,9 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-live": _HERE / "tiny-live",
     "tiny-wan-i2v": _HERE / "tiny-wan-i2v",
     "tiny-wan-flf2v": _HERE / "tiny-wan-flf2v",
+    "tiny-wan22-ti2v": _HERE / "tiny-wan22-ti2v",
+    "tiny-wan22-i2v-a14b": _HERE / "tiny-wan22-i2v-a14b",
+    "tiny-skyreels-i2v": _HERE / "tiny-skyreels-i2v",
 }
 
 #: How to rebuild each shipped checkpoint (named in the error when one is missing).
@@ -49,6 +52,9 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-live": "python -m weights.train_tiny_live",
     "tiny-wan-i2v": "python -m weights.build_tiny_wan_i2v --kind i2v",
     "tiny-wan-flf2v": "python -m weights.build_tiny_wan_i2v --kind flf2v",
+    "tiny-wan22-ti2v": "python -m weights.build_tiny_wan_i2v --kind wan22-ti2v",
+    "tiny-wan22-i2v-a14b": "python -m weights.build_tiny_wan_i2v --kind wan22-i2v-a14b",
+    "tiny-skyreels-i2v": "python -m weights.build_tiny_wan_i2v --kind skyreels-i2v",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

@@ -318,3 +318,115 @@ PUBLISHED.update({
         "image_processor": CLIP_IMAGE_PROCESSOR, "scheduler": WAN_2_1_FLF2V_SCHEDULER,
     },
 })
+
+# --- Wan 2.2 TI2V-5B (text and image to video, one checkpoint) ----------------------------------------
+# huggingface/diffusers scripts/convert_wan_to_diffusers.py ("Wan2.2-TI2V-5B"): 24 heads x 128 = 3072 wide, 30
+# blocks, in/out channels 48 (= the Wan 2.2 VAE's z_dim), no image branch; the keys beyond the script's are
+# the class defaults save_pretrained writes (as for the A14B, whose key set is read from the Hub).
+WAN_2_2_TI2V_5B_TRANSFORMER: dict[str, Any] = {
+    **WAN_2_2_T2V_A14B_TRANSFORMER,
+    "ffn_dim": 14336,
+    "in_channels": 48,
+    "num_attention_heads": 24,
+    "num_layers": 30,
+    "out_channels": 48,
+}
+
+# The Wan 2.2 VAE (Wan2.2_VAE.pth; the script's `vae22_diffusers_config`): a residual encoder/decoder on 2x2
+# patchified pixels (12 channels in and out), a wider decoder (decoder_base_dim 256 against base_dim 160),
+# 16x spatial and 4x temporal compression into z_dim 48. The script's dict also carries "clip_output": False,
+# which AutoencoderKLWan (diffusers 0.42) no longer takes; it is left out here.
+WAN_2_2_VAE: dict[str, Any] = {
+    **WAN_2_1_VAE,
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "in_channels": 12,
+    "is_residual": True,
+    "latents_mean": [
+        -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
+        0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+        -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
+        -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+    ],
+    "latents_std": [
+        0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+        0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+        0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+        0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+    ],
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+    "z_dim": 48,
+}
+
+# The script builds WanPipeline(..., expand_timesteps=True) (transformer_2 and boundary_ratio unset) with
+# flow_shift 5.0 (TI2V and Animate). diffusers loads the same directory into WanImageToVideoPipeline for
+# image-to-video: its image_encoder and image_processor are optional and stay None.
+WAN_2_2_TI2V_5B_SCHEDULER: dict[str, Any] = {**WAN_2_1_T2V_SCHEDULER, "flow_shift": 5.0}
+WAN_2_2_TI2V_5B_MODEL_INDEX: dict[str, Any] = {
+    **WAN_2_1_T2V_MODEL_INDEX,
+    "boundary_ratio": None,
+    "expand_timesteps": True,
+    "transformer_2": [None, None],
+}
+# Official settings (Wan-Video/Wan2.2 wan/configs/wan_ti2v_5B.py): 24 fps, 121 frames at 1280x704 or 704x1280,
+# 50 steps, guidance 5.0, sample_shift 5.0.
+WAN_2_2_TI2V_5B_FPS = 24
+
+# --- Wan 2.2 I2V A14B: two experts, no image encoder ---------------------------------------------
+# convert_wan_to_diffusers.py ("Wan2.2-I2V-14B-720p"): the A14B's 14B transformer with in_channels 36 (noisy
+# latent 16 + condition 16 + the 4-channel first-frame mask) and no CLIP branch (image_dim None), high- and
+# low-noise stages as `transformer` / `transformer_2`, WanImageToVideoPipeline(..., boundary_ratio=0.9) with
+# flow_shift 3.0 and no image_encoder / image_processor.
+WAN_2_2_I2V_A14B_TRANSFORMER: dict[str, Any] = {**WAN_2_2_T2V_A14B_TRANSFORMER, "in_channels": 36}
+WAN_2_2_I2V_A14B_BOUNDARY_RATIO = 0.9
+WAN_2_2_I2V_A14B_SCHEDULER: dict[str, Any] = dict(WAN_2_1_T2V_SCHEDULER)
+WAN_2_2_I2V_A14B_MODEL_INDEX: dict[str, Any] = {
+    **WAN_2_1_T2V_MODEL_INDEX,
+    "_class_name": "WanImageToVideoPipeline",
+    "boundary_ratio": WAN_2_2_I2V_A14B_BOUNDARY_RATIO,
+    "expand_timesteps": False,
+    "image_encoder": [None, None],
+    "image_processor": [None, None],
+    "transformer_2": ["diffusers", "WanTransformer3DModel"],
+}
+
+# --- SkyReels-V2 I2V (SkyReelsV2ImageToVideoPipeline) ---------------------------------------------
+# huggingface/diffusers scripts/convert_skyreelsv2_to_diffusers.py ("SkyReels-V2-I2V-14B-540P"): the T2V 14B
+# transformer with Wan 2.1 I2V's image branch (in_channels 36, image_dim 1280, added_kv_proj_dim 5120), the
+# laion CLIP ViT-H/14 as CLIPVisionModelWithProjection (the pipeline reads hidden_states[-2], as Wan's), the
+# SkyReels scheduler (flow_shift 1.0; diffusers' example sets 5.0 for I2V). The script passes
+# `AutoProcessor.from_pretrained(laion/CLIP-ViT-H-14)` as image_processor, a CLIPProcessor (image processor +
+# CLIP tokenizer) of which the pipeline calls only the image half (`image_processor(images=...)`).
+SKYREELS_V2_I2V_14B_540P_TRANSFORMER: dict[str, Any] = {
+    **SKYREELS_V2_T2V_14B_540P_TRANSFORMER,
+    "added_kv_proj_dim": 5120,
+    "image_dim": 1280,
+    "in_channels": 36,
+}
+SKYREELS_V2_I2V_MODEL_INDEX: dict[str, Any] = {
+    **SKYREELS_V2_T2V_MODEL_INDEX,
+    "_class_name": "SkyReelsV2ImageToVideoPipeline",
+    "image_encoder": ["transformers", "CLIPVisionModelWithProjection"],
+    "image_processor": ["transformers", "CLIPProcessor"],
+}
+SKYREELS_V2_I2V_RECOMMENDED_FLOW_SHIFT = 5.0
+
+PUBLISHED.update({
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {
+        "model_index": WAN_2_2_TI2V_5B_MODEL_INDEX, "transformer": WAN_2_2_TI2V_5B_TRANSFORMER, "vae": WAN_2_2_VAE,
+        "text_encoder": UMT5_XXL_ENCODER, "scheduler": WAN_2_2_TI2V_5B_SCHEDULER,
+    },
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {
+        "model_index": WAN_2_2_I2V_A14B_MODEL_INDEX, "transformer": WAN_2_2_I2V_A14B_TRANSFORMER,
+        "transformer_2": WAN_2_2_I2V_A14B_TRANSFORMER, "vae": WAN_2_1_VAE, "text_encoder": UMT5_XXL_ENCODER,
+        "scheduler": WAN_2_2_I2V_A14B_SCHEDULER,
+    },
+    "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers": {
+        "model_index": SKYREELS_V2_I2V_MODEL_INDEX, "transformer": SKYREELS_V2_I2V_14B_540P_TRANSFORMER,
+        "vae": WAN_2_1_VAE, "text_encoder": UMT5_XXL_ENCODER, "image_encoder": CLIP_VIT_H_14_VISION,
+        "image_processor": CLIP_IMAGE_PROCESSOR, "scheduler": SKYREELS_V2_SCHEDULER,
+    },
+})

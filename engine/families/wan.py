@@ -72,6 +72,8 @@ class WanFamily(VideoFamily):
     }
     pipeline_classes = frozenset(pipeline_defaults)
     request_class = WanRequest
+    #: Wan 2.2 TI2V's per-token timesteps (`expand_timesteps` in model_index.json): engine/families/wan_ti2v.py
+    expand_timesteps = False
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
@@ -81,8 +83,9 @@ class WanFamily(VideoFamily):
         cfg = read_json(model_dir / experts[0] / "config.json")
         spatial, temporal = vae_factors(read_json(model_dir / "vae" / "config.json"))
         two_experts = len(experts) == 2 and index.get("boundary_ratio") is not None
-        if index.get("expand_timesteps"):
-            raise ValueError(f"{model_dir}: Wan 2.2 TI2V checkpoints (expand_timesteps) are not supported")
+        if bool(index.get("expand_timesteps")) != cls.expand_timesteps:
+            raise ValueError(f"{model_dir}: expand_timesteps is {bool(index.get('expand_timesteps'))}; the "
+                             f"{cls.name} family serves checkpoints where it is {cls.expand_timesteps}")
         return ModelDescription(
             family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
             size_multiple=spatial * cfg["patch_size"][1], frame_multiple=temporal * cfg["patch_size"][0],
@@ -105,7 +108,7 @@ class WanFamily(VideoFamily):
             raise ValueError("attention='xformers' is not available for the Wan family (it uses PyTorch SDPA)")
         desc = self.describe(Path(config.model_dir))
         offload = config.engine.offload == "expert" and desc.extra.get("two_experts")
-        self.pipe = self.load_pipeline(getattr(diffusers, desc.pipeline), self.component_dtypes(),
+        self.pipe = self.load_pipeline(getattr(diffusers, self.pipeline_class(desc)), self.component_dtypes(),
                                        on_host=("transformer", "transformer_2") if offload else ())
         self.desc = desc
         experts = [m for m in (self.pipe.transformer, getattr(self.pipe, "transformer_2", None)) if m is not None]
@@ -116,6 +119,10 @@ class WanFamily(VideoFamily):
         self.boundary = (desc.extra["boundary_ratio"] * self.pipe.scheduler.config.num_train_timesteps
                          if desc.extra["two_experts"] else None)
         self.set_plan(config.plan)
+
+    def pipeline_class(self, desc: ModelDescription) -> str:
+        """The diffusers pipeline class the workers load the checkpoint into: the one its index names."""
+        return desc.pipeline
 
     def component_dtypes(self) -> dict:
         """The VAE stays in float32 (diffusers' Wan examples load it so); the rest in `dtype`."""

@@ -1,5 +1,8 @@
 """Image-to-video with the Wan family: `WanImageToVideoPipeline` checkpoints (Wan 2.1 I2V with its CLIP image
-encoder; Wan 2.1 FLF2V, first and last frame; Wan 2.2 I2V A14B, two experts and no image encoder).
+encoder; Wan 2.1 FLF2V, first and last frame; Wan 2.2 I2V A14B, two experts and no image encoder) and
+`SkyReelsV2ImageToVideoPipeline` ones (SkyReels-V2 I2V: Wan 2.1 I2V's recipe on SkyReels' transformer, with a
+`CLIPVisionModelWithProjection`, whose `hidden_states[-2]` the pipeline reads as Wan's does). Wan 2.2 TI2V-5B,
+which loads into `WanImageToVideoPipeline` too, is engine/families/wan_ti2v.py (per-token timesteps).
 
 What diffusers' pipeline does, and where it happens here:
 
@@ -59,10 +62,15 @@ class WanImageToVideoFamily(WanFamily):
     """`WanImageToVideoPipeline` checkpoints: the Wan family's forward and decode, plus the image conditions."""
 
     name = "wan-i2v"
-    #: diffusers' `WanImageToVideoPipeline.__call__` defaults (and Wan 2.1's fps)
+    #: diffusers' `__call__` defaults per pipeline class (and the fps the models were trained at: Wan 2.1's 16,
+    #: SkyReels-V2's 24). SkyReelsV2ImageToVideoPipeline differs from WanImageToVideoPipeline in nothing this
+    #: family does but these numbers and its classes (no experts, no expand_timesteps; the same
+    #: encode_image, prepare_latents and denoising step).
     pipeline_defaults = {
         "WanImageToVideoPipeline": {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50,
                                     "guidance_scale": 5.0, "fps": 16},
+        "SkyReelsV2ImageToVideoPipeline": {"height": 544, "width": 960, "num_frames": 97, "num_inference_steps": 50,
+                                           "guidance_scale": 5.0, "fps": 24},
     }
     pipeline_classes = frozenset(pipeline_defaults)
     request_class = WanI2VRequest
@@ -79,7 +87,7 @@ class WanImageToVideoFamily(WanFamily):
         else:
             last_image = "refused"       # Wan 2.1 I2V: one image's CLIP tokens per row
         return dataclasses.replace(desc, options=("image", "last_image", *desc.options),
-                                   extra={**desc.extra, "image_to_video": True,
+                                   extra={**desc.extra, "image_to_video": True, "image_required": True,
                                           "image_encoder": cfg.get("image_dim") is not None,
                                           "last_image": last_image})
 
@@ -88,15 +96,19 @@ class WanImageToVideoFamily(WanFamily):
         check_common(desc, spec)
         if "guidance_scale_2" in spec.options:
             check_number("guidance_scale_2", spec.options["guidance_scale_2"], 0, 100)
-        if spec.options.get("image") is None:
+        if spec.options.get("image") is not None:
+            options = dict(spec.options, image=as_rgb_array(spec.options["image"], "image"))
+        elif desc.extra["image_required"]:
             raise RequestError("image", "image is required: this is an image-to-video model (pass a PIL image or an "
                                         "(H, W, 3) array; HTTP: the input_reference file)")
-        options = dict(spec.options, image=as_rgb_array(spec.options["image"], "image"))
+        else:                            # Wan 2.2 TI2V without an image: text-to-video
+            options = {k: v for k, v in spec.options.items() if k != "image"}
         rule = desc.extra["last_image"]
         if options.get("last_image") is not None:
             if rule == "refused":
-                raise RequestError("last_image", "last_image needs a first-last-frame checkpoint (Wan 2.1 FLF2V, or "
-                                                 "Wan 2.2 I2V); this one conditions on one image")
+                raise RequestError("last_image", desc.extra.get("last_image_refusal") or
+                                   "last_image needs a first-last-frame checkpoint (Wan 2.1 FLF2V, or Wan 2.2 I2V); "
+                                   "this one conditions on one image")
             options["last_image"] = as_rgb_array(options["last_image"], "last_image")
             if spec.num_frames < 2:
                 raise RequestError("num_frames", f"num_frames must be at least 2 with last_image (its first and "

@@ -6,7 +6,10 @@ F x H x W patches must be split or joined; then `diffusers`' own `forward` runs,
 
     where (module)                 what the hook does (rank r of N, Sl = ceil(S/N) tokens each)
     the model (input)              per-frame timesteps (diffusion forcing): keep my frames' columns, so
-                                   diffusers' per-token modulation is built for my frames only
+                                   diffusers' per-token modulation is built for my frames only;
+                                   per-token timesteps (Wan 2.2 TI2V's expand_timesteps): keep my tokens'
+                                   [r*Sl, (r+1)*Sl), zero-padded to Sl, so the modulation diffusers builds
+                                   is already my tokens' (blocks and norm_out need nothing more)
     rope (output)                  keep the cos/sin rows of my tokens' *global* positions, zero-pad to Sl
     patch_embedding (input)        embed only the frames that hold my tokens
     blocks.0 (input)               cut those frames' tokens to mine [r*Sl, (r+1)*Sl), zero-pad to Sl
@@ -57,11 +60,13 @@ class Shard:
     frame_tokens: int
     f0: int
     f1: int
-    per_token_modulation: bool
+    per_token_modulation: bool         # per-frame timesteps (SkyReels' diffusion forcing), cut by frames
     causal: BlockCausal | None
+    token_timesteps: bool = False      # a timestep per token (Wan 2.2 TI2V), cut to my tokens
 
     @classmethod
-    def of(cls, model, x: torch.Tensor, sp: SequenceParallel, per_token: bool, frames_per_block: int) -> "Shard":
+    def of(cls, model, x: torch.Tensor, sp: SequenceParallel, per_token: bool, frames_per_block: int,
+           token_timesteps: bool = False) -> "Shard":
         _, _, F, H, W = x.shape
         p_t, p_h, p_w = model.config.patch_size
         f, frame_tokens = F // p_t, (H // p_h) * (W // p_w)
@@ -71,7 +76,7 @@ class Shard:
         f0 = min(start // frame_tokens, f - 1)                       # at least one frame, even with no tokens
         f1 = max(-(-stop // frame_tokens), f0 + 1)
         causal = BlockCausal(frame_tokens, frames_per_block) if frames_per_block > 1 else None
-        return cls(sp, S, Sl, start, stop, frame_tokens, f0, f1, per_token, causal)
+        return cls(sp, S, Sl, start, stop, frame_tokens, f0, f1, per_token, causal, token_timesteps)
 
     def mine(self, x: torch.Tensor, dim: int, offset: int = 0) -> torch.Tensor:
         """My tokens of a tensor whose `dim` holds tokens [offset, ...), zero-padded to Sl."""
@@ -170,12 +175,16 @@ class WanSequenceParallel:
     @staticmethod
     def _my_timesteps(shard: Shard, args, kwargs):
         # diffusers repeats per-frame timesteps' modulation over every token of every frame: (B, 6, S, D) on
-        # every rank; given my frames' timesteps only, it builds (B, 6, (f1 - f0) h w, D)
-        if shard.per_token_modulation:
+        # every rank; given my frames' timesteps only, it builds (B, 6, (f1 - f0) h w, D). Per-token timesteps
+        # (B, S) would make (B, S, 6, D) on every rank; given my tokens' (B, Sl), diffusers builds the
+        # modulation of exactly the tokens the blocks and norm_out see here (padding: timestep 0, dropped)
+        if shard.per_token_modulation or shard.token_timesteps:
+            t = kwargs["timestep"] if "timestep" in kwargs else args[1]
+            t = shard.mine(t, 1) if shard.token_timesteps else t[:, shard.f0:shard.f1]
             if "timestep" in kwargs:
-                kwargs["timestep"] = kwargs["timestep"][:, shard.f0:shard.f1]
+                kwargs["timestep"] = t
             else:
-                args[1] = args[1][:, shard.f0:shard.f1]
+                args[1] = t
         return tuple(args), kwargs
 
     @staticmethod
@@ -223,11 +232,18 @@ class WanSequenceParallel:
 
     # -- a forward --------------------------------------------------------------------------------------
 
+    def _tokens(self, x: torch.Tensor) -> int:
+        """S, the tokens of a latent x (B, C, F, H, W) after the patch embedding."""
+        p_t, p_h, p_w = self.model.config.patch_size
+        return (x.shape[2] // p_t) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
+
     def __call__(self, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, sp: SequenceParallel,
                  cfg: CfgGroups | None = None, fps: int | None = None, frames_per_block: int = 1,
                  image: torch.Tensor | None = None) -> torch.Tensor:
         """diffusers' forward over the group. x (B, C, F, H, W); timestep (B,), or (B, F) per latent frame
-        (diffusion forcing, SkyReels-V2 only); text (B, L, C_text) -> (B, C_out, F, H, W) on every rank.
+        (diffusion forcing, SkyReels-V2), or (B, S) per token (Wan 2.2 TI2V's expand_timesteps: what
+        `WanTransformer3DModel` reads a 2-D timestep as); text (B, L, C_text) -> (B, C_out, F, H, W) on every
+        rank.
 
         `image`: image-to-video's CLIP tokens (`encoder_hidden_states_image`), (k B, T, C_img) with k images per
         row (FLF2V: 2, first and last, which diffusers' image embedder views as one row of 2T tokens). The image
@@ -246,15 +262,16 @@ class WanSequenceParallel:
             out = self(x[half], timestep[half], text[half], sp, fps=fps,
                        frames_per_block=frames_per_block, image=image_half)      # (B/2, C_out, F, H, W)
             return comm.all_gather(out, 0, cfg.pair)                              # (B, C_out, F, H, W)
-        per_frame = timestep.ndim == 2
-        if per_frame and not self.skyreels:
-            raise ValueError("per-token timesteps (Wan 2.2 TI2V's expand_timesteps) are not supported")
+        per_frame = timestep.ndim == 2 and self.skyreels
+        per_token = timestep.ndim == 2 and not self.skyreels
+        if per_token and timestep.shape[1] != self._tokens(x):
+            raise ValueError(f"per-token timesteps must be one per token: {self._tokens(x)}; got {timestep.shape[1]}")
         kwargs = {}
         if self.skyreels:
             kwargs = {"enable_diffusion_forcing": per_frame, "fps": None if fps is None else [fps]}
         if image is not None:
             kwargs["encoder_hidden_states_image"] = image
-        self.shard = Shard.of(self.model, x, sp, per_frame, frames_per_block)
+        self.shard = Shard.of(self.model, x, sp, per_frame, frames_per_block, token_timesteps=per_token)
         try:
             return self.model(x, timestep, text, return_dict=False, **kwargs)[0]
         finally:

@@ -260,7 +260,8 @@ class VideoService:
     def _images(self, input_reference, options: dict) -> dict:
         """An image-to-video model's images, decoded (`server/api/uploads.py`): `input_reference` is the first
         frame's image, the `last_image` file field (an extension) the last frame's. Refused, naming the field, on
-        a text-to-video model, and when missing on an image-to-video one."""
+        a text-to-video model, and when missing on an image-to-video one that requires it (Wan 2.2 TI2V does
+        not)."""
         last = options.pop("last_image", None)
         if "image" in options:
             raise APIError(400, "image: send the image as the file field input_reference", param="image",
@@ -271,12 +272,15 @@ class VideoService:
                     raise APIError(400, f"{name} is not supported: this model generates video from text only",
                                    param=name, code="unsupported_parameter")
             return {}
-        if input_reference is None:
+        limit = self.config.max_image_pixels
+        if input_reference is not None:
+            images = {"image": decode_image(image_bytes(input_reference, "input_reference"), "input_reference", limit)}
+        elif self.engine.info.extra.get("image_required", True):
             raise APIError(400, "input_reference is required: this model makes a video from an image (send a PNG, "
                                 "JPEG or WebP file as the multipart field input_reference)",
                            param="input_reference", code="missing_parameter")
-        limit = self.config.max_image_pixels
-        images = {"image": decode_image(image_bytes(input_reference, "input_reference"), "input_reference", limit)}
+        else:                           # a model that takes an image or none (Wan 2.2 TI2V)
+            images = {}
         if last is not None:
             images["last_image"] = decode_image(image_bytes(last, "last_image"), "last_image", limit)
         return images

@@ -72,11 +72,14 @@ def pool(bare_pool4):
     return bare_pool4
 
 
-def wan_inputs(batch=2, frames=5, grid_h=5, grid_w=7, text_len=6, text_dim=16, seed=1, per_frame=False):
+def wan_inputs(batch=2, frames=5, grid_h=5, grid_w=7, text_len=6, text_dim=16, seed=1, per_frame=False,
+               per_token=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, 4, frames, 2 * grid_h, 2 * grid_w, generator=g)
     if per_frame:
         t = torch.randint(0, 1000, (batch, frames), generator=g).float()
+    elif per_token:                     # Wan 2.2 TI2V's expand_timesteps: (B, S)
+        t = torch.randint(0, 1000, (batch, frames * grid_h * grid_w), generator=g).float()
     else:
         t = torch.tensor([900.0, 250.0][:batch])
     text = torch.randn(batch, text_len, text_dim, generator=g)
@@ -119,6 +122,31 @@ def test_every_plan_matches_skyreels_diffusion_forcing_with_block_causal_mask_an
     # the mask matters: without it the output differs
     unmasked = pool.run(_run, model_kwargs, inputs, [("ulysses", 2)], dict(fps=1, frames_per_block=1))[0]
     assert (unmasked[("ulysses", 2)][0] - want).abs().max().item() > 1e-2
+
+
+def _time_embedding_rows(ctx, model_kwargs, inputs):
+    """The tokens whose modulation each rank builds, on a 4-way sharded forward with per-token timesteps."""
+    if "sps" not in ctx.state:
+        _make_groups(ctx)
+    seen = []
+    model = random_wan_transformer(**model_kwargs)
+    model.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[2].shape[1]))
+    with torch.no_grad():
+        WanSequenceParallel(model)(*inputs, ctx.state["sps"][("ring", 4)])
+    return seen[0]
+
+
+def test_every_plan_matches_wan22_per_token_timesteps_each_rank_embedding_its_own_tokens(pool):
+    """Wan 2.2 TI2V gives the transformer a timestep per token, (B, S): diffusers builds the modulation
+    (B, S, 6, D); sharded, each rank gets its own tokens' timesteps and builds (B, Sl, 6, D)."""
+    model_kwargs = dict(heads=3, seed=10)
+    inputs = wan_inputs(per_token=True, seed=11)                           # S = 5 * 5 * 7 = 175, random t
+    want = reference(model_kwargs, inputs)
+    got = pool.run(_run, model_kwargs, inputs, ALL_CASES)[0]
+    for case, (out, _) in got.items():
+        err = (out - want).abs().max().item()
+        assert err <= ATOL, f"{case} differs from diffusers by {err:.2e}"
+    assert pool.run(_time_embedding_rows, model_kwargs, inputs) == [math.ceil(175 / 4)] * 4
 
 
 @pytest.mark.parametrize("n", [2, 4])

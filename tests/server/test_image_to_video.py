@@ -140,3 +140,34 @@ def test_generate_with_an_image_writes_the_video(tmp_path, capfd):
     assert main(["generate", "x", "--model", "tiny-wan-i2v", "--image", str(tmp_path / "none.png"),
                  "-o", str(tmp_path / "x.mp4")]) == 2
     assert "--image" in capfd.readouterr().err
+
+
+def test_wan22_ti2v_serves_videos_with_and_without_an_input_reference_and_generates_from_the_cli(tmp_path):
+    """Wan 2.2 TI2V takes an image or none: the openai client's `input_reference` upload, a create without one
+    (text-to-video on the same checkpoint), a refused last_image; `longserve generate --image` by name."""
+    from openai import OpenAI
+
+    cat = tmp_path / "cat.png"
+    cat.write_bytes(png_bytes(70, 52))
+    with serving(tmp_path / "data", model="tiny-wan22-ti2v", workers=1, default_steps=2) as s:
+        client = OpenAI(base_url=s["url"] + "/v1", api_key="unused", max_retries=0)
+        with open(cat, "rb") as f:
+            with_image = client.videos.create(prompt="the cat walks away", input_reference=f, size="64x32",
+                                              seconds="1", extra_body={"fps": 4, "seed": 3})
+        without = client.videos.create(prompt="the cat walks away", size="64x32", seconds="1",
+                                       extra_body={"fps": 4, "seed": 3})
+        videos = []
+        for video in (with_image, without):
+            done = client.videos.poll(video.id, poll_interval_ms=50)
+            assert done.status == "completed", done.error
+            videos.append(iio.imread(io.BytesIO(client.videos.download_content(video.id).read()), extension=".mp4"))
+        assert done.model_extra["options"] == {} and with_image.model_extra["options"]["image"] == "70x52"
+        assert videos[0].shape == videos[1].shape == (5, 32, 64, 3)
+        assert np.abs(videos[0].astype(int) - videos[1]).max() > 10, "the image conditions the video"
+        files = {"input_reference": ("a.png", PNG, "image/png"), "last_image": ("b.png", PNG, "image/png")}
+        r = httpx.post(s["url"] + "/v1/videos", data={"prompt": "a"}, files=files, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "last_image", r.text
+    out = tmp_path / "cat.mp4"
+    assert main(["generate", "the cat walks away", "--model", "tiny-wan22-ti2v", "--workers", "1", "--device", "cpu",
+                 "--image", str(cat), "--frames", "5", "--size", "64x32", "--steps", "2", "-o", str(out)]) == 0
+    assert iio.imread(out, extension=".mp4").shape == (5, 32, 64, 3)

@@ -105,7 +105,9 @@ def test_resolve_model_finds_every_shipped_name_from_any_cwd(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     classes = {"tiny-latte": "LattePipeline", "tiny-wan": "WanPipeline",
                "tiny-skyreels-df": "SkyReelsV2DiffusionForcingPipeline", "tiny-live": "WanPipeline",
-               "tiny-wan-i2v": "WanImageToVideoPipeline", "tiny-wan-flf2v": "WanImageToVideoPipeline"}
+               "tiny-wan-i2v": "WanImageToVideoPipeline", "tiny-wan-flf2v": "WanImageToVideoPipeline",
+               "tiny-wan22-ti2v": "WanPipeline", "tiny-wan22-i2v-a14b": "WanImageToVideoPipeline",
+               "tiny-skyreels-i2v": "SkyReelsV2ImageToVideoPipeline"}
     assert sorted(TINY_MODELS) == sorted(classes)
     for name, cls in classes.items():
         root = resolve_model(name)
@@ -329,7 +331,14 @@ def test_published_transformer_configs_have_the_published_sizes():
     assert set(published.PUBLISHED) == {
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers", "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers",
-        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers"}
+        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers",
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+        "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers"}
+    # Wan 2.2 TI2V-5B: about 5 B parameters, 3072 wide, its VAE's 48 channels in and out
+    n_5b = _meta_parameter_count(WanTransformer3DModel, published.WAN_2_2_TI2V_5B_TRANSFORMER)
+    assert 4.8e9 < n_5b < 5.2e9
+    assert published.WAN_2_2_TI2V_5B_TRANSFORMER["in_channels"] == published.WAN_2_2_VAE["z_dim"] == 48
+    assert len(published.WAN_2_2_VAE["latents_mean"]) == len(published.WAN_2_2_VAE["latents_std"]) == 48
 
 
 # --- real-config checkpoints (tests/support/wan_models.py) ------------------------------------------------
