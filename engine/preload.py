@@ -12,8 +12,8 @@ from __future__ import annotations
 import importlib
 
 MODULES = ("engine.worker", "engine.lss", "engine.families.latte", "engine.families.wan",
-           "engine.families.wan_i2v", "engine.families.skyreels_df", "engine.models.latte", "engine.models.wan",
-           "engine.causal_vae")
+           "engine.families.wan_i2v", "engine.families.wan_ti2v", "engine.families.skyreels_df", "engine.offload",
+           "engine.models.latte", "engine.models.wan", "engine.causal_vae")
 #: (module, attribute): diffusers and transformers import their classes lazily, on attribute access
 CLASSES = (("diffusers", "LattePipeline"), ("diffusers", "WanPipeline"), ("diffusers", "WanImageToVideoPipeline"),
            ("diffusers", "SkyReelsV2Pipeline"), ("diffusers", "SkyReelsV2DiffusionForcingPipeline"),
