@@ -56,6 +56,10 @@ class EngineConfig:
     vae_tiling: bool = option(False, "decode in the VAE's spatial tiles (diffusers' enable_tiling, default tile "
                                      "sizes): less VAE memory per worker, one Wan video's tiles spread over the "
                                      "workers; slower on one GPU")
+    cache: str | None = option(None, "step caching for requests that do not set their own `cache`: a preset "
+                                     "(first_block, ...) or JSON such as '{\"kind\": \"first_block\", "
+                                     "\"threshold\": 0.1}' (diffusers' FirstBlockCache, per request; "
+                                     "engine/cache.py); default none: exact", metavar="PRESET|JSON")
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
 
@@ -103,6 +107,13 @@ class EngineConfig:
         from engine.dist import parse_dtype
 
         parse_dtype(self.dtype)
+        if self.cache is not None:
+            from engine.cache import parse_cache
+
+            if not isinstance(self.cache, str):
+                raise ValueError(f"cache must be a preset name or JSON text; got {type(self.cache).__name__}")
+            if parse_cache(self.cache) is None:
+                object.__setattr__(self, "cache", None)        # "none" / "off": no caching
         if self.offload not in ("none", "expert"):
             raise ValueError(f"offload must be 'none' or 'expert'; got {self.offload!r}")
         for name in ("max_batch", "decode_chunk_frames", "max_steps_per_job", "offload_max_wait"):

@@ -183,6 +183,9 @@ class VideoEngine:
         if config.offload == "expert" and not desc.extra.get("two_experts"):
             raise ValueError(f"offload='expert' needs a two-expert checkpoint (Wan 2.2 A14B: transformer, "
                              f"transformer_2 and boundary_ratio); {config.model!r} has one denoiser")
+        if config.cache is not None and "cache" not in desc.options:
+            raise ValueError(f"cache: step caching is not available for {config.model!r} (a {desc.family} model; "
+                             f"it is for Latte and the Wan family)")
         if config.launcher == "torchrun" or (config.launcher == "auto" and launched_by_torchrun()):
             config = config.replace(workers=int(os.environ.get("WORLD_SIZE", config.workers)))
         plan = family.resolve_plan(desc, config.parallel, config.workers, config.ulysses_degree,
@@ -220,6 +223,8 @@ class VideoEngine:
         (QueueFullError when `max_queue` requests wait). Its outputs come through the returned handle."""
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if self.config.cache is not None and "cache" not in spec.options:     # the engine's default step caching
+            spec = dataclasses.replace(spec, options={**spec.options, "cache": self.config.cache})
         spec = self.family.check_request(self.info.description, spec)
         kv = self.family.kv_bytes(self.info.description, spec, self.config)
         req = self.core.add_request(spec, kv)

@@ -26,6 +26,7 @@ The parallel forwards themselves (DSP for Latte; hooks on diffusers' Wan modules
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import time
@@ -63,6 +64,7 @@ class WorkerRequest:
     steps_done: int = 0
     model: int = 0                     # which denoiser its next step uses (a two-expert family's expert)
     decoded_frames: int = 0
+    cache_state: dict = field(default_factory=dict)   # step caching (engine/cache.py): (expert, branch) -> state
     timings: dict = field(default_factory=lambda: {"encode_s": 0.0, "transformer_s": 0.0, "vae_s": 0.0})
 
     @property
@@ -92,6 +94,8 @@ class VideoFamily:
     split_variance: bool = False     # the model predicts [noise; variance] and the scheduler takes the noise alone
     #: pipeline components only rank 0 loads (it encodes for everyone and broadcasts the result)
     rank0_components: ClassVar[tuple[str, ...]] = ("text_encoder", "tokenizer")
+    #: step caching (engine/cache.py), for the families whose forward takes it (Latte, the Wan family)
+    step_cache = None
 
     # -- coordinator side ------------------------------------------------------------------
 
@@ -206,11 +210,14 @@ class VideoFamily:
         names = list(rows[0])
         columns = order_rows([[r[n] for n in names] for r in rows], cfg_parallel)
         with torch.no_grad():
-            out = self.forward(model, dict(zip(names, columns)), cfg_parallel)        # (all rows, C_out, ...)
+            with self.cached(reqs, cfg_parallel):
+                out = self.forward(model, dict(zip(names, columns)), cfg_parallel)    # (all rows, C_out, ...)
             for r, o in zip(reqs, split_rows(out, [len(r[names[0]]) for r in rows], cfg_parallel)):
                 if self.split_variance:
                     o = o.chunk(2, dim=1)[0]
                 self.advance(r, guided(o, r.spec.use_cfg, self.guidance_scale(r)))
+                if r.denoised:
+                    r.cache_state.clear()         # its residuals are not needed to decode
         sync_cuda()  # one wait per step (not per request): the step's kernels count in its time
         elapsed = time.perf_counter() - t0
         for r in reqs:
@@ -219,6 +226,16 @@ class VideoFamily:
     def model_for(self, reqs: list[WorkerRequest]):
         """The denoiser of this step (one per batch key)."""
         return self.pipe.transformer
+
+    def cached(self, reqs: list[WorkerRequest], cfg_parallel: bool):
+        """Step caching around one forward (engine/cache.py): each request's rows with their own state."""
+        if self.step_cache is None:
+            return contextlib.nullcontext()
+        return self.step_cache.step(reqs, self.cache_scope(reqs), self.cfg_groups if cfg_parallel else None)
+
+    def cache_scope(self, reqs: list[WorkerRequest]) -> int:
+        """Which denoiser's cache state the batch uses (Wan 2.2: the expert's)."""
+        return 0
 
     def inputs(self, r: WorkerRequest) -> dict[str, torch.Tensor | list]:
         """The request's rows of every forward input (latents duplicated under CFG)."""
@@ -384,6 +401,20 @@ def check_number(field_name: str, value, low: float, high: float) -> None:
             or not low <= value <= high:
         raise RequestError(field_name, f"{field_name} must be a number in [{low:g}, {high:g}]; got {value!r}")
 
+
+
+def check_cache_option(spec: GenerationSpec) -> GenerationSpec:
+    """The request's `cache` (step caching, engine/cache.py) validated and normalised: a dict, or dropped."""
+    if "cache" not in spec.options:
+        return spec
+    from engine.cache import parse_cache
+
+    config = parse_cache(spec.options["cache"])
+    options = {k: v for k, v in spec.options.items() if k != "cache"}
+    if config is not None:
+        options["cache"] = config
+    spec.options = options
+    return spec
 
 
 def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:

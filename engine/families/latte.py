@@ -9,11 +9,14 @@ from pathlib import Path
 import torch
 
 from engine import comm
+from engine.cache import StepCache
 from engine.config import ModelDescription
 from engine.families.base import (
     VideoFamily,
     WorkerRequest,
     cfg_rows,
+    check_cache_option,
+    check_common,
     generation_defaults,
     read_json,
     scheduler_step_kwargs,
@@ -72,7 +75,12 @@ class LatteFamily(VideoFamily):
             "guidance_scale": 7.5, "fps": 8})
         return ModelDescription(family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
                                 size_multiple=vae_scale * cfg["patch_size"], frame_multiple=1, defaults=defaults,
-                                extra={"native_frames": cfg["video_length"]})
+                                options=("cache",), extra={"native_frames": cfg["video_length"]})
+
+    @classmethod
+    def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
+        check_common(desc, spec)
+        return check_cache_option(spec)
 
     def __init__(self, ctx, config):
         import diffusers
@@ -85,6 +93,8 @@ class LatteFamily(VideoFamily):
         self.split_variance = getattr(self.pipe.scheduler.config, "variance_type", None) not in (
             "learned", "learned_range")
         self._cfg = None
+        # step caching: the head is the first spatial block, the rest every other block (engine/cache.py)
+        self.step_cache = StepCache(blocks=2 * len(self.pipe.transformer.transformer_blocks))
         self.set_plan(config.plan)
 
     def set_plan(self, plan: ParallelPlan) -> None:
@@ -128,7 +138,7 @@ class LatteFamily(VideoFamily):
         text, mask = pad_text(inputs["text"])
         return parallel_forward(model, torch.cat(inputs["x"]), torch.cat(inputs["t"]).to(self.pg.device), text,
                                 self.pg, self.plan.name, cfg=self.cfg_groups if cfg_parallel else None,
-                                encoder_attention_mask=mask)                       # (rows, C_out, T, h, w)
+                                encoder_attention_mask=mask, cache=self.step_cache.active)  # (rows, C_out, T, h, w)
 
     def decode(self, r: WorkerRequest, max_frames: int):
         """Frames [done, done + max_frames) of every video of the request, split across the workers.

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import torch
 
+from engine.cache import StepCache, WanStepCache
 from engine.config import ModelDescription
 from engine.families.base import (
     VideoFamily,
     WorkerRequest,
     cfg_rows,
+    check_cache_option,
     check_common,
     check_number,
     generation_defaults,
@@ -90,7 +92,7 @@ class WanFamily(VideoFamily):
             family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
             size_multiple=spatial * cfg["patch_size"][1], frame_multiple=temporal * cfg["patch_size"][0],
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
-            options=("guidance_scale_2",) if two_experts else (),
+            options=("guidance_scale_2", "cache") if two_experts else ("cache",),
             extra={"two_experts": two_experts, "boundary_ratio": index.get("boundary_ratio") if two_experts else None})
 
     @classmethod
@@ -98,7 +100,7 @@ class WanFamily(VideoFamily):
         check_common(desc, spec)
         if "guidance_scale_2" in spec.options:
             check_number("guidance_scale_2", spec.options["guidance_scale_2"], 0, 100)
-        return spec
+        return check_cache_option(spec)
 
     def __init__(self, ctx, config):
         import diffusers
@@ -112,7 +114,12 @@ class WanFamily(VideoFamily):
                                        on_host=("transformer", "transformer_2") if offload else ())
         self.desc = desc
         experts = [m for m in (self.pipe.transformer, getattr(self.pipe, "transformer_2", None)) if m is not None]
+        # step caching's hooks go on first, so they see a block's input after the sequence-parallel cut
+        self.step_cache = StepCache(blocks=len(experts[0].blocks))
+        caches = [WanStepCache(m, self.step_cache) for m in experts]
         self.experts = [WanSequenceParallel(m) for m in experts]
+        for cache, sp_model in zip(caches, self.experts):
+            cache.sp_owner = sp_model
         #: expert offload (engine/offload.py): which expert is on the device; None when both are
         self.residency = ExpertResidency(experts, self.pg.device) if offload else None
         self.vae_spatial, self.vae_temporal = vae_factors(dict(self.pipe.vae.config))
@@ -190,6 +197,9 @@ class WanFamily(VideoFamily):
                     r.timings["expert_swaps"] = r.timings.get("expert_swaps", 0) + 1
                     r.timings["swap_s"] = r.timings.get("swap_s", 0.0) + (time.perf_counter() - t0) / len(reqs)
         return self.experts[i]
+
+    def cache_scope(self, reqs: list[WanRequest]) -> int:
+        return self.expert(reqs[0].timesteps_cpu[reqs[0].steps_done])       # each expert its own cache state
 
     def inputs(self, r: WanRequest) -> dict:
         x = cfg_rows(r, r.latents).to(self.dtype)                                 # (2B|B, C, F, h, w)

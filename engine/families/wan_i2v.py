@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelDescription
-from engine.families.base import cfg_rows, check_common, check_number, read_json
+from engine.families.base import cfg_rows, check_cache_option, check_common, check_number, read_json
 from engine.families.wan import WanFamily, WanRequest
 from engine.images import as_rgb_array, to_pil
 from engine.request import GenerationSpec, RequestError
@@ -118,7 +118,7 @@ class WanImageToVideoFamily(WanFamily):
             if rule == "required":
                 raise RequestError("last_image", "last_image is required: this is a first-last-frame (FLF2V) "
                                                  "checkpoint, conditioned on a first and a last image")
-        return dataclasses.replace(spec, options=options)
+        return check_cache_option(dataclasses.replace(spec, options=options))
 
     # -- worker side -----------------------------------------------------------------------------------
 

@@ -225,6 +225,7 @@ def parallel_forward(
     strategy: str = "dsp",
     cfg: CfgGroups | None = None,
     encoder_attention_mask: torch.Tensor | None = None,
+    cache=None,
 ) -> torch.Tensor:
     """`LatteTransformer3DModel.forward` over the group; every rank returns the full output.
 
@@ -233,6 +234,9 @@ def parallel_forward(
 
     `encoder_attention_mask` (B, L), 1 = keep, lets prompts of different lengths share a
     batch (padded text tokens are masked out of cross-attention).
+
+    `cache`: step caching's `engine.cache.StepRun` for the rows this rank runs (under `cfg`, its half's):
+    the first spatial block is the head; the other blocks run on the rows that recompute.
     """
     check_strategy(strategy)
     if cfg is not None:
@@ -243,7 +247,7 @@ def parallel_forward(
         half = slice(cfg.index * (B // 2), (cfg.index + 1) * (B // 2))
         mask = None if encoder_attention_mask is None else encoder_attention_mask[half]
         out = parallel_forward(model, hidden_states[half], timestep[half], encoder_hidden_states[half],
-                               cfg.half, strategy, encoder_attention_mask=mask)  # (B/2, C_out, T, H, W)
+                               cfg.half, strategy, encoder_attention_mask=mask, cache=cache)  # (B/2, C_out, T, H, W)
         return comm.all_gather(out, 0, cfg.pair)                                # (B, C_out, T, H, W)
     bias = None
     if encoder_attention_mask is not None:
@@ -251,8 +255,8 @@ def parallel_forward(
         bias = torch.zeros(keep.shape, dtype=hidden_states.dtype, device=hidden_states.device)
         bias = bias.masked_fill(~keep, -10000.0)[:, None, :]               # (B, 1, L), as diffusers builds it
     if strategy == "dsp":
-        return _dsp_forward(model, hidden_states, timestep, encoder_hidden_states, pg, bias)
-    return _embedded_forward(model, hidden_states, timestep, encoder_hidden_states, pg, strategy, bias)
+        return _dsp_forward(model, hidden_states, timestep, encoder_hidden_states, pg, bias, cache)
+    return _embedded_forward(model, hidden_states, timestep, encoder_hidden_states, pg, strategy, bias, cache)
 
 
 def _repeat(x: torch.Tensor | None, times: int) -> torch.Tensor | None:
@@ -285,7 +289,7 @@ def _unpatchify(model, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.permute(0, 2, 1, 3, 4)
 
 
-def _dsp_forward(model, x, timestep, encoder_hidden_states, pg, text_bias=None):
+def _dsp_forward(model, x, timestep, encoder_hidden_states, pg, text_bias=None, cache=None):
     B, C, T, H, W = x.shape
     p = model.config.patch_size
     h, w = H // p, W // p
@@ -301,10 +305,25 @@ def _dsp_forward(model, x, timestep, encoder_hidden_states, pg, text_bias=None):
     bias_spatial = _repeat(text_bias, Tl)                                   # (B*Tl, 1, L)
     t6_spatial = t6.repeat_interleave(Tl, dim=0)                            # (B*Tl, 6D)
     L = len(model.transformer_blocks)
+    head_in = head_out = None
     for i, (spatial, temporal) in enumerate(zip(model.transformer_blocks, model.temporal_transformer_blocks)):
+        if i == 0 and cache is not None:
+            head_in = tokens.view(B, Tl, S, D)
         tokens = spatial(tokens, None, text_spatial, bias_spatial, t6_spatial)  # (B*Tl, S, D)
+        if i == 0 and cache is not None:
+            # the head's metric on my frames (T-sharded); the residuals live in the S-sharded layout below
+            real = comm.valid_length(T, pg)
+            cache.decide(head_in, tokens.view(B, Tl, S, D), None if real == Tl else (lambda t: t[:, :real]), pg)
         tokens = comm.all_to_all_switch(tokens.view(B, Tl, S, D), scatter_dim=2, gather_dim=1,
                                         gather_size=T, pg=pg)               # (B, T, Sl, D)
+        if i == 0 and cache is not None:
+            head_out, tokens = tokens, cache.take(tokens)                   # (B', T, Sl, D): the rows that recompute
+            text_bias, t6, text = cache.take(text_bias), cache.take(t6), cache.take(text)
+            B = tokens.shape[0]
+            text_spatial, bias_spatial = text.repeat_interleave(Tl, dim=0), _repeat(text_bias, Tl)
+            t6_spatial = t6.repeat_interleave(Tl, dim=0)
+            if B == 0:
+                break
         Sl = tokens.shape[2]
         seq = tokens.permute(0, 2, 1, 3).reshape(B * Sl, T, D)              # (B*Sl, T, D)
         if i == 0 and T > 1:
@@ -314,12 +333,14 @@ def _dsp_forward(model, x, timestep, encoder_hidden_states, pg, text_bias=None):
         if i < L - 1:
             tokens = comm.all_to_all_switch(tokens, scatter_dim=1, gather_dim=2, gather_size=S, pg=pg)
             tokens = tokens.reshape(B * Tl, S, D)                            # (B*Tl, S, D)
+    if cache is not None:
+        tokens = cache.leave(tokens, head_out)                              # (B, T, Sl, D), every row
     out = _final_layer(model, tokens, t_final)                              # (B, T, Sl, p*p*C_out)
     out = comm.gather(out, 2, S, pg)                                        # (B, T, S, p*p*C_out)
     return _unpatchify(model, out, h, w)
 
 
-def _embedded_forward(model, x, timestep, encoder_hidden_states, pg, strategy, text_bias=None):
+def _embedded_forward(model, x, timestep, encoder_hidden_states, pg, strategy, text_bias=None, cache=None):
     B, C, T, H, W = x.shape
     p = model.config.patch_size
     h, w = H // p, W // p
@@ -334,15 +355,31 @@ def _embedded_forward(model, x, timestep, encoder_hidden_states, pg, strategy, t
     bias_spatial = _repeat(text_bias, T)                                    # (B*T, 1, L)
     t6_spatial = t6.repeat_interleave(T, dim=0)                             # (B*T, 6D)
     t6_temporal = t6.repeat_interleave(Sl, dim=0)                           # (B*Sl, 6D)
+    head_out = None
     for i, (spatial, temporal) in enumerate(zip(model.transformer_blocks, model.temporal_transformer_blocks)):
+        head_in = tokens
         with _swapped(spatial, pg, strategy, S, spatial=True):
             tokens = spatial(tokens, None, text_spatial, bias_spatial, t6_spatial)  # (B*T, Sl, D)
+        if i == 0 and cache is not None:
+            real = comm.valid_length(S, pg)
+            head_out = tokens.view(B, T, Sl, D)
+            cache.decide(head_in.view(B, T, Sl, D), head_out, None if real == Sl else (lambda t: t[:, :, :real]), pg)
+            tokens = cache.take(tokens, per_item=T)                         # (B'*T, Sl, D): the rows that recompute
+            text_bias, t6, text = cache.take(text_bias), cache.take(t6), cache.take(text)
+            B = tokens.shape[0] // T
+            text_spatial, bias_spatial = text.repeat_interleave(T, dim=0), _repeat(text_bias, T)
+            t6_spatial, t6_temporal = t6.repeat_interleave(T, dim=0), t6.repeat_interleave(Sl, dim=0)
+            if B == 0:
+                break
         seq = tokens.view(B, T, Sl, D).permute(0, 2, 1, 3).reshape(B * Sl, T, D)  # (B*Sl, T, D)
         if i == 0 and T > 1:
             seq = seq + pos_t
         with _swapped(temporal, pg, strategy, S, spatial=False):
             seq = temporal(seq, None, None, None, t6_temporal)              # (B*Sl, T, D)
         tokens = seq.view(B, Sl, T, D).permute(0, 2, 1, 3).reshape(B * T, Sl, D)
+    if cache is not None:
+        tokens = cache.leave(tokens.view(B, T, Sl, D), head_out).flatten(0, 1)    # (B*T, Sl, D), every row
+        B = tokens.shape[0] // T
     out = _final_layer(model, tokens.view(B, T, Sl, D), t_final)            # (B, T, Sl, p*p*C_out)
     out = comm.gather(out, 2, S, pg)                                        # (B, T, S, p*p*C_out)
     return _unpatchify(model, out, h, w)
