@@ -34,6 +34,7 @@ diffusers Wan transformer's blocks).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -157,7 +158,8 @@ class StepRun:
                 u.state.head_residual = residual[u.start:u.start + u.rows].clone()
         self.decided = True
         computing = [i for u in self.units if u.compute for i in range(u.start, u.start + u.rows)]
-        self.index = None if len(computing) == self.items else torch.tensor(computing, dtype=torch.long, device=head_out.device)
+        self.index = None if len(computing) == self.items else \
+            torch.tensor(computing, dtype=torch.long, device=head_out.device)
 
     @property
     def all_compute(self) -> bool:
@@ -267,29 +269,33 @@ class _BlockHook(ModelHook):
         super().__init__()
         self.wan, self.position = wan, position           # "head" | "middle" | "tail"
 
-    def new_forward(self, module, hidden_states, encoder_hidden_states, temb, rotary_emb):
+    def new_forward(self, module, hidden_states, encoder_hidden_states, temb, *rest):
+        # rest: rotary_emb (and SkyReels-V2's attention_mask, which is per token, not per row)
         run = self.wan.cache.active
         forward = self.fn_ref.original_forward
         if run is None:
-            return forward(hidden_states, encoder_hidden_states, temb, rotary_emb)
+            return forward(hidden_states, encoder_hidden_states, temb, *rest)
         if self.position == "head":
-            out = forward(hidden_states, encoder_hidden_states, temb, rotary_emb)
+            out = forward(hidden_states, encoder_hidden_states, temb, *rest)
             shard = self.wan.shard()
             valid = None
             if shard is not None and (shard.sp.world_size > 1 or shard.stop - shard.start != out.shape[1]):
-                n = shard.stop - shard.start
-                valid = lambda t: t[:, :n]                      # noqa: E731  (my real tokens)
+                valid = functools.partial(_first_tokens, n=shard.stop - shard.start)     # my real tokens
             run.decide(hidden_states, out, valid, shard.sp.pg if shard is not None else _SOLO)
             self.wan.head_out, self.wan.sliced = out, None
             return run.take(out)
         if run.computing:
             rows = self.wan.rows(encoder_hidden_states, temb)
-            hidden_states = forward(hidden_states, *rows, rotary_emb)
+            hidden_states = forward(hidden_states, *rows, *rest)
         if self.position == "tail":
             head_out, self.wan.head_out = self.wan.head_out, None
             self.wan.sliced = None
             return run.leave(hidden_states, head_out)
         return hidden_states
+
+
+def _first_tokens(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t[:, :n]
 
 
 class _Solo:

@@ -289,6 +289,11 @@ def _unpatchify(model, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.permute(0, 2, 1, 3, 4)
 
 
+def _first(dim: int, n: int):
+    """t -> its first n entries along `dim` (a shard's real frames or patches, its padding cut)."""
+    return lambda t: t.narrow(dim, 0, n)
+
+
 def _dsp_forward(model, x, timestep, encoder_hidden_states, pg, text_bias=None, cache=None):
     B, C, T, H, W = x.shape
     p = model.config.patch_size
@@ -313,7 +318,7 @@ def _dsp_forward(model, x, timestep, encoder_hidden_states, pg, text_bias=None, 
         if i == 0 and cache is not None:
             # the head's metric on my frames (T-sharded); the residuals live in the S-sharded layout below
             real = comm.valid_length(T, pg)
-            cache.decide(head_in, tokens.view(B, Tl, S, D), None if real == Tl else (lambda t: t[:, :real]), pg)
+            cache.decide(head_in, tokens.view(B, Tl, S, D), None if real == Tl else _first(1, real), pg)
         tokens = comm.all_to_all_switch(tokens.view(B, Tl, S, D), scatter_dim=2, gather_dim=1,
                                         gather_size=T, pg=pg)               # (B, T, Sl, D)
         if i == 0 and cache is not None:
@@ -363,7 +368,7 @@ def _embedded_forward(model, x, timestep, encoder_hidden_states, pg, strategy, t
         if i == 0 and cache is not None:
             real = comm.valid_length(S, pg)
             head_out = tokens.view(B, T, Sl, D)
-            cache.decide(head_in.view(B, T, Sl, D), head_out, None if real == Sl else (lambda t: t[:, :, :real]), pg)
+            cache.decide(head_in.view(B, T, Sl, D), head_out, None if real == Sl else _first(2, real), pg)
             tokens = cache.take(tokens, per_item=T)                         # (B'*T, Sl, D): the rows that recompute
             text_bias, t6, text = cache.take(text_bias), cache.take(t6), cache.take(text)
             B = tokens.shape[0] // T

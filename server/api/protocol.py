@@ -156,6 +156,8 @@ class Video(BaseModel):
     seed: int
     negative_prompt: str = ""
     options: dict[str, Any] = Field(default_factory=dict)   # the model's own options, as given
+    #: once completed: transformer block evaluations made and skipped by step caching (the `cache` option)
+    transformer_blocks: dict[str, int] | None = None
 
 
 class VideoList(BaseModel):

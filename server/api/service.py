@@ -575,7 +575,7 @@ class VideoService:
             self.broker.publish(rec.id, "video.decoding", self._event(rec, frames_done=out.stop,
                                                                       num_frames=out.num_frames))
         elif isinstance(out, Finished):
-            await self._complete(job)
+            await self._complete(job, out.timings)
         elif isinstance(out, Failed) and job.requeue_on_cancel and job.fail_on_cancel is None:
             await self._drop_output(job)         # released by a drain (the engine closed first): stays queued
         elif isinstance(out, Failed):
@@ -602,7 +602,7 @@ class VideoService:
                                              keyframe_interval=self.config.engine.decode_chunk_frames)
             job.changed.notify()
 
-    async def _complete(self, job: Job) -> None:
+    async def _complete(self, job: Job, timings: dict | None = None) -> None:
         if job.writer is None:
             await self._fail(job, "encoding_failed", "no frames were decoded")
             return
@@ -624,8 +624,12 @@ class VideoService:
             await asyncio.sleep(3600)            # tests: a crash between the complete file and its record
         now = int(time.time())
         size = await self._run_io(self.store.files_bytes, job.record.id)
+        extra = {}
+        if timings and "blocks" in timings:      # transformer block evaluations (step caching skips some)
+            extra["params"] = {**job.record.params, "transformer_blocks": {
+                "evaluated": timings["blocks"], "skipped": timings.get("blocks_skipped", 0)}}
         await self._update(job, status="completed", progress=100, completed_at=now, expires_at=self._expiry(now),
-                           bytes=size)
+                           bytes=size, **extra)
         if job.deleted:            # deleted while its record was written: it was cancelled, not completed
             await self._drop_output(job)
             return
@@ -865,7 +869,8 @@ class VideoService:
                      error=VideoError(**rec.error) if rec.error else None,
                      prompt=rec.prompt, seconds=rec.seconds, size=rec.size, num_frames=p["num_frames"], fps=p["fps"],
                      num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
-                     seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {})
+                     seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {},
+                     transformer_blocks=p.get("transformer_blocks"))
 
     @staticmethod
     def _event(rec: VideoRecord, **extra) -> dict:

@@ -140,6 +140,8 @@ class JobStore:
     def update(self, video_id: str, **fields) -> None:
         if "error" in fields:
             fields["error"] = _dump(fields["error"])
+        if "params" in fields:
+            fields["params"] = _dump(fields["params"])
         if "expired" in fields:
             fields["expired"] = int(fields["expired"])
         sets = ", ".join(f"{k} = ?" for k in fields)

@@ -15,7 +15,7 @@ COMMANDS = {
     "generate": ("server.cli.generate", "generate a video from a prompt"),
     "serve": ("server.cli.serve", "run the OpenAI-compatible HTTP server"),
     "score": ("server.cli.score", "score a long text with a causal LM (LSS sequence parallel)"),
-    "bench": ("server.cli.bench", "benchmarks: transformer | generate | serve | score | vae | long"),
+    "bench": ("server.cli.bench", "benchmarks: transformer | generate | serve | score | vae | long | speed"),
 }
 
 

@@ -15,6 +15,8 @@ BENCHES = {
     "gpu": ("server.bench.gpu", "one GPU: bf16 error, step time vs diffusers, SDPA backends, memory by video length"),
     "live": ("server.bench.live", "live video on a causal model: first fragment, frames/s, memory by chunks, "
                                   "prompt switch, vs diffusion forcing"),
+    "speed": ("server.bench.speed", "opt-in speed levers (step caching) against exact: block evaluations, wall time, "
+                                    "PSNR, recognition on the trained tiny-latte"),
     "long": ("server.bench.long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),
 }
 

@@ -119,6 +119,8 @@ def run(args) -> int:
           f"encode {t['encode_s']:.2f} s, "
           f"pool overhead {wall - t['transformer_s'] - t['vae_s'] - t['encode_s']:.2f} s); "
           f"model load {loaded - t0:.1f} s; total {time.perf_counter() - t0:.1f} s")
+    if "blocks" in t:           # transformer block evaluations (--cache skips some)
+        print(f"transformer blocks {t['blocks']} evaluated, {t['blocks_skipped']} skipped by step caching")
     if "expert_swaps" in t:     # --offload expert
         print(f"expert swaps {t['expert_swaps']} ({t['swap_s']:.2f} s)")
     return 0

@@ -141,7 +141,7 @@ def test_openai_client_creates_polls_downloads_lists_and_deletes(request, fixtur
 
     # multipart extensions through extra_body (the client sends form fields as strings)
     other = client.videos.create(prompt="a blue cube", size="32x32", seconds="1",
-                                 extra_body={"num_inference_steps": 2, "fps": 4, "seed": 11})
+                                 extra_body={"num_inference_steps": 2, "fps": 4, "seed": 11, "cache": "first_block"})
     assert other.model_extra["num_inference_steps"] == 2 and other.model_extra["num_frames"] == one_second_at_4
 
     listed = [v.id for v in client.videos.list(limit=1, order="desc")]   # auto-pagination, one per page
@@ -153,7 +153,10 @@ def test_openai_client_creates_polls_downloads_lists_and_deletes(request, fixtur
     with pytest.raises(NotFoundError):
         client.videos.retrieve(video.id)
     assert not list(server["data_dir"].glob(f"videos/{video.id}*")), "its files are removed"
-    assert client.videos.poll(other.id, poll_interval_ms=50).status == "completed"
+    done = client.videos.poll(other.id, poll_interval_ms=50)
+    assert done.status == "completed" and done.model_extra["options"]["cache"]["kind"] == "first_block"
+    blocks = done.model_extra["transformer_blocks"]       # 2 steps x (cond, uncond) x 6 blocks of tiny-latte
+    assert blocks["evaluated"] + blocks["skipped"] == 24 and blocks["evaluated"] >= 13
 
 
 def test_a_model_option_is_served_by_the_family_that_knows_it_and_refused_by_the_others(server, wan_server):
@@ -374,6 +377,9 @@ MALFORMED = [
     ("seconds bool", "POST", "/v1/videos", bad({"seconds": True}, drop=("num_frames",)), 400, "seconds"),
     ("seconds vs frames", "POST", "/v1/videos", bad({"seconds": "2", "num_frames": 5}), 400, "seconds"),
     ("frames zero", "POST", "/v1/videos", bad({"num_frames": 0}), 400, "num_frames"),
+    ("cache kind", "POST", "/v1/videos", bad({"cache": {"kind": "tea"}}), 400, "cache.kind"),
+    ("cache threshold", "POST", "/v1/videos", bad({"cache": {"kind": "first_block", "threshold": "x"}}), 400,
+     "cache.threshold"),
     ("frames too many", "POST", "/v1/videos", bad({"num_frames": 100000}), 400, "num_frames"),
     ("frames text", "POST", "/v1/videos", bad({"num_frames": "ten"}), 400, "num_frames"),
     ("frames fraction", "POST", "/v1/videos", bad({"num_frames": 2.5}), 400, "num_frames"),

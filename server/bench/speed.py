@@ -1,0 +1,175 @@
+"""`longserve bench speed`: the opt-in speed levers against the exact default, in one run on one machine.
+
+    longserve bench speed [--model tiny-latte] [--prompts 40] [--cache first_block] [--cache '{"kind": ...}'] \\
+        [--steps N] [--frames N] [--json out.json] [--markdown docs/benchmarks.md]
+
+Every row generates the same videos: the first `--prompts` prompts of the trained tiny-latte's
+vocabulary (`weights.clips.PROMPTS`), one request each, seed 0, all submitted at once so that the
+engine batches them as a server would (`max_batch` per step). Rows: "exact" (no lever), then one per
+`--cache` (step caching, engine/cache.py; any preset or JSON the `cache` request option takes). Per row:
+
+- transformer block evaluations per video (one block applied to one latent row: cond and uncond rows
+  count apart), and how many fewer than exact;
+- wall time from the first submit to the last finished video (the fastest of `--repeats` runs, taken in
+  turn with the other rows'), and exact's over it (the speed-up);
+- PSNR of the frames against exact's (float frames in [0, 1], over every video; inf when equal);
+- recognition rate: the fraction of videos whose colour and motion match their prompt
+  (`tests/support/content.py`, present in a source checkout; with another `--model` the column is empty).
+
+The other levers of issue 22 (regional compile, FP8, expert offload) get rows here when they exist; expert
+offload needs a two-expert model and changes no frame, so it has none on tiny-latte.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+from server.bench.util import (
+    Column,
+    load_average,
+    machine_info,
+    markdown_table,
+    replace_markdown_section,
+    text_table,
+    write_json,
+)
+
+SECTION = "## Speed levers: step caching against exact (bench speed)"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(parser) -> None:
+    from engine.config import EngineConfig, add_cli_args
+
+    parser.add_argument("--prompts", type=int, default=40,
+                        help="how many of the 40 vocabulary prompts (one video each)")
+    parser.add_argument("--cache", dest="caches", action="append", default=None, metavar="PRESET|JSON",
+                        help="a step-caching setting to measure (repeatable; default: the first_block presets)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    parser.add_argument("--frames", type=int, default=None, help="frames per video (default: the model's)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every row, in turn (exact, lever, exact, lever, ...); the fastest counts (other "
+                             "processes on shared cores slow some runs)")
+    parser.add_argument("--json", default=None, metavar="PATH")
+    parser.add_argument("--markdown", default=None, metavar="PATH",
+                        help=f"replace the section '{SECTION}' of this Markdown file with the table")
+    add_cli_args(parser, EngineConfig, groups=("model", "scheduling"), exclude=("cache",),
+                 titles={"model": "engine options (every row)", "scheduling": "scheduling (every row)"})
+
+
+def recogniser():
+    """`recognises(clip, prompt)` from tests/support/content.py, or None outside a source checkout."""
+    support = REPO / "tests" / "support"
+    if not (support / "content.py").is_file():
+        return None
+    sys.path.insert(0, str(support))
+    try:
+        from content import recognises
+    finally:
+        sys.path.remove(str(support))
+    return recognises
+
+
+def generate(pipe, prompts: list[str], steps: int | None, frames: int | None, cache) -> tuple[list, list, float]:
+    """Every prompt as its own request, submitted at once -> (frames per video, timings per video, wall s)."""
+    import numpy as np
+
+    from engine.outputs import Failed, Finished, FramesChunk
+
+    options = {} if cache is None else {"cache": cache}
+    specs = [pipe.make_spec(p, num_inference_steps=steps, num_frames=frames, seed=0, **options) for p in prompts]
+    t0 = time.perf_counter()
+    handles = [pipe.engine.submit(s) for s in specs]
+    videos, timings = [], []
+    for h in handles:
+        chunks = []
+        for out in h:
+            if isinstance(out, FramesChunk):
+                chunks.append(out.frames)
+            elif isinstance(out, Finished):
+                timings.append(out.timings)
+            elif isinstance(out, Failed):
+                raise RuntimeError(f"a video failed: {out.error}")
+        videos.append(np.concatenate(chunks, axis=1)[0])                  # (T, H, W, 3)
+    return videos, timings, time.perf_counter() - t0
+
+
+def psnr(a, b) -> float:
+    import numpy as np
+
+    mse = float(np.mean([np.mean((x.astype(np.float64) - y) ** 2) for x, y in zip(a, b)]))
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+COLUMNS = [
+    Column("lever", "lever"),
+    Column("blocks / video", "blocks_per_video", ".1f"),
+    Column("fewer blocks", "fewer_blocks", ".2f"),
+    Column("wall s", "wall_s", ".2f"),
+    Column("speed-up", "speedup", ".2f"),
+    Column("PSNR vs exact (dB)", lambda r: "exact" if r["psnr_db"] is None else f"{r['psnr_db']:.1f}"),
+    Column("recognised", lambda r: "" if r["recognised"] is None else f"{r['recognised']}/{r['videos']}"),
+]
+
+
+def run(args) -> int:
+    from engine.cache import parse_cache
+    from engine.config import EngineConfig, from_cli_args
+    from pipelines import VideoPipeline
+    from pipelines.video import PIPELINE_DEFAULTS
+    from weights.clips import PROMPTS
+
+    if not 1 <= args.prompts <= len(PROMPTS):
+        raise ValueError(f"--prompts must be in [1, {len(PROMPTS)}]; got {args.prompts}")
+    caches = [parse_cache(c, "--cache") for c in (args.caches or ["first_block"])]
+    prompts = list(PROMPTS[:args.prompts])
+    recognises = recogniser() if args.model == "tiny-latte" else None
+    config = from_cli_args(EngineConfig, args, **PIPELINE_DEFAULTS)
+    rows, load = [], load_average()
+    with VideoPipeline.from_config(config) as pipe:
+        generate(pipe, prompts[:1], 2, args.frames, None)                  # warm-up
+        levers = [None, *caches]
+        runs = {i: [] for i in range(len(levers))}
+        for _ in range(args.repeats):
+            for i, cache in enumerate(levers):
+                runs[i].append(generate(pipe, prompts, args.steps, args.frames, cache))
+                print(f"  {'exact' if cache is None else cache}: {runs[i][-1][2]:.2f} s", file=sys.stderr, flush=True)
+        exact_videos = runs[0][0][0]
+        exact_blocks = sum(t["blocks"] for t in runs[0][0][1])
+        exact_wall = min(w for _, _, w in runs[0])
+        for i, cache in enumerate(levers):
+            videos, timings, _ = runs[i][0]
+            walls = [w for _, _, w in runs[i]]
+            blocks = sum(t["blocks"] for t in timings)
+            rows.append(dict(
+                lever="exact" if cache is None else "cache " + ", ".join(f"{k}={v}" for k, v in cache.items()),
+                cache=cache, videos=len(videos), blocks_per_video=blocks / len(videos),
+                blocks_skipped_per_video=sum(t["blocks_skipped"] for t in timings) / len(videos),
+                fewer_blocks=exact_blocks / blocks, wall_s=min(walls), wall_s_runs=walls,
+                speedup=exact_wall / min(walls), psnr_db=None if cache is None else psnr(videos, exact_videos),
+                recognised=None if recognises is None else sum(recognises(v, p) for v, p in zip(videos, prompts))))
+        info = pipe.info
+    import torch
+
+    machine = machine_info(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for r in rows:
+        r.update(machine=machine, model=args.model, workers=info.workers, plan=info.plan.describe(),
+                 steps=args.steps or info.defaults.num_inference_steps, frames=args.frames or info.defaults.num_frames,
+                 loadavg_before=load, loadavg_after=load_average())
+    print()
+    print(text_table(rows, COLUMNS))
+    table = markdown_table(rows, COLUMNS)
+    if args.json:
+        write_json(rows, args.json)
+    if args.markdown:
+        flags = " ".join(f"--cache '{c}'" for c in (args.caches or []))
+        command = (f"longserve bench speed --model {args.model} --workers {info.workers} --prompts {args.prompts} "
+                   f"--repeats {args.repeats} {flags}")
+        body = (f"Measured with `{command.strip()}` on {machine['cpu']} ({machine['cores']} cores, "
+                f"{machine['device']}, torch {machine['torch']}), {rows[0]['steps']} steps, {rows[0]['frames']} "
+                f"frames; load average before {load}, after {rows[-1]['loadavg_after']}.\n\n{table}")
+        replace_markdown_section(args.markdown, SECTION, body)
+    return 0
