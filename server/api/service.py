@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
+import json
 import logging
 import math
 import os
@@ -163,6 +165,7 @@ class VideoService:
         self.live = LiveSessions(self, cfg.max_live_seconds, cfg.live_buffer_chunks)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
         self.model_names = {self.model_name, str(cfg.model)}
+        self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype)
         self._loop_thread.start()
         self._recover()
         self._measure_free()
@@ -332,6 +335,12 @@ class VideoService:
     def create(self, req: VideoCreateRequest) -> Video:
         self._check_admission()
         spec, fps = self.resolve(req)
+        key = None
+        if req.seed is not None and self.config.reuse_completed == "seeded":
+            key = request_key(self._checkpoint, spec, fps)
+            reused = self._reuse(key, spec)
+            if reused is not None:
+                return reused
         try:
             handle = self.engine.submit(spec)
         except RequestError as e:
@@ -343,7 +352,8 @@ class VideoService:
         spec = handle.spec                                 # as the family completed it (its defaults filled in)
         rec = VideoRecord(id=spec.request_id, created_at=int(time.time()), status="queued", model=self.model_name,
                           prompt=spec.prompt[0], seconds=_format_seconds(spec.num_frames, fps),
-                          size=f"{spec.width}x{spec.height}", params={**stored_params(spec), "fps": fps})
+                          size=f"{spec.width}x{spec.height}", params={**stored_params(spec), "fps": fps},
+                          request_key=key)
         try:
             _retried(lambda: self.store.insert(rec))
         except Exception as e:
@@ -355,6 +365,44 @@ class VideoService:
             raise _storage_api_error(code, f"the job could not be stored ({e}); nothing was queued") from None
         self.m_created.inc()
         self._follow_job(Job(record=rec, handle=handle))
+        return self._video(rec)
+
+    def _reuse(self, key: str, spec: GenerationSpec) -> Video | None:
+        """A repeat of a completed request (same checkpoint, prompt, parameters, input and explicit seed): a new
+        video, completed at once, whose files are the stored video's (hard links). None when there is no such
+        video or its files are gone (then the request is generated as usual)."""
+        source = self.store.completed_with_key(key)
+        if source is None:
+            return None
+        now = int(time.time())
+        rec = VideoRecord(id=spec.request_id, created_at=now, status="completed", model=self.model_name,
+                          prompt=source.prompt, seconds=source.seconds, size=source.size, params=dict(source.params),
+                          progress=100, completed_at=now, request_key=key)
+        try:
+            self.store.link_files(source.id, rec.id)
+        except FileNotFoundError:           # expired or deleted since the lookup
+            return None
+        try:
+            _retried(lambda: self.store.insert(rec))
+            fields = dict(expires_at=self._expiry(now), bytes=source.bytes)
+            _retried(lambda: self.store.update(rec.id, **fields))
+        except Exception as e:
+            self.store.remove_files(rec.id)
+            code = storage_error_code(e)
+            if code is None:
+                raise
+            self._storage_failed(f"storing a reused video failed: {e}")
+            raise _storage_api_error(code, f"the video could not be stored ({e})") from None
+        rec.expires_at, rec.bytes = fields["expires_at"], fields["bytes"]
+        self.m_created.inc()
+        self.m_reused.inc()
+        self.m_finished.inc(outcome="completed")
+        log.info("%s: an identical request to %s; its content reused, nothing generated", rec.id, source.id)
+        if self.config.max_storage_bytes is not None:     # the quota counts its bytes as a video's of its own
+            try:
+                self.enforce_quota()
+            except Exception:
+                log.exception("enforcing the storage quota failed")
         return self._video(rec)
 
     def _check_admission(self) -> None:
@@ -929,6 +977,9 @@ class VideoService:
                                         labels=("outcome",)))
         self.m_requeued = r.add(Counter("longserve_jobs_requeued_total",
                                         "Admitted jobs queued again after a worker pool restart."))
+        self.m_reused = r.add(Counter("longserve_jobs_reused_total",
+                                      "Video jobs completed at once with a stored video's content (an identical "
+                                      "request with an explicit seed; --reuse-completed)."))
         self.m_expired = r.add(Counter("longserve_jobs_expired_total",
                                        "Finished videos whose files were deleted (retention ran out, or the storage "
                                        "quota evicted them); their records stay, marked expired."))
@@ -986,6 +1037,27 @@ def stored_params(spec: GenerationSpec) -> dict:
             height, width = options.pop(name).shape[:2]
             options[name] = f"{width}x{height}"
     return params
+
+
+def checkpoint_fingerprint(model_dir, dtype: str) -> str:
+    """What identifies the served weights for `request_key`: every file's path, size and modification time under
+    the checkpoint (a retrained or replaced checkpoint of the same name is another model), and the dtype."""
+    root = Path(model_dir)
+    files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in root.rglob("*") if p.is_file())
+    return hashlib.sha256(json.dumps([str(root.resolve()), dtype, files]).encode()).hexdigest()
+
+
+def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:
+    """Two create requests with equal keys make the same video: the checkpoint, the prompt, every generation
+    parameter with the seed, the fps, and the input images by their pixels' digest."""
+    params = spec.params()
+    options = params["options"]
+    for name, value in list(options.items()):
+        if hasattr(value, "shape") and hasattr(value, "tobytes"):       # an image (numpy array)
+            options[name] = f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(value.tobytes()).hexdigest()}"
+    payload = {"checkpoint": checkpoint, "prompt": spec.prompt, "params": params, "fps": fps}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _format_seconds(num_frames: int, fps: int) -> str:

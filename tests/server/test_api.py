@@ -602,3 +602,29 @@ def test_a_video_deleted_while_its_completion_is_recorded_leaves_no_file_and_no_
         time.sleep(0.01)
     assert [e for e, _ in events if e in TERMINAL] == ["video.deleted"]
     assert metric(http, 'longserve_jobs_finished_total{outcome="completed"}') == completed_before
+
+
+# -- repeat requests --------------------------------------------------------------------------------------------
+
+
+def test_an_identical_seeded_request_gets_a_new_video_with_the_stored_content_and_nothing_is_generated(server, http):
+    body = dict(prompt="the same again", size="64x64", num_frames=8, num_inference_steps=2, seed=1234)
+    first = wait(http, create(http, **body)["id"])
+    assert first["status"] == "completed"
+    engine = server["service"].engine
+    steps, reused = engine.stats().steps_run, metric(http, "longserve_jobs_reused_total")
+    again = create(http, **body)
+    assert again["status"] == "completed" and again["progress"] == 100 and again["id"] != first["id"]
+    assert engine.stats().steps_run == steps, "nothing was generated"
+    assert metric(http, "longserve_jobs_reused_total") == reused + 1
+    content = http.get(f"/v1/videos/{first['id']}/content").content
+    assert http.get(f"/v1/videos/{again['id']}/content").content == content
+    # the copy is a video of its own: deleting the first leaves it whole
+    assert http.delete(f"/v1/videos/{first['id']}").json()["deleted"] is True
+    assert http.get(f"/v1/videos/{again['id']}/content").content == content
+    # not identical, or no explicit seed: generated
+    for changed in (dict(body, num_inference_steps=3), dict(body, prompt="the same again!"),
+                    {k: v for k, v in body.items() if k != "seed"}):
+        assert create(http, **changed)["status"] == "queued", changed
+    # a repeat of the repeat still finds the content (the newest completed video with the request's key)
+    assert create(http, **body)["status"] == "completed"
