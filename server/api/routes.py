@@ -99,8 +99,11 @@ async def parse_create_body(request: Request) -> dict:
     try:
         body = await read_body(request)
     except APIError as e:
-        if e.status == 413 and ctype == "multipart/form-data":    # what makes a form that large is its file
-            e.param = "input_reference"
+        if e.status == 413 and ctype == "multipart/form-data":
+            # what makes a form that large is its file: a bad input_reference (400 naming it, as the other bad
+            # uploads get; a JSON body over the limit stays 413, request_too_large)
+            raise APIError(400, f"input_reference is too large: {e.message}", param="input_reference",
+                           code="file_too_large") from None
         raise
     if ctype in FORM_TYPES:
         async def replay():
