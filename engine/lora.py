@@ -183,7 +183,8 @@ def check_request(value: Any, adapters: tuple[LoraAdapter, ...]) -> list[dict]:
     """A request's `lora` -> [{"name", "scale"}, ...] (RequestError naming "lora").
 
     Shapes: `[{"name": "style", "scale": 0.8}, ...]` (the HTTP field), `{"style": 0.8}`, `["style"]` or `"style"`
-    (the adapter's start scale), and, for a multipart form, the JSON text of any of these or "style:0.8,fast".
+    (a missing or null scale is the adapter's start scale), and, for a multipart form, the JSON text of any of
+    these or "style:0.8,fast".
     """
     if value is None or value == [] or value == {}:
         return []
@@ -206,7 +207,8 @@ def check_request(value: Any, adapters: tuple[LoraAdapter, ...]) -> list[dict]:
         if not isinstance(name, str) or name not in known:
             have = ", ".join(sorted(known)) or "none (start the server with --lora NAME=PATH)"
             raise RequestError("lora", f"unknown LoRA adapter {name!r}; this model has: {have}")
-        scale = item.get("scale", known[name].scale)
+        scale = item.get("scale")
+        scale = known[name].scale if scale is None else scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
                 or abs(scale) > MAX_SCALE:
             raise RequestError("lora", f"lora {name!r}: scale must be a number in [-{MAX_SCALE:g}, {MAX_SCALE:g}]; "
