@@ -33,8 +33,9 @@ this rank runs: all of them under Ulysses / Ring / USP (each rank holds every ro
 half of them under CFG-parallel (each half of the workers runs the unconditional or the conditional rows, and a
 request has as many of each, in the same request order). A layer whose input holds k rows per batch row (the
 time embedding of Wan 2.2 TI2V's per-token timesteps, flattened (B S_l, C); FLF2V's image tokens, k = 2) gets
-each row's adapters k times over, consecutively; a layer fed one row for the whole batch (SkyReels' fps
-projection) can serve a batch only when its rows agree, which the hook checks.
+each row's adapters k times over, consecutively. A layer fed one row for the whole batch (SkyReels' fps
+projection) cannot follow the rows: an adapter on it is refused at start (the hook also refuses any input whose
+row count is not a multiple of the batch's, when the rows differ).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from engine.request import RequestError
 MAX_SCALE = 10.0                 # largest |scale| a request may ask for (kohya users go up to about 3)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 FLAG = "--lora"
+#: modules fed one row for the whole batch (SkyReels' fps embedding): an adapter there cannot be per row
+BROADCAST_MODULES = ("fps_embedding", "fps_projection")
 
 
 class LoraAdapter(NamedTuple):
@@ -325,10 +328,17 @@ class LoraSet:
             raise ValueError(f"{a.flag()}: {path} names {len(missing)} module(s) this model does not have, e.g. "
                              f"{missing[0]!r}")
         for name, layer in model.named_modules():
-            if a.name in getattr(layer, "lora_A", {}) and (layer.use_dora.get(a.name)
-                                                           or a.name in getattr(layer, "lora_variant", {})):
+            if a.name in getattr(layer, "lora_embedding_A", {}):
+                raise ValueError(f"{a.flag()}: adapters on embedding tables ({name}) are not applied per request "
+                                 f"here")
+            if a.name not in getattr(layer, "lora_A", {}):
+                continue
+            if layer.use_dora.get(a.name) or a.name in getattr(layer, "lora_variant", {}):
                 raise ValueError(f"{a.flag()}: DoRA and other LoRA variants are not applied per request here "
                                  f"({name})")
+            if name.split(".")[0] in BROADCAST_MODULES:
+                raise ValueError(f"{a.flag()}: {name} gets one row for the whole batch (the fps embedding), so an "
+                                 f"adapter on it cannot follow each request's rows")
 
     @contextlib.contextmanager
     def applied(self, per_request: list[tuple[list[dict], int]]):
