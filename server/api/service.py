@@ -165,7 +165,7 @@ class VideoService:
         self.live = LiveSessions(self, cfg.max_live_seconds, cfg.live_buffer_chunks)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
         self.model_names = {self.model_name, str(cfg.model)}
-        self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype)
+        self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype, self.engine.config.loras)
         self._loop_thread.start()
         self._recover()
         self._measure_free()
@@ -1045,13 +1045,18 @@ def stored_params(spec: GenerationSpec) -> dict:
     return params
 
 
-def checkpoint_fingerprint(model_dir, dtype: str) -> str:
+def checkpoint_fingerprint(model_dir, dtype: str, loras=()) -> str:
     """What identifies the served weights for `request_key`: every file's path, size and modification time under
-    the checkpoint (a retrained or replaced checkpoint of the same name is another model), and the dtype."""
+    the checkpoint (a retrained or replaced checkpoint of the same name is another model), and the dtype; and the
+    LoRA adapters loaded at start (`engine.lora.LoraAdapter`s): a request names one, so its file and start scale
+    are part of what the name means."""
     root = Path(model_dir)
     files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
                    for p in root.rglob("*") if p.is_file())
-    return hashlib.sha256(json.dumps([str(root.resolve()), dtype, files]).encode()).hexdigest()
+    adapters = [(a.name, a.scale, [(path, Path(path).stat().st_size, Path(path).stat().st_mtime_ns)
+                                   for path in (a.path, a.path_2) if path is not None]) for a in loras]
+    return hashlib.sha256(json.dumps([str(root.resolve()), dtype, files, *([adapters] if adapters else [])]
+                                     ).encode()).hexdigest()
 
 
 def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:

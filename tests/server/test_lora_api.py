@@ -25,15 +25,20 @@ def test_lora_per_request_over_http_with_the_openai_client_and_a_form(tmp_path):
     with serving(tmp_path, model="tiny-wan", workers=1, default_steps=2, score_model="none",
                  loras=("style=tiny-wan-lora:0.5", "musubi=tiny-wan-lora-musubi")) as s:
         client = OpenAI(base_url=s["url"] + "/v1", api_key="unused", max_retries=0)
-        video = client.videos.create(prompt="a red ball", size="48x32", seconds="1",
-                                     extra_body={"fps": 1, "seed": 3, "lora": [{"name": "style"},
-                                                                               {"name": "musubi", "scale": 0.25}],
-                                                 "guidance_scale": 1.0, "sigmas": [1.0, 0.5]})
+        extra = {"fps": 1, "seed": 3, "guidance_scale": 1.0, "sigmas": [1.0, 0.5],
+                 "lora": [{"name": "style"}, {"name": "musubi", "scale": 0.25}]}
+        video = client.videos.create(prompt="a red ball", size="48x32", seconds="1", extra_body=extra)
         assert video.model_extra["lora"] == [{"name": "style", "scale": 0.5}, {"name": "musubi", "scale": 0.25}]
         assert video.model_extra["num_inference_steps"] == 2 and video.model_extra["options"]["sigmas"] == [1.0, 0.5]
         done = client.videos.poll(video.id, poll_interval_ms=50)
         assert done.status == "completed", done.error
         assert done.model_extra["lora"] == video.model_extra["lora"]
+        # a repeat of a completed seeded request is reused; the same one with another adapter scale is not
+        again = client.videos.create(prompt="a red ball", size="48x32", seconds="1", extra_body=extra)
+        assert again.status == "completed"
+        other = client.videos.create(prompt="a red ball", size="48x32", seconds="1",
+                                     extra_body={**extra, "lora": [{"name": "style", "scale": 0.75}]})
+        assert other.status != "completed" and other.model_extra["lora"] == [{"name": "style", "scale": 0.75}]
 
         form = httpx.post(s["url"] + "/v1/videos", data={"prompt": "a", "size": "48x32", "seconds": "1", "fps": "1",
                                                          "lora": "musubi:0.75", "sigmas": "[1.0, 0.5]"}, timeout=60)
