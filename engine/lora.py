@@ -32,8 +32,8 @@ see base plus adapter.
 this rank runs: all of them under Ulysses / Ring / USP (each rank holds every row of a shard of the sequence),
 half of them under CFG-parallel (each half of the workers runs the unconditional or the conditional rows, and a
 request has as many of each, in the same request order). A layer whose input holds k rows per batch row (the
-time embedding of Wan 2.2 TI2V's per-token timesteps, flattened (B S_l, C); FLF2V's image tokens, k = 2) gets
-each row's adapters k times over, consecutively. A layer fed one row for the whole batch (SkyReels' fps
+time embedding of Wan 2.2 TI2V's per-token timesteps, flattened to (B S_l, C)) gets each row's adapters k times
+over, consecutively. A layer fed one row for the whole batch (SkyReels' fps
 projection) cannot follow the rows: an adapter on it is refused at start (the hook also refuses any input whose
 row count is not a multiple of the batch's, when the rows differ).
 """
@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 from typing import Any, NamedTuple
 
@@ -117,6 +118,8 @@ def parse_adapters(value: Any) -> tuple[LoraAdapter, ...]:
                 path, scale = v
             else:
                 path, scale = v, 1.0
+            if isinstance(path, os.PathLike):
+                path = os.fspath(path)
             if not isinstance(path, str):
                 raise ValueError(f"{FLAG} {name}: give a path or (path, scale); got {v!r}")
             high, comma, low = path.partition(",")

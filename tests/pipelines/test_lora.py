@@ -30,7 +30,7 @@ SIZE = dict(num_frames=1, height=48, width=80)
 #: (lora, guidance) of four requests that share a batch: two adapters, one at two scales, and one with neither
 #: and no CFG (one row where the others have two)
 MIXED = [([{"name": "style", "scale": 0.7}], 5.0), ([{"name": "musubi", "scale": 1.3}], 5.0), ([], 1.0),
-         ([{"name": "style", "scale": 1.5}, {"name": "musubi", "scale": 0.5}], 5.0)]
+         ([{"name": "style", "scale": 1.5}, {"name": "musubi"}], 5.0)]          # musubi at its start scale, 0.5
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,14 @@ def pipe1(pipeline_cache):
 
 
 @pytest.fixture(scope="module")
-def singles(pipe1):
-    """Each MIXED request run alone on one worker."""
+def runs(pipe1):
+    """Each MIXED request run alone on one worker (VideoOutput)."""
     return [alone(pipe1, lora, g) for lora, g in MIXED]
+
+
+@pytest.fixture(scope="module")
+def singles(runs):
+    return [out.frames for out in runs]
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,20 +78,16 @@ def diffusers_frames(names, scales, seed, sigmas=None, **kw):
 
 def alone(pipe, lora, guidance, seed=3):
     return pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=2, guidance_scale=guidance, seed=seed,
-                lora=lora, **SIZE).frames
+                lora=lora, **SIZE)
 
 
-def test_a_lora_at_scale_s_equals_diffusers_set_adapters(pipe1, singles):
+def test_a_lora_at_scale_s_equals_diffusers_set_adapters(runs, singles):
     kw = dict(num_inference_steps=2, guidance_scale=5.0, **SIZE)
     assert np.abs(singles[0] - diffusers_frames("style", 0.7, seed=3, **kw)).max() <= ATOL
-    # two adapters on one request (diffusers format and musubi format)
+    # two adapters on one request (diffusers' format and musubi's), one at the start scale the flag gave it
+    assert runs[3].lora == [{"name": "style", "scale": 1.5}, {"name": "musubi", "scale": 0.5}]
     assert np.abs(singles[3] - diffusers_frames(["style", "musubi"], [1.5, 0.5], seed=3, **kw)).max() <= ATOL
     assert np.abs(singles[0] - singles[3]).max() > 0.05, "the adapters should change the video"
-
-
-def test_the_video_reports_its_adapters_and_a_start_scale_is_the_default(pipe1):
-    out = pipe1(PROMPT, num_inference_steps=1, seed=0, lora={"musubi": None, "style": 0.25}, **SIZE)
-    assert out.lora == [{"name": "musubi", "scale": 0.5}, {"name": "style", "scale": 0.25}]
 
 
 def together(pipe, seed=3):
@@ -175,6 +176,41 @@ def test_a_bad_lora_is_a_request_error_naming_lora(pipe1, lora, message):
     with pytest.raises(RequestError, match=message) as e:
         pipe1(PROMPT, num_inference_steps=1, lora=lora, **SIZE)
     assert e.value.field == "lora"
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(timesteps=[999.0, 500.0]), "timesteps"),          # Wan's UniPC takes sigmas, not timesteps
+    (dict(sigmas=[0.5, 0.9]), "sigmas"),                    # not decreasing
+    (dict(sigmas=[1.0, 0.0]), "sigmas"),                    # out of (0, 1]
+    (dict(sigmas="1.0, 0.5"), "sigmas"),
+])
+def test_a_bad_schedule_is_a_request_error_naming_it(pipe1, options, field):
+    with pytest.raises(RequestError) as e:
+        pipe1(PROMPT, guidance_scale=1.0, **options, **SIZE)
+    assert e.value.field == field
+
+
+def test_a_checkpoint_s_generation_defaults_carry_the_recipe_for_its_default_step_count():
+    """`"num_inference_steps": 4, "sigmas": [...]` in generation_defaults.json: a request for 4 steps that gives no
+    list gets it; another step count gets the scheduler's own spacing; a list of its own wins."""
+    import dataclasses
+
+    from engine.families.wan import WanFamily
+    from engine.request import GenerationSpec
+
+    desc = WanFamily.describe(resolve_model("tiny-wan"))
+    recipe = [1.0, 0.75, 0.5, 0.25]
+    desc = dataclasses.replace(desc, defaults=dataclasses.replace(desc.defaults, num_inference_steps=4,
+                                                                  guidance_scale=1.0, options={"sigmas": recipe}))
+
+    def checked(steps, **options):
+        spec = GenerationSpec("r", [PROMPT], "", 1, 48, 80, steps, 1.0, 0, options=options)
+        return WanFamily.check_request(desc, spec)
+
+    assert checked(4).options == {"sigmas": recipe}
+    assert checked(8).options == {} and checked(8).num_inference_steps == 8
+    own = checked(4, sigmas=[1.0, 0.5])
+    assert own.options == {"sigmas": [1.0, 0.5]} and own.num_inference_steps == 2
 
 
 def test_adapters_that_cannot_load_fail_at_start_naming_the_flag(tmp_path):
