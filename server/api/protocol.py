@@ -3,12 +3,13 @@
 Shapes follow the OpenAI Videos API (`openai.types.Video`, `VideoCreateParams`,
 `VideoDeleteResponse`, the cursor-page list envelope) so the official `openai` client
 works unchanged; the extensions (`num_frames`, `fps`, `num_inference_steps`,
-`guidance_scale`, `negative_prompt`, `seed`) are optional fields of the same create body.
+`guidance_scale`, `negative_prompt`, `seed`, `lora`) are optional fields of the same create body.
 Route handlers live in `server/api/routes.py`; nothing here does I/O.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -104,6 +105,9 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: FormFloat | None = None
     negative_prompt: str | None = None
     seed: FormInt | None = None
+    # LoRA adapters loaded at start (--lora NAME=PATH), by name: [{"name": "style", "scale": 0.8}]; in a
+    # multipart form the same as JSON text, or "style:0.8,fast" (checked by the engine: engine/lora.py)
+    lora: Annotated[Any, BeforeValidator(lambda v: _form_value(v) if isinstance(v, list) else v)] = None
 
     def options(self) -> dict:
         """The model-specific fields, with form text ("5", "0.5", "true") read as the number or flag it spells."""
@@ -111,9 +115,18 @@ class VideoCreateRequest(BaseModel):
 
 
 def _form_value(value: Any) -> Any:
+    if isinstance(value, list):                        # a form's `sigmas[]` fields (routes.unflatten_form)
+        return [_form_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _form_value(v) for k, v in value.items()}
     if not isinstance(value, str):
         return value
     text = value.strip()
+    if text.startswith("[") and text.endswith("]"):     # a list in a form field (sigmas): its JSON text
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return value
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     for parse in (int, float):
@@ -156,6 +169,7 @@ class Video(BaseModel):
     seed: int
     negative_prompt: str = ""
     options: dict[str, Any] = Field(default_factory=dict)   # the model's own options, as given
+    lora: list[dict[str, Any]] = Field(default_factory=list)  # the LoRA adapters applied: [{"name", "scale"}]
 
 
 class VideoList(BaseModel):

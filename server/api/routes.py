@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, WebSocket
@@ -93,6 +94,31 @@ def parse_json_object(body: bytes, what: str = "request body") -> dict:
     return obj
 
 
+_BRACKETS = re.compile(r"([^\[\]]+)\[\](?:\[([^\[\]]+)\])?|([^\[\]]+)\[([^\[\]]+)\]")
+
+
+def unflatten_form(fields: list[tuple[str, object]]) -> dict:
+    """Form fields in the bracket notation the openai client writes a list or an object of `extra_body` in
+    (`sigmas[]=1.0`, `lora[][name]=style`, `lora[][scale]=0.5`, `opt[key]=v`) -> the list or dict they spell. In
+    a list of objects a key that repeats starts the next object, as Rails and qs read them. (Repeated plain
+    fields keep the last value, as before; only bracketed names are grouped.)"""
+    out: dict = {}
+    for key, value in fields:
+        m = _BRACKETS.fullmatch(key)
+        if m is None:
+            out[key] = value
+        elif m.group(1) and m.group(2) is None:                          # name[]
+            out.setdefault(m.group(1), []).append(value)
+        elif m.group(1):                                                 # name[][key]
+            items = out.setdefault(m.group(1), [])
+            if not items or not isinstance(items[-1], dict) or m.group(2) in items[-1]:
+                items.append({})
+            items[-1][m.group(2)] = value
+        else:                                                            # name[key]
+            out.setdefault(m.group(3), {})[m.group(4)] = value
+    return out
+
+
 async def parse_create_body(request: Request) -> dict:
     """JSON, multipart/form-data or urlencoded form -> a dict for `VideoCreateRequest` (file parts as `Upload`s)."""
     ctype = _content_type(request)
@@ -114,19 +140,19 @@ async def parse_create_body(request: Request) -> dict:
         except Exception as e:  # python-multipart's and starlette's parse errors
             raise APIError(400, f"malformed form data: {getattr(e, 'detail', None) or e}", code="invalid_form") \
                 from None
-        data = {}
+        fields = []
         try:
             for key, value in form.multi_items():
                 if isinstance(value, UploadFile):
                     if key not in FILE_FIELDS:
                         raise APIError(400, f"{key} must be a text field, not a file upload", param=key,
                                        code="invalid_value")
-                    data[key] = Upload(await value.read(), value.filename, value.content_type)
+                    fields.append((key, Upload(await value.read(), value.filename, value.content_type)))
                 else:
-                    data[key] = value
+                    fields.append((key, value))
         finally:
             await form.close()             # starlette's spooled temporary files go with it
-        return data
+        return unflatten_form(fields)
     if ctype in ("", "application/json", "text/json") or ctype.endswith("+json"):
         return parse_json_object(body)
     raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json or multipart/form-data",

@@ -165,7 +165,7 @@ class VideoService:
         self.live = LiveSessions(self, cfg.max_live_seconds, cfg.live_buffer_chunks)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
         self.model_names = {self.model_name, str(cfg.model)}
-        self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype)
+        self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype, self.engine.config.loras)
         self._loop_thread.start()
         self._recover()
         self._measure_free()
@@ -250,6 +250,10 @@ class VideoService:
         num_frames = self._frames(req.seconds, req.num_frames, fps)
         steps = lim.default_steps if req.num_inference_steps is None else req.num_inference_steps
         _check_range("num_inference_steps", steps, 1, lim.max_steps)
+        for name in ("sigmas", "timesteps"):         # a fixed schedule sets the step count: the same limit
+            if isinstance(options.get(name), list) and not 1 <= len(options[name]) <= lim.max_steps:
+                raise APIError(400, f"{name} sets the steps: at most {lim.max_steps} values; got "
+                                    f"{len(options[name])}", param=name, code="invalid_value")
         guidance = lim.guidance_scale if req.guidance_scale is None else req.guidance_scale
         seed = random.randrange(MAX_SEED) if req.seed is None else req.seed
         options.update(images)
@@ -257,7 +261,8 @@ class VideoService:
             options.setdefault("fps", fps)
         spec = GenerationSpec(request_id=f"video_{uuid.uuid4().hex}", prompt=[prompt], negative_prompt=negative,
                               num_frames=num_frames, height=height, width=width, num_inference_steps=steps,
-                              guidance_scale=float(guidance), seed=seed, output="uint8", options=options)
+                              guidance_scale=float(guidance), seed=seed, output="uint8", options=options,
+                              lora=req.lora)
         return spec, fps
 
     def _images(self, input_reference, options: dict) -> dict:
@@ -913,7 +918,8 @@ class VideoService:
                      error=VideoError(**rec.error) if rec.error else None,
                      prompt=rec.prompt, seconds=rec.seconds, size=rec.size, num_frames=p["num_frames"], fps=p["fps"],
                      num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
-                     seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {})
+                     seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {},
+                     lora=p.get("lora") or [])
 
     @staticmethod
     def _event(rec: VideoRecord, **extra) -> dict:
@@ -1039,13 +1045,18 @@ def stored_params(spec: GenerationSpec) -> dict:
     return params
 
 
-def checkpoint_fingerprint(model_dir, dtype: str) -> str:
+def checkpoint_fingerprint(model_dir, dtype: str, loras=()) -> str:
     """What identifies the served weights for `request_key`: every file's path, size and modification time under
-    the checkpoint (a retrained or replaced checkpoint of the same name is another model), and the dtype."""
+    the checkpoint (a retrained or replaced checkpoint of the same name is another model), and the dtype; and the
+    LoRA adapters loaded at start (`engine.lora.LoraAdapter`s): a request names one, so its file and start scale
+    are part of what the name means."""
     root = Path(model_dir)
     files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
                    for p in root.rglob("*") if p.is_file())
-    return hashlib.sha256(json.dumps([str(root.resolve()), dtype, files]).encode()).hexdigest()
+    adapters = [(a.name, a.scale, [(path, Path(path).stat().st_size, Path(path).stat().st_mtime_ns)
+                                   for path in (a.path, a.path_2) if path is not None]) for a in loras]
+    return hashlib.sha256(json.dumps([str(root.resolve()), dtype, files, *([adapters] if adapters else [])]
+                                     ).encode()).hexdigest()
 
 
 def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:

@@ -16,6 +16,8 @@ BENCHES = {
     "live": ("server.bench.live", "live video on a causal model: first fragment, frames/s, memory by chunks, "
                                   "prompt switch, vs diffusion forcing"),
     "long": ("server.bench.long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),
+    "lora": ("server.bench.lora", "LoRA per request: step time with no adapter, one, and two different ones in a "
+                                  "batch"),
 }
 
 

@@ -17,6 +17,7 @@ segment).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -80,12 +81,15 @@ def run(args) -> int:
                     if getattr(args, flag) is not None})
     t0 = time.perf_counter()
     config = from_cli_args(EngineConfig, args, **PIPELINE_DEFAULTS)
+    if config.loras:             # one video: every adapter given with --lora applies, at its scale
+        options["lora"] = [{"name": a.name, "scale": a.scale} for a in config.loras]
     with VideoPipeline.from_config(config) as pipe:
         loaded = time.perf_counter()
         info = pipe.info
         fps = args.fps or pipe.defaults.fps
         print(f"loaded {args.model} ({info.family}) on {info.workers} worker(s) ({info.device}, "
-              f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention}", file=sys.stderr)
+              f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention}"
+              + "".join(f", lora {a.name} x{a.scale:g}" for a in config.loras), file=sys.stderr)
         bar = tqdm(total=args.steps, desc="denoising", unit="step", file=sys.stderr)
 
         def on_step(step: int, total: int) -> None:
@@ -147,7 +151,12 @@ def parse_options(items: list[str]) -> dict:
         if not sep or not name.strip():
             raise ValueError(f"--opt must look like NAME=VALUE; got {item!r}")
         value: object = text.strip()
-        if text.strip().lower() in ("true", "false"):
+        if value.startswith("["):                  # a list: --opt sigmas=[1.0,0.75,0.5,0.25]
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"--opt {name.strip()}: {text!r} is not a JSON list") from None
+        elif text.strip().lower() in ("true", "false"):
             value = text.strip().lower() == "true"
         else:
             for parse in (int, float):

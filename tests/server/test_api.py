@@ -391,6 +391,8 @@ MALFORMED = [
     ("seed huge", "POST", "/v1/videos", bad({"seed": 2**70}), 400, "seed"),
     ("fps zero", "POST", "/v1/videos", bad({"fps": 0}), 400, "fps"),
     ("negative prompt type", "POST", "/v1/videos", bad({"negative_prompt": 3}), 400, "negative_prompt"),
+    ("unknown lora", "POST", "/v1/videos", bad({"lora": [{"name": "style"}]}), 400, "lora"),
+    ("lora type", "POST", "/v1/videos", bad({"lora": 3}), 400, "lora"),
     ("unknown field", "POST", "/v1/videos", bad({"colour": "red"}), 400, "colour"),
     ("unknown model", "POST", "/v1/videos", bad({"model": "sora-2"}), 404, "model"),
     ("image reference", "POST", "/v1/videos", bad({"input_reference": "https://x/y.png"}), 400, "input_reference"),
