@@ -16,6 +16,7 @@ request's typed outputs.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import uuid
@@ -210,8 +211,18 @@ class VideoPipeline:
             num_inference_steps=d.num_inference_steps if num_inference_steps is None else num_inference_steps,
             guidance_scale=d.guidance_scale if guidance_scale is None else guidance_scale,
             seed=random.randrange(2**63) if seed is None else seed, output=output_type,
-            decode_chunk_size=decode_chunk_size, options={k: v for k, v in options.items() if v is not None},
-            lora=lora)
+            decode_chunk_size=decode_chunk_size,
+            options=self.read_inputs({k: v for k, v in options.items() if v is not None}), lora=lora)
+
+    @staticmethod
+    def read_inputs(options: dict) -> dict:
+        """`video="in.mp4"` (a path) -> its frames (`pipelines/media.py`); arrays and PIL images go as they are."""
+        video = options.get("video")
+        if isinstance(video, (str, os.PathLike)):
+            from pipelines.media import read_mp4
+
+            options = dict(options, video=read_mp4(video, "video"))
+        return options
 
     def __call__(
         self,
@@ -231,9 +242,11 @@ class VideoPipeline:
         """Generate video(s). `callback(step, num_steps)` runs after every denoising step.
 
         `options` are the model family's own arguments (Wan 2.2: `guidance_scale_2`; the Wan family: `sigmas` or
-        `timesteps`, a fixed schedule, as diffusers' `retrieve_timesteps` takes them; ...) and `lora`, the
-        adapters loaded at start to apply: `[{"name": "style", "scale": 0.8}]` or `{"style": 0.8}` (a RequestError
-        names `lora` for an unknown one). Defaults for frames, size, steps and guidance come from the checkpoint.
+        `timesteps`, a fixed schedule, as diffusers' `retrieve_timesteps` takes them; image-to-video: `image`, a PIL
+        image or an (H, W, 3) array; diffusion forcing: `video`, the frames to extend, (T, H, W, 3) uint8, a list of
+        PIL images or an MP4 path; ...) and `lora`, the adapters loaded at start to apply: `[{"name": "style",
+        "scale": 0.8}]` or `{"style": 0.8}` (a RequestError names `lora` for an unknown one). Defaults for frames,
+        size, steps and guidance come from the checkpoint.
         """
         spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
                               guidance_scale, seed, output_type, decode_chunk_size, **options)

@@ -42,6 +42,8 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-wan22-ti2v": _HERE / "tiny-wan22-ti2v",
     "tiny-wan22-i2v-a14b": _HERE / "tiny-wan22-i2v-a14b",
     "tiny-skyreels-i2v": _HERE / "tiny-skyreels-i2v",
+    "tiny-skyreels-df-i2v": _HERE / "tiny-skyreels-df-i2v",
+    "tiny-skyreels-df-v2v": _HERE / "tiny-skyreels-df-v2v",
 }
 
 #: Shipped LoRA adapters for tiny-wan (weights/build_tiny_lora.py): a short name -> its file, usable wherever a
@@ -62,6 +64,8 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-wan22-ti2v": "python -m weights.build_tiny_wan_i2v --kind wan22-ti2v",
     "tiny-wan22-i2v-a14b": "python -m weights.build_tiny_wan_i2v --kind wan22-i2v-a14b",
     "tiny-skyreels-i2v": "python -m weights.build_tiny_wan_i2v --kind skyreels-i2v",
+    "tiny-skyreels-df-i2v": "python -m weights.build_tiny_skyreels_df_variants --kind i2v",
+    "tiny-skyreels-df-v2v": "python -m weights.build_tiny_skyreels_df_variants --kind v2v",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

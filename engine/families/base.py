@@ -119,6 +119,12 @@ class VideoFamily:
         return spec
 
     @classmethod
+    def content_frames(cls, desc: ModelDescription, spec: GenerationSpec) -> int:
+        """Frames a checked request hands out: its num_frames, but for an extension (diffusion forcing's `video`),
+        which hands out the input's frames and then the new ones."""
+        return spec.num_frames
+
+    @classmethod
     def kv_bytes(cls, desc: ModelDescription, spec: GenerationSpec, config) -> int:
         """The KV cache a request holds per worker (counted against `live_kv_budget`): none but causal models'."""
         return 0

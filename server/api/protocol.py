@@ -3,7 +3,8 @@
 Shapes follow the OpenAI Videos API (`openai.types.Video`, `VideoCreateParams`,
 `VideoDeleteResponse`, the cursor-page list envelope) so the official `openai` client
 works unchanged; the extensions (`num_frames`, `fps`, `num_inference_steps`,
-`guidance_scale`, `negative_prompt`, `seed`, `lora`) are optional fields of the same create body.
+`guidance_scale`, `negative_prompt`, `seed`, `lora`) are optional fields of the same create body; `extended_from`
+is the provenance of a video made by `POST /v1/videos/{id}/extend`.
 Route handlers live in `server/api/routes.py`; nothing here does I/O.
 """
 
@@ -114,6 +115,26 @@ class VideoCreateRequest(BaseModel):
         return {k: _form_value(v) for k, v in (self.model_extra or {}).items() if v is not None}
 
 
+class VideoExtendRequest(BaseModel):
+    """`POST /v1/videos/{id}/extend` (JSON): continue a completed video by `seconds` (a longserve endpoint; OpenAI
+    has none). Unset fields are the source video's (steps, guidance, negative prompt, LoRA adapters, its model
+    options); extra fields are the model's own options, as in create."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str
+    model: str | None = None
+    seconds: SecondsText | None = None
+    num_inference_steps: FormInt | None = None
+    guidance_scale: FormFloat | None = None
+    negative_prompt: str | None = None
+    seed: FormInt | None = None
+    lora: Any = None          # as create's; unset: the source's adapters
+
+    def options(self) -> dict:
+        return {k: _form_value(v) for k, v in (self.model_extra or {}).items() if v is not None}
+
+
 def _form_value(value: Any) -> Any:
     if isinstance(value, list):                        # a form's `sigmas[]` fields (routes.unflatten_form)
         return [_form_value(v) for v in value]
@@ -159,6 +180,7 @@ class Video(BaseModel):
     error: VideoError | None = None
     prompt: str | None = None
     remixed_from_video_id: str | None = None
+    extended_from: str | None = None     # an extension (POST /v1/videos/{id}/extend): the video it continues
     seconds: str
     size: str
     # extensions: what was generated

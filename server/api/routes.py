@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from server.api import metrics
 from server.api.edge import client_id, matching_key
 from server.api.errors import APIError, validation_error
-from server.api.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest
+from server.api.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest, VideoExtendRequest
 from server.api.streaming import TERMINAL_EVENTS, shutdown_envelope, sse_stream, tail_file
 from server.api.uploads import Upload
 
@@ -176,6 +176,23 @@ async def create_video(request: Request):
     except ValidationError as e:
         raise validation_error(e) from None
     video = await run_in_threadpool(request.app.state.admission.create, req, request.state.client)
+    return JSONResponse(video.model_dump())
+
+
+@v1.post("/videos/{video_id}/extend")
+async def extend_video(request: Request, video_id: str):
+    """Continue a completed video (a diffusion-forcing model): a new video whose content is the whole extended
+    video, streamed like any other (`/content?stream=true`)."""
+    ctype = _content_type(request)
+    if ctype not in ("", "application/json", "text/json") and not ctype.endswith("+json"):
+        raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json",
+                       code="unsupported_media_type")
+    data = parse_json_object(await read_body(request))
+    try:
+        req = VideoExtendRequest.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    video = await run_in_threadpool(request.app.state.admission.extend, video_id, req, request.state.client)
     return JSONResponse(video.model_dump())
 
 

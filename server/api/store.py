@@ -42,16 +42,18 @@ CREATE TABLE IF NOT EXISTS videos (
     expires_at   INTEGER,
     expired      INTEGER NOT NULL DEFAULT 0,
     bytes        INTEGER,
-    request_key  TEXT
+    request_key  TEXT,
+    extended_from TEXT
 );
 CREATE INDEX IF NOT EXISTS videos_status ON videos(status);
 """
 
 _COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
-            "params", "error", "expires_at", "expired", "bytes", "request_key")
+            "params", "error", "expires_at", "expired", "bytes", "request_key",
+            "extended_from")
 #: columns added after the first release, with their declarations (a data dir written before gets them)
 _ADDED = {"expires_at": "INTEGER", "expired": "INTEGER NOT NULL DEFAULT 0", "bytes": "INTEGER",
-          "request_key": "TEXT"}
+          "request_key": "TEXT", "extended_from": "TEXT"}
 
 
 def disk_free_bytes(path: str | Path) -> int:
@@ -80,6 +82,7 @@ class VideoRecord:
     expired: bool = False          # its files were deleted (retention or quota); the record stays
     bytes: int | None = None       # a completed video's MP4 + thumbnail, in bytes
     request_key: str | None = None  # what an identical request has in common with it (service.request_key)
+    extended_from: str | None = None   # the video an extension continues (its content starts with that video's)
 
 
 class JobStore:
@@ -135,9 +138,9 @@ class JobStore:
         with self._lock:
             cur = self._db.execute(
                 "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size,"
-                " params, error, request_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " params, error, request_key, extended_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt,
-                 rec.seconds, rec.size, json.dumps(rec.params), _dump(rec.error), rec.request_key))
+                 rec.seconds, rec.size, json.dumps(rec.params), _dump(rec.error), rec.request_key, rec.extended_from))
             rec.seq = cur.lastrowid
             return rec.seq
 
