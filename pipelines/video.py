@@ -252,7 +252,8 @@ class VideoPipeline:
                               guidance_scale, seed, output_type, decode_chunk_size, **options)
         t_start = time.perf_counter()
         chunks, timings = [], {}
-        for out in self._outputs(spec, callback):
+        checked: list = []
+        for out in self._outputs(spec, callback, checked):
             if isinstance(out, FramesChunk):
                 chunks.append(out.frames)
             elif isinstance(out, Requeued):
@@ -268,7 +269,7 @@ class VideoPipeline:
         wall = time.perf_counter() - t_start
         timings = dict(timings, wall_s=wall)
         timings["overhead_s"] = wall - timings["encode_s"] - timings["transformer_s"] - timings["vae_s"]
-        return VideoOutput(frames=video, timings=timings, lora=list(spec.lora))
+        return VideoOutput(frames=video, timings=timings, lora=[dict(e) for e in checked[0].lora or []])
 
     def stream(self, prompt: str | list, negative_prompt: str = "", num_frames: int | None = None,
                height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
@@ -316,9 +317,13 @@ class VideoPipeline:
         spec = self.make_spec(prompt, "", frames, height, width, None, None, seed, "np", live=True, **options)
         return LiveSession(self.engine.submit(spec), fps)
 
-    def _outputs(self, spec: GenerationSpec, callback) -> Iterator[RequestOutput]:
-        """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError)."""
-        for out in self.engine.submit(spec):
+    def _outputs(self, spec: GenerationSpec, callback, checked: list | None = None) -> Iterator[RequestOutput]:
+        """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError).
+        `checked` receives the spec as the engine checked it (its `lora` in the normal form)."""
+        handle = self.engine.submit(spec)
+        if checked is not None:
+            checked.append(getattr(handle, "spec", spec))
+        for out in handle:
             if isinstance(out, StepProgress) and callback is not None:
                 callback(out.step, out.num_steps)
             elif isinstance(out, Failed):
