@@ -129,6 +129,9 @@ class StepRun:
     decided: bool = False
     index: torch.Tensor | None = None     # the recomputing items, when some skip
     metric_calls: int = 0
+    #: told the recomputing items when the other blocks start (None: all of them again, after the last block),
+    #: for per-row state outside the blocks' arguments (engine/lora.py's adapters per row)
+    on_take: list[Callable] = field(default_factory=list)
 
     @property
     def items(self) -> int:
@@ -160,6 +163,9 @@ class StepRun:
         computing = [i for u in self.units if u.compute for i in range(u.start, u.start + u.rows)]
         self.index = None if len(computing) == self.items else \
             torch.tensor(computing, dtype=torch.long, device=head_out.device)
+        if self.index is not None:
+            for listener in self.on_take:
+                listener(self.index)
 
     @property
     def all_compute(self) -> bool:
@@ -184,6 +190,8 @@ class StepRun:
         if self.index is None:
             full = out
         else:
+            for listener in self.on_take:
+                listener(None)
             full = torch.empty_like(head_out)
             if len(self.index):
                 full.index_copy_(0, self.index, out)

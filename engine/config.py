@@ -62,6 +62,11 @@ class EngineConfig:
                                      "engine/cache.py); default none: exact", metavar="PRESET|JSON")
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
+    loras: tuple = option((), "a LoRA adapter loaded at start, NAME=PATH[:SCALE] (repeatable): a .safetensors file in "
+                              "diffusers or kohya/musubi format, or a shipped name (tiny-wan-lora); HIGH,LOW for one "
+                              "file per expert of a two-expert model; SCALE is its scale when a request names it "
+                              "without one (default 1). Requests choose adapters by name (engine/lora.py)",
+                          flag="--lora", metavar="NAME=PATH[:SCALE]")
 
     # -- the scheduler ------------------------------------------------------------------------------------
     max_batch: int = option(8, "most requests in one denoising step", group="scheduling")
@@ -92,6 +97,9 @@ class EngineConfig:
                                             "load (exponential backoff; seconds)", group="scheduling")
 
     def __post_init__(self):
+        from engine.lora import parse_adapters
+
+        object.__setattr__(self, "loras", parse_adapters(self.loras))     # any accepted shape -> LoraAdapter tuples
         _positive_int("workers", self.workers)
         if self.ulysses_degree is not None:
             _positive_int("ulysses_degree", self.ulysses_degree)
@@ -257,8 +265,12 @@ def add_cli_args(parser: argparse.ArgumentParser, cls, groups: tuple[str, ...] |
         target = sections[group]
         default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
         kind = _base_type(f, cls)
-        help_text = f.metadata["help"] + ("" if default in (None, False) else f" (default: {default})")
+        help_text = f.metadata["help"] + ("" if default in (None, False, ()) else f" (default: {default})")
         kwargs = {"dest": f.name, "default": default, "help": help_text}
+        if kind is tuple:           # a repeatable flag: each occurrence adds one item
+            target.add_argument(_flag(f), action="append", type=str, metavar=f.metadata.get("metavar"),
+                                **{**kwargs, "default": None})
+            continue
         if kind is bool:
             target.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kwargs)
             continue

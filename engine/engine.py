@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
 
-from engine import worker
+from engine import lora, worker
 from engine.config import EngineConfig, ModelInfo, WorkerConfig
 from engine.core import BatchStep, EngineCore
 from engine.families import detect_family
@@ -180,6 +180,8 @@ class VideoEngine:
         model_dir = resolve_checkpoint(config.model)
         family = detect_family(model_dir)
         desc = family.describe(model_dir)
+        if config.loras:             # the files are read by the workers; what the coordinator can check, it does here
+            config = config.replace(loras=lora.check_adapters(config.loras, family, desc))
         if config.offload == "expert" and not desc.extra.get("two_experts"):
             raise ValueError(f"offload='expert' needs a two-expert checkpoint (Wan 2.2 A14B: transformer, "
                              f"transformer_2 and boundary_ratio); {config.model!r} has one denoiser")
@@ -223,6 +225,7 @@ class VideoEngine:
         (QueueFullError when `max_queue` requests wait). Its outputs come through the returned handle."""
         if self._closed:
             raise RuntimeError("the engine is closed")
+        spec.lora = lora.check_request(spec.lora, self.config.loras)       # any family: the engine loaded them
         if self.config.cache is not None and "cache" not in spec.options:     # the engine's default step caching
             spec = dataclasses.replace(spec, options={**spec.options, "cache": self.config.cache})
         spec = self.family.check_request(self.info.description, spec)

@@ -71,3 +71,30 @@ def to_pil(array: np.ndarray):
     import PIL.Image
 
     return PIL.Image.fromarray(np.ascontiguousarray(array, dtype=np.uint8))      # (H, W, 3) uint8: RGB
+
+
+def as_video_array(value, field: str) -> np.ndarray:
+    """A video's frames -> a C-contiguous uint8 (T, H, W, 3) RGB array; RequestError naming `field` otherwise.
+
+    Taken: a (T, H, W, C) array (uint8, or floats in [0, 1]: diffusers' "np" frames), or a list of PIL images
+    or (H, W[, C]) arrays of one size (diffusers' `video: list[PIL.Image]`). Every frame is converted as
+    `as_rgb_array` converts an image. A path is not read here (the engine reads no files): the Python pipeline
+    and the front doors decode MP4 files (`pipelines/media.py`)."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 4:
+            raise RequestError(field, f"{field} must be shaped (T, H, W, 3) (or (T, H, W, 1) / (T, H, W, 4)); "
+                                      f"got {value.shape}")
+        frames = list(value)
+    elif isinstance(value, (list, tuple)):
+        frames = list(value)
+    else:
+        kind = "a path" if isinstance(value, (str, bytes)) or hasattr(value, "__fspath__") else type(value).__name__
+        raise RequestError(field, f"{field} must be frames: a (T, H, W, 3) array or a list of PIL images; got {kind} "
+                                  f"(VideoPipeline reads an MP4 path itself)")
+    if not frames:
+        raise RequestError(field, f"{field} has no frames")
+    out = [as_rgb_array(f, field) for f in frames]
+    if len({f.shape for f in out}) > 1:
+        raise RequestError(field, f"{field}: every frame must have the same size; got "
+                                  f"{sorted({f'{f.shape[1]}x{f.shape[0]}' for f in out})}")
+    return np.ascontiguousarray(np.stack(out))                                       # (T, H, W, 3) uint8

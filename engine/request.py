@@ -1,7 +1,7 @@
 """A video request as plain data (it travels to the workers), and the error that blames its input.
 
 `GenerationSpec` holds what every model family understands (prompts, frames, size, steps,
-guidance, seed, what to return); `options` holds what only some families understand
+guidance, seed, what to return, the LoRA adapters of the request); `options` holds what only some families understand
 (Wan 2.2's `guidance_scale_2`, diffusion forcing's `base_num_frames`, ...). A family's
 `check_request` validates a spec on the coordinator, before any worker sees it, and
 raises `RequestError` naming the field at fault.
@@ -33,6 +33,8 @@ class GenerationSpec:
             "uint8" -> the same pixels quantized as an MP4 writer wants them, round(x * 255);
             "latent" -> the final latents, in one chunk.
     decode_chunk_size: frames one worker pushes through the VAE at once (bounds its memory).
+    lora: the adapters loaded at start that this request applies, [{"name", "scale"}, ...] once checked
+          (`engine/lora.py`; the engine checks it, whatever the family).
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class GenerationSpec:
     output: str = "np"
     decode_chunk_size: int = 8
     options: dict = field(default_factory=dict)
+    lora: list = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -60,7 +63,8 @@ class GenerationSpec:
         """The generation parameters of a one-prompt request as plain data (what the server stores)."""
         return {"num_frames": self.num_frames, "height": self.height, "width": self.width,
                 "num_inference_steps": self.num_inference_steps, "guidance_scale": self.guidance_scale,
-                "seed": self.seed, "negative_prompt": self.negative_prompt, "options": dict(self.options)}
+                "seed": self.seed, "negative_prompt": self.negative_prompt, "options": dict(self.options),
+                "lora": [dict(e) for e in self.lora or []]}
 
     @classmethod
     def from_params(cls, request_id: str, prompt: str, params: dict, output: str = "uint8") -> "GenerationSpec":
@@ -68,7 +72,8 @@ class GenerationSpec:
         return cls(request_id=request_id, prompt=[prompt], negative_prompt=params["negative_prompt"],
                    num_frames=params["num_frames"], height=params["height"], width=params["width"],
                    num_inference_steps=params["num_inference_steps"], guidance_scale=params["guidance_scale"],
-                   seed=params["seed"], output=output, options=dict(params.get("options") or {}))
+                   seed=params["seed"], output=output, options=dict(params.get("options") or {}),
+                   lora=list(params.get("lora") or []))
 
     def negative_prompts(self) -> list[str]:
         """One negative prompt per prompt."""

@@ -16,6 +16,7 @@ request's typed outputs.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import uuid
@@ -38,10 +39,12 @@ PIPELINE_DEFAULTS = {"decode_chunk_frames": WHOLE_VIDEO, "max_steps_per_job": 8}
 
 @dataclass
 class VideoOutput:
-    """`frames`: float32 (B, T, H, W, 3) in [0, 1] for output_type "np"; latents (B, C, T, h, w) for "latent"."""
+    """`frames`: float32 (B, T, H, W, 3) in [0, 1] for output_type "np"; latents (B, C, T, h, w) for "latent".
+    `lora`: the LoRA adapters the video was made with, [{"name", "scale"}, ...]."""
 
     frames: object
     timings: dict = field(default_factory=dict)
+    lora: list = field(default_factory=list)
 
     def save(self, path, fps: int = 8, index: int = 0) -> str:
         """Write video `index` of the batch as MP4 (H.264 through imageio-ffmpeg)."""
@@ -138,7 +141,10 @@ class VideoPipeline:
         `options` are `engine.config.EngineConfig`'s fields, e.g. `workers=2`, `parallel="ulysses"`
         (or "auto": DSP for spatial-temporal models; Ulysses, or USP when the heads are fewer than
         the workers, for full-attention ones), `ulysses_degree`, `cfg_parallel`, `device`, `dtype`,
-        `vae_tiling`, `max_steps_per_job`. An unknown option is a ValueError naming it. Under
+        `vae_tiling`, `max_steps_per_job`, `loras` (LoRA adapters loaded at start, chosen per call by name:
+        `loras={"style": "style.safetensors", "fast": ("fast.safetensors", 0.8)}`, name -> path or (path,
+        scale), as `load_lora_weights(path, adapter_name=name)` takes them; engine/lora.py). An unknown option
+        is a ValueError naming it. Under
         `torchrun` the pipeline joins the torchrun group instead: rank 0 returns the pipeline, the
         other ranks serve it and exit.
         """
@@ -185,7 +191,7 @@ class VideoPipeline:
 
     def make_spec(self, prompt, negative_prompt="", num_frames=None, height=None, width=None,
                   num_inference_steps=None, guidance_scale=None, seed=None, output_type="np",
-                  decode_chunk_size=8, **options) -> GenerationSpec:
+                  decode_chunk_size=8, lora=None, **options) -> GenerationSpec:
         """A request with the checkpoint's defaults filled in (not yet checked: `engine.submit` checks it)."""
         d = self.defaults
         if isinstance(prompt, str):
@@ -205,7 +211,18 @@ class VideoPipeline:
             num_inference_steps=d.num_inference_steps if num_inference_steps is None else num_inference_steps,
             guidance_scale=d.guidance_scale if guidance_scale is None else guidance_scale,
             seed=random.randrange(2**63) if seed is None else seed, output=output_type,
-            decode_chunk_size=decode_chunk_size, options={k: v for k, v in options.items() if v is not None})
+            decode_chunk_size=decode_chunk_size,
+            options=self.read_inputs({k: v for k, v in options.items() if v is not None}), lora=lora)
+
+    @staticmethod
+    def read_inputs(options: dict) -> dict:
+        """`video="in.mp4"` (a path) -> its frames (`pipelines/media.py`); arrays and PIL images go as they are."""
+        video = options.get("video")
+        if isinstance(video, (str, os.PathLike)):
+            from pipelines.media import read_mp4
+
+            options = dict(options, video=read_mp4(video, "video"))
+        return options
 
     def __call__(
         self,
@@ -224,14 +241,19 @@ class VideoPipeline:
     ) -> VideoOutput:
         """Generate video(s). `callback(step, num_steps)` runs after every denoising step.
 
-        `options` are the model family's own arguments (Wan 2.2: `guidance_scale_2`; ...);
-        defaults for frames, size, steps and guidance come from the checkpoint.
+        `options` are the model family's own arguments (Wan 2.2: `guidance_scale_2`; the Wan family: `sigmas` or
+        `timesteps`, a fixed schedule, as diffusers' `retrieve_timesteps` takes them; image-to-video: `image`, a PIL
+        image or an (H, W, 3) array; diffusion forcing: `video`, the frames to extend, (T, H, W, 3) uint8, a list of
+        PIL images or an MP4 path; ...) and `lora`, the adapters loaded at start to apply: `[{"name": "style",
+        "scale": 0.8}]` or `{"style": 0.8}` (a RequestError names `lora` for an unknown one). Defaults for frames,
+        size, steps and guidance come from the checkpoint.
         """
         spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
                               guidance_scale, seed, output_type, decode_chunk_size, **options)
         t_start = time.perf_counter()
         chunks, timings = [], {}
-        for out in self._outputs(spec, callback):
+        checked: list = []
+        for out in self._outputs(spec, callback, checked):
             if isinstance(out, FramesChunk):
                 chunks.append(out.frames)
             elif isinstance(out, Requeued):
@@ -247,7 +269,7 @@ class VideoPipeline:
         wall = time.perf_counter() - t_start
         timings = dict(timings, wall_s=wall)
         timings["overhead_s"] = wall - timings["encode_s"] - timings["transformer_s"] - timings["vae_s"]
-        return VideoOutput(frames=video, timings=timings)
+        return VideoOutput(frames=video, timings=timings, lora=[dict(e) for e in checked[0].lora or []])
 
     def stream(self, prompt: str | list, negative_prompt: str = "", num_frames: int | None = None,
                height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
@@ -295,9 +317,13 @@ class VideoPipeline:
         spec = self.make_spec(prompt, "", frames, height, width, None, None, seed, "np", live=True, **options)
         return LiveSession(self.engine.submit(spec), fps)
 
-    def _outputs(self, spec: GenerationSpec, callback) -> Iterator[RequestOutput]:
-        """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError)."""
-        for out in self.engine.submit(spec):
+    def _outputs(self, spec: GenerationSpec, callback, checked: list | None = None) -> Iterator[RequestOutput]:
+        """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError).
+        `checked` receives the spec as the engine checked it (its `lora` in the normal form)."""
+        handle = self.engine.submit(spec)
+        if checked is not None:
+            checked.append(getattr(handle, "spec", spec))
+        for out in handle:
             if isinstance(out, StepProgress) and callback is not None:
                 callback(out.step, out.num_steps)
             elif isinstance(out, Failed):

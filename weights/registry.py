@@ -42,6 +42,15 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-wan22-ti2v": _HERE / "tiny-wan22-ti2v",
     "tiny-wan22-i2v-a14b": _HERE / "tiny-wan22-i2v-a14b",
     "tiny-skyreels-i2v": _HERE / "tiny-skyreels-i2v",
+    "tiny-skyreels-df-i2v": _HERE / "tiny-skyreels-df-i2v",
+    "tiny-skyreels-df-v2v": _HERE / "tiny-skyreels-df-v2v",
+}
+
+#: Shipped LoRA adapters for tiny-wan (weights/build_tiny_lora.py): a short name -> its file, usable wherever a
+#: LoRA path is (``--lora style=tiny-wan-lora``). One in diffusers' format, one in kohya / musubi tuner's.
+TINY_LORAS: dict[str, Path] = {
+    "tiny-wan-lora": _HERE / "tiny-wan-lora" / "pytorch_lora_weights.safetensors",
+    "tiny-wan-lora-musubi": _HERE / "tiny-wan-lora-musubi" / "tiny_wan_lora_musubi.safetensors",
 }
 
 #: How to rebuild each shipped checkpoint (named in the error when one is missing).
@@ -55,6 +64,8 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-wan22-ti2v": "python -m weights.build_tiny_wan_i2v --kind wan22-ti2v",
     "tiny-wan22-i2v-a14b": "python -m weights.build_tiny_wan_i2v --kind wan22-i2v-a14b",
     "tiny-skyreels-i2v": "python -m weights.build_tiny_wan_i2v --kind skyreels-i2v",
+    "tiny-skyreels-df-i2v": "python -m weights.build_tiny_skyreels_df_variants --kind i2v",
+    "tiny-skyreels-df-v2v": "python -m weights.build_tiny_skyreels_df_variants --kind v2v",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,
@@ -270,6 +281,36 @@ def resolve_model(name_or_path: str | os.PathLike, *, pipeline_classes: Iterable
     return root
 
 
+def resolve_lora(name_or_path: str | os.PathLike) -> Path:
+    """The safetensors file of a LoRA adapter: a name from :data:`TINY_LORAS`, a ``.safetensors`` file, or a
+    directory holding one (diffusers' ``save_lora_weights`` writes ``pytorch_lora_weights.safetensors``).
+
+    Raises ``FileNotFoundError`` when there is no such file and ``ValueError`` when a directory holds several
+    candidates or the file is not safetensors (pickled ``.bin`` adapters are not loaded: they can run code).
+    Nothing is downloaded.
+    """
+    if isinstance(name_or_path, str) and name_or_path in TINY_LORAS:
+        path = TINY_LORAS[name_or_path]
+        if not path.is_file():
+            raise FileNotFoundError(f"shipped LoRA {name_or_path!r} is missing: no file {path} (rebuild it with "
+                                    f"`python -m weights.build_tiny_lora`)")
+        return path.resolve()
+    path = Path(os.fspath(name_or_path)).expanduser()
+    if path.is_dir():
+        found = sorted(path.glob("*.safetensors"))
+        named = [p for p in found if p.name == "pytorch_lora_weights.safetensors"]
+        if len(named) == 1 or len(found) == 1:
+            return (named or found)[0].resolve()
+        raise (FileNotFoundError if not found else ValueError)(
+            f"{path} holds {len(found)} .safetensors files; name the adapter's file (or keep one per directory)")
+    if not path.is_file():
+        raise FileNotFoundError(f"no LoRA file {str(path)!r}: neither a shipped name ({', '.join(sorted(TINY_LORAS))}) "
+                                f"nor an existing file or directory; nothing is downloaded")
+    if path.suffix != ".safetensors":
+        raise ValueError(f"{path} is not a .safetensors file (LoRA adapters are loaded from safetensors only)")
+    return path.resolve()
+
+
 def generation_defaults(name_or_path: str | os.PathLike) -> dict[str, Any]:
     """The checkpoint's ``generation_defaults.json`` (``{}`` when it has none).
 
@@ -287,6 +328,7 @@ def generation_defaults(name_or_path: str | os.PathLike) -> dict[str, Any]:
 __all__ = [
     "GENERATION_DEFAULTS_FILE",
     "REBUILD_COMMANDS",
+    "TINY_LORAS",
     "TINY_MODELS",
     "component_kind",
     "components",
@@ -294,6 +336,7 @@ __all__ = [
     "locate",
     "pipeline_class",
     "read_model_index",
+    "resolve_lora",
     "resolve_model",
     "validate_model_dir",
 ]

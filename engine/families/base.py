@@ -40,6 +40,7 @@ import torch
 from engine import comm
 from engine.config import MAX_STEPS, GenerationDefaults, ModelDescription, WorkerConfig
 from engine.dist import parse_dtype
+from engine.lora import step_rows
 from engine.parallel import ParallelPlan, resolve_plan
 from engine.request import OUTPUTS, GenerationSpec, RequestError
 
@@ -96,6 +97,8 @@ class VideoFamily:
     rank0_components: ClassVar[tuple[str, ...]] = ("text_encoder", "tokenizer")
     #: step caching (engine/cache.py), for the families whose forward takes it (Latte, the Wan family)
     step_cache = None
+    #: loads `--lora` adapters (into `self.lora`, an `engine.lora.LoraSet`) and applies them per row in `step`
+    supports_lora: ClassVar[bool] = False
 
     # -- coordinator side ------------------------------------------------------------------
 
@@ -120,6 +123,12 @@ class VideoFamily:
         return spec
 
     @classmethod
+    def content_frames(cls, desc: ModelDescription, spec: GenerationSpec) -> int:
+        """Frames a checked request hands out: its num_frames, but for an extension (diffusion forcing's `video`),
+        which hands out the input's frames and then the new ones."""
+        return spec.num_frames
+
+    @classmethod
     def kv_bytes(cls, desc: ModelDescription, spec: GenerationSpec, config) -> int:
         """The KV cache a request holds per worker (counted against `live_kv_budget`): none but causal models'."""
         return 0
@@ -142,6 +151,7 @@ class VideoFamily:
         self.vae_tiling = config.engine.vae_tiling
         self.attention = "sdpa"
         self.cfg_groups = None
+        self.lora = None                 # engine.lora.LoraSet, when the family loaded adapters
 
     def load_pipeline(self, pipeline_class, dtype, on_host=()):
         """The family's diffusers pipeline on this worker's device (the text encoder on rank 0 only; the
@@ -209,10 +219,14 @@ class VideoFamily:
         rows = [self.inputs(r) for r in reqs]                             # per request: {name: (rows, ...)}
         names = list(rows[0])
         columns = order_rows([[r[n] for n in names] for r in rows], cfg_parallel)
+        sizes = [len(r[names[0]]) for r in rows]
         with torch.no_grad():
-            with self.cached(reqs, cfg_parallel):
+            with self.cached(reqs, cfg_parallel) as run, \
+                    step_rows(self.lora, reqs, sizes, cfg_parallel) as lora_rows:   # each request's adapters, per row
+                if run is not None and lora_rows is not None:
+                    run.on_take.append(lora_rows.take)        # the blocks step caching runs for some rows only
                 out = self.forward(model, dict(zip(names, columns)), cfg_parallel)    # (all rows, C_out, ...)
-            for r, o in zip(reqs, split_rows(out, [len(r[names[0]]) for r in rows], cfg_parallel)):
+            for r, o in zip(reqs, split_rows(out, sizes, cfg_parallel)):
                 if self.split_variance:
                     o = o.chunk(2, dim=1)[0]
                 self.advance(r, guided(o, r.spec.use_cfg, self.guidance_scale(r)))
@@ -282,10 +296,19 @@ class VideoFamily:
         value = make() if self.pg.rank == 0 else None
         return comm.broadcast_object(value, self.pg)
 
-    def new_scheduler(self, steps: int):
-        """A fresh copy of the checkpoint's diffusers scheduler, set to `steps` steps."""
+    def new_scheduler(self, steps: int, sigmas: list | None = None, timesteps: list | None = None):
+        """A fresh copy of the checkpoint's diffusers scheduler, set to `steps` steps, or to a fixed list of `sigmas`
+        or `timesteps` as diffusers' `retrieve_timesteps` sets one (the list decides the step count)."""
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
-        scheduler.set_timesteps(steps, device=self.pg.device)
+        if sigmas is None and timesteps is None:
+            scheduler.set_timesteps(steps, device=self.pg.device)
+        else:
+            from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+
+            # as arrays, as diffusers' pipelines pass them (UniPC's set_timesteps does array arithmetic on sigmas)
+            retrieve_timesteps(scheduler, None, self.pg.device,
+                               timesteps=None if timesteps is None else np.asarray(timesteps, dtype=np.float64),
+                               sigmas=None if sigmas is None else np.asarray(sigmas, dtype=np.float64))
         return scheduler
 
 

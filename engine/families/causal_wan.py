@@ -87,6 +87,7 @@ class CausalWanFamily(WanFamily):
     plans = ("ulysses",)
     auto_plan = "sequence"
     pipeline_classes = frozenset()          # claimed by causal_config.json, not by model_index.json
+    supports_lora = False                   # its own step and cached attention: no per-row adapters
 
     @classmethod
     def claims(cls, model_dir: Path) -> bool:

@@ -18,6 +18,19 @@ diffusers' own `generate_timestep_matrix`. What differs is where things happen:
   only the current segment, the last `overlap_history` latent frames and the VAE's cache:
   memory does not grow with `num_frames`.
 
+Conditioning on an image or a video (diffusers' `SkyReelsV2DiffusionForcingImageToVideoPipeline` and
+`SkyReelsV2DiffusionForcingVideoToVideoPipeline`, which load the same checkpoints: one set of weights does
+all three): the condition is a prefix of clean latent frames that the first segment starts from, exactly as
+every later segment starts from the end of the one before. An image is VAE-encoded into one latent frame
+(the video's first); a video's last `overlap_history` frames are VAE-encoded into the prefix (cut to whole
+causal blocks) and the new segments continue it. Both are encoded on rank 0 by the pipelines' own
+`prepare_latents` and broadcast with the prompt. The content of an extension is the whole extended video:
+the input's frames (at the request's size, as diffusers' `preprocess_video` resizes them), handed out first,
+then the new frames. diffusers' V2V output is the input followed by every frame it decodes, the first
+`overlap_history` of which re-make the input's last ones; those are dropped here (a repeat of the input's
+end is not a continuation), so an extension equals diffusers' output without them and grows by
+`num_frames - overlap_history` frames.
+
 Exactness: with `addnoise_condition` > 0 diffusers draws the conditioning noise from
 torch's global RNG; here it comes from a generator seeded from the request's seed (so
 every rank draws the same), hence frames equal diffusers' for addnoise_condition=0.
@@ -32,29 +45,51 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelDescription
-from engine.families.base import cfg_rows, check_common, check_int, check_number, read_json, seeded_generator
-from engine.families.wan import WanFamily, WanRequest
+from engine.families.base import (
+    cfg_rows,
+    check_common,
+    check_int,
+    check_number,
+    read_json,
+    seeded_generator,
+    to_pixels,
+)
+from engine.families.wan import WanFamily, WanRequest, decoded_frames
+from engine.images import as_rgb_array, as_video_array, to_pil
 from engine.request import GenerationSpec, RequestError
 
-DF_OPTIONS = ("base_num_frames", "overlap_history", "ar_step", "causal_block_size", "addnoise_condition", "fps")
+DF_OPTIONS = ("base_num_frames", "overlap_history", "ar_step", "causal_block_size", "addnoise_condition", "fps",
+              "image", "video", "last_image")
+T2V, I2V, V2V = ("SkyReelsV2DiffusionForcingPipeline", "SkyReelsV2DiffusionForcingImageToVideoPipeline",
+                 "SkyReelsV2DiffusionForcingVideoToVideoPipeline")
+#: what a checkpoint takes, by the class its model_index.json names. The published DF checkpoints name the
+#: text-to-video class and diffusers' own examples load them into all three pipelines, so they take an image, a
+#: video or neither; a directory saved from the I2V or V2V pipeline is served as that pipeline serves it.
+INPUTS = {T2V: {"image": "optional", "video": "optional"},
+          I2V: {"image": "required", "video": "refused"},
+          V2V: {"image": "refused", "video": "required"}}
 
 
 def segment_plan(num_frames: int, base_num_frames: int, overlap_history: int | None, causal_block_size: int,
-                 temporal: int) -> dict:
-    """Latent frames per segment, as the diffusers pipeline lays them out.
+                 temporal: int, condition: str = "text") -> dict:
+    """Latent frames per segment, as the diffusers pipelines lay them out.
 
+    condition: "text"; "image" (the first segment starts from the image's latent frame: DF-I2V); "video" (every
+    segment, the first too, starts from `overlap_history` frames of what came before: DF-V2V, always laid out as
+    a long video, its first segment after the input video's end).
     -> {"long": bool, "overlap": latent frames carried over, "segments": [(latent frames, prefix frames)]}
     """
     num_latent = (num_frames - 1) // temporal + 1
-    long = overlap_history is not None and num_frames > base_num_frames
+    first_prefix = 1 if condition == "image" else 0
+    long = condition == "video" or (overlap_history is not None and num_frames > base_num_frames)
     if not long:
-        return {"long": False, "overlap": 0, "segments": [(num_latent, 0)]}
+        return {"long": False, "overlap": 0, "segments": [(num_latent, first_prefix)]}
     overlap = (overlap_history - 1) // temporal + 1
     base = (base_num_frames - 1) // temporal + 1
     n_iter = 1 + (num_latent - base - 1) // (base - overlap) + 1
     prefix = overlap - overlap % causal_block_size           # the prefix is cut to whole causal blocks
-    segments = [(base, 0)]
-    for i in range(1, n_iter):
+    segments = [] if condition == "video" else [(base, first_prefix)]
+    for i in range(len(segments), n_iter):
         finished = i * (base - overlap) + overlap
         segments.append((min(num_latent - finished + overlap, base), prefix))
     return {"long": True, "overlap": overlap, "segments": segments}
@@ -100,16 +135,25 @@ class DFRequest(WanRequest):
     schedulers: list = field(default_factory=list)    # one per latent frame of the current segment
     tail: torch.Tensor = None                         # the last `overlap` final latent frames (the next prefix)
     outputs: list = field(default_factory=list)       # output_type "latent": the final latents, kept
+    condition: torch.Tensor = None                    # the first segment's prefix (B, C, k, h, w): image or video
+    video: object = None                              # rank 0: the input video's frames (T, H, W, 3) uint8
+    lead: int = 0                                     # frames of the input video handed out before the new ones
+    skip: int = 0                                     # decoded frames that re-make the input's end (not handed out)
+
+    def decodable(self) -> bool:
+        return self.decoded_frames < self.lead or super().decodable()
 
 
 class SkyReelsDiffusionForcingFamily(WanFamily):
-    """`SkyReelsV2DiffusionForcingPipeline` checkpoints: long video by diffusion forcing."""
+    """`SkyReelsV2DiffusionForcing*Pipeline` checkpoints: long video by diffusion forcing, from text, an image or
+    the end of a video."""
 
     name = "skyreels-df"
-    pipeline_defaults = {"SkyReelsV2DiffusionForcingPipeline": {
-        "height": 544, "width": 960, "num_frames": 97, "num_inference_steps": 50, "guidance_scale": 6.0, "fps": 24,
-        "base_num_frames": 97, "overlap_history": None, "ar_step": 0, "causal_block_size": None,
-        "addnoise_condition": 0}}
+    _t2v = {"height": 544, "width": 960, "num_frames": 97, "num_inference_steps": 50, "guidance_scale": 6.0, "fps": 24,
+            "base_num_frames": 97, "overlap_history": None, "ar_step": 0, "causal_block_size": None,
+            "addnoise_condition": 0}
+    #: diffusers' `__call__` defaults per class; V2V's num_frames=120 is what diffusers rounds to 4k+1 (121)
+    pipeline_defaults = {T2V: _t2v, I2V: {**_t2v, "guidance_scale": 5.0}, V2V: {**_t2v, "num_frames": 121}}
     pipeline_classes = frozenset(pipeline_defaults)
 
     @classmethod
@@ -117,15 +161,49 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         desc = super().describe(model_dir)
         cfg = read_json(Path(model_dir) / "transformer" / "config.json")
         scheduler = read_json(Path(model_dir) / "scheduler" / "scheduler_config.json")
+        inputs = INPUTS[desc.pipeline]
         return replace(desc, family=cls.name, options=DF_OPTIONS, long_video=True,
                        extra={**desc.extra, "frames_per_block": cfg.get("num_frame_per_block", 1),
-                              "scheduler_class": scheduler["_class_name"], "scheduler_config": scheduler})
+                              "scheduler_class": scheduler["_class_name"], "scheduler_config": scheduler,
+                              "inputs": inputs,
+                              # what the front doors read: may a request carry an image, a video (extend)?
+                              "image_to_video": inputs["image"] != "refused",
+                              "image_required": inputs["image"] == "required",
+                              "extends": inputs["video"] != "refused",
+                              "video_required": inputs["video"] == "required"})
+
+    @classmethod
+    def check_conditions(cls, desc: ModelDescription, spec: GenerationSpec) -> tuple[str, dict]:
+        """The request's image or video, as the checkpoint's class takes them -> (condition, options)."""
+        options = {k: v for k, v in spec.options.items() if not (k in ("image", "video", "last_image") and v is None)}
+        if "last_image" in options:
+            raise RequestError("last_image", "last_image is not supported by diffusion forcing: diffusers' DF "
+                                             "image-to-video appends it to the last segment only, and trims the "
+                                             "video by that segment's prefix rather than by the image")
+        if "image" in options and "video" in options:
+            raise RequestError("video", "give an image (a video from its first frame) or a video (to extend), "
+                                        "not both")
+        rules = desc.extra["inputs"]
+        for name, other in (("image", "a video to extend"), ("video", "an image to start from")):
+            if rules[name] == "refused" and name in options:
+                raise RequestError(name, f"{name} is not taken by this {desc.pipeline} checkpoint: it needs {other}")
+        for name, what in (("image", "an image to start from"), ("video", "a video to extend")):
+            if rules[name] == "required" and name not in options:
+                raise RequestError(name, f"{name} is required: this {desc.pipeline} checkpoint needs {what}")
+        if "image" in options:
+            options["image"] = as_rgb_array(options["image"], "image")
+            return "image", options
+        if "video" in options:
+            options["video"] = as_video_array(options["video"], "video")
+            return "video", options
+        return "text", options
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
         """diffusers' rules for the long-video arguments, naming the field; fills in their defaults."""
         check_common(desc, spec)
-        o, d = spec.options, desc.defaults.options
+        condition, options = cls.check_conditions(desc, spec)
+        o, d = options, desc.defaults.options
         base = o.get("base_num_frames", d.get("base_num_frames", 97))
         overlap = o.get("overlap_history", d.get("overlap_history"))
         ar_step = o.get("ar_step", d.get("ar_step", 0))
@@ -144,27 +222,113 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         if overlap is not None and (overlap - 1) // temporal >= (base - 1) // temporal:
             raise RequestError("overlap_history", f"overlap_history ({overlap}) must be shorter than "
                                                   f"base_num_frames ({base}) by at least {temporal} frames")
-        plan = segment_plan(spec.num_frames, base, overlap, cbs, temporal)
+        if condition == "video":
+            cls.check_extension(spec, o["video"], overlap, temporal)
+        plan = segment_plan(spec.num_frames, base, overlap, cbs, temporal, condition)
         for frames, _ in plan["segments"]:
             if frames % cbs:
                 raise RequestError("causal_block_size", f"causal_block_size ({cbs}) must divide the latent frames of "
                                                         f"every segment; this video's segments have "
                                                         f"{[f for f, _ in plan['segments']]}")
         check_schedule(desc, spec.num_inference_steps, plan, ar_step, cbs)
-        spec.options = {**{k: v for k, v in (("base_num_frames", base), ("overlap_history", overlap),
-                                             ("ar_step", ar_step), ("causal_block_size", cbs)) if v is not None},
-                        **spec.options}
-        return spec
+        options = {**{k: v for k, v in (("base_num_frames", base), ("overlap_history", overlap),
+                                        ("ar_step", ar_step), ("causal_block_size", cbs)) if v is not None},
+                   **options}
+        return replace(spec, options=options)
+
+    @staticmethod
+    def check_extension(spec: GenerationSpec, video, overlap: int | None, temporal: int) -> None:
+        """A video to extend: the model re-makes its last `overlap_history` frames and goes on from there."""
+        if overlap is None:
+            raise RequestError("overlap_history", "extending a video needs overlap_history: the frames of its end "
+                                                  "that the continuation is conditioned on (17 or 37 are recommended)")
+        if (overlap - 1) % temporal:
+            lower = (overlap - 1) // temporal * temporal + 1
+            raise RequestError("overlap_history", f"overlap_history must be {temporal}k+1 to extend a video (its "
+                                                  f"encoded frames then end with the video's last frame); got "
+                                                  f"{overlap}, try {lower} or {lower + temporal}")
+        if len(video) < overlap:
+            raise RequestError("video", f"the video has {len(video)} frames; extending it needs at least "
+                                        f"overlap_history ({overlap})")
+        if spec.num_frames <= overlap:
+            raise RequestError("num_frames", f"num_frames ({spec.num_frames}) must exceed overlap_history "
+                                             f"({overlap}): the model re-makes the video's last overlap_history "
+                                             f"frames, then continues; the video grows by num_frames - "
+                                             f"overlap_history frames")
+
+    @classmethod
+    def content_frames(cls, desc: ModelDescription, spec: GenerationSpec) -> int:
+        """Frames handed out for a checked request: an extension's are the input's and the new ones."""
+        video = spec.options.get("video")
+        if video is None or spec.output == "latent":
+            return spec.num_frames
+        return len(video) + spec.num_frames - spec.options["overlap_history"]
 
     # -- worker side --------------------------------------------------------------------------------
 
-    def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> DFRequest:
+    @staticmethod
+    def condition_of(spec: GenerationSpec) -> str:
+        return "image" if spec.options.get("image") is not None else \
+            "video" if spec.options.get("video") is not None else "text"
+
+    def conditioning_pipeline(self, pipeline_class: str):
+        """Rank 0: diffusers' I2V or V2V pipeline over this worker's loaded components (no copy), for its own
+        `prepare_latents`."""
+        import diffusers
+
+        cache = self.__dict__.setdefault("_conditioning", {})
+        if pipeline_class not in cache:
+            cache[pipeline_class] = getattr(diffusers, pipeline_class)(
+                **{k: getattr(self.pipe, k) for k in ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")})
+        return cache[pipeline_class]
+
+    def encode_conditions(self, spec: GenerationSpec) -> dict[str, torch.Tensor]:
+        """Rank 0: the first segment's prefix latents (B, C, k, h, w), by the DF-I2V / DF-V2V pipelines' own
+        `prepare_latents`: the image VAE-encoded (k = 1), or the video's last `overlap_history` frames (k: their
+        latent frames, cut to whole causal blocks)."""
+        condition = self.condition_of(spec)
+        if condition == "text":
+            return {}
+        o, device, B = spec.options, self.pg.device, spec.batch_size
+        z, temporal = self.pipe.vae.config.z_dim, self.vae_temporal
+        if condition == "image":
+            pipe = self.conditioning_pipeline(I2V)
+            pixels = pipe.video_processor.preprocess(to_pil(o["image"]), height=spec.height, width=spec.width)
+            placeholder = torch.zeros(self.latent_shape(spec, 1), device=device)     # our noise is drawn later
+            _, _, prefix, _ = pipe.prepare_latents(pixels.to(device, dtype=torch.float32), B, z, spec.height,
+                                                   spec.width, spec.num_frames, torch.float32, device, None,
+                                                   placeholder)
+        else:
+            pipe = self.conditioning_pipeline(V2V)
+            overlap = o["overlap_history"]
+            # only the frames the VAE encodes: the preprocessing is per frame, so this is the tail of diffusers'
+            tail = pipe.video_processor.preprocess_video([to_pil(f) for f in o["video"][-overlap:]],
+                                                         height=spec.height, width=spec.width)  # (1, 3, overlap, H, W)
+            # it also draws a first segment's noise: from a throwaway generator (ours is drawn by every rank)
+            _, _, prefix, _ = pipe.prepare_latents(
+                tail.to(device, dtype=torch.float32), B, z, spec.height, spec.width, spec.num_frames, torch.float32,
+                device, torch.Generator("cpu").manual_seed(0), None,
+                base_latent_num_frames=(o["base_num_frames"] - 1) // temporal + 1, overlap_history=overlap,
+                causal_block_size=o["causal_block_size"], overlap_history_latent_frames=(overlap - 1) // temporal + 1,
+                long_video_iter=0)
+        return {"condition": prefix.expand(B, -1, -1, -1, -1).contiguous()}                # (B, C, k, h, w)
+
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor, condition: torch.Tensor = None) -> DFRequest:
         o, d = spec.options, self.desc.defaults
         cbs = o["causal_block_size"]
-        plan = segment_plan(spec.num_frames, o["base_num_frames"], o.get("overlap_history"), cbs, self.vae_temporal)
+        kind = self.condition_of(spec)
+        plan = segment_plan(spec.num_frames, o["base_num_frames"], o.get("overlap_history"), cbs, self.vae_temporal,
+                            kind)
+        if condition is not None:
+            # the first prefix is what the VAE made of the image or the video's end, as diffusers counts it: the
+            # Wan encoder takes 1 + 4j frames, so a VAE that does not compress time (tiny-skyreels-df's) encodes
+            # 1 + 4 * ((overlap_history - 1) // 4) of the last overlap_history frames
+            plan["segments"][0] = (plan["segments"][0][0], condition.shape[2])
         timesteps = self.new_scheduler(spec.num_inference_steps).timesteps
         matrices = []
         for frames, prefix in plan["segments"]:
+            # diffusers' DF-I2V passes base_num_frames here for every segment, and so fails (an IndexError) on a
+            # last segment shorter than the others; T2V and V2V pass the segment's frames, as done here for all
             step_matrix, _, update_mask, interval = self.pipe.generate_timestep_matrix(
                 frames, timesteps, frames, o["ar_step"], prefix, cbs)
             matrices.append((step_matrix, update_mask, interval))
@@ -173,16 +337,28 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                         num_frames=spec.num_frames, text=text, plan=plan, cbs=cbs, fps_id=0 if fps == 16 else 1,
                         addnoise=float(o.get("addnoise_condition", d.options.get("addnoise_condition", 0))),
                         generator=seeded_generator(spec.seed), noise_generator=seeded_generator(spec.seed + 1),
-                        matrices=matrices)
+                        matrices=matrices, condition=condition)
+        if kind == "video":
+            if spec.output != "latent":             # "latent" is diffusers' own: the new latents, prefix included
+                req.lead = len(o["video"])
+                req.skip = decoded_frames(plan["overlap"], self.vae_temporal)
+                req.num_frames = self.content_frames(self.desc, spec)
+            # rank 0 alone hands the input's frames out, and lets them go once they are out; the others drop theirs
+            req.video = o["video"] if self.pg.rank == 0 and req.lead else None
+            req.spec = replace(spec, options={k: v for k, v in o.items() if k != "video"})
         self._start_segment(req)
         return req
 
     def _start_segment(self, r: DFRequest) -> None:
-        """Draw the segment's noise (the request's generator, in order, as diffusers), put the prefix in."""
+        """Draw the segment's noise (the request's generator, in order, as diffusers), put the prefix in: the end
+        of the segment before, or for the first, the image's or the video's latent frames."""
         frames, prefix = r.plan["segments"][r.segment]
         latents = torch.randn(self.latent_shape(r.spec, frames), generator=r.generator,
                               dtype=torch.float32).to(self.pg.device)
-        if prefix:
+        if prefix and r.segment == 0:
+            latents[:, :, :prefix] = r.condition[:, :, :prefix].to(self.dtype)
+            r.condition = None
+        elif prefix:
             latents[:, :, :prefix] = r.tail[:, :, -r.plan["overlap"]:][:, :, :prefix].to(self.dtype)
         r.latents, r.row = latents, 0
         r.schedulers = [self.new_scheduler(r.spec.num_inference_steps) for _ in range(frames)]
@@ -253,6 +429,49 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
     def final_latents(self, r: DFRequest) -> torch.Tensor:
         latents, r.pending, r.outputs = r.pending, None, []
         return latents
+
+    # -- decoding: an extension's input frames first, then the new ones --------------------------------
+
+    def made_frames(self, r: DFRequest, latents: int) -> int:
+        """Frames handed out once `latents` latent frames are decoded (the input's first, then the new ones)."""
+        return r.lead + max(0, decoded_frames(latents, self.vae_temporal) - r.skip)
+
+    def decode(self, r: DFRequest, max_frames: int):
+        """The Wan family's streaming decode, after an extension's input frames and without the frames that
+        re-make the input's end (decoded all the same: the VAE's causal cache needs them)."""
+        start = r.decoded_frames
+        if start < r.lead:
+            stop = min(r.lead, start + max_frames)
+            r.decoded_frames = stop
+            if self.pg.rank != 0:
+                return None
+            frames = r.video[start:stop]
+            if stop == r.lead:
+                r.video = None                                                  # handed out: not kept
+            pixels = self.pipe.video_processor.preprocess_video([to_pil(f) for f in frames],
+                                                                height=r.spec.height, width=r.spec.width)
+            return to_pixels(pixels.expand(r.spec.batch_size, -1, -1, -1, -1), self.pipe.video_processor,
+                             r.spec.output)                                    # (B, n, H, W, 3), as diffusers'
+        k = 1                                                                   # at least one frame to hand out
+        while k < r.pending.shape[2] and self.made_frames(r, r.latents_decoded + k) <= start:
+            k += 1
+        while k < r.pending.shape[2] and self.made_frames(r, r.latents_decoded + k + 1) - start <= max_frames:
+            k += 1
+        chunk, r.pending = r.pending[:, :, :k], r.pending[:, :, k:]
+        if r.decoder is None:
+            r.decoder = self.start_decoder(chunk)
+        with torch.no_grad():
+            video = r.decoder.decode(self.unnormalize(chunk))                    # (B, 3, n, H, W) on rank 0
+        before = decoded_frames(r.latents_decoded, self.vae_temporal)
+        r.latents_decoded += k
+        r.decoded_frames = self.made_frames(r, r.latents_decoded)
+        if r.decoded_frames >= r.num_frames:
+            r.decoder.close()
+            r.decoder = None
+        if video is None:
+            return None
+        video = video[:, :, max(0, r.skip - before):]                           # not the input's end again
+        return to_pixels(video, self.pipe.video_processor, r.spec.output)
 
 
 FAMILY = SkyReelsDiffusionForcingFamily

@@ -6,14 +6,16 @@ adapter: loading, prompts, latents, the expert of each step, and the streaming V
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.cache import StepCache, WanStepCache
-from engine.config import ModelDescription
+from engine.config import MAX_STEPS, ModelDescription
 from engine.families.base import (
     VideoFamily,
     WorkerRequest,
@@ -30,9 +32,12 @@ from engine.families.base import (
 from engine.models.wan import WanSequenceParallel
 from engine.offload import ExpertResidency
 from engine.parallel import ParallelPlan, make_cfg_groups, make_sequence_parallel
-from engine.request import GenerationSpec
+from engine.request import GenerationSpec, RequestError
 
 MAX_SEQUENCE_LENGTH = 512            # the prompt length both pipelines pad UMT5's output to
+#: a fixed schedule instead of the scheduler's own spacing (few-step distilled models and LoRAs): a request
+#: option, or the checkpoint's generation_defaults.json (see `check_schedule`)
+SCHEDULE_OPTIONS = ("sigmas", "timesteps")
 
 
 def vae_factors(vae_config: dict) -> tuple[int, int]:
@@ -76,6 +81,7 @@ class WanFamily(VideoFamily):
     request_class = WanRequest
     #: Wan 2.2 TI2V's per-token timesteps (`expand_timesteps` in model_index.json): engine/families/wan_ti2v.py
     expand_timesteps = False
+    supports_lora = True
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
@@ -92,11 +98,13 @@ class WanFamily(VideoFamily):
             family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
             size_multiple=spatial * cfg["patch_size"][1], frame_multiple=temporal * cfg["patch_size"][0],
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
-            options=("guidance_scale_2", "cache") if two_experts else ("cache",),
-            extra={"two_experts": two_experts, "boundary_ratio": index.get("boundary_ratio") if two_experts else None})
+            options=(*(("guidance_scale_2",) if two_experts else ()), *SCHEDULE_OPTIONS, "cache"),
+            extra={"two_experts": two_experts, "boundary_ratio": index.get("boundary_ratio") if two_experts else None,
+                   "scheduler_config": read_json(model_dir / "scheduler" / "scheduler_config.json")})
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
+        check_schedule(desc, spec)
         check_common(desc, spec)
         if "guidance_scale_2" in spec.options:
             check_number("guidance_scale_2", spec.options["guidance_scale_2"], 0, 100)
@@ -112,6 +120,10 @@ class WanFamily(VideoFamily):
         offload = config.engine.offload == "expert" and desc.extra.get("two_experts")
         self.pipe = self.load_pipeline(getattr(diffusers, self.pipeline_class(desc)), self.component_dtypes(),
                                        on_host=("transformer", "transformer_2") if offload else ())
+        if config.engine.loras:          # before the plan's hooks and the offload's copies, which must include them
+            from engine.lora import LoraSet
+
+            self.lora = LoraSet(self.pipe, config.engine.loras)
         self.desc = desc
         experts = [m for m in (self.pipe.transformer, getattr(self.pipe, "transformer_2", None)) if m is not None]
         # step caching's hooks go on first, so they see a block's input after the sequence-parallel cut
@@ -175,7 +187,8 @@ class WanFamily(VideoFamily):
                 spec.height // self.vae_spatial, spec.width // self.vae_spatial)
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> WanRequest:
-        scheduler = self.new_scheduler(spec.num_inference_steps)
+        scheduler = self.new_scheduler(spec.num_inference_steps,
+                                       **{k: spec.options[k] for k in SCHEDULE_OPTIONS if k in spec.options})
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
         generator = seeded_generator(spec.seed)
@@ -260,6 +273,47 @@ class WanFamily(VideoFamily):
             r.decoder.close()
             r.decoder = None
         return None if video is None else to_pixels(video, self.pipe.video_processor, r.spec.output)
+
+
+def check_schedule(desc: ModelDescription, spec: GenerationSpec) -> None:
+    """A fixed schedule, `sigmas` or `timesteps`, set as diffusers' `retrieve_timesteps` sets it (RequestError naming
+    the option); the list decides the step count, as in diffusers, so `num_inference_steps` becomes its length.
+
+    A checkpoint's generation_defaults.json may carry one (a few-step distilled model: `"num_inference_steps": 4,
+    "guidance_scale": 1.0, "sigmas": [...]`); it applies to a request that gives no list and asks for as many
+    steps as it has (the default step count does), so asking for another count gets the scheduler's own spacing.
+    Whether the checkpoint's scheduler takes the list is its own call: it is set on a copy here (Wan's
+    `UniPCMultistepScheduler` takes `sigmas`, before its `flow_shift`, and no `timesteps`;
+    `FlowMatchEulerDiscreteScheduler` takes both)."""
+    import diffusers
+    from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+
+    o, defaults = spec.options, desc.defaults.options
+    given = [k for k in SCHEDULE_OPTIONS if o.get(k) is not None]
+    if not given:
+        given = [k for k in SCHEDULE_OPTIONS if isinstance(defaults.get(k), list)
+                 and len(defaults[k]) == spec.num_inference_steps][:1]
+        if not given:
+            return
+        spec.options = o = {**o, given[0]: defaults[given[0]]}
+    if len(given) > 1:
+        raise RequestError("timesteps", "give sigmas or timesteps, not both")
+    name = given[0]
+    values = o[name]
+    if not isinstance(values, (list, tuple)) or not 1 <= len(values) <= MAX_STEPS or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in values):
+        raise RequestError(name, f"{name} must be a list of 1 to {MAX_STEPS} numbers; got {values!r}")
+    high = 1.0 if name == "sigmas" else desc.extra["scheduler_config"].get("num_train_timesteps", 1000)
+    if not all(0 < v <= high for v in values) or any(a <= b for a, b in zip(values, values[1:])):
+        raise RequestError(name, f"{name} must decrease strictly, within (0, {high:g}]; got {list(values)}")
+    config = desc.extra["scheduler_config"]
+    scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
+    try:
+        retrieve_timesteps(scheduler, None, "cpu", **{name: np.asarray(values, dtype=np.float64)})
+    except (ValueError, TypeError) as e:
+        raise RequestError(name, f"{name}: this model's {config['_class_name']} refuses it: {e}") from None
+    spec.options = {**o, name: [float(v) for v in values]}
+    spec.num_inference_steps = len(values)
 
 
 FAMILY = WanFamily

@@ -47,7 +47,7 @@ import torch
 
 from engine.config import ModelDescription
 from engine.families.base import cfg_rows, check_cache_option, check_common, check_number, read_json
-from engine.families.wan import WanFamily, WanRequest
+from engine.families.wan import WanFamily, WanRequest, check_schedule
 from engine.images import as_rgb_array, to_pil
 from engine.request import GenerationSpec, RequestError
 
@@ -93,6 +93,7 @@ class WanImageToVideoFamily(WanFamily):
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
+        check_schedule(desc, spec)
         check_common(desc, spec)
         if "guidance_scale_2" in spec.options:
             check_number("guidance_scale_2", spec.options["guidance_scale_2"], 0, 100)

@@ -68,7 +68,22 @@ class WorkAdmission:
         """`videos.create(req)` if its cost fits (429 otherwise); blocking, run it in a thread."""
         if not self.enabled:
             return self.videos.create(req)
-        cost = self.cost(req)
+        self.videos.check_admission()
+        spec, fps = self.videos.resolve(req)
+        return self._admit(spec, key, lambda: self.videos.submit(spec, fps, seeded=req.seed is not None))
+
+    def extend(self, video_id: str, req, key: str | None = None):
+        """`videos.extend(video_id, req)` if its cost fits, as `create`."""
+        if not self.enabled:
+            return self.videos.extend(video_id, req)
+        self.videos.check_admission()
+        spec, fps, source = self.videos.resolve_extension(video_id, req)
+        return self._admit(spec, key, lambda: self.videos.submit(spec, fps, extended_from=source,
+                                                                 seeded=req.seed is not None))
+
+    def _admit(self, spec, key: str | None, submit):
+        """Reserve the cost of a resolved request (resolved once: an upload is decoded once), then `submit()`."""
+        cost = request_cost(self.videos.limits, spec.num_frames, spec.width, spec.height, spec.num_inference_steps)
         with self._lock:
             self._forget_ended()
             self._check(cost, key)
@@ -76,7 +91,7 @@ class WorkAdmission:
             token = f"pending-{self._pending}"
             self._work[token] = (cost, key)
         try:
-            video = self.videos.create(req)
+            video = submit()
         finally:
             with self._lock:
                 del self._work[token]

@@ -67,6 +67,10 @@ class ServeConfig:
     min_free_bytes: int = option(DEFAULT_MIN_FREE_BYTES, "refuse new videos (HTTP 507, Retry-After) while the data "
                                                          "dir's file system has less free space than this; "
                                                          "/health says degraded", group="jobs", metavar="BYTES")
+    reuse_completed: str = option("seeded", "an identical request (same model, prompt, parameters, input image "
+                                            "and an explicit seed) to a completed video gets a new video with the "
+                                            "stored content and no generation: seeded | off",
+                                  group="jobs", choices=["seeded", "off"])
     drain_seconds: float = option(DEFAULT_DRAIN_S, "on SIGTERM: stop admitting, let running videos finish for up "
                                                    "to this long, then fail the rest (server_shutdown) and exit",
                                   group="jobs", metavar="SECONDS")
@@ -127,6 +131,8 @@ class ServeConfig:
             raise ValueError(f"default_steps ({self.default_steps}) exceeds max_steps ({self.max_steps})")
         if self.max_steps > MAX_STEPS:
             raise ValueError(f"max_steps must be <= {MAX_STEPS} (the engine's limit), got {self.max_steps}")
+        if self.reuse_completed not in ("seeded", "off"):
+            raise ValueError(f"reuse_completed must be 'seeded' or 'off', got {self.reuse_completed!r}")
         if self.retention_s is not None and (isinstance(self.retention_s, bool)
                                              or not isinstance(self.retention_s, (int, float))
                                              or not self.retention_s > 0 or not math.isfinite(self.retention_s)):

@@ -3,12 +3,14 @@
 Shapes follow the OpenAI Videos API (`openai.types.Video`, `VideoCreateParams`,
 `VideoDeleteResponse`, the cursor-page list envelope) so the official `openai` client
 works unchanged; the extensions (`num_frames`, `fps`, `num_inference_steps`,
-`guidance_scale`, `negative_prompt`, `seed`) are optional fields of the same create body.
+`guidance_scale`, `negative_prompt`, `seed`, `lora`) are optional fields of the same create body; `extended_from`
+is the provenance of a video made by `POST /v1/videos/{id}/extend`.
 Route handlers live in `server/api/routes.py`; nothing here does I/O.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -104,16 +106,48 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: FormFloat | None = None
     negative_prompt: str | None = None
     seed: FormInt | None = None
+    # LoRA adapters loaded at start (--lora NAME=PATH), by name: [{"name": "style", "scale": 0.8}]; in a
+    # multipart form the same as JSON text, or "style:0.8,fast" (checked by the engine: engine/lora.py)
+    lora: Annotated[Any, BeforeValidator(lambda v: _form_value(v) if isinstance(v, list) else v)] = None
 
     def options(self) -> dict:
         """The model-specific fields, with form text ("5", "0.5", "true") read as the number or flag it spells."""
         return {k: _form_value(v) for k, v in (self.model_extra or {}).items() if v is not None}
 
 
+class VideoExtendRequest(BaseModel):
+    """`POST /v1/videos/{id}/extend` (JSON): continue a completed video by `seconds` (a longserve endpoint; OpenAI
+    has none). Unset fields are the source video's (steps, guidance, negative prompt, LoRA adapters, its model
+    options); extra fields are the model's own options, as in create."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str
+    model: str | None = None
+    seconds: SecondsText | None = None
+    num_inference_steps: FormInt | None = None
+    guidance_scale: FormFloat | None = None
+    negative_prompt: str | None = None
+    seed: FormInt | None = None
+    lora: Any = None          # as create's; unset: the source's adapters
+
+    def options(self) -> dict:
+        return {k: _form_value(v) for k, v in (self.model_extra or {}).items() if v is not None}
+
+
 def _form_value(value: Any) -> Any:
+    if isinstance(value, list):                        # a form's `sigmas[]` fields (routes.unflatten_form)
+        return [_form_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _form_value(v) for k, v in value.items()}
     if not isinstance(value, str):
         return value
     text = value.strip()
+    if text.startswith("[") and text.endswith("]"):     # a list in a form field (sigmas): its JSON text
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return value
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     for parse in (int, float):
@@ -146,6 +180,7 @@ class Video(BaseModel):
     error: VideoError | None = None
     prompt: str | None = None
     remixed_from_video_id: str | None = None
+    extended_from: str | None = None     # an extension (POST /v1/videos/{id}/extend): the video it continues
     seconds: str
     size: str
     # extensions: what was generated
@@ -156,6 +191,7 @@ class Video(BaseModel):
     seed: int
     negative_prompt: str = ""
     options: dict[str, Any] = Field(default_factory=dict)   # the model's own options, as given
+    lora: list[dict[str, Any]] = Field(default_factory=list)  # the LoRA adapters applied: [{"name", "scale"}]
     #: once completed: transformer block evaluations made and skipped by step caching (the `cache` option)
     transformer_blocks: dict[str, int] | None = None
 

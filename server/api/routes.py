@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, WebSocket
@@ -21,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from server.api import metrics
 from server.api.edge import client_id, matching_key
 from server.api.errors import APIError, validation_error
-from server.api.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest
+from server.api.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest, VideoExtendRequest
 from server.api.streaming import TERMINAL_EVENTS, shutdown_envelope, sse_stream, tail_file
 from server.api.uploads import Upload
 
@@ -93,14 +94,42 @@ def parse_json_object(body: bytes, what: str = "request body") -> dict:
     return obj
 
 
+_BRACKETS = re.compile(r"([^\[\]]+)\[\](?:\[([^\[\]]+)\])?|([^\[\]]+)\[([^\[\]]+)\]")
+
+
+def unflatten_form(fields: list[tuple[str, object]]) -> dict:
+    """Form fields in the bracket notation the openai client writes a list or an object of `extra_body` in
+    (`sigmas[]=1.0`, `lora[][name]=style`, `lora[][scale]=0.5`, `opt[key]=v`) -> the list or dict they spell. In
+    a list of objects a key that repeats starts the next object, as Rails and qs read them. (Repeated plain
+    fields keep the last value, as before; only bracketed names are grouped.)"""
+    out: dict = {}
+    for key, value in fields:
+        m = _BRACKETS.fullmatch(key)
+        if m is None:
+            out[key] = value
+        elif m.group(1) and m.group(2) is None:                          # name[]
+            out.setdefault(m.group(1), []).append(value)
+        elif m.group(1):                                                 # name[][key]
+            items = out.setdefault(m.group(1), [])
+            if not items or not isinstance(items[-1], dict) or m.group(2) in items[-1]:
+                items.append({})
+            items[-1][m.group(2)] = value
+        else:                                                            # name[key]
+            out.setdefault(m.group(3), {})[m.group(4)] = value
+    return out
+
+
 async def parse_create_body(request: Request) -> dict:
     """JSON, multipart/form-data or urlencoded form -> a dict for `VideoCreateRequest` (file parts as `Upload`s)."""
     ctype = _content_type(request)
     try:
         body = await read_body(request)
     except APIError as e:
-        if e.status == 413 and ctype == "multipart/form-data":    # what makes a form that large is its file
-            e.param = "input_reference"
+        if e.status == 413 and ctype == "multipart/form-data":
+            # what makes a form that large is its file: a bad input_reference (400 naming it, as the other bad
+            # uploads get; a JSON body over the limit stays 413, request_too_large)
+            raise APIError(400, f"input_reference is too large: {e.message}", param="input_reference",
+                           code="file_too_large") from None
         raise
     if ctype in FORM_TYPES:
         async def replay():
@@ -111,19 +140,19 @@ async def parse_create_body(request: Request) -> dict:
         except Exception as e:  # python-multipart's and starlette's parse errors
             raise APIError(400, f"malformed form data: {getattr(e, 'detail', None) or e}", code="invalid_form") \
                 from None
-        data = {}
+        fields = []
         try:
             for key, value in form.multi_items():
                 if isinstance(value, UploadFile):
                     if key not in FILE_FIELDS:
                         raise APIError(400, f"{key} must be a text field, not a file upload", param=key,
                                        code="invalid_value")
-                    data[key] = Upload(await value.read(), value.filename, value.content_type)
+                    fields.append((key, Upload(await value.read(), value.filename, value.content_type)))
                 else:
-                    data[key] = value
+                    fields.append((key, value))
         finally:
             await form.close()             # starlette's spooled temporary files go with it
-        return data
+        return unflatten_form(fields)
     if ctype in ("", "application/json", "text/json") or ctype.endswith("+json"):
         return parse_json_object(body)
     raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json or multipart/form-data",
@@ -147,6 +176,23 @@ async def create_video(request: Request):
     except ValidationError as e:
         raise validation_error(e) from None
     video = await run_in_threadpool(request.app.state.admission.create, req, request.state.client)
+    return JSONResponse(video.model_dump())
+
+
+@v1.post("/videos/{video_id}/extend")
+async def extend_video(request: Request, video_id: str):
+    """Continue a completed video (a diffusion-forcing model): a new video whose content is the whole extended
+    video, streamed like any other (`/content?stream=true`)."""
+    ctype = _content_type(request)
+    if ctype not in ("", "application/json", "text/json") and not ctype.endswith("+json"):
+        raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json",
+                       code="unsupported_media_type")
+    data = parse_json_object(await read_body(request))
+    try:
+        req = VideoExtendRequest.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    video = await run_in_threadpool(request.app.state.admission.extend, video_id, req, request.state.client)
     return JSONResponse(video.model_dump())
 
 

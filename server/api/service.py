@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
+import json
 import logging
 import math
 import os
@@ -53,10 +55,19 @@ from engine.engine import RequestHandle, VideoEngine
 from engine.outputs import Admitted, Cancelled, Failed, Finished, FramesChunk, Queued, Requeued, StepProgress
 from engine.request import GenerationSpec, RequestError
 from engine.scheduler import QueueFullError, RequestState
+from pipelines.media import VideoInputError, is_mp4, read_mp4
 from server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
 from server.api.errors import APIError
 from server.api.metrics import Counter, Gauge, Histogram, Registry
-from server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoError, VideoList, parse_size
+from server.api.protocol import (
+    Video,
+    VideoCreateRequest,
+    VideoDeleted,
+    VideoError,
+    VideoExtendRequest,
+    VideoList,
+    parse_size,
+)
 from server.api.store import JobStore, VideoRecord
 from server.api.streaming import EventBroker, shutdown_envelope
 from server.api.uploads import decode_image, image_bytes
@@ -163,6 +174,7 @@ class VideoService:
         self.live = LiveSessions(self, cfg.max_live_seconds, cfg.live_buffer_chunks)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
         self.model_names = {self.model_name, str(cfg.model)}
+        self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype, self.engine.config.loras)
         self._loop_thread.start()
         self._recover()
         self._measure_free()
@@ -207,11 +219,11 @@ class VideoService:
         for video_id in self.store.unmeasured():          # kept from before sizes were recorded (the quota's)
             self.store.update(video_id, bytes=self.store.files_bytes(video_id))
         for rec in self.store.by_status("queued"):
-            if "image" in (rec.params.get("options") or {}):
+            if {"image", "video"} & set(rec.params.get("options") or {}):
                 self._finish_record(rec, status="failed", error={
                     "code": "server_restarted",
-                    "message": "the server stopped before this image-to-video job ran, and its input_reference "
-                               "image was held in memory only; create it again"})
+                    "message": "the server stopped before this job ran, and its input (an image, or the video it "
+                               "extends) was held in memory only; create it again"})
                 continue
             try:
                 handle = self.engine.submit(GenerationSpec.from_params(rec.id, rec.prompt, rec.params))
@@ -236,7 +248,7 @@ class VideoService:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         options = req.options()
-        images = self._images(req.input_reference, options)
+        images = self._references(req.input_reference, options)
         negative = req.negative_prompt if req.negative_prompt is not None else ""
         if len(negative) > cfg.max_prompt_chars:
             raise APIError(400, f"negative_prompt is longer than {cfg.max_prompt_chars} characters",
@@ -244,9 +256,17 @@ class VideoService:
         fps = lim.fps if req.fps is None else req.fps
         _check_range("fps", fps, 1, cfg.max_fps)
         width, height = self._size(req.size)
-        num_frames = self._frames(req.seconds, req.num_frames, fps)
+        if "video" in images:          # extend the uploaded video: seconds are the seconds added
+            num_frames = self._extension_frames(req.seconds, req.num_frames, fps, options, len(images["video"]),
+                                                "input_reference")
+        else:
+            num_frames = self._frames(req.seconds, req.num_frames, fps)
         steps = lim.default_steps if req.num_inference_steps is None else req.num_inference_steps
         _check_range("num_inference_steps", steps, 1, lim.max_steps)
+        for name in ("sigmas", "timesteps"):         # a fixed schedule sets the step count: the same limit
+            if isinstance(options.get(name), list) and not 1 <= len(options[name]) <= lim.max_steps:
+                raise APIError(400, f"{name} sets the steps: at most {lim.max_steps} values; got "
+                                    f"{len(options[name])}", param=name, code="invalid_value")
         guidance = lim.guidance_scale if req.guidance_scale is None else req.guidance_scale
         seed = random.randrange(MAX_SEED) if req.seed is None else req.seed
         options.update(images)
@@ -254,36 +274,88 @@ class VideoService:
             options.setdefault("fps", fps)
         spec = GenerationSpec(request_id=f"video_{uuid.uuid4().hex}", prompt=[prompt], negative_prompt=negative,
                               num_frames=num_frames, height=height, width=width, num_inference_steps=steps,
-                              guidance_scale=float(guidance), seed=seed, output="uint8", options=options)
+                              guidance_scale=float(guidance), seed=seed, output="uint8", options=options,
+                              lora=req.lora)
         return spec, fps
 
-    def _images(self, input_reference, options: dict) -> dict:
-        """An image-to-video model's images, decoded (`server/api/uploads.py`): `input_reference` is the first
-        frame's image, the `last_image` file field (an extension) the last frame's. Refused, naming the field, on
-        a text-to-video model, and when missing on an image-to-video one that requires it (Wan 2.2 TI2V does
-        not)."""
+    def _references(self, input_reference, options: dict) -> dict:
+        """An image-to-video model's images, or the video a model extends, decoded: `input_reference` is the first
+        frame's image (`server/api/uploads.py`) or, on a model that extends, an MP4 to continue (told apart by
+        their bytes: `pipelines/media.py`); the `last_image` file field (an extension) is the last frame's image.
+        Refused, naming the field, where the model takes no such input, and when missing where it needs one."""
         last = options.pop("last_image", None)
-        if "image" in options:
-            raise APIError(400, "image: send the image as the file field input_reference", param="image",
-                           code="invalid_value")
-        if not self.engine.info.extra.get("image_to_video"):
+        for name in ("image", "video"):
+            if name in options:
+                raise APIError(400, f"{name}: send the {name} as the file field input_reference", param=name,
+                               code="invalid_value")
+        extra = self.engine.info.extra
+        takes_image, takes_video = bool(extra.get("image_to_video")), bool(extra.get("extends"))
+        if not takes_image and not takes_video:
             for name, value in (("input_reference", input_reference), ("last_image", last)):
                 if value is not None:
                     raise APIError(400, f"{name} is not supported: this model generates video from text only",
                                    param=name, code="unsupported_parameter")
             return {}
         limit = self.config.max_image_pixels
-        if input_reference is not None:
-            images = {"image": decode_image(image_bytes(input_reference, "input_reference"), "input_reference", limit)}
-        elif self.engine.info.extra.get("image_required", True):
+        data = None if input_reference is None else image_bytes(input_reference, "input_reference")
+        if data is not None and is_mp4(data[:12]):
+            if not takes_video:
+                raise APIError(400, "input_reference is a video (MP4), but this model does not extend videos: send "
+                                    "an image (PNG, JPEG or WebP)", param="input_reference", code="unsupported_video")
+            refs = {"video": self._read_video(data, "input_reference")}
+        elif data is not None:
+            if not takes_image:
+                raise APIError(400, "input_reference must be an MP4 video: this model extends videos and takes no "
+                                    "image", param="input_reference", code="unsupported_image")
+            refs = {"image": decode_image(data, "input_reference", limit)}
+        elif extra.get("video_required"):
+            raise APIError(400, "input_reference is required: this model extends a video (send an MP4 file as the "
+                                "multipart field input_reference, or use POST /v1/videos/{id}/extend)",
+                           param="input_reference", code="missing_parameter")
+        elif takes_image and extra.get("image_required", True):
             raise APIError(400, "input_reference is required: this model makes a video from an image (send a PNG, "
                                 "JPEG or WebP file as the multipart field input_reference)",
                            param="input_reference", code="missing_parameter")
-        else:                           # a model that takes an image or none (Wan 2.2 TI2V)
-            images = {}
+        else:                           # a model that takes an image or none (Wan 2.2 TI2V, diffusion forcing)
+            refs = {}
         if last is not None:
-            images["last_image"] = decode_image(image_bytes(last, "last_image"), "last_image", limit)
-        return images
+            refs["last_image"] = decode_image(image_bytes(last, "last_image"), "last_image", limit)
+        return refs
+
+    def _read_video(self, source, field: str):
+        """An MP4 (bytes or a stored file) -> frames, bounded before decoding: at most --max-frames frames (the
+        longest video this server makes), --max-image-pixels pixels each, and as many pixels in all as the
+        longest video at the largest size holds."""
+        lim = self.limits
+        try:
+            return read_mp4(source, field, max_frames=lim.max_frames, max_pixels=self.config.max_image_pixels,
+                            max_total_pixels=lim.max_frames * lim.max_size * lim.max_size)
+        except VideoInputError as e:
+            raise APIError(400, str(e), param=field, code=e.code) from None
+
+    def _extension_frames(self, seconds: str | None, num_frames: int | None, fps: int, options: dict,
+                          video_frames: int, field: str) -> int:
+        """The model's num_frames for extending a video of `video_frames` frames by `seconds`: the frames it
+        makes re-make the video's last overlap_history frames, then continue it (`engine/families/skyreels_df.py`),
+        so num_frames = overlap_history + the new frames, a multiple of the frame rule. `num_frames` (the
+        extension field) is the model's own, as in Python. The extended video must fit --max-frames."""
+        lim = self.limits
+        d = self.engine.info.defaults.options
+        overlap = options.get("overlap_history", d.get("overlap_history")) or 0
+        rule = lim.frame_multiple
+        if num_frames is not None:
+            _check_range("num_frames", num_frames, 1, lim.max_frames)
+            added = num_frames - overlap
+        elif seconds is not None:
+            value = self._seconds(seconds)
+            added = max(rule, round(value * fps / rule) * rule)
+        else:
+            added = max(rule, lim.default_frames - overlap)
+        if video_frames + added > lim.max_frames:
+            raise APIError(400, f"the extended video would be {video_frames} + {added} = {video_frames + added} "
+                                f"frames; the limit is {lim.max_frames} ({lim.max_frames / fps:g} s at {fps} fps)",
+                           param="seconds" if seconds is not None else field, code="invalid_value")
+        return overlap + added if num_frames is None else num_frames
 
     def _size(self, size: str | None) -> tuple[int, int]:
         lim = self.limits
@@ -300,17 +372,22 @@ class VideoService:
                                param="size", code="invalid_value")
         return width, height
 
+    @staticmethod
+    def _seconds(seconds: str) -> float:
+        try:
+            value = float(seconds.strip())
+        except ValueError:
+            raise APIError(400, f"seconds must be a number of seconds, e.g. \"4\"; got {seconds!r}",
+                           param="seconds", code="invalid_value") from None
+        if not math.isfinite(value) or value <= 0:
+            raise APIError(400, f"seconds must be positive; got {seconds!r}", param="seconds", code="invalid_value")
+        return value
+
     def _frames(self, seconds: str | None, num_frames: int | None, fps: int) -> int:
         lim = self.limits
         from_seconds = None
         if seconds is not None:
-            try:
-                value = float(seconds.strip())
-            except ValueError:
-                raise APIError(400, f"seconds must be a number of seconds, e.g. \"4\"; got {seconds!r}",
-                               param="seconds", code="invalid_value") from None
-            if not math.isfinite(value) or value <= 0:
-                raise APIError(400, f"seconds must be positive; got {seconds!r}", param="seconds", code="invalid_value")
+            value = self._seconds(seconds)
             # the nearest frame count the model can make (frame_multiple*k + 1 for a causal video VAE)
             rule = lim.frame_multiple
             from_seconds = max(1, round((value * fps - 1) / rule) * rule + 1 if rule > 1 else round(value * fps))
@@ -330,20 +407,92 @@ class VideoService:
     # -- the API's operations -----------------------------------------------------------------------
 
     def create(self, req: VideoCreateRequest) -> Video:
-        self._check_admission()
+        self.check_admission()
         spec, fps = self.resolve(req)
+        return self.submit(spec, fps, seeded=req.seed is not None)
+
+    def extend(self, video_id: str, req: VideoExtendRequest) -> Video:
+        """`POST /v1/videos/{id}/extend`: a new video whose content is the completed video `video_id` continued."""
+        self.check_admission()
+        spec, fps, source = self.resolve_extension(video_id, req)
+        return self.submit(spec, fps, extended_from=source, seeded=req.seed is not None)
+
+    def resolve_extension(self, video_id: str, req: VideoExtendRequest) -> tuple[GenerationSpec, int, str]:
+        """An extend request -> (spec, fps, the source's id). The source's size, fps, steps, guidance, negative
+        prompt, LoRA adapters and model options carry over unless the request sets them; its stored MP4 is the video
+        extended.
+        400 on a model that cannot extend, 404 for an unknown (or expired) video, 409 for one not completed."""
+        cfg, lim = self.config, self.limits
+        if not self.engine.info.extra.get("extends"):
+            raise APIError(400, f"this model ({self.model_name}, a {self.engine.info.family} model) cannot extend "
+                                f"videos: extension needs a diffusion-forcing (SkyReels-V2 DF) checkpoint",
+                           param="model", code="unsupported_operation")
+        source = self.record(video_id)                                          # 404
+        if source.status != "completed":
+            raise _not_ready(source)                                            # 409
+        path = self.content_path(video_id, "video")                            # 404 when expired or missing
+        if not req.prompt.strip():
+            raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        if len(req.prompt) > cfg.max_prompt_chars:
+            raise APIError(400, f"prompt is {len(req.prompt)} characters long; the limit is {cfg.max_prompt_chars}",
+                           param="prompt", code="invalid_value")
+        if req.model is not None and req.model not in self.model_names:
+            raise APIError(404, f"model {req.model!r} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        p = source.params
+        options = {k: v for k, v in (p.get("options") or {}).items() if k not in ("image", "last_image", "video")}
+        options.update(req.options())
+        for name in ("image", "video", "last_image", "input_reference"):
+            if name in options:
+                raise APIError(400, f"{name}: an extension continues the video {video_id}; it takes no other input",
+                               param=name, code="invalid_value")
+        fps = p["fps"]
+        video = self._read_video(path, "video_id")
+        num_frames = self._extension_frames(req.seconds, None, fps, options, len(video), "video_id")
+        steps = p["num_inference_steps"] if req.num_inference_steps is None else req.num_inference_steps
+        _check_range("num_inference_steps", steps, 1, lim.max_steps)
+        guidance = p["guidance_scale"] if req.guidance_scale is None else req.guidance_scale
+        seed = random.randrange(MAX_SEED) if req.seed is None else req.seed
+        negative = p["negative_prompt"] if req.negative_prompt is None else req.negative_prompt
+        if len(negative) > cfg.max_prompt_chars:
+            raise APIError(400, f"negative_prompt is longer than {cfg.max_prompt_chars} characters",
+                           param="negative_prompt", code="invalid_value")
+        spec = GenerationSpec(request_id=f"video_{uuid.uuid4().hex}", prompt=[req.prompt], negative_prompt=negative,
+                              num_frames=num_frames, height=p["height"], width=p["width"], num_inference_steps=steps,
+                              guidance_scale=float(guidance), seed=seed, output="uint8",
+                              options={**options, "video": video},
+                              lora=p.get("lora") or [] if req.lora is None else req.lora)
+        return spec, fps, video_id
+
+    def submit(self, spec: GenerationSpec, fps: int, extended_from: str | None = None, seeded: bool = False) -> Video:
+        """Hand a resolved request to the engine and store its record (`create`, `extend`); with an explicit seed
+        (`seeded`), a repeat of a completed request reuses its content (`--reuse-completed`)."""
+        self.check_admission()
+        key = None
+        if seeded and self.config.reuse_completed == "seeded":
+            key = request_key(self._checkpoint, spec, fps)     # an input video counts by its pixels' digest
+            reused = self._reuse(key, spec, extended_from)
+            if reused is not None:
+                return reused
         try:
             handle = self.engine.submit(spec)
         except RequestError as e:
-            param = {"height": "size", "width": "size", "image": "input_reference"}.get(e.field, e.field)
+            param = {"height": "size", "width": "size", "image": "input_reference",
+                     "video": "video_id" if extended_from else "input_reference"}.get(e.field, e.field)
             raise APIError(400, str(e), param=param, code="invalid_value") from None
         except QueueFullError:
             raise APIError(429, f"the queue is full ({self.config.engine.max_queue} videos waiting); retry later",
                            code="queue_full", headers={"Retry-After": "5"}) from None
         spec = handle.spec                                 # as the family completed it (its defaults filled in)
+        # an extension's content is the video it continues and the new frames: what seconds and num_frames say
+        frames = self.engine.family.content_frames(self.engine.info.description, spec)
+        params = {**stored_params(spec), "fps": fps}
+        if frames != spec.num_frames:
+            params["content_frames"] = frames
         rec = VideoRecord(id=spec.request_id, created_at=int(time.time()), status="queued", model=self.model_name,
-                          prompt=spec.prompt[0], seconds=_format_seconds(spec.num_frames, fps),
-                          size=f"{spec.width}x{spec.height}", params={**stored_params(spec), "fps": fps})
+                          prompt=spec.prompt[0], seconds=_format_seconds(frames, fps),
+                          size=f"{spec.width}x{spec.height}", params=params, request_key=key,
+                          extended_from=extended_from)
         try:
             _retried(lambda: self.store.insert(rec))
         except Exception as e:
@@ -357,7 +506,45 @@ class VideoService:
         self._follow_job(Job(record=rec, handle=handle))
         return self._video(rec)
 
-    def _check_admission(self) -> None:
+    def _reuse(self, key: str, spec: GenerationSpec, extended_from: str | None = None) -> Video | None:
+        """A repeat of a completed request (same checkpoint, prompt, parameters, input and explicit seed): a new
+        video, completed at once, whose files are the stored video's (hard links). None when there is no such
+        video or its files are gone (then the request is generated as usual)."""
+        source = self.store.completed_with_key(key)
+        if source is None:
+            return None
+        now = int(time.time())
+        rec = VideoRecord(id=spec.request_id, created_at=now, status="completed", model=self.model_name,
+                          prompt=source.prompt, seconds=source.seconds, size=source.size, params=dict(source.params),
+                          progress=100, completed_at=now, request_key=key, extended_from=extended_from)
+        try:
+            self.store.link_files(source.id, rec.id)
+        except FileNotFoundError:           # expired or deleted since the lookup
+            return None
+        try:
+            _retried(lambda: self.store.insert(rec))
+            fields = dict(expires_at=self._expiry(now), bytes=source.bytes)
+            _retried(lambda: self.store.update(rec.id, **fields))
+        except Exception as e:
+            self.store.remove_files(rec.id)
+            code = storage_error_code(e)
+            if code is None:
+                raise
+            self._storage_failed(f"storing a reused video failed: {e}")
+            raise _storage_api_error(code, f"the video could not be stored ({e})") from None
+        rec.expires_at, rec.bytes = fields["expires_at"], fields["bytes"]
+        self.m_created.inc()
+        self.m_reused.inc()
+        self.m_finished.inc(outcome="completed")
+        log.info("%s: an identical request to %s; its content reused, nothing generated", rec.id, source.id)
+        if self.config.max_storage_bytes is not None:     # the quota counts its bytes as a video's of its own
+            try:
+                self.enforce_quota()
+            except Exception:
+                log.exception("enforcing the storage quota failed")
+        return self._video(rec)
+
+    def check_admission(self) -> None:
         """503 while shutting down; 507 while the data dir's file system has less than --min-free-bytes free."""
         if self.draining:
             raise APIError(503, "the server is shutting down and takes no new videos; retry on another server or "
@@ -867,10 +1054,11 @@ class VideoService:
         return Video(id=rec.id, model=rec.model, status=rec.status, progress=rec.progress, created_at=rec.created_at,
                      completed_at=rec.completed_at, expires_at=rec.expires_at,
                      error=VideoError(**rec.error) if rec.error else None,
-                     prompt=rec.prompt, seconds=rec.seconds, size=rec.size, num_frames=p["num_frames"], fps=p["fps"],
+                     prompt=rec.prompt, seconds=rec.seconds, size=rec.size, extended_from=rec.extended_from,
+                     num_frames=p.get("content_frames", p["num_frames"]), fps=p["fps"],
                      num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
                      seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {},
-                     transformer_blocks=p.get("transformer_blocks"))
+                     lora=p.get("lora") or [], transformer_blocks=p.get("transformer_blocks"))
 
     @staticmethod
     def _event(rec: VideoRecord, **extra) -> dict:
@@ -934,6 +1122,9 @@ class VideoService:
                                         labels=("outcome",)))
         self.m_requeued = r.add(Counter("longserve_jobs_requeued_total",
                                         "Admitted jobs queued again after a worker pool restart."))
+        self.m_reused = r.add(Counter("longserve_jobs_reused_total",
+                                      "Video jobs completed at once with a stored video's content (an identical "
+                                      "request with an explicit seed; --reuse-completed)."))
         self.m_expired = r.add(Counter("longserve_jobs_expired_total",
                                        "Finished videos whose files were deleted (retention ran out, or the storage "
                                        "quota evicted them); their records stay, marked expired."))
@@ -982,15 +1173,45 @@ def _check_range(name: str, value: int, low: int, high: int) -> None:
 
 
 def stored_params(spec: GenerationSpec) -> dict:
-    """The spec's parameters as the record keeps them (JSON): an image is kept as its size, not its pixels. A
-    queued image-to-video job is therefore not run again after a restart (its image lived in memory only)."""
+    """The spec's parameters as the record keeps them (JSON): an image is kept as its size, a video as its frame
+    count and size, not their pixels. A queued job with either is therefore not run again after a restart (its
+    input lived in memory only)."""
     params = spec.params()
     options = params["options"]
     for name in ("image", "last_image"):
         if name in options:
             height, width = options.pop(name).shape[:2]
             options[name] = f"{width}x{height}"
+    if "video" in options:
+        frames, height, width = options.pop("video").shape[:3]
+        options["video"] = f"{frames} frames {width}x{height}"
     return params
+
+
+def checkpoint_fingerprint(model_dir, dtype: str, loras=()) -> str:
+    """What identifies the served weights for `request_key`: every file's path, size and modification time under
+    the checkpoint (a retrained or replaced checkpoint of the same name is another model), and the dtype; and the
+    LoRA adapters loaded at start (`engine.lora.LoraAdapter`s): a request names one, so its file and start scale
+    are part of what the name means."""
+    root = Path(model_dir)
+    files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in root.rglob("*") if p.is_file())
+    adapters = [(a.name, a.scale, [(path, Path(path).stat().st_size, Path(path).stat().st_mtime_ns)
+                                   for path in (a.path, a.path_2) if path is not None]) for a in loras]
+    return hashlib.sha256(json.dumps([str(root.resolve()), dtype, files, *([adapters] if adapters else [])]
+                                     ).encode()).hexdigest()
+
+
+def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:
+    """Two create requests with equal keys make the same video: the checkpoint, the prompt, every generation
+    parameter with the seed, the fps, and the input images by their pixels' digest."""
+    params = spec.params()
+    options = params["options"]
+    for name, value in list(options.items()):
+        if hasattr(value, "shape") and hasattr(value, "tobytes"):       # an image (numpy array)
+            options[name] = f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(value.tobytes()).hexdigest()}"
+    payload = {"checkpoint": checkpoint, "prompt": spec.prompt, "params": params, "fps": fps}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _format_seconds(num_frames: int, fps: int) -> str:

@@ -41,15 +41,19 @@ CREATE TABLE IF NOT EXISTS videos (
     error        TEXT,
     expires_at   INTEGER,
     expired      INTEGER NOT NULL DEFAULT 0,
-    bytes        INTEGER
+    bytes        INTEGER,
+    request_key  TEXT,
+    extended_from TEXT
 );
 CREATE INDEX IF NOT EXISTS videos_status ON videos(status);
 """
 
 _COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
-            "params", "error", "expires_at", "expired", "bytes")
+            "params", "error", "expires_at", "expired", "bytes", "request_key",
+            "extended_from")
 #: columns added after the first release, with their declarations (a data dir written before gets them)
-_ADDED = {"expires_at": "INTEGER", "expired": "INTEGER NOT NULL DEFAULT 0", "bytes": "INTEGER"}
+_ADDED = {"expires_at": "INTEGER", "expired": "INTEGER NOT NULL DEFAULT 0", "bytes": "INTEGER",
+          "request_key": "TEXT", "extended_from": "TEXT"}
 
 
 def disk_free_bytes(path: str | Path) -> int:
@@ -77,6 +81,8 @@ class VideoRecord:
     expires_at: int | None = None
     expired: bool = False          # its files were deleted (retention or quota); the record stays
     bytes: int | None = None       # a completed video's MP4 + thumbnail, in bytes
+    request_key: str | None = None  # what an identical request has in common with it (service.request_key)
+    extended_from: str | None = None   # the video an extension continues (its content starts with that video's)
 
 
 class JobStore:
@@ -102,6 +108,7 @@ class JobStore:
         for name, declaration in _ADDED.items():  # a data dir written before the column existed
             if name not in columns:
                 self._db.execute(f"ALTER TABLE videos ADD COLUMN {name} {declaration}")
+        self._db.execute("CREATE INDEX IF NOT EXISTS videos_request_key ON videos(request_key)")
 
     def free_bytes(self) -> int:
         return disk_free_bytes(self.data_dir)
@@ -131,9 +138,9 @@ class JobStore:
         with self._lock:
             cur = self._db.execute(
                 "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size,"
-                " params, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " params, error, request_key, extended_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt,
-                 rec.seconds, rec.size, json.dumps(rec.params), _dump(rec.error)))
+                 rec.seconds, rec.size, json.dumps(rec.params), _dump(rec.error), rec.request_key, rec.extended_from))
             rec.seq = cur.lastrowid
             return rec.seq
 
@@ -151,6 +158,26 @@ class JobStore:
     def delete(self, video_id: str) -> bool:
         with self._lock:
             return self._db.execute("DELETE FROM videos WHERE id = ?", (video_id,)).rowcount > 0
+
+    def completed_with_key(self, request_key: str) -> VideoRecord | None:
+        """The newest completed video whose files are kept, made by a request with this key."""
+        with self._lock:
+            row = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos WHERE request_key = ? AND status = "
+                                   f"'completed' AND expired = 0 ORDER BY seq DESC LIMIT 1", (request_key,)).fetchone()
+        return _record(row) if row else None
+
+    def link_files(self, source_id: str, video_id: str) -> None:
+        """`video_id`'s MP4 and thumbnail, the same bytes as `source_id`'s: hard links where the file system has
+        them (no second copy on disk), else copies. FileNotFoundError when the source's files are gone."""
+        for path in (self.video_path, self.thumbnail_path):
+            src, dst = path(source_id), path(video_id)
+            try:
+                os.link(src, dst)
+            except FileNotFoundError:
+                self.remove_files(video_id)
+                raise
+            except OSError:
+                shutil.copyfile(src, dst)
 
     def get(self, video_id: str) -> VideoRecord | None:
         with self._lock:

@@ -1,4 +1,6 @@
 """Uploaded images (`input_reference`, and the `last_image` extension): checked, then decoded to (H, W, 3) uint8.
+(An `input_reference` whose bytes are an MP4 is the video a diffusion-forcing model extends: the service hands
+it to `pipelines/media.py`'s `read_mp4`, which checks it in the same order.)
 
 The openai client sends `videos.create(input_reference=open("cat.png", "rb"))` as a multipart/form-data file
 part named `input_reference` (its filename, a content type guessed from it); a JSON body may carry OpenAI's

@@ -101,14 +101,17 @@ def run(args) -> int:
 
 def measure(url: str, levels: list[int], n_requests: int, body: dict, api_key: str | None = None,
             timeout_s: float = 600.0, progress=None) -> list[dict]:
-    """Send the same n_requests at each concurrency level; one row per level (see the module docstring)."""
+    """Send n_requests of the same work at each concurrency level; one row per level (see the module docstring).
+    Each level's seeds are its own: a server reuses the video of an identical seeded request
+    (--reuse-completed), and a level that repeated the last one's would measure no generation."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    requests = [dict(body, prompt=f"a red ball bouncing, take {i}", seed=i) for i in range(n_requests)]
     rows = []
     with httpx.Client(base_url=url, headers=headers, timeout=30) as admin:
-        for c in levels:
+        for level, c in enumerate(levels):
+            requests = [dict(body, prompt=f"a red ball bouncing, take {i}", seed=level * n_requests + i)
+                        for i in range(n_requests)]
             before = _step_counters(admin)
             results = _run_level(url, headers, requests, c, timeout_s)
             after = _step_counters(admin)

@@ -18,6 +18,8 @@ BENCHES = {
     "speed": ("server.bench.speed", "opt-in speed levers (step caching) against exact: block evaluations, wall time, "
                                     "PSNR, recognition on the trained tiny-latte"),
     "long": ("server.bench.long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),
+    "lora": ("server.bench.lora", "LoRA per request: step time with no adapter, one, and two different ones in a "
+                                  "batch"),
 }
 
 

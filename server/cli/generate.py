@@ -5,9 +5,15 @@ Long video (a diffusion-forcing checkpoint)::
     longserve generate "a ship at sea" --model tiny-skyreels-df --frames 481 --base-frames 97 --overlap 17 \\
         --ar-step 5 --causal-block 5 -o long.mp4
 
-Image-to-video (a WanImageToVideoPipeline checkpoint)::
+Image-to-video (a WanImageToVideoPipeline checkpoint, or a diffusion-forcing one for a long video)::
 
     longserve generate "the cat walks away" --model tiny-wan-i2v --image cat.png [--last-image end.png] -o cat.mp4
+
+Video extension (a diffusion-forcing checkpoint): the output is the whole extended video, the input's frames
+first; --frames counts the frames the model makes, the first --overlap of which re-make the input's end, so
+the video grows by frames - overlap::
+
+    longserve generate "the ship sails on" --model tiny-skyreels-df --video ship.mp4 --frames 25 -o longer.mp4
 
 The MP4 is written while the video is generated: every chunk of final frames (a long
 video's segment) is encoded into a fragmented MP4 at once, so an interrupted run leaves a
@@ -17,6 +23,7 @@ segment).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -44,11 +51,13 @@ def add_arguments(p) -> None:
     g.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
                    help="a model-specific option, e.g. --opt guidance_scale_2=3 (Wan 2.2); repeatable")
     g.add_argument("-o", "--output", default="out.mp4", help="MP4 path to write")
-    g = p.add_argument_group("image-to-video (WanImageToVideoPipeline checkpoints)")
+    g = p.add_argument_group("image-to-video (WanImageToVideoPipeline and diffusion-forcing checkpoints)")
     g.add_argument("--image", default=None, metavar="PATH", help="the first frame's image (PNG, JPEG or WebP); "
                                                                  "resized to --size as diffusers' pipeline does")
     g.add_argument("--last-image", default=None, metavar="PATH", help="the last frame's image (first-last-frame "
                                                                       "checkpoints)")
+    g.add_argument("--video", default=None, metavar="PATH", help="an MP4 to extend (diffusion-forcing checkpoints): "
+                                                                 "the output is the whole extended video")
     g = p.add_argument_group("long video (diffusion-forcing checkpoints)")
     g.add_argument("--base-frames", type=int, default=None, help="frames per segment (base_num_frames)")
     g.add_argument("--overlap", type=int, default=None, help="frames a segment shares with the one before "
@@ -76,16 +85,23 @@ def run(args) -> int:
         path = getattr(args, name)
         if path is not None:
             options[name] = read_image(path, flag)
+    if args.video is not None:
+        from pipelines.media import read_mp4
+
+        options["video"] = read_mp4(args.video, "--video")
     options.update({name: getattr(args, flag) for flag, name in LONG_VIDEO_FLAGS.items()
                     if getattr(args, flag) is not None})
     t0 = time.perf_counter()
     config = from_cli_args(EngineConfig, args, **PIPELINE_DEFAULTS)
+    if config.loras:             # one video: every adapter given with --lora applies, at its scale
+        options["lora"] = [{"name": a.name, "scale": a.scale} for a in config.loras]
     with VideoPipeline.from_config(config) as pipe:
         loaded = time.perf_counter()
         info = pipe.info
         fps = args.fps or pipe.defaults.fps
         print(f"loaded {args.model} ({info.family}) on {info.workers} worker(s) ({info.device}, "
-              f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention}", file=sys.stderr)
+              f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention}"
+              + "".join(f", lora {a.name} x{a.scale:g}" for a in config.loras), file=sys.stderr)
         bar = tqdm(total=args.steps, desc="denoising", unit="step", file=sys.stderr)
 
         def on_step(step: int, total: int) -> None:
@@ -149,7 +165,12 @@ def parse_options(items: list[str]) -> dict:
         if not sep or not name.strip():
             raise ValueError(f"--opt must look like NAME=VALUE; got {item!r}")
         value: object = text.strip()
-        if text.strip().lower() in ("true", "false"):
+        if value.startswith("["):                  # a list: --opt sigmas=[1.0,0.75,0.5,0.25]
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"--opt {name.strip()}: {text!r} is not a JSON list") from None
+        elif text.strip().lower() in ("true", "false"):
             value = text.strip().lower() == "true"
         else:
             for parse in (int, float):

@@ -114,3 +114,27 @@ def test_engine_options_are_flags_generated_from_the_config_and_reach_the_engine
     assert served == EngineConfig(max_queue=256)
     assert (served_flagged.vae_tiling, served_flagged.max_queue, served_flagged.job_timeout_s,
             served_flagged.oom_retry) == (True, 5, None, True)
+
+
+def test_generate_extends_an_mp4_and_writes_the_whole_extended_video(tmp_path, capfd):
+    import numpy as np
+
+    from pipelines.video import save_video
+    from server.cli import main
+
+    given, out = tmp_path / "in.mp4", tmp_path / "longer.mp4"
+    y, x = np.mgrid[0:64, 0:64]
+    frames = np.full((9, 64, 64, 3), 0.5, np.float32)
+    for t in range(9):
+        frames[t][(y - 32) ** 2 + (x - 12 - 3 * t) ** 2 < 100] = (0.8, 0.15, 0.15)
+    save_video(frames, given, fps=8)
+    # 13 frames: the 9 of overlap_history re-make the input's end, 4 are new
+    assert main(["generate", "the ball rolls on", "--model", "tiny-skyreels-df", "--video", str(given), "--frames",
+                 "13", "--steps", "1", "--guidance-scale", "1", "--seed", "0", "-o", str(out)]) == 0
+    written, original = iio.imread(out), iio.imread(given)
+    assert written.shape == (9 + 4, 64, 64, 3)
+    assert np.abs(written[:9].astype(int) - original).mean() < 3, "the input's frames first, within MP4 error"
+    assert "wrote" in capfd.readouterr().out
+    assert main(["generate", "x", "--model", "tiny-skyreels-df", "--video", str(tmp_path / "nope.mp4"),
+                 "-o", str(out)]) == 2
+    assert "--video" in capfd.readouterr().err

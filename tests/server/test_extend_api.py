@@ -1,0 +1,171 @@
+"""Video extension over HTTP on tiny-skyreels-df (one server for the module): an MP4 `input_reference` is the
+video a create continues; `POST /v1/videos/{id}/extend` continues a completed video into a new one with
+`extended_from`, whose content starts with the original's frames (within MP4 error) and is streamed as it is
+made; every bad upload or extend request gets the error envelope naming the field, leaving no file and no job."""
+
+import io
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import imageio.v3 as iio
+import numpy as np
+import pytest
+from servers import serving
+
+from engine.outputs import FramesChunk, StepProgress
+from pipelines.media import read_mp4
+from pipelines.video import save_video
+
+FPS = 8                       # tiny-skyreels-df's
+MAX_PIXELS = 96 * 96          # --max-image-pixels: a frame of 128x128 is too large
+# no guidance (one row per step) and 4 steps: these tests are about frames in and out, not quality
+FAST = {"guidance_scale": "1", "num_inference_steps": "4"}
+
+
+def ball_mp4(frames: int = 10, size: int = 64) -> bytes:
+    """A red ball moving right on grey, as an MP4 (libx264, yuv420p, moov at the end: not fragmented)."""
+    y, x = np.mgrid[0:size, 0:size]
+    video = np.full((frames, size, size, 3), 0.5, np.float32)
+    for t in range(frames):
+        video[t][(y - size // 2) ** 2 + (x - 12 - 3 * t) ** 2 < 10 ** 2] = (0.8, 0.15, 0.15)
+    with tempfile.TemporaryDirectory() as d:
+        save_video(video, Path(d) / "ball.mp4", fps=FPS)
+        return (Path(d) / "ball.mp4").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("serve-extend"), model="tiny-skyreels-df", workers=1, max_batch=4,
+                 default_steps=4, max_image_pixels=MAX_PIXELS, max_seconds=6) as s:
+        yield s
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server["url"], timeout=120) as c:
+        yield c
+
+
+def wait(http, video_id: str) -> dict:
+    deadline = time.monotonic() + 120
+    while (v := http.get(f"/v1/videos/{video_id}").json())["status"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline, v
+        time.sleep(0.02)
+    assert v["status"] == "completed", v
+    return v
+
+
+def content(http, video_id: str) -> np.ndarray:
+    return iio.imread(io.BytesIO(http.get(f"/v1/videos/{video_id}/content").content), extension=".mp4")
+
+
+def mp4_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(int) - b.astype(int)).mean())
+
+
+@pytest.fixture(scope="module")
+def uploaded(server):
+    """A video made by continuing an uploaded MP4 (multipart `input_reference`) by one second."""
+    data = ball_mp4()
+    with httpx.Client(base_url=server["url"], timeout=120) as http:
+        r = http.post("/v1/videos", data={"prompt": "a red ball moving right", "seconds": "1", "seed": "1", **FAST},
+                      files={"input_reference": ("ball.mp4", data, "video/mp4")})
+        assert r.status_code == 200, r.text
+        return {"input": read_mp4(data), "video": wait(http, r.json()["id"])}
+
+
+def test_an_uploaded_mp4_is_continued_and_the_content_is_the_whole_extended_video(http, uploaded):
+    v, given = uploaded["video"], uploaded["input"]
+    assert (v["num_frames"], v["seconds"], v["size"]) == (10 + FPS, "2.25", "64x64"), "10 frames + 1 s at 8 fps"
+    assert v["options"]["video"] == "10 frames 64x64" and v["extended_from"] is None
+    frames = content(http, v["id"])
+    assert frames.shape == (18, 64, 64, 3)
+    assert mp4_error(frames[:10], given) < 3, "the content starts with the uploaded frames"
+    assert frames[10:].std() > 3, "then new frames"
+
+
+def test_extend_continues_a_completed_video_streamed_with_extended_from(server, http, uploaded, monkeypatch):
+    service, source = server["service"], uploaded["video"]
+    seen, apply = [], service._apply
+
+    async def recording(job, out):        # every engine output the job's follower turns into files and events
+        if job.record.prompt == "the ball rolls on":
+            seen.append(out)
+        await apply(job, out)
+
+    monkeypatch.setattr(service, "_apply", recording)
+    r = http.post(f"/v1/videos/{source['id']}/extend", json={"prompt": "the ball rolls on", "seconds": "1"})
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert v["extended_from"] == source["id"] and v["status"] == "queued"
+    busy = http.post(f"/v1/videos/{v['id']}/extend", json={"prompt": "and on", "seconds": "1"})
+    assert busy.status_code == 409 and busy.json()["error"]["param"] == "video_id", busy.text
+
+    done = wait(http, v["id"])
+    assert (done["num_frames"], done["seconds"], done["extended_from"]) == (26, "3.25", source["id"])
+    assert (done["num_inference_steps"], done["guidance_scale"]) == (4, 1.0), "the source's settings carry over"
+    assert server["service"].store.get(v["id"]).extended_from == source["id"], "the stored record says so too"
+    listed = {x["id"]: x for x in http.get("/v1/videos").json()["data"]}
+    assert listed[v["id"]]["extended_from"] == source["id"] and listed[source["id"]]["extended_from"] is None
+    before, after = content(http, source["id"]), content(http, v["id"])
+    assert after.shape == (26, 64, 64, 3)
+    assert mp4_error(after[:18], before) < 3, "the first frames are the original's, within MP4 error"
+    # streamed: the original's frames went to the MP4 writer before the denoising ended
+    last_step = next(i for i, o in enumerate(seen) if isinstance(o, StepProgress) and o.step == o.num_steps)
+    early = [o for o in seen[:last_step] if isinstance(o, FramesChunk)]
+    assert early and early[0].start == 0 and early[-1].stop >= 18, [(o.start, o.stop) for o in early]
+    assert http.get(f"/v1/videos/{v['id']}/content", params={"stream": "true"}).content == \
+        http.get(f"/v1/videos/{v['id']}/content").content
+
+
+def _refused(r: httpx.Response, status: int, param: str | None, code: str | None = None) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"], error
+    if code is not None:
+        assert error["code"] == code, error
+
+
+def test_bad_extend_requests_get_the_error_envelope(server, http, uploaded, monkeypatch):
+    vid = uploaded["video"]["id"]
+    _refused(http.post("/v1/videos/video_nope/extend", json={"prompt": "a", "seconds": "1"}), 404, "video_id",
+             "video_not_found")
+    for seconds in ("0", "-1", "abc", "100"):           # 100 s: past --max-seconds
+        _refused(http.post(f"/v1/videos/{vid}/extend", json={"prompt": "a", "seconds": seconds}), 400, "seconds")
+    _refused(http.post(f"/v1/videos/{vid}/extend", json={"prompt": " ", "seconds": "1"}), 400, "prompt")
+    _refused(http.post(f"/v1/videos/{vid}/extend", json={"seconds": "1"}), 400, "prompt")
+    _refused(http.post(f"/v1/videos/{vid}/extend", json={"prompt": "a", "seconds": "1", "overlap_history": 0}), 400,
+             "overlap_history")
+    monkeypatch.setitem(server["service"].engine.info.extra, "extends", False)     # a model that cannot extend
+    _refused(http.post(f"/v1/videos/{vid}/extend", json={"prompt": "a", "seconds": "1"}), 400, "model")
+
+
+def test_bad_uploads_get_400_naming_input_reference_and_leave_nothing_behind(server, http, monkeypatch):
+    data_dir = server["data_dir"]
+    files_before = sorted(p.name for p in (data_dir / "videos").iterdir())
+    jobs_before = len(http.get("/v1/videos", params={"limit": 100}).json()["data"])
+    temps_before = set(Path(tempfile.gettempdir()).glob("longserve-video-*"))
+    good = ball_mp4(frames=10)
+
+    def post(data: bytes, name: str = "in.mp4"):
+        return http.post("/v1/videos", data={"prompt": "a", **FAST}, files={"input_reference": (name, data)})
+
+    _refused(post(good[:len(good) // 2]), 400, "input_reference", "invalid_video")          # truncated
+    _refused(post(b"\0\0\0\x18ftypisom" + bytes(3000)), 400, "input_reference", "invalid_video")
+    _refused(post(b"GIF89a" + bytes(100), "in.gif"), 400, "input_reference", "unsupported_image")
+    _refused(post(ball_mp4(frames=3, size=128)), 400, "input_reference", "video_too_large")   # 128x128 > 96x96
+    _refused(post(ball_mp4(frames=5)), 400, "input_reference")           # fewer frames than overlap_history (9)
+    extra = server["service"].engine.info.extra
+    monkeypatch.setitem(extra, "extends", False)                         # a model that cannot extend
+    _refused(post(good), 400, "input_reference", "unsupported_video")
+    monkeypatch.setitem(extra, "extends", True)
+    monkeypatch.setitem(extra, "image_to_video", False)                  # a model that only extends
+    buf = io.BytesIO()
+    iio.imwrite(buf, np.zeros((8, 8, 3), np.uint8), extension=".png")
+    _refused(post(buf.getvalue(), "in.png"), 400, "input_reference", "unsupported_image")
+
+    assert sorted(p.name for p in (data_dir / "videos").iterdir()) == files_before, "no file left behind"
+    assert len(http.get("/v1/videos", params={"limit": 100}).json()["data"]) == jobs_before, "no job made"
+    assert set(Path(tempfile.gettempdir()).glob("longserve-video-*")) == temps_before, "no temporary file left"
