@@ -245,11 +245,17 @@ class VideoFamily:
         """Step caching around one forward (engine/cache.py): each request's rows with their own state."""
         if self.step_cache is None:
             return contextlib.nullcontext()
-        return self.step_cache.step(reqs, self.cache_scope(reqs), self.cfg_groups if cfg_parallel else None)
+        scope = self.cache_scope(reqs)
+        return self.step_cache.step(reqs, scope, self.cfg_groups if cfg_parallel else None,
+                                    steps=lambda r: self.cache_steps(r, scope))
 
     def cache_scope(self, reqs: list[WorkerRequest]) -> int:
         """Which denoiser's cache state the batch uses (Wan 2.2: the expert's)."""
         return 0
+
+    def cache_steps(self, r: WorkerRequest, scope: int) -> int:
+        """The request's denoising steps on denoiser `scope` (MagCache resamples its calibration to them)."""
+        return r.spec.num_inference_steps
 
     def inputs(self, r: WorkerRequest) -> dict[str, torch.Tensor | list]:
         """The request's rows of every forward input (latents duplicated under CFG)."""
@@ -426,13 +432,26 @@ def check_number(field_name: str, value, low: float, high: float) -> None:
 
 
 
-def check_cache_option(spec: GenerationSpec) -> GenerationSpec:
-    """The request's `cache` (step caching, engine/cache.py) validated and normalised: a dict, or dropped."""
+def check_cache_option(spec: GenerationSpec, kinds: tuple[str, ...] = ("first_block",),
+                       mag_ratios: list | None = None) -> GenerationSpec:
+    """The request's `cache` (step caching, engine/cache.py) validated and normalised: a dict, or dropped.
+    `kinds`: the cache kinds the family's forward takes; `mag_ratios`: the checkpoint's MagCache calibration
+    (its `mag_ratios.json`), for a `mag` cache that brings none."""
     if "cache" not in spec.options:
         return spec
     from engine.cache import parse_cache
 
     config = parse_cache(spec.options["cache"])
+    if config is not None and config["kind"] not in kinds:
+        raise RequestError("cache.kind", f"cache.kind {config['kind']!r} is not available for this model (it takes "
+                                         f"{', '.join(kinds)})")
+    if config is not None and config["kind"] == "mag" and config.get("mag_ratios") is None \
+            and not config.get("calibrate"):
+        if mag_ratios is None:
+            raise RequestError("cache.mag_ratios", "a mag cache needs the checkpoint's calibration: this checkpoint "
+                                                   "has no mag_ratios.json, so give cache.mag_ratios, or run once "
+                                                   "with cache.calibrate true to measure them")
+        config["mag_ratios"] = mag_ratios
     options = {k: v for k, v in spec.options.items() if k != "cache"}
     if config is not None:
         options["cache"] = config

@@ -38,6 +38,8 @@ MAX_SEQUENCE_LENGTH = 512            # the prompt length both pipelines pad UMT5
 #: a fixed schedule instead of the scheduler's own spacing (few-step distilled models and LoRAs): a request
 #: option, or the checkpoint's generation_defaults.json (see `check_schedule`)
 SCHEDULE_OPTIONS = ("sigmas", "timesteps")
+#: step caching on the Wan family: diffusers' FirstBlockCache and MagCache, per request (engine/cache.py)
+CACHE_KINDS = ("first_block", "mag")
 
 
 def vae_factors(vae_config: dict) -> tuple[int, int]:
@@ -100,7 +102,9 @@ class WanFamily(VideoFamily):
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
             options=(*(("guidance_scale_2",) if two_experts else ()), *SCHEDULE_OPTIONS, "cache"),
             extra={"two_experts": two_experts, "boundary_ratio": index.get("boundary_ratio") if two_experts else None,
-                   "scheduler_config": read_json(model_dir / "scheduler" / "scheduler_config.json")})
+                   "scheduler_config": read_json(model_dir / "scheduler" / "scheduler_config.json"),
+                   # MagCache's calibration, when the checkpoint carries one: [ratios] or [[expert 1], [expert 2]]
+                   "mag_ratios": read_mag_ratios(model_dir)})
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
@@ -108,7 +112,7 @@ class WanFamily(VideoFamily):
         check_common(desc, spec)
         if "guidance_scale_2" in spec.options:
             check_number("guidance_scale_2", spec.options["guidance_scale_2"], 0, 100)
-        return check_cache_option(spec)
+        return check_cache_option(spec, CACHE_KINDS, desc.extra.get("mag_ratios"))
 
     def __init__(self, ctx, config):
         import diffusers
@@ -214,6 +218,9 @@ class WanFamily(VideoFamily):
     def cache_scope(self, reqs: list[WanRequest]) -> int:
         return self.expert(reqs[0].timesteps_cpu[reqs[0].steps_done])       # each expert its own cache state
 
+    def cache_steps(self, r: WanRequest, scope: int) -> int:
+        return sum(self.expert(t) == scope for t in r.timesteps_cpu)
+
     def inputs(self, r: WanRequest) -> dict:
         x = cfg_rows(r, r.latents).to(self.dtype)                                 # (2B|B, C, F, h, w)
         return {"x": x, "t": r.scheduler.timesteps[r.steps_done].reshape(1).expand(x.shape[0]), "text": r.text}
@@ -273,6 +280,20 @@ class WanFamily(VideoFamily):
             r.decoder.close()
             r.decoder = None
         return None if video is None else to_pixels(video, self.pipe.video_processor, r.spec.output)
+
+
+def read_mag_ratios(model_dir: Path) -> list | None:
+    """A checkpoint's `mag_ratios.json` (`{"mag_ratios": [...]}`, per expert a list of lists), checked as a
+    request's `cache.mag_ratios` is; None without one."""
+    path = Path(model_dir) / "mag_ratios.json"
+    if not path.is_file():
+        return None
+    from engine.cache import _mag_ratios
+
+    try:
+        return _mag_ratios(read_json(path).get("mag_ratios"), "mag_ratios")
+    except RequestError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def check_schedule(desc: ModelDescription, spec: GenerationSpec) -> None:
