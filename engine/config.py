@@ -57,9 +57,10 @@ class EngineConfig:
                                      "sizes): less VAE memory per worker, one Wan video's tiles spread over the "
                                      "workers; slower on one GPU")
     cache: str | None = option(None, "step caching for requests that do not set their own `cache`: a preset "
-                                     "(first_block, ...) or JSON such as '{\"kind\": \"first_block\", "
-                                     "\"threshold\": 0.1}' (diffusers' FirstBlockCache, per request; "
-                                     "engine/cache.py); default none: exact", metavar="PRESET|JSON")
+                                     "(first_block, mag) or JSON such as '{\"kind\": \"first_block\", "
+                                     "\"threshold\": 0.1}' (diffusers' FirstBlockCache, or MagCache on the Wan "
+                                     "family: '{\"kind\": \"mag\", \"calibrate\": true}' measures its ratios; "
+                                     "per request, engine/cache.py); default none: exact", metavar="PRESET|JSON")
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
     loras: tuple = option((), "a LoRA adapter loaded at start, NAME=PATH[:SCALE] (repeatable): a .safetensors file in "

@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
@@ -188,6 +189,15 @@ class VideoEngine:
         if config.cache is not None and "cache" not in desc.options:
             raise ValueError(f"cache: step caching is not available for {config.model!r} (a {desc.family} model; "
                              f"it is for Latte and the Wan family)")
+        if config.cache is not None:        # a default every request would be refused for is refused now
+            from engine.families.base import check_cache_option
+            from engine.request import RequestError
+
+            probe = types.SimpleNamespace(options={"cache": config.cache})
+            try:
+                check_cache_option(probe, family.cache_kinds, desc.extra.get("mag_ratios"))
+            except RequestError as e:
+                raise ValueError(f"cache: {e}") from None
         if config.launcher == "torchrun" or (config.launcher == "auto" and launched_by_torchrun()):
             config = config.replace(workers=int(os.environ.get("WORLD_SIZE", config.workers)))
         plan = family.resolve_plan(desc, config.parallel, config.workers, config.ulysses_degree,

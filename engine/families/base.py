@@ -97,6 +97,7 @@ class VideoFamily:
     rank0_components: ClassVar[tuple[str, ...]] = ("text_encoder", "tokenizer")
     #: step caching (engine/cache.py), for the families whose forward takes it (Latte, the Wan family)
     step_cache = None
+    cache_kinds: ClassVar[tuple[str, ...]] = ("first_block",)     # the `cache` kinds its forward takes
     #: loads `--lora` adapters (into `self.lora`, an `engine.lora.LoraSet`) and applies them per row in `step`
     supports_lora: ClassVar[bool] = False
 

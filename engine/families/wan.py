@@ -72,6 +72,7 @@ class WanFamily(VideoFamily):
     name = "wan"
     plans = ("ulysses", "ring", "usp")
     auto_plan = "sequence"
+    cache_kinds = CACHE_KINDS
     #: diffusers' own defaults, per pipeline class (`__call__` signatures), and the fps the models were trained at
     pipeline_defaults = {
         "WanPipeline": {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50,
@@ -112,7 +113,7 @@ class WanFamily(VideoFamily):
         check_common(desc, spec)
         if "guidance_scale_2" in spec.options:
             check_number("guidance_scale_2", spec.options["guidance_scale_2"], 0, 100)
-        return check_cache_option(spec, CACHE_KINDS, desc.extra.get("mag_ratios"))
+        return check_cache_option(spec, cls.cache_kinds, desc.extra.get("mag_ratios"))
 
     def __init__(self, ctx, config):
         import diffusers

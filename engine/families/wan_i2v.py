@@ -47,7 +47,7 @@ import torch
 
 from engine.config import ModelDescription
 from engine.families.base import cfg_rows, check_cache_option, check_common, check_number, read_json
-from engine.families.wan import CACHE_KINDS, WanFamily, WanRequest, check_schedule
+from engine.families.wan import WanFamily, WanRequest, check_schedule
 from engine.images import as_rgb_array, to_pil
 from engine.request import GenerationSpec, RequestError
 
@@ -119,7 +119,8 @@ class WanImageToVideoFamily(WanFamily):
             if rule == "required":
                 raise RequestError("last_image", "last_image is required: this is a first-last-frame (FLF2V) "
                                                  "checkpoint, conditioned on a first and a last image")
-        return check_cache_option(dataclasses.replace(spec, options=options), CACHE_KINDS, desc.extra.get("mag_ratios"))
+        return check_cache_option(dataclasses.replace(spec, options=options), cls.cache_kinds,
+                                  desc.extra.get("mag_ratios"))
 
     # -- worker side -----------------------------------------------------------------------------------
 

@@ -137,6 +137,9 @@ def run(args) -> int:
           f"model load {loaded - t0:.1f} s; total {time.perf_counter() - t0:.1f} s")
     if "blocks" in t:           # transformer block evaluations (--cache skips some)
         print(f"transformer blocks {t['blocks']} evaluated, {t['blocks_skipped']} skipped by step caching")
+    if "mag_ratios" in t:       # --cache '{"kind": "mag", "calibrate": true}': the checkpoint's mag_ratios.json
+        print("mag_ratios (MagCache calibration): " + json.dumps({"mag_ratios": t["mag_ratios"][0] if len(
+            t["mag_ratios"]) == 1 else t["mag_ratios"]}))
     if "expert_swaps" in t:     # --offload expert
         print(f"expert swaps {t['expert_swaps']} ({t['swap_s']:.2f} s)")
     return 0

@@ -248,3 +248,10 @@ def test_each_wan22_expert_keeps_its_own_state_as_diffusers_hook_on_each_transfo
                                                       cache=WAN_CACHE, **kw)
     assert got.timings["blocks_skipped"] > 0
     assert np.abs(got.frames - want).max() <= 1e-4
+
+
+def test_an_engine_default_cache_no_request_could_take_is_refused_at_start():
+    with pytest.raises(ValueError, match="cache.mag_ratios"):
+        VideoPipeline.from_pretrained("tiny-wan", device="cpu", cache="mag")
+    with pytest.raises(ValueError, match="cache.kind"):
+        VideoPipeline.from_pretrained("tiny-latte", device="cpu", cache='{"kind": "mag", "calibrate": true}')
