@@ -375,6 +375,9 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
     def model_for(self, reqs: list[DFRequest]):
         return functools.partial(self.experts[0], frames_per_block=reqs[0].cbs, fps=reqs[0].fps_id)
 
+    def cache_scope(self, reqs: list[DFRequest]) -> int:
+        return 0                # one denoiser (its requests carry no expert timesteps)
+
     def inputs(self, r: DFRequest) -> dict:
         step_matrix, _, interval = r.matrices[r.segment]
         s, e = interval[r.row]
