@@ -29,7 +29,7 @@ WORKDIR /opt/longserve
 
 # Metadata first, then the packages (the tiny checkpoints in weights/ make the image
 # testable without a mount: --model tiny-latte).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY engine ./engine
 COPY pipelines ./pipelines
 COPY server ./server
@@ -38,7 +38,7 @@ COPY weights ./weights
 # The project with its GPU extra (xformers). The constraint keeps the base image's CUDA
 # torch: pip then picks the xformers build made for it instead of replacing torch.
 RUN python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > /tmp/torch-constraint.txt \
- && pip install -c /tmp/torch-constraint.txt '.[gpu]' \
+ && pip install -c /tmp/torch-constraint.txt -c constraints.txt '.[gpu]' \
  && python -c "import xformers, imageio_ffmpeg; print(xformers.__version__, imageio_ffmpeg.get_ffmpeg_exe())" \
  && rm /tmp/torch-constraint.txt
 

@@ -11,11 +11,11 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test,bench,lint]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,lint]'
 	touch $(STAMP)
 
 # the suite: under 8 minutes of pytest on a quiet 2-core machine (docs/test_durations.md has the table). Two
