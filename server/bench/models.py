@@ -92,3 +92,38 @@ def random_wan_vae(base_dim: int = 8, z_dim: int = 4, dim_mult: tuple[int, ...] 
             latents_std=list(defaults["latents_std"].default[:z_dim]),
         )
     return vae.eval()
+
+
+#: checkpoints `longserve bench speed --model NAME` builds: tiny-wan's text encoder, VAE and scheduler around a
+#: transformer of a published model's shape (random weights; in/out channels and text width are tiny-wan's)
+SHAPED_CHECKPOINTS = {
+    "wan-1.3b-shaped": dict(heads=12, head_dim=128, layers=30, ffn_dim=8960),       # Wan 2.1 T2V 1.3B
+}
+
+
+def shaped_checkpoint(name: str, root: str | None = None):
+    """The directory of a `SHAPED_CHECKPOINTS` model, built once (seeded: the same weights every time) under
+    `root` (default: the system's temporary directory). Wan 1.3B's shape is 5.7 GB of float32 weights."""
+    import json
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from weights import resolve_model
+
+    dest = Path(root or tempfile.gettempdir()) / f"longserve-{name}"
+    if (dest / "model_index.json").is_file():
+        return dest
+    base = resolve_model("tiny-wan")
+    cfg = json.loads((base / "transformer" / "config.json").read_text())
+    work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
+    try:
+        shutil.copytree(base, work, dirs_exist_ok=True, ignore=shutil.ignore_patterns("transformer"))
+        model = random_wan_transformer(text_dim=cfg["text_dim"], in_channels=cfg["in_channels"],
+                                       **SHAPED_CHECKPOINTS[name])
+        model.save_pretrained(work / "transformer")
+        os.replace(work, dest)          # whole or not at all
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dest

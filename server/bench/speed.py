@@ -16,6 +16,11 @@ engine batches them as a server would (`max_batch` per step). Rows: "exact" (no 
 - recognition rate: the fraction of videos whose colour and motion match their prompt
   (`tests/support/content.py`, present in a source checkout; with another `--model` the column is empty).
 
+`--model wan-1.3b-shaped` builds (once, in the temporary directory: 5.7 GB) a checkpoint with Wan 2.1 T2V
+1.3B's transformer shape (30 blocks, 12 heads x 128, FFN 8960; random weights) around tiny-wan's text
+encoder and VAE (`server.bench.models.shaped_checkpoint`): the block counts and the wall-time ratio of a
+30-block model. A `mag` cache without `mag_ratios` is calibrated first, on the first prompt.
+
 The other levers of issue 22 (regional compile, FP8, expert offload) get rows here when they exist; expert
 offload needs a two-expert model and changes no frame, so it has none on tiny-latte.
 """
@@ -140,6 +145,7 @@ def run(args) -> int:
     from engine.config import EngineConfig, from_cli_args
     from pipelines import VideoPipeline
     from pipelines.video import PIPELINE_DEFAULTS
+    from server.bench.models import SHAPED_CHECKPOINTS, shaped_checkpoint
     from weights.clips import PROMPTS
 
     if not 1 <= args.prompts <= len(PROMPTS):
@@ -148,6 +154,8 @@ def run(args) -> int:
     prompts = list(PROMPTS[:args.prompts])
     recognises = recogniser() if args.model == "tiny-latte" else None
     config = from_cli_args(EngineConfig, args, **PIPELINE_DEFAULTS)
+    if args.model in SHAPED_CHECKPOINTS:            # a published model's shape, random weights, built once
+        config = config.replace(model=str(shaped_checkpoint(args.model)))
     rows, load = [], load_average()
     with VideoPipeline.from_config(config) as pipe:
         generate(pipe, prompts[:1], 2, args.frames, None)                  # warm-up
