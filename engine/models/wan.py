@@ -120,9 +120,9 @@ class SequenceParallelAttnProcessor:
 
 
 class _Hook(ModelHook):
-    """A hook that reads the owner's current `Shard` and does nothing without one."""
+    """A hook that reads the owner's current shard and does nothing without one."""
 
-    def __init__(self, owner: "WanSequenceParallel", pre=None, post=None):
+    def __init__(self, owner, pre=None, post=None):
         super().__init__()
         self.owner, self.pre, self.post = owner, pre, post
 
@@ -137,6 +137,14 @@ class _Hook(ModelHook):
         if shard is None or self.post is None:
             return output
         return self.post(shard, output)
+
+
+def register_shard_hook(owner, module, pre=None, post=None) -> None:
+    """A `_Hook` on `module` that runs `pre(shard, args, kwargs)` / `post(shard, output)` while `owner.shard` is
+    set (one sharded forward) and does nothing otherwise."""
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    name = HOOK if HOOK not in registry.hooks else f"{HOOK}_{len(registry.hooks)}"
+    registry.register_hook(_Hook(owner, pre, post), name)
 
 
 class WanSequenceParallel:
@@ -166,9 +174,7 @@ class WanSequenceParallel:
         self._register(model.proj_out, pre=self._back_to_mine, post=self._gather)
 
     def _register(self, module, pre=None, post=None) -> None:
-        registry = HookRegistry.check_if_exists_or_initialize(module)
-        name = HOOK if HOOK not in registry.hooks else f"{HOOK}_{len(registry.hooks)}"
-        registry.register_hook(_Hook(self, pre, post), name)
+        register_shard_hook(self, module, pre, post)
 
     # -- the hooks ---------------------------------------------------------------------------------
 

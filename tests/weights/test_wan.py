@@ -109,7 +109,8 @@ def test_resolve_model_finds_every_shipped_name_from_any_cwd(tmp_path, monkeypat
                "tiny-wan22-ti2v": "WanPipeline", "tiny-wan22-i2v-a14b": "WanImageToVideoPipeline",
                "tiny-skyreels-i2v": "SkyReelsV2ImageToVideoPipeline",
                "tiny-skyreels-df-i2v": "SkyReelsV2DiffusionForcingImageToVideoPipeline",
-               "tiny-skyreels-df-v2v": "SkyReelsV2DiffusionForcingVideoToVideoPipeline"}
+               "tiny-skyreels-df-v2v": "SkyReelsV2DiffusionForcingVideoToVideoPipeline",
+               "tiny-helios": "HeliosPipeline"}
     assert sorted(TINY_MODELS) == sorted(classes)
     for name, cls in classes.items():
         root = resolve_model(name)

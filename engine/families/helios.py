@@ -1,0 +1,298 @@
+"""Helios (`HeliosPipeline` checkpoints): real-time long video, chunk by chunk, with a compressed history.
+
+A video is made of chunks of `num_latent_frames_per_chunk` latent frames (9: 33 video frames). Each chunk
+starts from fresh noise and is denoised in `num_inference_steps` steps while the transformer reads the
+history: the last `sum(history_sizes)` latent frames made so far ([16, 2, 1]: 16 at 4x compression, 2 at 2x,
+1 at full resolution, plus the video's first latent frame as a prefix), all zeros before the first chunk.
+The arguments and their meaning are diffusers' (`HeliosPipeline.__call__`); the schedule (the
+`HeliosScheduler`, reset at every chunk with the chunk's `mu`), the history layout and the per-chunk
+VAE decode are diffusers' own. What differs is where things happen:
+
+- every step of every chunk is one parallel forward across the workers (Ulysses, Ring, USP over the
+  sequence of history and chunk tokens, `engine/models/helios.py`; CFG-parallel around them);
+- the request is one long sequence of steps for the engine's scheduler (it batches with other Helios
+  requests of the same chunk shape, reports progress per step, cancels at the next step);
+- when a chunk is done it is final: the scheduler decodes it (diffusers decodes each chunk on its own,
+  so a fresh streaming decoder per chunk equals it) and hands its frames out while the next chunk
+  denoises. A worker keeps only the history the transformer reads (`sum(history_sizes)` latent frames and
+  the first-frame prefix), the current chunk and the chunk being decoded: memory does not grow with
+  `num_frames` (diffusers keeps every latent and every decoded frame until the end).
+
+Frames: `num_frames` asks for ceil(num_frames / 33) chunks; the video is their frames cut to 4k+1, as
+diffusers cuts it (4 chunks: 132 frames made, 129 handed out).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import ModelDescription
+from engine.families.base import (
+    VideoFamily,
+    cfg_rows,
+    check_common,
+    check_int,
+    generation_defaults,
+    read_json,
+    seeded_generator,
+    to_pixels,
+)
+from engine.families.wan import WanFamily, WanRequest, decoded_frames, vae_factors
+from engine.models.helios import HeliosSequenceParallel
+from engine.request import GenerationSpec, RequestError
+
+OPTIONS = ("history_sizes", "num_latent_frames_per_chunk", "sigmas")
+HISTORY = ("latents_history_long", "latents_history_mid", "latents_history_short")
+
+
+def history_indices(history_sizes: list[int], chunk: int) -> dict[str, torch.Tensor]:
+    """The frame indices diffusers' pipeline gives the forward (keep_first_frame): the first frame's prefix at 0,
+    then the long, mid and 1x histories, then the chunk. Each (1, n)."""
+    prefix, long, mid, short_1x, hidden = torch.arange(0, 1 + sum(history_sizes) + chunk).split(
+        [1, *history_sizes, chunk])
+    return {"indices_hidden_states": hidden[None], "indices_latents_history_short": torch.cat([prefix, short_1x])[None],
+            "indices_latents_history_mid": mid[None], "indices_latents_history_long": long[None]}
+
+
+def chunk_frames(chunk: int, temporal: int) -> int:
+    """Video frames a chunk decodes to (33 for 9 latent frames)."""
+    return decoded_frames(chunk, temporal)
+
+
+def video_frames(num_frames: int, chunk: int, temporal: int) -> tuple[int, int]:
+    """(chunks, frames handed out) for a request of `num_frames`: whole chunks, cut to 4k+1 as diffusers cuts."""
+    window = chunk_frames(chunk, temporal)
+    chunks = max(1, -(-num_frames // window))
+    return chunks, (chunks * window - 1) // temporal * temporal + 1
+
+
+@dataclass
+class HeliosRequest(WanRequest):
+    generator: torch.Generator = None     # draws every chunk's noise, in order (as diffusers)
+    history_sizes: tuple = (16, 2, 1)     # long, mid, 1x
+    chunk: int = 9                        # latent frames per chunk
+    chunks: int = 1
+    steps_per_chunk: int = 1
+    sigmas: object = None
+    mu: float = 0.0
+    index: int = 0                        # the chunk being denoised
+    history: torch.Tensor = None          # (B, C, sum(history_sizes), h, w) float32: the last latent frames made
+    prefix: torch.Tensor = None           # (B, C, 1, h, w): the video's first latent frame (zeros before it exists)
+    outputs: list = field(default_factory=list)     # output_type "latent": every chunk's latents, kept
+
+    def frames_out(self, latent_frames: int, temporal: int) -> int:
+        """Frames handed out once `latent_frames` latent frames are decoded (each chunk decodes on its own)."""
+        whole, part = divmod(latent_frames, self.chunk)
+        return min(self.num_frames, whole * chunk_frames(self.chunk, temporal) + decoded_frames(part, temporal))
+
+
+class HeliosFamily(WanFamily):
+    """`HeliosPipeline` checkpoints: text-to-video of any length in chunks with a multi-scale history."""
+
+    name = "helios"
+    #: diffusers' `HeliosPipeline.__call__` defaults; Helios makes 24 fps video
+    pipeline_defaults = {"HeliosPipeline": {"height": 384, "width": 640, "num_frames": 132, "num_inference_steps": 50,
+                                            "guidance_scale": 5.0, "fps": 24, "history_sizes": [16, 2, 1],
+                                            "num_latent_frames_per_chunk": 9}}
+    pipeline_classes = frozenset(pipeline_defaults)
+    request_class = HeliosRequest
+    supports_lora = False
+    cache_kinds = ()
+
+    @classmethod
+    def describe(cls, model_dir: Path) -> ModelDescription:
+        model_dir = Path(model_dir)
+        index = read_json(model_dir / "model_index.json")
+        cfg = read_json(model_dir / "transformer" / "config.json")
+        spatial, temporal = vae_factors(read_json(model_dir / "vae" / "config.json"))
+        patch = cfg.get("patch_size", [1, 2, 2])
+        return ModelDescription(
+            family=cls.name, pipeline=index["_class_name"], heads=cfg.get("num_attention_heads", 40),
+            # diffusers' check_inputs: height and width divisible by 16 (and whole patches)
+            size_multiple=math.lcm(16, spatial * patch[1]), frame_multiple=1,
+            defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
+            options=OPTIONS, long_video=True,
+            extra={"two_experts": False, "temporal": temporal,
+                   "scheduler_config": read_json(model_dir / "scheduler" / "scheduler_config.json")})
+
+    @classmethod
+    def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
+        check_common(desc, spec)
+        o, d = spec.options, desc.defaults.options
+        sizes = o.get("history_sizes", d.get("history_sizes", [16, 2, 1]))
+        if not isinstance(sizes, (list, tuple)) or len(sizes) != 3:
+            raise RequestError("history_sizes", f"history_sizes must be a list of 3 integers (long, mid, short "
+                                                f"history in latent frames, as [16, 2, 1]); got {sizes!r}")
+        for v in sizes:
+            check_int("history_sizes", v, 1, 1024)
+        chunk = o.get("num_latent_frames_per_chunk", d.get("num_latent_frames_per_chunk", 9))
+        check_int("num_latent_frames_per_chunk", chunk, 1, 256)
+        sigmas = o.get("sigmas")
+        if sigmas is not None:
+            if not isinstance(sigmas, (list, tuple)) or len(sigmas) != spec.num_inference_steps or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in sigmas):
+                raise RequestError("sigmas", f"sigmas must be a list of num_inference_steps "
+                                             f"({spec.num_inference_steps}) numbers in [0, 1]; got {sigmas!r}")
+        spec.options = {**o, "history_sizes": sorted((int(v) for v in sizes), reverse=True),
+                        "num_latent_frames_per_chunk": int(chunk)}
+        return spec
+
+    @classmethod
+    def content_frames(cls, desc: ModelDescription, spec: GenerationSpec) -> int:
+        chunk = spec.options.get("num_latent_frames_per_chunk", 9)
+        return video_frames(spec.num_frames, chunk, desc.extra["temporal"])[1]
+
+    # -- worker side: loading ---------------------------------------------------------------------
+
+    def __init__(self, ctx, config):
+        import diffusers
+
+        VideoFamily.__init__(self, ctx, config)
+        if config.engine.attention == "xformers":
+            raise ValueError("attention='xformers' is not available for Helios (it uses PyTorch SDPA)")
+        self.desc = self.describe(Path(config.model_dir))
+        self.pipe = self.load_pipeline(getattr(diffusers, self.desc.pipeline), self.component_dtypes())
+        self.experts = [HeliosSequenceParallel(self.pipe.transformer)]
+        self.residency = None
+        self.vae_spatial, self.vae_temporal = vae_factors(dict(self.pipe.vae.config))
+        self.boundary = None
+        self.set_plan(config.plan)
+
+    # -- a request ----------------------------------------------------------------------------------
+
+    def batch_key(self, r: HeliosRequest) -> tuple:
+        if r.denoised:
+            return ("helios", "done")
+        return ("helios", *r.latents.shape, r.history_sizes)
+
+    def encode_prompt(self, spec: GenerationSpec):
+        """UMT5 embeddings padded to 512 tokens, by the pipeline's own `encode_prompt` (rank 0 only)."""
+        return self.pipe.encode_prompt(prompt=spec.prompt, negative_prompt=spec.negative_prompts(),
+                                       do_classifier_free_guidance=spec.use_cfg, num_videos_per_prompt=1,
+                                       max_sequence_length=512, device=self.pg.device)
+
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> HeliosRequest:
+        from diffusers.pipelines.helios.pipeline_helios import calculate_shift
+
+        o = spec.options
+        sizes, chunk = tuple(o["history_sizes"]), o["num_latent_frames_per_chunk"]
+        chunks, frames = video_frames(spec.num_frames, chunk, self.vae_temporal)
+        h, w = spec.height // self.vae_spatial, spec.width // self.vae_spatial
+        p = self.pipe.transformer.config.patch_size
+        config = self.pipe.scheduler.config
+        mu = calculate_shift(chunk * h * w // (p[0] * p[1] * p[2]), config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        steps = spec.num_inference_steps
+        sigmas = np.linspace(0.999, 0.0, steps + 1)[:-1] if o.get("sigmas") is None else list(o["sigmas"])
+        scheduler = type(self.pipe.scheduler).from_config(config)
+        scheduler.set_timesteps(steps, device=self.pg.device, sigmas=sigmas, mu=mu)
+        B, C = spec.batch_size, self.pipe.transformer.config.in_channels
+        req = HeliosRequest(spec=spec, num_steps=chunks * len(scheduler.timesteps), batch_key=(), num_frames=frames,
+                            text=text, scheduler=scheduler, timesteps_cpu=scheduler.timesteps.tolist(),
+                            generator=seeded_generator(spec.seed), history_sizes=sizes, chunk=chunk, chunks=chunks,
+                            steps_per_chunk=len(scheduler.timesteps), sigmas=sigmas, mu=mu,
+                            history=torch.zeros(B, C, sum(sizes), h, w, device=self.pg.device),
+                            prefix=torch.zeros(B, C, 1, h, w, device=self.pg.device))
+        self._start_chunk(req)
+        return req
+
+    def _start_chunk(self, r: HeliosRequest) -> None:
+        """The chunk's noise (the request's generator, in order, as diffusers' `prepare_latents`), and the
+        scheduler reset to the chunk's schedule (diffusers calls `set_timesteps` at every chunk)."""
+        B, C, _, h, w = r.history.shape
+        r.latents = torch.randn((B, C, r.chunk, h, w), generator=r.generator,
+                                dtype=torch.float32).to(self.pg.device)
+        if r.index:
+            r.scheduler.set_timesteps(r.steps_per_chunk, device=self.pg.device, sigmas=r.sigmas, mu=r.mu)
+        r.batch_key = self.batch_key(r)
+
+    def model_for(self, reqs: list[HeliosRequest]):
+        r = reqs[0]
+        return functools.partial(self._forward_with_indices, history_indices(list(r.history_sizes), r.chunk))
+
+    def _forward_with_indices(self, indices: dict, x, t, text, history: dict, sp, cfg=None):
+        return self.experts[0](x, t, text, {**history, **indices}, sp, cfg=cfg)
+
+    def cache_scope(self, reqs: list[HeliosRequest]) -> int:
+        return 0
+
+    def inputs(self, r: HeliosRequest) -> dict:
+        long, mid, short_1x = r.history.split(list(r.history_sizes), dim=2)
+        short = torch.cat([r.prefix, short_1x], dim=2)                             # (B, C, 2, h, w)
+        t = r.scheduler.timesteps[r.steps_done % r.steps_per_chunk]
+        x = cfg_rows(r, r.latents).to(self.dtype)                                  # (2B|B, C, chunk, h, w)
+        return {"x": x, "t": t.reshape(1).expand(x.shape[0]), "text": r.text,
+                **{name: cfg_rows(r, part).to(self.dtype) for name, part in zip(HISTORY, (long, mid, short))}}
+
+    def forward(self, model, inputs: dict, cfg_parallel: bool) -> torch.Tensor:
+        x, t, text = (torch.cat(inputs[k]) for k in ("x", "t", "text"))
+        history = {name: torch.cat(inputs[name]) for name in HISTORY}
+        return model(x, t.to(self.pg.device), text, history, self.sp_cfg if cfg_parallel else self.sp,
+                     cfg=self.cfg_groups if cfg_parallel else None)                # (rows, C, chunk, h, w)
+
+    def guidance_scale(self, r: HeliosRequest) -> float:
+        return r.spec.guidance_scale
+
+    def advance(self, r: HeliosRequest, pred: torch.Tensor) -> None:
+        t = r.scheduler.timesteps[r.steps_done % r.steps_per_chunk]
+        r.latents = r.scheduler.step(pred, t, r.latents, generator=r.generator, return_dict=False)[0]
+        r.steps_done += 1
+        if r.steps_done % r.steps_per_chunk == 0:
+            self._finish_chunk(r)
+        r.batch_key = self.batch_key(r)
+
+    def _finish_chunk(self, r: HeliosRequest) -> None:
+        """The chunk is final: into the history (only what the transformer reads is kept), out to decode."""
+        new = r.latents                                                            # (B, C, chunk, h, w) float32
+        if r.index == 0:
+            r.prefix = new[:, :, :1].clone()         # keep_first_frame: the video's first latent frame, for good
+        r.history = torch.cat([r.history, new], dim=2)[:, :, -sum(r.history_sizes):].contiguous()
+        if r.spec.output == "latent":
+            r.outputs.append(new)                    # the caller asked for every latent: held until the end
+            if r.index == r.chunks - 1:
+                r.pending = torch.cat(r.outputs, dim=2)
+        else:
+            r.pending = new if r.pending is None else torch.cat([r.pending, new], dim=2)
+        r.index += 1
+        if r.index < r.chunks:
+            self._start_chunk(r)
+        else:
+            r.latents = r.history = r.prefix = None
+
+    def final_latents(self, r: HeliosRequest) -> torch.Tensor:
+        latents, r.pending, r.outputs = r.pending, None, []
+        return latents
+
+    # -- decoding: each chunk on its own, as diffusers decodes it --------------------------------------
+
+    def decode(self, r: HeliosRequest, max_frames: int):
+        """The next latent frames of the oldest undecoded chunk whose pixels fit in `max_frames` (at least one),
+        through that chunk's streaming decoder across the workers (collective); rank 0 gets pixels."""
+        start, done = r.decoded_frames, r.latents_decoded
+        left = r.chunk - done % r.chunk                                            # latent frames left in this chunk
+        k = 1
+        while k < min(left, r.pending.shape[2]) and r.frames_out(done + k + 1, self.vae_temporal) - start <= max_frames:
+            k += 1
+        piece, r.pending = r.pending[:, :, :k], r.pending[:, :, k:]
+        if r.decoder is None:
+            r.decoder = self.start_decoder(piece)
+        with torch.no_grad():
+            video = r.decoder.decode(self.unnormalize(piece))                      # (B, 3, n, H, W) on rank 0
+        r.latents_decoded += k
+        r.decoded_frames = r.frames_out(r.latents_decoded, self.vae_temporal)
+        if r.latents_decoded % r.chunk == 0 or r.decoded_frames >= r.num_frames:
+            r.decoder.close()                        # the next chunk decodes on its own
+            r.decoder = None
+        if video is None:
+            return None
+        return to_pixels(video[:, :, :r.decoded_frames - start], self.pipe.video_processor, r.spec.output)
+
+
+FAMILY = HeliosFamily

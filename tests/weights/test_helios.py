@@ -1,0 +1,50 @@
+"""The shipped tiny-helios checkpoint: rebuilt byte for byte by its script, small, a `HeliosPipeline` directory
+naming the published components, with Helios' own structure (multi-term memory patches, guidance
+cross-attention, history key amplification) at toy sizes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from weights import build_tiny_helios, read_model_index, resolve_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+VERSION_STAMPS = ("_diffusers_version", "transformers_version")
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _without_stamps(path: Path) -> dict:
+    return {k: v for k, v in json.loads(path.read_text()).items() if k not in VERSION_STAMPS}
+
+
+def test_the_build_equals_the_committed_checkpoint_byte_for_byte(tmp_path):
+    built, shipped = build_tiny_helios.build(tmp_path / "tiny-helios"), resolve_model("tiny-helios")
+    got, committed = _digests(built), _digests(shipped)
+    assert sorted(got) == sorted(committed) and len(got) == 12
+    for rel in got:
+        if rel.endswith(".json"):  # library version stamps may differ; the content may not
+            assert _without_stamps(built / rel) == _without_stamps(shipped / rel), rel
+        else:
+            assert got[rel] == committed[rel], f"{rel} differs from the committed file; rebuild and commit"
+
+
+def test_the_checkpoint_is_small_and_has_the_published_structure():
+    root = resolve_model("tiny-helios")
+    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) < 2 * 2**20
+    index = read_model_index("tiny-helios")
+    assert {k: v for k, v in index.items() if k != "_diffusers_version"} == build_tiny_helios.HELIOS_MODEL_INDEX
+    transformer = json.loads((root / "transformer" / "config.json").read_text())
+    assert transformer["num_attention_heads"] == 3, "an odd head count"
+    assert transformer["has_multi_term_memory_patch"] and transformer["guidance_cross_attn"]
+    assert transformer["zero_history_timestep"] and transformer["is_amplify_history"]
+    scheduler = json.loads((root / "scheduler" / "scheduler_config.json").read_text())
+    assert (scheduler["_class_name"], scheduler["stages"], scheduler["scheduler_type"]) == ("HeliosScheduler", 1,
+                                                                                            "unipc")
