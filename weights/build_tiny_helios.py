@@ -1,9 +1,10 @@
-"""Build the tiny, randomly initialised Helios checkpoint shipped as ``weights/tiny-helios``.
+"""Build the tiny, randomly initialised Helios checkpoints shipped as ``weights/tiny-helios`` (``HeliosPipeline``)
+and ``weights/tiny-helios-distilled`` (``HeliosPyramidPipeline`` with the distilled DMD scheduler).
 
 Usage::
 
-    python -m weights.build_tiny_helios                  # (re)writes weights/tiny-helios/
-    python -m weights.build_tiny_helios --out DIR        # writes DIR instead
+    python -m weights.build_tiny_helios                                  # (re)writes both shipped dirs
+    python -m weights.build_tiny_helios --kind distilled --out DIR       # writes DIR instead
 
 A complete diffusers ``HeliosPipeline`` directory whose model_index.json names the published Helios
 components (``T5TokenizerFast``, ``UMT5EncoderModel``, ``HeliosTransformer3DModel``, ``AutoencoderKLWan``,
@@ -19,6 +20,13 @@ weights: 8x spatial and 4x temporal compression, z_dim 8) and adds:
   flow prediction, no shift.
 * generation_defaults.json: 64 x 64, 66 frames (2 chunks of 9 latent frames = 33 frames each, cut to
   65), 4 steps a chunk, guidance 5.0, fps 24, history [16, 2, 1] (the published one).
+
+``tiny-helios-distilled`` is the same components (the same weights) in Helios-Distilled's layout: a
+``HeliosPyramidPipeline`` with ``is_distilled: true``, ``is_cfg_zero_star: false`` and a ``HeliosDMDScheduler``
+of three stages (diffusers' defaults but gamma 0.25: with the default 1/3 the block-noise covariance
+(1 + gamma) I - gamma J of a 2x2 patch is singular, and diffusers' own `sample_block_noise` fails its Cholesky
+factorisation on a CPU); generation_defaults 64 x 64 (the lowest stage is 4x smaller: one patch),
+stages of [2, 2, 2] steps, guidance 1.0 (a distilled model runs without CFG).
 
 Every parameter is redrawn from a generator seeded per component, so the same library versions give
 byte-identical files. The weights are meaningless.
@@ -90,20 +98,49 @@ def write_tiny_helios(out_dir: Path) -> None:
     save_pipeline(pipe, out_dir, HELIOS_MODEL_INDEX, spiece_model, HELIOS_GENERATION_DEFAULTS)
 
 
-def build(out: str | Path | None = None) -> Path:
-    return build_into(TINY_MODELS["tiny-helios"] if out is None else out, write_tiny_helios)
+HELIOS_DISTILLED_MODEL_INDEX = {**HELIOS_MODEL_INDEX, "_class_name": "HeliosPyramidPipeline",
+                                "scheduler": ["diffusers", "HeliosDMDScheduler"], "is_distilled": True,
+                                "is_cfg_zero_star": False}
+HELIOS_DISTILLED_GENERATION_DEFAULTS = {
+    "height": 64, "width": 64, "num_frames": 66, "guidance_scale": 1.0, "fps": 24, "history_sizes": [16, 2, 1],
+    "num_latent_frames_per_chunk": 9, "pyramid_num_inference_steps_list": [2, 2, 2], "num_inference_steps": 6,
+}
+
+
+def write_tiny_helios_distilled(out_dir: Path) -> None:
+    from diffusers import HeliosDMDScheduler, HeliosPyramidPipeline
+
+    torch.manual_seed(SEED)
+    tokenizer, spiece_model = build_wan_tokenizer()
+    pipe = HeliosPyramidPipeline(tokenizer=tokenizer, text_encoder=build_text_encoder(), vae=build_vae(),
+                                 transformer=build_helios_transformer(), scheduler=HeliosDMDScheduler(gamma=0.25),
+                                 is_distilled=True, is_cfg_zero_star=False)
+    save_pipeline(pipe, out_dir, HELIOS_DISTILLED_MODEL_INDEX, spiece_model, HELIOS_DISTILLED_GENERATION_DEFAULTS)
+
+
+WRITERS = {"helios": ("tiny-helios", write_tiny_helios), "distilled": ("tiny-helios-distilled",
+                                                                       write_tiny_helios_distilled)}
+
+
+def build(kind: str = "helios", out: str | Path | None = None) -> Path:
+    name, write = WRITERS[kind]
+    return build_into(TINY_MODELS[name] if out is None else out, write)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_helios", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None, help="output directory (default: weights/tiny-helios)")
+    ap.add_argument("--kind", choices=sorted(WRITERS), default=None, help="one checkpoint (default: both)")
+    ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs --kind)")
     args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    out = build(args.out)
-    for rel, digest in file_digests(out).items():
-        if rel.endswith(".safetensors"):
-            print(f"  {rel}: {digest[:16]}")
-    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.out is not None and args.kind is None:
+        ap.error("--out needs --kind")
+    for kind in [args.kind] if args.kind else sorted(WRITERS, reverse=True):
+        t0 = time.perf_counter()
+        out = build(kind, args.out)
+        for rel, digest in file_digests(out).items():
+            if rel.endswith(".safetensors"):
+                print(f"  {rel}: {digest[:16]}")
+        print(f"wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 
 

@@ -45,6 +45,7 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-skyreels-df-i2v": _HERE / "tiny-skyreels-df-i2v",
     "tiny-skyreels-df-v2v": _HERE / "tiny-skyreels-df-v2v",
     "tiny-helios": _HERE / "tiny-helios",
+    "tiny-helios-distilled": _HERE / "tiny-helios-distilled",
 }
 
 #: Shipped LoRA adapters for tiny-wan (weights/build_tiny_lora.py): a short name -> its file, usable wherever a
@@ -67,7 +68,8 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-skyreels-i2v": "python -m weights.build_tiny_wan_i2v --kind skyreels-i2v",
     "tiny-skyreels-df-i2v": "python -m weights.build_tiny_skyreels_df_variants --kind i2v",
     "tiny-skyreels-df-v2v": "python -m weights.build_tiny_skyreels_df_variants --kind v2v",
-    "tiny-helios": "python -m weights.build_tiny_helios",
+    "tiny-helios": "python -m weights.build_tiny_helios --kind helios",
+    "tiny-helios-distilled": "python -m weights.build_tiny_helios --kind distilled",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

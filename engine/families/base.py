@@ -230,7 +230,7 @@ class VideoFamily:
             for r, o in zip(reqs, split_rows(out, sizes, cfg_parallel)):
                 if self.split_variance:
                     o = o.chunk(2, dim=1)[0]
-                self.advance(r, guided(o, r.spec.use_cfg, self.guidance_scale(r)))
+                self.advance(r, self.guide(r, o))
                 if r.denoised:
                     r.cache_state.clear()         # its residuals are not needed to decode
         sync_cuda()  # one wait per step (not per request): the step's kernels count in its time
@@ -269,6 +269,10 @@ class VideoFamily:
 
     def guidance_scale(self, r: WorkerRequest) -> float:
         return r.spec.guidance_scale
+
+    def guide(self, r: WorkerRequest, out: torch.Tensor) -> torch.Tensor:
+        """The request's prediction from its rows of the model output ([uncond; cond] under CFG)."""
+        return guided(out, r.spec.use_cfg, self.guidance_scale(r))
 
     def advance(self, r: WorkerRequest, pred: torch.Tensor) -> None:
         """The request's scheduler step with the guided prediction (and whatever follows it)."""

@@ -78,10 +78,10 @@ class HeliosRequest(WanRequest):
     history_sizes: tuple = (16, 2, 1)     # long, mid, 1x
     chunk: int = 9                        # latent frames per chunk
     chunks: int = 1
-    steps_per_chunk: int = 1
-    sigmas: object = None
-    mu: float = 0.0
     index: int = 0                        # the chunk being denoised
+    stage: int = 0                        # its stage (the pyramid's resolutions; one stage without a pyramid)
+    stage_step: int = 0                   # the step within the stage: the scheduler's timestep index
+    start_point: torch.Tensor = None      # the stage's starting latents (the distilled DMD scheduler renoises to them)
     history: torch.Tensor = None          # (B, C, sum(history_sizes), h, w) float32: the last latent frames made
     prefix: torch.Tensor = None           # (B, C, 1, h, w): the video's first latent frame (zeros before it exists)
     outputs: list = field(default_factory=list)     # output_type "latent": every chunk's latents, kept
@@ -178,39 +178,68 @@ class HeliosFamily(WanFamily):
                                        max_sequence_length=512, device=self.pg.device)
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> HeliosRequest:
-        from diffusers.pipelines.helios.pipeline_helios import calculate_shift
-
         o = spec.options
         sizes, chunk = tuple(o["history_sizes"]), o["num_latent_frames_per_chunk"]
         chunks, frames = video_frames(spec.num_frames, chunk, self.vae_temporal)
         h, w = spec.height // self.vae_spatial, spec.width // self.vae_spatial
-        p = self.pipe.transformer.config.patch_size
-        config = self.pipe.scheduler.config
-        mu = calculate_shift(chunk * h * w // (p[0] * p[1] * p[2]), config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        steps = spec.num_inference_steps
-        sigmas = np.linspace(0.999, 0.0, steps + 1)[:-1] if o.get("sigmas") is None else list(o["sigmas"])
-        scheduler = type(self.pipe.scheduler).from_config(config)
-        scheduler.set_timesteps(steps, device=self.pg.device, sigmas=sigmas, mu=mu)
         B, C = spec.batch_size, self.pipe.transformer.config.in_channels
-        req = HeliosRequest(spec=spec, num_steps=chunks * len(scheduler.timesteps), batch_key=(), num_frames=frames,
-                            text=text, scheduler=scheduler, timesteps_cpu=scheduler.timesteps.tolist(),
-                            generator=seeded_generator(spec.seed), history_sizes=sizes, chunk=chunk, chunks=chunks,
-                            steps_per_chunk=len(scheduler.timesteps), sigmas=sigmas, mu=mu,
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        # every chunk's steps, as the pipeline's schedule makes them (a scratch scheduler: the request's is set per
+        # stage); the first chunk may differ (the distilled pyramid's is_amplify_first_chunk)
+        counts = []
+        for first in (True, False):
+            scratch = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+            counts.append(0)
+            for stage in range(self.stages(spec)):
+                self.set_timesteps(scratch, spec, stage, first, mu=1.0)
+                counts[-1] += len(scratch.timesteps)
+        req = HeliosRequest(spec=spec, num_steps=counts[0] + (chunks - 1) * counts[1], batch_key=(),
+                            num_frames=frames, text=text, scheduler=scheduler, generator=seeded_generator(spec.seed),
+                            history_sizes=sizes, chunk=chunk, chunks=chunks,
                             history=torch.zeros(B, C, sum(sizes), h, w, device=self.pg.device),
                             prefix=torch.zeros(B, C, 1, h, w, device=self.pg.device))
         self._start_chunk(req)
         return req
 
+    # -- the schedule: chunks, each of one stage here (the pyramid subclass has several) ------------------
+
+    def stages(self, spec: GenerationSpec) -> int:
+        return 1
+
+    def set_timesteps(self, scheduler, spec: GenerationSpec, stage: int, first: bool, mu: float) -> None:
+        """The stage's schedule, as `HeliosPipeline` sets it at every chunk."""
+        steps, sigmas = spec.num_inference_steps, spec.options.get("sigmas")
+        sigmas = np.linspace(0.999, 0.0, steps + 1)[:-1] if sigmas is None else np.asarray(sigmas, dtype=np.float64)
+        scheduler.set_timesteps(steps, device=self.pg.device, sigmas=sigmas, mu=mu)
+
+    def chunk_start(self, noise: torch.Tensor) -> torch.Tensor:
+        """The first stage's latents from the chunk's noise (B, C, chunk, h, w)."""
+        return noise
+
+    def stage_start(self, r: HeliosRequest) -> torch.Tensor:
+        """A later stage's latents from the stage before (the pyramid's upsample and renoise)."""
+        raise NotImplementedError
+
     def _start_chunk(self, r: HeliosRequest) -> None:
-        """The chunk's noise (the request's generator, in order, as diffusers' `prepare_latents`), and the
-        scheduler reset to the chunk's schedule (diffusers calls `set_timesteps` at every chunk)."""
+        """The chunk's noise (the request's generator, in order, as diffusers' `prepare_latents`)."""
         B, C, _, h, w = r.history.shape
-        r.latents = torch.randn((B, C, r.chunk, h, w), generator=r.generator,
-                                dtype=torch.float32).to(self.pg.device)
-        if r.index:
-            r.scheduler.set_timesteps(r.steps_per_chunk, device=self.pg.device, sigmas=r.sigmas, mu=r.mu)
+        noise = torch.randn((B, C, r.chunk, h, w), generator=r.generator, dtype=torch.float32).to(self.pg.device)
+        r.latents, r.stage = self.chunk_start(noise), 0
+        self._start_stage(r)
+
+    def _start_stage(self, r: HeliosRequest) -> None:
+        """The scheduler reset to the stage's schedule (diffusers calls `set_timesteps` at every chunk and stage),
+        with the shift `mu` of the latents the stage starts from, as the pipelines compute it."""
+        from diffusers.pipelines.helios.pipeline_helios import calculate_shift
+
+        config, p = self.pipe.scheduler.config, self.pipe.transformer.config.patch_size
+        mu = calculate_shift(math.prod(r.latents.shape[2:]) // math.prod(p), config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        self.set_timesteps(r.scheduler, r.spec, r.stage, r.index == 0, mu)
+        if r.stage > 0:
+            r.latents = self.stage_start(r)
+        r.start_point, r.stage_step = r.latents, 0
         r.batch_key = self.batch_key(r)
 
     def model_for(self, reqs: list[HeliosRequest]):
@@ -226,10 +255,14 @@ class HeliosFamily(WanFamily):
     def inputs(self, r: HeliosRequest) -> dict:
         long, mid, short_1x = r.history.split(list(r.history_sizes), dim=2)
         short = torch.cat([r.prefix, short_1x], dim=2)                             # (B, C, 2, h, w)
-        t = r.scheduler.timesteps[r.steps_done % r.steps_per_chunk]
-        x = cfg_rows(r, r.latents).to(self.dtype)                                  # (2B|B, C, chunk, h, w)
-        return {"x": x, "t": t.reshape(1).expand(x.shape[0]), "text": r.text,
+        x = cfg_rows(r, r.latents).to(self.dtype)                                  # (2B|B, C, chunk, h', w')
+        t = self.timestep(r).reshape(1).expand(x.shape[0])
+        return {"x": x, "t": t, "text": r.text,
                 **{name: cfg_rows(r, part).to(self.dtype) for name, part in zip(HISTORY, (long, mid, short))}}
+
+    def timestep(self, r: HeliosRequest) -> torch.Tensor:
+        """The forward's timestep: the scheduler's own (the pyramid pipeline casts it to int64)."""
+        return r.scheduler.timesteps[r.stage_step]
 
     def forward(self, model, inputs: dict, cfg_parallel: bool) -> torch.Tensor:
         x, t, text = (torch.cat(inputs[k]) for k in ("x", "t", "text"))
@@ -241,12 +274,20 @@ class HeliosFamily(WanFamily):
         return r.spec.guidance_scale
 
     def advance(self, r: HeliosRequest, pred: torch.Tensor) -> None:
-        t = r.scheduler.timesteps[r.steps_done % r.steps_per_chunk]
-        r.latents = r.scheduler.step(pred, t, r.latents, generator=r.generator, return_dict=False)[0]
+        r.latents = self.scheduler_step(r, pred)
         r.steps_done += 1
-        if r.steps_done % r.steps_per_chunk == 0:
-            self._finish_chunk(r)
+        r.stage_step += 1
+        if r.stage_step == len(r.scheduler.timesteps):
+            if r.stage + 1 < self.stages(r.spec):
+                r.stage += 1
+                self._start_stage(r)
+            else:
+                self._finish_chunk(r)
         r.batch_key = self.batch_key(r)
+
+    def scheduler_step(self, r: HeliosRequest, pred: torch.Tensor) -> torch.Tensor:
+        t = r.scheduler.timesteps[r.stage_step]
+        return r.scheduler.step(pred, t, r.latents, generator=r.generator, return_dict=False)[0]
 
     def _finish_chunk(self, r: HeliosRequest) -> None:
         """The chunk is final: into the history (only what the transformer reads is kept), out to decode."""
@@ -264,7 +305,7 @@ class HeliosFamily(WanFamily):
         if r.index < r.chunks:
             self._start_chunk(r)
         else:
-            r.latents = r.history = r.prefix = None
+            r.latents = r.history = r.prefix = r.start_point = None
 
     def final_latents(self, r: HeliosRequest) -> torch.Tensor:
         latents, r.pending, r.outputs = r.pending, None, []
