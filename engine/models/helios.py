@@ -39,7 +39,7 @@ import torch
 from diffusers.models.transformers.transformer_helios import apply_rotary_emb_transposed
 
 from engine import comm
-from engine.models.wan import register_shard_hook
+from engine.models.wan import project_qkv, register_shard_hook
 from engine.parallel import CfgGroups, SequenceParallel, sequence_parallel_attention
 
 
@@ -88,12 +88,7 @@ class HeliosSequenceParallelProcessor:
                                  original_context_length, **kwargs)
         if attention_mask is not None or encoder_hidden_states is not None:
             raise ValueError("the sequence-parallel processor is for Helios' self-attention (attn1) only")
-        if getattr(attn, "fused_projections", False):
-            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)  # (B, Sl, H*hd)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))                             # (B, Sl, H, hd)
+        q, k, v = project_qkv(attn, hidden_states)                                                 # (B, Sl, H, hd)
         if rotary_emb is not None:
             q, k = apply_rotary_emb_transposed(q, rotary_emb), apply_rotary_emb_transposed(k, rotary_emb)
         mine_history = max(0, min(shard.stop, shard.history) - shard.start)      # my tokens [0, n) are history

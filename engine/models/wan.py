@@ -93,6 +93,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.type_as(x)
 
 
+def project_qkv(attn, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A diffusers Wan-style self-attention's q, k, v of my tokens: its projections (fused or not) and q/k norms.
+    hidden_states (B, Sl, D) -> (B, Sl, H, hd) each."""
+    if getattr(attn, "fused_projections", False):
+        q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    else:
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)    # (B, Sl, H*hd)
+    q, k = attn.norm_q(q), attn.norm_k(k)
+    return tuple(t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+
+
 class SequenceParallelAttnProcessor:
     """A block's self-attention over the sharded sequence; diffusers' own processor when no forward is sharded."""
 
@@ -106,12 +117,7 @@ class SequenceParallelAttnProcessor:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         if attention_mask is not None:
             raise ValueError("a sequence-parallel forward applies its mask itself; got an attention_mask")
-        if getattr(attn, "fused_projections", False):
-            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)  # (B, Sl, H*hd)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))                             # (B, Sl, H, hd)
+        q, k, v = project_qkv(attn, hidden_states)                                                 # (B, Sl, H, hd)
         if rotary_emb is not None:
             q, k = _rotate(q, *rotary_emb), _rotate(k, *rotary_emb)
         out = sequence_parallel_attention(q, k, v, shard.sp, shard.S, causal=shard.causal)         # (B, Sl, H, hd)
