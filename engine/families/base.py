@@ -100,6 +100,9 @@ class VideoFamily:
     cache_kinds: ClassVar[tuple[str, ...]] = ("first_block",)     # the `cache` kinds its forward takes
     #: loads `--lora` adapters (into `self.lora`, an `engine.lora.LoraSet`) and applies them per row in `step`
     supports_lora: ClassVar[bool] = False
+    #: takes the `compile` and `quantize` engine options (engine/compile.py, engine/quantize.py): its workers compile
+    #: / quantise their transformer's repeated blocks at load
+    supports_compile: ClassVar[bool] = False
 
     # -- coordinator side ------------------------------------------------------------------
 
@@ -175,6 +178,27 @@ class VideoFamily:
 
     def set_plan(self, plan: ParallelPlan) -> None:
         raise NotImplementedError
+
+    def warm_up(self) -> float:
+        """One denoising step of a throw-away request at the model's default size (CFG's two rows, the default
+        frames and size; an image-to-video model gets a grey image), so that the compiled blocks are compiled now
+        rather than in the first request. Collective: every rank runs it at load. -> its wall time (s)."""
+        desc = self.describe(Path(self.model_dir))
+        d = desc.defaults
+        options = {}
+        if desc.extra.get("image_required"):
+            options["image"] = np.full((d.height, d.width, 3), 128, dtype=np.uint8)
+        if desc.extra.get("last_image") == "required":
+            options["last_image"] = options["image"]
+        spec = GenerationSpec(request_id="warm-up", prompt=["warm-up"], negative_prompt="", num_frames=d.num_frames,
+                              height=d.height, width=d.width, num_inference_steps=d.num_inference_steps,
+                              guidance_scale=d.guidance_scale, seed=0, options=options)
+        spec = type(self).check_request(desc, spec)
+        t0 = time.perf_counter()
+        req = self.admit(spec)
+        self.step([req])
+        sync_cuda()
+        return time.perf_counter() - t0
 
     # -- worker side: a request ----------------------------------------------------------------
 
