@@ -1,0 +1,118 @@
+"""Regional compile (`compile="blocks"`, engine/compile.py) and FP8 weights (`quantize="fp8"`, engine/quantize.py).
+
+The compile tests run torch.compile with the "aot_eager" backend (`compile_backend`, not a flag): the mechanism
+(where the compiled forward sits among diffusers' hooks, the graph break at the sequence-parallel attention,
+dynamic batch rows, the warm-up) without inductor's C++ code generation, which takes about half a minute a graph
+on this CPU; `longserve bench speed --compile blocks` runs inductor itself (docs/design.md, "Regional compile and
+FP8"). FP8 needs a GPU with compute capability >= 8.9: on CPU only its refusal is tested."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from pipelines import VideoPipeline
+from weights import resolve_model
+
+PROMPT, NEGATIVE = "a red ball bouncing", "blurry, low quality"
+WAN = dict(num_frames=5, height=32, width=48, num_inference_steps=4, guidance_scale=5.0, seed=0)
+COMPILED = dict(compile="blocks", compile_backend="aot_eager")
+
+
+def test_bad_values_and_impossible_combinations_are_refused_at_start_naming_the_option(monkeypatch):
+    import engine.engine
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("the workers were started before the options were checked")
+
+    monkeypatch.setattr(engine.engine, "make_pool", no_workers)
+    with pytest.raises(ValueError, match="compile must be one of none, blocks"):
+        EngineConfig(compile="model")
+    with pytest.raises(ValueError, match="quantize must be one of none, fp8"):
+        EngineConfig(quantize="int4")
+    with pytest.raises(ValueError, match=r"quantize='fp8' is not available: this engine runs on cpu.*8\.9"):
+        VideoPipeline.from_pretrained("tiny-wan", device="cpu", dtype="bfloat16", quantize="fp8")
+    with pytest.raises(ValueError, match=r"compile='blocks' cannot be used with --lora"):
+        VideoPipeline.from_pretrained("tiny-wan", device="cpu", loras={"l": "tiny-wan-lora"}, **COMPILED)
+    with pytest.raises(ValueError, match=r"compile='blocks' is not available for 'tiny-live'"):
+        VideoPipeline.from_pretrained("tiny-live", device="cpu", **COMPILED)
+
+
+def test_a_compiled_block_is_the_innermost_forward_under_the_hooks_and_one_graph_serves_every_batch_size():
+    """The step-caching hooks stay eager around the compiled forward (the forward is diffusers' bit for bit with
+    aot_eager); batch sizes 2 to 6 share one graph, a batch of one row costs one more (torch specialises size 1)."""
+    from diffusers import WanTransformer3DModel
+
+    from engine.cache import StepCache, WanStepCache
+    from engine.compile import CompiledBlock, compile_blocks, compiled_graphs
+
+    path = resolve_model("tiny-wan") / "transformer"
+    plain, compiled = (WanTransformer3DModel.from_pretrained(path) for _ in range(2))
+    assert compile_blocks(compiled.blocks, "aot_eager") == 2
+    WanStepCache(compiled, StepCache(blocks=len(compiled.blocks)))
+    assert isinstance(compiled.blocks[0]._diffusers_hook._fn_refs[0].original_forward, CompiledBlock)
+    before = compiled_graphs()
+    graphs = []
+    for rows in (2, 3, 6, 1, 4, 2):
+        g = torch.Generator().manual_seed(rows)
+        x, t = torch.randn(rows, 8, 3, 6, 8, generator=g), torch.rand(rows, generator=g) * 900
+        text = torch.randn(rows, 7, 32, generator=g)
+        with torch.no_grad():
+            assert torch.equal(plain(x, t, text, return_dict=False)[0], compiled(x, t, text, return_dict=False)[0])
+        graphs.append(compiled_graphs() - before)
+    assert graphs == [1, 1, 1, 2, 2, 2], graphs          # both blocks share the graph; size 1 is its own
+
+
+@pytest.fixture(scope="module")
+def wan_exact():
+    with VideoPipeline.from_pretrained("tiny-wan", device="cpu") as pipe:
+        yield pipe(PROMPT, negative_prompt=NEGATIVE, **WAN).frames, pipe([PROMPT, "a blue cube"], **WAN).frames
+
+
+def test_compiled_wan_equals_uncompiled_and_two_workers_equal_one_with_bounded_recompiles(wan_exact):
+    one, two_prompts = wan_exact
+    cache = {"kind": "first_block", "threshold": 0.8}
+    with VideoPipeline.from_pretrained("tiny-wan", device="cpu", **COMPILED) as pipe:
+        info = pipe.info
+        assert info.compile == "blocks" and info.compile_s > 0 and info.compiled_graphs > 0   # warmed up at load
+        got = pipe(PROMPT, negative_prompt=NEGATIVE, **WAN)
+        assert np.abs(got.frames - one).max() <= 1e-4
+        # other batch sizes (4 rows; step caching's sub-batches of the rows that recompute): graphs, then none
+        for _ in range(2):
+            settled = pipe.engine.stats().compiled_graphs
+            assert np.abs(pipe([PROMPT, "a blue cube"], **WAN).frames - two_prompts).max() <= 1e-4
+            cached = pipe([PROMPT, "a blue cube"], cache=cache, **WAN)
+            assert cached.timings["blocks_skipped"] > 0
+        assert pipe.engine.stats().compiled_graphs == settled, "the same batches again compiled nothing new"
+    with VideoPipeline.from_pretrained("tiny-wan", device="cpu", workers=2, **COMPILED) as pipe:
+        got = pipe(PROMPT, negative_prompt=NEGATIVE, **WAN)          # Ulysses: the graph breaks at its all-to-alls
+        assert np.abs(got.frames - one).max() <= 1e-4
+
+
+def test_compiled_latte_dsp_equals_uncompiled_with_step_caching_and_its_baselines_run_eager():
+    kw = dict(num_frames=4, num_inference_steps=4, seed=0)
+    cache = {"kind": "first_block", "threshold": 0.2}
+    with VideoPipeline.from_pretrained("tiny-latte", device="cpu") as pipe:
+        exact, cached = pipe(PROMPT, **kw), pipe([PROMPT, "a blue square"], cache=cache, **kw)
+    with VideoPipeline.from_pretrained("tiny-latte", device="cpu", workers=2, **COMPILED) as pipe:
+        assert np.abs(pipe(PROMPT, **kw).frames - exact.frames).max() <= 1e-4
+        got = pipe([PROMPT, "a blue square"], cache=cache, **kw)
+        assert got.timings["blocks_skipped"] == cached.timings["blocks_skipped"]
+        assert np.abs(got.frames - cached.frames).max() <= 1e-4
+        pipe.set_parallel("ulysses")      # new attention processors every call: the blocks' eager forward
+        graphs = pipe.engine.stats().compiled_graphs
+        assert np.abs(pipe(PROMPT, **kw).frames - exact.frames).max() <= 1e-4
+        assert pipe.engine.stats().compiled_graphs == graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 weights need a CUDA GPU with compute capability >= 8.9")
+def test_fp8_weights_on_a_gpu_keep_the_frames_close_and_the_kept_layers_in_bf16():
+    pytest.importorskip("torchao")
+    kw = dict(WAN, height=64, width=64)
+    with VideoPipeline.from_pretrained("tiny-wan", device="cuda", dtype="bfloat16") as pipe:
+        want = pipe(PROMPT, negative_prompt=NEGATIVE, **kw).frames
+    with VideoPipeline.from_pretrained("tiny-wan", device="cuda", dtype="bfloat16", quantize="fp8") as pipe:
+        assert pipe.info.quantize == "fp8"
+        got = pipe(PROMPT, negative_prompt=NEGATIVE, **kw).frames
+    assert np.abs(got - want).mean() < 0.05 and np.isfinite(got).all()
