@@ -15,7 +15,11 @@ from pipelines import VideoPipeline
 from weights import resolve_model
 
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry, low quality"
-WAN = dict(num_frames=5, height=32, width=48, num_inference_steps=4, guidance_scale=5.0, seed=0)
+WAN = dict(num_frames=5, height=32, width=48, num_inference_steps=3, guidance_scale=5.0, seed=0)
+# the random tiny-wan's head residual changes by 0.67-1.3 of itself from step to step: this threshold skips some
+CACHE = {"kind": "first_block", "threshold": 0.8}
+TWO = [PROMPT, "a blue cube"]
+WAN6 = dict(WAN, num_inference_steps=6)           # enough steps for the cache to skip some
 COMPILED = dict(compile="blocks", compile_backend="aot_eager")
 
 
@@ -40,7 +44,7 @@ def test_bad_values_and_impossible_combinations_are_refused_at_start_naming_the_
 
 def test_a_compiled_block_is_the_innermost_forward_under_the_hooks_and_one_graph_serves_every_batch_size():
     """The step-caching hooks stay eager around the compiled forward (the forward is diffusers' bit for bit with
-    aot_eager); batch sizes 2 to 6 share one graph, a batch of one row costs one more (torch specialises size 1)."""
+    aot_eager); batch sizes 2, 3 and 5 share one graph, a batch of one row costs one more (torch specialises size 1)."""
     from diffusers import WanTransformer3DModel
 
     from engine.cache import StepCache, WanStepCache
@@ -53,40 +57,35 @@ def test_a_compiled_block_is_the_innermost_forward_under_the_hooks_and_one_graph
     assert isinstance(compiled.blocks[0]._diffusers_hook._fn_refs[0].original_forward, CompiledBlock)
     before = compiled_graphs()
     graphs = []
-    for rows in (2, 3, 6, 1, 4, 2):
+    for rows in (2, 5, 1, 3):
         g = torch.Generator().manual_seed(rows)
         x, t = torch.randn(rows, 8, 3, 6, 8, generator=g), torch.rand(rows, generator=g) * 900
         text = torch.randn(rows, 7, 32, generator=g)
         with torch.no_grad():
             assert torch.equal(plain(x, t, text, return_dict=False)[0], compiled(x, t, text, return_dict=False)[0])
         graphs.append(compiled_graphs() - before)
-    assert graphs == [1, 1, 1, 2, 2, 2], graphs          # both blocks share the graph; size 1 is its own
+    assert graphs == [1, 1, 2, 2], graphs                # both blocks share the graph; size 1 is its own
 
 
-@pytest.fixture(scope="module")
-def wan_exact():
-    with VideoPipeline.from_pretrained("tiny-wan", device="cpu") as pipe:
-        yield pipe(PROMPT, negative_prompt=NEGATIVE, **WAN).frames, pipe([PROMPT, "a blue cube"], **WAN).frames
-
-
-def test_compiled_wan_equals_uncompiled_and_two_workers_equal_one_with_bounded_recompiles(wan_exact):
-    one, two_prompts = wan_exact
-    cache = {"kind": "first_block", "threshold": 0.8}
+def test_compiled_wan_equals_uncompiled_and_two_workers_equal_one_with_bounded_recompiles(pipeline):
+    exact = pipeline("tiny-wan", workers=1)
+    one, cached = exact(PROMPT, negative_prompt=NEGATIVE, **WAN), exact(TWO, cache=CACHE, **WAN6)
+    assert cached.timings["blocks_skipped"] > 0
     with VideoPipeline.from_pretrained("tiny-wan", device="cpu", **COMPILED) as pipe:
         info = pipe.info
         assert info.compile == "blocks" and info.compile_s > 0 and info.compiled_graphs > 0   # warmed up at load
-        got = pipe(PROMPT, negative_prompt=NEGATIVE, **WAN)
-        assert np.abs(got.frames - one).max() <= 1e-4
-        # other batch sizes (4 rows; step caching's sub-batches of the rows that recompute): graphs, then none
+        assert np.abs(pipe(PROMPT, negative_prompt=NEGATIVE, **WAN).frames - one.frames).max() <= 1e-4
+        # other batch sizes: 4 rows, then step caching's sub-batches of the rows that recompute; again, nothing new
+        graphs = []
         for _ in range(2):
-            settled = pipe.engine.stats().compiled_graphs
-            assert np.abs(pipe([PROMPT, "a blue cube"], **WAN).frames - two_prompts).max() <= 1e-4
-            cached = pipe([PROMPT, "a blue cube"], cache=cache, **WAN)
-            assert cached.timings["blocks_skipped"] > 0
-        assert pipe.engine.stats().compiled_graphs == settled, "the same batches again compiled nothing new"
+            got = pipe(TWO, cache=CACHE, **WAN6)
+            assert got.timings["blocks_skipped"] == cached.timings["blocks_skipped"]
+            assert np.abs(got.frames - cached.frames).max() <= 1e-4
+            graphs.append(pipe.engine.stats().compiled_graphs)
+        assert graphs[1] == graphs[0], "the same batches again compiled nothing new"
     with VideoPipeline.from_pretrained("tiny-wan", device="cpu", workers=2, **COMPILED) as pipe:
         got = pipe(PROMPT, negative_prompt=NEGATIVE, **WAN)          # Ulysses: the graph breaks at its all-to-alls
-        assert np.abs(got.frames - one).max() <= 1e-4
+        assert np.abs(got.frames - one.frames).max() <= 1e-4
 
 
 def test_compiled_latte_dsp_equals_uncompiled_with_step_caching_and_its_baselines_run_eager():
