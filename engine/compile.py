@@ -17,7 +17,12 @@ Batch sizes change from step to step (step-level batching, and step caching's su
 recompute), so the row dimension of every input is marked dynamic before the first call: one graph serves
 every batch size (torch specialises sizes 0 and 1, so a batch of one row costs one more graph). Other sizes
 (tokens, prompt length) follow torch's automatic dynamic shapes: the first change recompiles once with them
-symbolic. `compiled_graphs()` counts the graphs a process has compiled (tests bound it).
+symbolic. The Wan family's sequence-parallel attention is a graph break by design (`engine/models/wan.py`,
+`_exchanged_attention`: collectives on our process groups); the code after a break is compiled as its own
+frame whose inputs carry no mark, so there a batch size change recompiles once, then that frame is dynamic too.
+`dynamic=True` would avoid those recompiles but made the first compile 3-4 times slower on tiny-wan (symbolic
+shapes everywhere), so it is not used. `compiled_graphs()` counts the graphs a process has compiled; the engine
+reports it (`ModelInfo.compiled_graphs`, `stats().compiled_graphs`) and the tests check it stops growing.
 """
 
 from __future__ import annotations
