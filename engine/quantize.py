@@ -62,8 +62,9 @@ def check_fp8(config, device: str) -> None:
 
 
 def fp8_filter(module: torch.nn.Module, fqn: str) -> bool:
-    """torchao's `filter_fn`: the linear layers inside the repeated blocks, none of the kept-out modules."""
-    if not isinstance(module, torch.nn.Linear):
+    """torchao's `filter_fn`: the linear layers inside the repeated blocks, none of the kept-out modules, and only
+    those whose sizes `torch._scaled_mm` takes (multiples of 16: every published model's; tiny-wan's 36 are not)."""
+    if not isinstance(module, torch.nn.Linear) or module.in_features % 16 or module.out_features % 16:
         return False
     parts = fqn.split(".")
     if parts[0] not in ("blocks", "transformer_blocks", "temporal_transformer_blocks"):
@@ -78,6 +79,7 @@ def quantize_fp8(transformer: torch.nn.Module) -> int:
 
     chosen = [name for name, m in transformer.named_modules() if fp8_filter(m, name)]
     if not chosen:
-        raise ValueError(f"quantize='fp8': no linear layer of {type(transformer).__name__} is in a repeated block")
+        raise ValueError(f"quantize='fp8': no linear layer of {type(transformer).__name__}'s blocks can be FP8 (none "
+                         f"has sizes that are multiples of 16)")
     quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=fp8_filter)
     return len(chosen)
