@@ -74,7 +74,7 @@ class EngineConfig:
                                    "(pip install '.[gpu]') and --dtype bfloat16", choices=list(QUANTIZE))
     #: the compile's torch backend: not a flag (the tests' "aot_eager" checks the mechanism without inductor's
     #: C++ code generation, which takes about half a minute a graph on a small CPU)
-    compile_backend: str = field(default="inductor")
+    compile_backend: str = field(default="inductor", metadata={"group": "internal"})
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
     loras: tuple = option((), "a LoRA adapter loaded at start, NAME=PATH[:SCALE] (repeatable): a .safetensors file in "
