@@ -27,6 +27,7 @@ The parallel forwards themselves (DSP for Latte; hooks on diffusers' Wan modules
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import time
@@ -180,9 +181,11 @@ class VideoFamily:
         raise NotImplementedError
 
     def warm_up(self) -> float:
-        """One denoising step of a throw-away request at the model's default size (CFG's two rows, the default
-        frames and size; an image-to-video model gets a grey image), so that the compiled blocks are compiled now
-        rather than in the first request. Collective: every rank runs it at load. -> its wall time (s)."""
+        """Denoising steps of throw-away requests at the model's default size (CFG's two rows, the default frames
+        and size; an image-to-video model gets a grey image), so that the compiled blocks are compiled now rather
+        than in the first requests: one request's step, then a step of it with a second whose prompt is longer
+        (more rows, another text length and, for Latte, a text mask: the sizes that change between batches become
+        symbolic here, also after Wan's graph break). Collective: every rank runs it at load. -> wall time (s)."""
         desc = self.describe(Path(self.model_dir))
         d = desc.defaults
         options = {}
@@ -194,9 +197,13 @@ class VideoFamily:
                               height=d.height, width=d.width, num_inference_steps=d.num_inference_steps,
                               guidance_scale=d.guidance_scale, seed=0, options=options)
         spec = type(self).check_request(desc, spec)
+        longer = dataclasses.replace(spec, request_id="warm-up-2",
+                                     prompt=["a longer warm-up prompt, so that the length of the text changes"])
         t0 = time.perf_counter()
-        req = self.admit(spec)
-        self.step([req])
+        first, second = self.admit(spec), self.admit(longer)
+        self.step([first])
+        if first.batch_key == second.batch_key and not first.denoised:
+            self.step([first, second])
         sync_cuda()
         return time.perf_counter() - t0
 
