@@ -226,8 +226,10 @@ class VideoEngine:
                                    config.cfg_parallel)
         check_speed_levers(config, family, desc, plan)
         worker_config = WorkerConfig(config, str(model_dir), plan)
+        # compiling at load (the warm-up's steps, inductor's code generation) adds minutes to a large model's start
         pool = make_pool(config.workers, setup=worker.setup_worker, setup_args=(worker_config,),
-                         device=config.device, launcher=config.launcher)
+                         device=config.device, launcher=config.launcher,
+                         start_timeout_s=300.0 if config.compile == "none" else 1800.0)
         try:
             info = ModelInfo(desc, **pool.run(worker.model_info)[0])
         except BaseException:
