@@ -28,6 +28,8 @@ DEVICES = (None, "cpu", "cuda")
 MAX_STEPS = 1000                    # most denoising steps a request may ask for, anywhere
 ATTENTION = ("auto", "sdpa", "xformers")
 LAUNCHERS = ("auto", "local", "torchrun")
+COMPILE = ("none", "blocks")
+QUANTIZE = ("none", "fp8")
 
 
 def option(default, help: str, group: str = "model", flag: str | None = None, choices=None, metavar=None):
@@ -61,6 +63,18 @@ class EngineConfig:
                                      "\"threshold\": 0.1}' (diffusers' FirstBlockCache, or MagCache on the Wan "
                                      "family: '{\"kind\": \"mag\", \"calibrate\": true}' measures its ratios; "
                                      "per request, engine/cache.py); default none: exact", metavar="PRESET|JSON")
+    compile: str = option("none", "none | blocks: torch.compile the transformer's repeated block (Wan's "
+                                  "WanTransformerBlock, Latte's spatial and temporal blocks), once per worker at "
+                                  "start with a warm-up forward at the model's default size; frames equal the "
+                                  "uncompiled ones within float reordering (1e-4 in float32). Not with --lora "
+                                  "(docs/design.md, Regional compile and FP8)", choices=list(COMPILE))
+    quantize: str = option("none", "none | fp8: the transformer's linear layers in FP8 (torchao's float8 dynamic "
+                                   "activation and weight quantisation; embeddings, norms and the output projection "
+                                   "stay in --dtype); needs CUDA with compute capability >= 8.9, torchao "
+                                   "(pip install '.[gpu]') and --dtype bfloat16", choices=list(QUANTIZE))
+    #: the compile's torch backend: not a flag (the tests' "aot_eager" checks the mechanism without inductor's
+    #: C++ code generation, which takes about half a minute a graph on a small CPU)
+    compile_backend: str = field(default="inductor", metadata={"group": "internal"})
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
     loras: tuple = option((), "a LoRA adapter loaded at start, NAME=PATH[:SCALE] (repeatable): a .safetensors file in "
@@ -123,6 +137,14 @@ class EngineConfig:
                 raise ValueError(f"cache must be a preset name or JSON text; got {type(self.cache).__name__}")
             if parse_cache(self.cache) is None:
                 object.__setattr__(self, "cache", None)        # "none" / "off": no caching
+        if self.compile not in COMPILE:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE)}; got {self.compile!r}")
+        from engine.compile import BACKENDS
+
+        if self.compile_backend not in BACKENDS:
+            raise ValueError(f"compile_backend must be one of {', '.join(BACKENDS)}; got {self.compile_backend!r}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}; got {self.quantize!r}")
         if self.offload not in ("none", "expert"):
             raise ValueError(f"offload must be 'none' or 'expert'; got {self.offload!r}")
         for name in ("max_batch", "decode_chunk_frames", "max_steps_per_job", "offload_max_wait"):
@@ -209,6 +231,10 @@ class ModelInfo:
     attention: str
     scheduler: str
     vae_tiling: bool
+    compile: str = "none"
+    compile_s: float | None = None     # the warm-up forward that compiled the blocks (rank 0's wall time)
+    compiled_graphs: int = 0           # graphs compiled by then (one per block shape: batch sizes share one)
+    quantize: str = "none"
 
     def __getattr__(self, name: str) -> Any:      # info.family, info.defaults, ... read through
         if name == "description":

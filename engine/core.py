@@ -99,6 +99,7 @@ class EngineCore:
         self.requests_stepped = 0        # sum of batch sizes over steps
         self.last_batch_size = 0
         self.crashes = 0
+        self.compiled_graphs = 0         # rank 0's graphs compiled so far, as of its last step job
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -220,6 +221,7 @@ class EngineCore:
         if out is None:
             return
         step_s = (time.perf_counter() - t0) / len(out.progress)
+        self.compiled_graphs = out.compiled_graphs
         for progress in out.progress:
             self.steps_run += 1
             self.requests_stepped += len(batch)

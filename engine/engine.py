@@ -42,6 +42,27 @@ from engine.scheduler import QueueFullError, RequestState, ScheduledRequest
 log = logging.getLogger("longserve.engine")
 
 
+def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan) -> None:
+    """Refuse, before any worker loads, a `compile` or `quantize` that could not run (ValueError naming it)."""
+    from engine.dist import default_device
+    from engine.quantize import check_fp8
+
+    if config.compile != "none":
+        if not family.supports_compile:
+            raise ValueError(f"compile={config.compile!r} is not available for {config.model!r} (a {desc.family} "
+                             f"model): regional compile is built for Latte and the Wan family (T2V, I2V, TI2V, "
+                             f"diffusion forcing)")
+        if config.loras:
+            raise ValueError(f"compile={config.compile!r} cannot be used with --lora: the adapters are added per row "
+                             f"inside the blocks from state that changes with every batch, which a compiled block "
+                             f"would guard on (a recompile per batch) or bake in")
+    if config.quantize != "none":
+        if not family.supports_compile:      # the same families: those whose blocks the engine knows
+            raise ValueError(f"quantize={config.quantize!r} is not available for {config.model!r} (a {desc.family} "
+                             f"model): FP8 weights are built for Latte and the Wan family")
+        check_fp8(config.replace(parallel=plan.name), config.device or default_device())
+
+
 def resolve_checkpoint(model: str | os.PathLike) -> Path:
     """A shipped model name or a local diffusers directory -> its validated absolute path."""
     from weights import resolve_model
@@ -77,6 +98,7 @@ class EngineStats:
     setup_failures: int
     last_error: WorkerError | None
     loop_alive: bool
+    compiled_graphs: int = 0         # `compile` blocks: graphs rank 0 has compiled (warm-up included); bounded
 
 
 class RequestHandle:
@@ -202,9 +224,12 @@ class VideoEngine:
             config = config.replace(workers=int(os.environ.get("WORLD_SIZE", config.workers)))
         plan = family.resolve_plan(desc, config.parallel, config.workers, config.ulysses_degree,
                                    config.cfg_parallel)
+        check_speed_levers(config, family, desc, plan)
         worker_config = WorkerConfig(config, str(model_dir), plan)
+        # compiling at load (the warm-up's steps, inductor's code generation) adds minutes to a large model's start
         pool = make_pool(config.workers, setup=worker.setup_worker, setup_args=(worker_config,),
-                         device=config.device, launcher=config.launcher)
+                         device=config.device, launcher=config.launcher,
+                         start_timeout_s=300.0 if config.compile == "none" else 1800.0)
         try:
             info = ModelInfo(desc, **pool.run(worker.model_info)[0])
         except BaseException:
@@ -275,7 +300,8 @@ class VideoEngine:
                            last_batch_size=core.last_batch_size, crashes=core.crashes, pool_state=pool.state,
                            workers=pool.workers, workers_ready=pool.ready, restarts=pool.restarts,
                            setup_failures=core.setup_failures, last_error=pool.last_error,
-                           loop_alive=self._thread.is_alive())
+                           loop_alive=self._thread.is_alive(),
+                           compiled_graphs=core.compiled_graphs or self.info.compiled_graphs)
 
     def add_batch_listener(self, listener: Callable[[BatchStep], None]) -> None:
         """`listener(BatchStep)` hears every denoising step of every batch (on the engine's thread: keep it short)."""

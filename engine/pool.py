@@ -576,7 +576,7 @@ def launched_by_torchrun() -> bool:
 
 
 def make_pool(workers: int, setup: Callable | None = None, setup_args: tuple = (), device: str | None = None,
-              launcher: str = "auto"):
+              launcher: str = "auto", start_timeout_s: float = 300.0):
     """A `WorkerPool` of `workers` local processes, or the `torchrun` group this process belongs to.
 
     launcher: "local" | "torchrun" | "auto" (torchrun when this process was started by it).
@@ -586,4 +586,4 @@ def make_pool(workers: int, setup: Callable | None = None, setup_args: tuple = (
         raise ValueError(f"launcher must be auto, local or torchrun; got {launcher!r}")
     if launcher == "torchrun" or (launcher == "auto" and launched_by_torchrun()):
         return TorchrunPool(setup, setup_args, device)
-    return WorkerPool(workers, setup=setup, setup_args=setup_args, device=device)
+    return WorkerPool(workers, setup=setup, setup_args=setup_args, device=device, start_timeout_s=start_timeout_s)

@@ -55,6 +55,7 @@ class Admission:
 class StepResult:
     progress: list[dict]       # per step run: {request_id: Progress}
     compute_s: float
+    compiled_graphs: int = 0   # graphs this worker compiled so far (`compile` blocks; 0 without)
 
 
 @dataclass(frozen=True)
@@ -75,16 +76,24 @@ class DecodedChunk:
 def setup_worker(ctx, config: WorkerConfig) -> None:
     """Load the checkpoint's family on this worker (the text encoder on rank 0 only)."""
     family = detect_family(config.model_dir)
-    ctx.state["family"] = family(ctx, config)
+    ctx.state["family"] = loaded = family(ctx, config)
     ctx.state["requests"] = {}
+    ctx.state["compile_s"] = None
+    if config.engine.compile != "none":       # compile now, at the default size, rather than in the first request
+        ctx.state["compile_s"] = loaded.warm_up()
 
 
 def model_info(ctx) -> dict:
     """What the workers report about the loaded model (rank 0's view)."""
+    from engine.compile import compiled_graphs
+
     family = ctx.state["family"]
+    engine = family.config.engine
     return {"plan": family.plan, "device": str(ctx.pg.device), "dtype": str(family.dtype).replace("torch.", ""),
             "workers": ctx.pg.world_size, "attention": family.attention,
-            "scheduler": type(family.pipe.scheduler).__name__, "vae_tiling": family.vae_tiling}
+            "scheduler": type(family.pipe.scheduler).__name__, "vae_tiling": family.vae_tiling,
+            "compile": engine.compile, "compile_s": ctx.state.get("compile_s"), "compiled_graphs": compiled_graphs(),
+            "quantize": engine.quantize}
 
 
 def set_plan(ctx, plan: ParallelPlan) -> None:
@@ -116,7 +125,9 @@ def step(ctx, request_ids: list[str], max_steps: int = 1) -> StepResult:
         progress.append({r.spec.request_id: r.progress() for r in reqs})
         if any(r.denoised or r.decodable() or r.batch_key != key for r in reqs):
             break
-    return StepResult(progress, time.perf_counter() - t0)
+    from engine.compile import compiled_graphs
+
+    return StepResult(progress, time.perf_counter() - t0, compiled_graphs())
 
 
 def decode_next(ctx, request_id: str, max_frames: int) -> DecodedChunk | None:

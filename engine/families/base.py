@@ -27,6 +27,7 @@ The parallel forwards themselves (DSP for Latte; hooks on diffusers' Wan modules
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import time
@@ -100,6 +101,9 @@ class VideoFamily:
     cache_kinds: ClassVar[tuple[str, ...]] = ("first_block",)     # the `cache` kinds its forward takes
     #: loads `--lora` adapters (into `self.lora`, an `engine.lora.LoraSet`) and applies them per row in `step`
     supports_lora: ClassVar[bool] = False
+    #: takes the `compile` and `quantize` engine options (engine/compile.py, engine/quantize.py): its workers compile
+    #: / quantise their transformer's repeated blocks at load
+    supports_compile: ClassVar[bool] = False
 
     # -- coordinator side ------------------------------------------------------------------
 
@@ -175,6 +179,33 @@ class VideoFamily:
 
     def set_plan(self, plan: ParallelPlan) -> None:
         raise NotImplementedError
+
+    def warm_up(self) -> float:
+        """Denoising steps of throw-away requests at the model's default size (CFG's two rows, the default frames
+        and size; an image-to-video model gets a grey image), so that the compiled blocks are compiled now rather
+        than in the first requests: one request's step, then a step of it with a second whose prompt is longer
+        (more rows, another text length and, for Latte, a text mask: the sizes that change between batches become
+        symbolic here, also after Wan's graph break). Collective: every rank runs it at load. -> wall time (s)."""
+        desc = self.describe(Path(self.model_dir))
+        d = desc.defaults
+        options = {}
+        if desc.extra.get("image_required"):
+            options["image"] = np.full((d.height, d.width, 3), 128, dtype=np.uint8)
+        if desc.extra.get("last_image") == "required":
+            options["last_image"] = options["image"]
+        spec = GenerationSpec(request_id="warm-up", prompt=["warm-up"], negative_prompt="", num_frames=d.num_frames,
+                              height=d.height, width=d.width, num_inference_steps=d.num_inference_steps,
+                              guidance_scale=d.guidance_scale, seed=0, options=options)
+        spec = type(self).check_request(desc, spec)
+        longer = dataclasses.replace(spec, request_id="warm-up-2",
+                                     prompt=["a longer warm-up prompt, so that the length of the text changes"])
+        t0 = time.perf_counter()
+        first, second = self.admit(spec), self.admit(longer)
+        self.step([first])
+        if first.batch_key == second.batch_key and not first.denoised:
+            self.step([first, second])
+        sync_cuda()
+        return time.perf_counter() - t0
 
     # -- worker side: a request ----------------------------------------------------------------
 

@@ -181,6 +181,8 @@ class CausalWanFamily(WanFamily):
 
     # -- worker side --------------------------------------------------------------------------------
 
+    supports_compile = False         # its own transformer and KV-cached forward: not built
+
     def __init__(self, ctx, config):
         import diffusers
         import transformers

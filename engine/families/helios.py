@@ -150,6 +150,8 @@ class HeliosFamily(WanFamily):
 
     # -- worker side: loading ---------------------------------------------------------------------
 
+    supports_compile = False         # its own chunked forward and hooks: not built
+
     def __init__(self, ctx, config):
         import diffusers
 

@@ -62,6 +62,7 @@ class LatteFamily(VideoFamily):
     pipeline_classes = frozenset({"LattePipeline"})
     plans = STRATEGIES
     auto_plan = "dsp"
+    supports_compile = True
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
@@ -90,6 +91,16 @@ class LatteFamily(VideoFamily):
         if self.vae_tiling:
             self.pipe.vae.enable_tiling()  # per frame, so any split of the frames across workers decodes alike
         self.attention = select_attention(self.pipe.transformer, self.pg.device, config.engine.attention)
+        model = self.pipe.transformer
+        if config.engine.quantize == "fp8":
+            from engine.quantize import quantize_fp8
+
+            quantize_fp8(model)
+        if config.engine.compile == "blocks":        # DSP's forward calls them; the embedded baselines run them eager
+            from engine.compile import compile_blocks
+
+            blocks = [*model.transformer_blocks, *model.temporal_transformer_blocks]
+            compile_blocks(blocks, config.engine.compile_backend)
         self.split_variance = getattr(self.pipe.scheduler.config, "variance_type", None) not in (
             "learned", "learned_range")
         self._cfg = None
@@ -99,6 +110,8 @@ class LatteFamily(VideoFamily):
 
     def set_plan(self, plan: ParallelPlan) -> None:
         check_strategy(plan.name)
+        if plan.name == "megatron-sp" and self.config.engine.quantize == "fp8":
+            raise ValueError("quantize='fp8' cannot run megatron-sp: it slices the linear layers' weights by hand")
         if plan.cfg_parallel and self.pg.world_size > 1:
             if self._cfg is None:
                 self._cfg = make_cfg_groups(self.pg)   # new_group is collective: built once, kept

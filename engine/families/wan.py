@@ -85,6 +85,7 @@ class WanFamily(VideoFamily):
     #: Wan 2.2 TI2V's per-token timesteps (`expand_timesteps` in model_index.json): engine/families/wan_ti2v.py
     expand_timesteps = False
     supports_lora = True
+    supports_compile = True
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
@@ -131,6 +132,18 @@ class WanFamily(VideoFamily):
             self.lora = LoraSet(self.pipe, config.engine.loras)
         self.desc = desc
         experts = [m for m in (self.pipe.transformer, getattr(self.pipe, "transformer_2", None)) if m is not None]
+        # FP8 first (the compiled graph then takes its float8 matmuls), and both before any hook: a compiled block's
+        # forward must be the innermost one the hooks wrap (engine/compile.py)
+        if config.engine.quantize == "fp8":
+            from engine.quantize import quantize_fp8
+
+            for m in experts:
+                quantize_fp8(m)
+        if config.engine.compile == "blocks":
+            from engine.compile import compile_blocks
+
+            for m in experts:
+                compile_blocks(m.blocks, config.engine.compile_backend)
         # step caching's hooks go on first, so they see a block's input after the sequence-parallel cut
         self.step_cache = StepCache(blocks=len(experts[0].blocks))
         caches = [WanStepCache(m, self.step_cache) for m in experts]

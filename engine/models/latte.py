@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid
 
 from engine import comm
+from engine.compile import CompiledBlock
 from engine.dist import ParallelGroup
 from engine.parallel import CfgGroups, ring_attention
 
@@ -194,6 +195,10 @@ class TensorParallelFeedForward(nn.Module):
 def _swapped(block, pg, strategy: str, num_patches: int, spatial: bool):
     """Install a strategy's attention processors / MLP in one block; restore on exit."""
     saved = (block.attn1.processor, block.attn2.processor if block.attn2 is not None else None, block.ff)
+    compiled = block.__dict__.get("forward")
+    if isinstance(compiled, CompiledBlock):
+        # new processors every call: a compiled graph would guard on them and recompile each time; eager instead
+        block.forward = compiled.eager
     try:
         if strategy == "ulysses" and spatial:
             block.attn1.processor = UlyssesSpatialAttention(pg, num_patches)
@@ -211,6 +216,8 @@ def _swapped(block, pg, strategy: str, num_patches: int, spatial: bool):
         if block.attn2 is not None:
             block.attn2.processor = saved[1]
         block.ff = saved[2]
+        if isinstance(compiled, CompiledBlock):
+            block.forward = compiled
 
 
 # -- the forward ---------------------------------------------------------------------

@@ -104,6 +104,16 @@ def project_qkv(attn, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.
     return tuple(t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
 
 
+@torch.compiler.disable
+def _exchanged_attention(owner: "WanSequenceParallel", q, k, v) -> torch.Tensor:
+    """`sequence_parallel_attention` over the owner's current shard. Inside a compiled block (`compile` blocks) it
+    runs eager: its all-to-alls and ring passes are gloo / NCCL calls on our own process groups, which dynamo would
+    break the graph on anyway. The break is here by design: the projections before it and the output projection
+    after it stay in the graph, and the shard (a new object every forward) is read here, never guarded on."""
+    shard = owner.shard
+    return sequence_parallel_attention(q, k, v, shard.sp, shard.S, causal=shard.causal)
+
+
 class SequenceParallelAttnProcessor:
     """A block's self-attention over the sharded sequence; diffusers' own processor when no forward is sharded."""
 
@@ -120,7 +130,7 @@ class SequenceParallelAttnProcessor:
         q, k, v = project_qkv(attn, hidden_states)                                                 # (B, Sl, H, hd)
         if rotary_emb is not None:
             q, k = _rotate(q, *rotary_emb), _rotate(k, *rotary_emb)
-        out = sequence_parallel_attention(q, k, v, shard.sp, shard.S, causal=shard.causal)         # (B, Sl, H, hd)
+        out = _exchanged_attention(self.owner, q, k, v)                                          # (B, Sl, H, hd)
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 

@@ -1,12 +1,15 @@
 """`longserve bench speed`: the opt-in speed levers against the exact default, in one run on one machine.
 
     longserve bench speed [--model tiny-latte] [--prompts 40] [--cache first_block] [--cache '{"kind": ...}'] \\
-        [--steps N] [--frames N] [--json out.json] [--markdown docs/benchmarks.md]
+        [--compile blocks] [--steps N] [--frames N] [--json out.json] [--markdown docs/benchmarks.md]
 
 Every row generates the same videos: the first `--prompts` prompts of the trained tiny-latte's
 vocabulary (`weights.clips.PROMPTS`), one request each, seed 0, all submitted at once so that the
 engine batches them as a server would (`max_batch` per step). Rows: "exact" (no lever), then one per
-`--cache` (step caching, engine/cache.py; any preset or JSON the `cache` request option takes). Per row:
+`--cache` (step caching, engine/cache.py; any preset or JSON the `cache` request option takes), then with
+`--compile blocks` two rows on a second engine whose transformer blocks are compiled (engine/compile.py):
+"compile" (no other lever) and "stack" (compile with the first `--cache`). Both engines stay loaded and the
+rows run in turn, so a busy spell of a shared machine falls on all of them alike. Per row:
 
 - transformer block evaluations per video (one block applied to one latent row: cond and uncond rows
   count apart), and how many fewer than exact;
@@ -14,19 +17,22 @@ engine batches them as a server would (`max_batch` per step). Rows: "exact" (no 
   turn with the other rows'), and exact's over it (the speed-up);
 - PSNR of the frames against exact's (float frames in [0, 1], over every video; inf when equal);
 - recognition rate: the fraction of videos whose colour and motion match their prompt
-  (`tests/support/content.py`, present in a source checkout; with another `--model` the column is empty).
+  (`tests/support/content.py`, present in a source checkout; with another `--model` the column is empty);
+- compile rows: the compile time, that is the compiled engine's warm-up step at load (`ModelInfo.compile_s`:
+  its default size) plus the bench's own first run on it (the bench's size, when it differs, recompiles there).
 
 `--model wan-1.3b-shaped` builds (once, in the temporary directory: 5.7 GB) a checkpoint with Wan 2.1 T2V
 1.3B's transformer shape (30 blocks, 12 heads x 128, FFN 8960; random weights) around tiny-wan's text
 encoder and VAE (`server.bench.models.shaped_checkpoint`): the block counts and the wall-time ratio of a
 30-block model. A `mag` cache without `mag_ratios` is calibrated first, on the first prompt.
 
-The other levers of issue 22 (regional compile, FP8, expert offload) get rows here when they exist; expert
-offload needs a two-expert model and changes no frame, so it has none on tiny-latte.
+FP8 weights (`--quantize fp8`) need a GPU with FP8 and get no row on CPU; expert offload needs a two-expert
+model and changes no frame, so it has none on tiny-latte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -53,6 +59,12 @@ def add_arguments(parser) -> None:
                         help="how many of the 40 vocabulary prompts (one video each)")
     parser.add_argument("--cache", dest="caches", action="append", default=None, metavar="PRESET|JSON",
                         help="a step-caching setting to measure (repeatable; default: the first_block presets)")
+    parser.add_argument("--compile", dest="compile_rows", choices=["none", "blocks"], default="none",
+                        help="blocks: add a 'compile' row (the transformer's blocks compiled, engine/compile.py) and "
+                             "a 'stack' row (compiled, with the first --cache), on a second engine")
+    parser.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"],
+                        help="torch.compile backend of the compile rows (aot_eager: the mechanism without code "
+                             "generation, for tests)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     parser.add_argument("--frames", type=int, default=None, help="frames per video (default: the model's)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -61,7 +73,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--markdown", default=None, metavar="PATH",
                         help=f"replace the section '{SECTION}' of this Markdown file with the table")
-    add_cli_args(parser, EngineConfig, groups=("model", "scheduling"), exclude=("cache",),
+    add_cli_args(parser, EngineConfig, groups=("model", "scheduling"), exclude=("cache", "compile"),
                  titles={"model": "engine options (every row)", "scheduling": "scheduling (every row)"})
 
 
@@ -137,7 +149,16 @@ COLUMNS = [
     Column("speed-up", "speedup", ".2f"),
     Column("PSNR vs exact (dB)", lambda r: "exact" if r["psnr_db"] is None else f"{r['psnr_db']:.1f}"),
     Column("recognised", lambda r: "" if r["recognised"] is None else f"{r['recognised']}/{r['videos']}"),
+    Column("compile s", lambda r: "" if r.get("compile_s") is None else f"{r['compile_s']:.1f}"),
 ]
+
+
+def lever_name(cache: dict | None, compiled: bool) -> str:
+    parts = ["compile blocks"] if compiled else []
+    if cache is not None:
+        parts.append("cache " + ", ".join(f"{k}={v}" for k, v in cache.items() if k != "mag_ratios"))
+    return " + ".join(parts) or "exact"
+
 
 
 def run(args) -> int:
@@ -157,29 +178,42 @@ def run(args) -> int:
     if args.model in SHAPED_CHECKPOINTS:            # a published model's shape, random weights, built once
         config = config.replace(model=str(shaped_checkpoint(args.model)))
     rows, load = [], load_average()
-    with VideoPipeline.from_config(config) as pipe:
+    with contextlib.ExitStack() as stack:
+        pipe = stack.enter_context(VideoPipeline.from_config(config))
         generate(pipe, prompts[:1], 2, args.frames, None)                  # warm-up
         caches = [calibrated(pipe, c, prompts, args) for c in caches]
-        levers = [None, *caches]
+        levers = [(pipe, None), *((pipe, c) for c in caches)]              # (engine, cache) per row
+        compile_s = None
+        if args.compile_rows != "none":
+            print(f"  compiling the transformer blocks ({args.compile_backend}) ...", file=sys.stderr, flush=True)
+            compiled = stack.enter_context(VideoPipeline.from_config(
+                config.replace(compile=args.compile_rows, compile_backend=args.compile_backend)))
+            first = generate(compiled, prompts[:1], 2, args.frames, None)[2]  # the bench's size may recompile
+            compile_s = compiled.info.compile_s + first
+            print(f"  compiled: warm-up at load {compiled.info.compile_s:.1f} s, first run {first:.1f} s, "
+                  f"{compiled.info.compiled_graphs} graphs", file=sys.stderr, flush=True)
+            levers += [(compiled, None), (compiled, caches[0])]
         runs = {i: [] for i in range(len(levers))}
         for _ in range(args.repeats):
-            for i, cache in enumerate(levers):
-                runs[i].append(generate(pipe, prompts, args.steps, args.frames, cache))
-                print(f"  {'exact' if cache is None else cache}: {runs[i][-1][2]:.2f} s", file=sys.stderr, flush=True)
+            for i, (engine, cache) in enumerate(levers):
+                runs[i].append(generate(engine, prompts, args.steps, args.frames, cache))
+                print(f"  {lever_name(cache, engine is not pipe)}: {runs[i][-1][2]:.2f} s", file=sys.stderr,
+                      flush=True)
         exact_videos = runs[0][0][0]
         exact_blocks = sum(t["blocks"] for t in runs[0][0][1])
         exact_wall = min(w for _, _, w in runs[0])
-        for i, cache in enumerate(levers):
+        for i, (engine, cache) in enumerate(levers):
             videos, timings, _ = runs[i][0]
             walls = [w for _, _, w in runs[i]]
             blocks = sum(t["blocks"] for t in timings)
             rows.append(dict(
-                lever="exact" if cache is None else "cache " + ", ".join(f"{k}={v}" for k, v in cache.items()
-                                                                         if k != "mag_ratios"),
-                cache=cache, videos=len(videos), blocks_per_video=blocks / len(videos),
+                lever=lever_name(cache, engine is not pipe), cache=cache,
+                compile=None if engine is pipe else args.compile_rows,
+                compile_s=None if engine is pipe else compile_s, videos=len(videos),
+                blocks_per_video=blocks / len(videos),
                 blocks_skipped_per_video=sum(t["blocks_skipped"] for t in timings) / len(videos),
                 fewer_blocks=exact_blocks / blocks, wall_s=min(walls), wall_s_runs=walls,
-                speedup=exact_wall / min(walls), psnr_db=None if cache is None else psnr(videos, exact_videos),
+                speedup=exact_wall / min(walls), psnr_db=None if i == 0 else psnr(videos, exact_videos),
                 recognised=None if recognises is None else sum(recognises(v, p) for v, p in zip(videos, prompts))))
         info = pipe.info
     import torch
@@ -196,6 +230,8 @@ def run(args) -> int:
         write_json(rows, args.json)
     if args.markdown:
         flags = " ".join(f"--cache '{c}'" for c in (args.caches or []))
+        if args.compile_rows != "none":
+            flags += f" --compile {args.compile_rows}"
         command = (f"longserve bench speed --model {args.model} --workers {info.workers} --prompts {args.prompts} "
                    f"--repeats {args.repeats} {flags}")
         body = (f"Measured with `{command.strip()}` on {machine['cpu']} ({machine['cores']} cores, "

@@ -69,6 +69,16 @@ def add_arguments(p) -> None:
     add_cli_args(p, EngineConfig, groups=("model",), titles={"model": "model and workers"})
 
 
+def speed_levers(info) -> str:
+    """The load line's words on `compile` and `quantize` ("" when neither is on)."""
+    words = ""
+    if info.compile != "none":
+        words += f", compile {info.compile} (warm-up {info.compile_s:.1f} s, {info.compiled_graphs} graphs)"
+    if info.quantize != "none":
+        words += f", quantize {info.quantize}"
+    return words
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
@@ -95,13 +105,17 @@ def run(args) -> int:
     config = from_cli_args(EngineConfig, args, **PIPELINE_DEFAULTS)
     if config.loras:             # one video: every adapter given with --lora applies, at its scale
         options["lora"] = [{"name": a.name, "scale": a.scale} for a in config.loras]
+    if config.compile != "none":       # the workers compile at load: say so before the wait
+        print(f"loading {args.model}; compiling its transformer blocks ({config.compile_backend}) with a warm-up "
+              f"step at the default size ...", file=sys.stderr, flush=True)
     with VideoPipeline.from_config(config) as pipe:
         loaded = time.perf_counter()
         info = pipe.info
         fps = args.fps or pipe.defaults.fps
         print(f"loaded {args.model} ({info.family}) on {info.workers} worker(s) ({info.device}, "
               f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention}"
-              + "".join(f", lora {a.name} x{a.scale:g}" for a in config.loras), file=sys.stderr)
+              + "".join(f", lora {a.name} x{a.scale:g}" for a in config.loras) + speed_levers(info),
+              file=sys.stderr)
         bar = tqdm(total=args.steps, desc="denoising", unit="step", file=sys.stderr)
 
         def on_step(step: int, total: int) -> None:

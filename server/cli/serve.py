@@ -91,8 +91,14 @@ def run(args) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(f"loading {args.model} on {args.workers} worker(s), parallel={args.parallel} ...", file=sys.stderr)
+    compiling = "; compiling its transformer blocks with a warm-up step" if args.compile != "none" else ""
+    print(f"loading {args.model} on {args.workers} worker(s), parallel={args.parallel}{compiling} ...",
+          file=sys.stderr)
     videos, score, app = build(args)
+    from server.cli.generate import speed_levers
+
+    if videos.engine is not None and speed_levers(videos.engine.info):
+        print(f"loaded{speed_levers(videos.engine.info).lstrip(',')}", file=sys.stderr)
     from server.api.edge import uvicorn_options
     lim = videos.limits
     print(f"serving {videos.model_name} on http://{args.host}:{args.port} (data in {args.data_dir}; "

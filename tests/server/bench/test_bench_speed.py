@@ -3,6 +3,8 @@ block evaluations, wall time, PSNR against exact and the recognition count on th
 
 import json
 
+import pytest
+
 from server.cli import main
 
 
@@ -29,3 +31,19 @@ def test_bench_speed_calibrates_a_mag_cache_the_checkpoint_has_no_ratios_for(tmp
     assert len(mag["cache"]["mag_ratios"]) == 6 and mag["cache"]["mag_ratios"][0] == 1.0
     assert "mag_ratios" not in mag["lever"] and exact["recognised"] is None
     assert mag["blocks_per_video"] + mag["blocks_skipped_per_video"] == exact["blocks_per_video"]
+
+
+def test_bench_speed_adds_a_compile_row_and_a_stack_row_with_the_compile_time(tmp_path):
+    """The rows' mechanism at the smallest size, with the aot_eager backend (inductor's code generation would take
+    minutes on this CPU; the inductor figures are docs/design.md's)."""
+    out = tmp_path / "speed.json"
+    assert main(["bench", "speed", "--prompts", "1", "--steps", "3", "--frames", "2", "--compile", "blocks",
+                 "--compile-backend", "aot_eager", "--cache", '{"kind": "first_block", "threshold": 0.3}',
+                 "--json", str(out)]) == 0
+    exact, cached, compiled, stack = json.loads(out.read_text())
+    assert [r["lever"] for r in (exact, compiled)] == ["exact", "compile blocks"]
+    assert stack["lever"] == "compile blocks + cache kind=first_block, threshold=0.3"
+    assert exact["compile_s"] is None and compiled["compile_s"] > 0 and stack["compile_s"] == compiled["compile_s"]
+    assert compiled["blocks_per_video"] == exact["blocks_per_video"] and compiled["psnr_db"] > 60
+    assert stack["blocks_per_video"] == cached["blocks_per_video"] and stack["wall_s"] > 0
+    assert stack["psnr_db"] == pytest.approx(cached["psnr_db"], abs=1)        # inf when nothing was skipped
