@@ -104,6 +104,7 @@ class HeliosFamily(WanFamily):
     request_class = HeliosRequest
     supports_lora = False
     cache_kinds = ()
+    supports_compile = False         # its own hooks around a chunk's forward: not built (docs/design.md)
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
@@ -149,8 +150,6 @@ class HeliosFamily(WanFamily):
         return video_frames(spec.num_frames, chunk, desc.extra["temporal"])[1]
 
     # -- worker side: loading ---------------------------------------------------------------------
-
-    supports_compile = False         # its own chunked forward and hooks: not built
 
     def __init__(self, ctx, config):
         import diffusers
