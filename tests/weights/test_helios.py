@@ -4,36 +4,27 @@ cross-attention, history key amplification) at toy sizes."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoints import digests, without_stamps
 from weights import build_tiny_helios, read_model_index, resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-VERSION_STAMPS = ("_diffusers_version", "transformers_version")
 
 
-def _digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _without_stamps(path: Path) -> dict:
-    return {k: v for k, v in json.loads(path.read_text()).items() if k not in VERSION_STAMPS}
 
 
 @pytest.mark.parametrize("kind", sorted(build_tiny_helios.WRITERS))
 def test_the_build_equals_the_committed_checkpoint_byte_for_byte(tmp_path, kind):
     name = build_tiny_helios.WRITERS[kind][0]
     built, shipped = build_tiny_helios.build(kind, tmp_path / name), resolve_model(name)
-    got, committed = _digests(built), _digests(shipped)
+    got, committed = digests(built), digests(shipped)
     assert sorted(got) == sorted(committed) and len(got) == 12
     for rel in got:
         if rel.endswith(".json"):  # library version stamps may differ; the content may not
-            assert _without_stamps(built / rel) == _without_stamps(shipped / rel), rel
+            assert without_stamps(built / rel) == without_stamps(shipped / rel), rel
         else:
             assert got[rel] == committed[rel], f"{rel} differs from the committed file; rebuild and commit"
 

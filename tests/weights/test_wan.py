@@ -4,7 +4,6 @@ checkpoints and their builder, the published configs in weights.wan, and real-co
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.checkpoints import digests, without_stamps
 from weights import (
     TINY_MODELS,
     build_tiny_wan,
@@ -29,7 +29,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_WAN = TINY_MODELS["tiny-wan"]
 TINY_DF = TINY_MODELS["tiny-skyreels-df"]
 SHIPPED = {"wan": TINY_WAN, "skyreels-df": TINY_DF}
-VERSION_STAMPS = ("_diffusers_version", "transformers_version")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,13 +42,6 @@ def wan_copy(tmp_path):
     return dst
 
 
-def _digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _without_stamps(path: Path) -> dict:
-    return {k: v for k, v in json.loads(path.read_text()).items() if k not in VERSION_STAMPS}
 
 
 def _edit_index(root: Path, **changes) -> None:
@@ -74,10 +66,10 @@ def _config(model) -> dict:
 def test_tiny_build_is_byte_reproducible_and_equals_the_committed_checkpoint(tmp_path, kind):
     first = build_tiny_wan.build(kind, tmp_path / "first")
     assert build_tiny_wan.main(["--kind", kind, "--out", str(tmp_path / "second")]) == 0
-    a, b = _digests(first), _digests(tmp_path / "second")
+    a, b = digests(first), digests(tmp_path / "second")
     assert a == b and len(a) == 12
 
-    committed = _digests(SHIPPED[kind])
+    committed = digests(SHIPPED[kind])
     if kind == "skyreels-df":   # trained (train_tiny_skyreels_df.py): its text encoder, tokenizer are the builder's
         a = {rel: d for rel, d in a.items() if rel.startswith(("text_encoder/", "tokenizer/"))}
         assert len(a) == 5
@@ -85,7 +77,7 @@ def test_tiny_build_is_byte_reproducible_and_equals_the_committed_checkpoint(tmp
         assert sorted(committed) == sorted(a)
     for rel in a:
         if rel.endswith(".json"):  # library version stamps may differ; the content may not
-            assert _without_stamps(first / rel) == _without_stamps(SHIPPED[kind] / rel), rel
+            assert without_stamps(first / rel) == without_stamps(SHIPPED[kind] / rel), rel
         else:
             assert a[rel] == committed[rel], f"{rel} differs from the committed file; rebuild and commit"
 
@@ -95,7 +87,7 @@ def test_tiny_checkpoints_are_small_and_name_the_published_classes():
         files = [p for p in root.rglob("*") if p.is_file()]
         assert sum(p.stat().st_size for p in files) < (6 if root == TINY_DF else 2) * 2**20   # DF: trained, wider
         assert not any(p.suffix == ".bin" for p in files)
-        assert _without_stamps(root / "model_index.json") == index
+        assert without_stamps(root / "model_index.json") == index
     # Wan 2.1's published model_index.json has no transformer_2 / boundary_ratio key at all.
     assert "transformer_2" not in read_model_index("tiny-wan") and "boundary_ratio" not in read_model_index("tiny-wan")
 

@@ -4,27 +4,17 @@ on (one image, or a first and a last; Wan 2.2 TI2V's first latent frame; A14B's 
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoints import digests, without_stamps
 from weights import TINY_MODELS, build_tiny_wan_i2v, read_model_index, resolve_model
 from weights import wan as published
-
-VERSION_STAMPS = ("_diffusers_version", "transformers_version")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _without_stamps(path: Path) -> dict:
-    return {k: v for k, v in json.loads(path.read_text()).items() if k not in VERSION_STAMPS}
 
 
 # per checkpoint: the Wan 2.1 ones 15 (CLIP encoder and processor), TI2V 12 (none), A14B 14 (a second expert)
@@ -35,11 +25,11 @@ FILES = {"i2v": 15, "flf2v": 15, "wan22-ti2v": 12, "wan22-i2v-a14b": 14, "skyree
 def test_the_build_equals_the_committed_checkpoint_byte_for_byte(tmp_path, kind):
     built = build_tiny_wan_i2v.build(kind, tmp_path / kind)
     shipped = build_tiny_wan_i2v.DEFAULT_OUT[kind]
-    got, committed = _digests(built), _digests(shipped)
+    got, committed = digests(built), digests(shipped)
     assert sorted(got) == sorted(committed) and len(got) == FILES[kind]
     for rel in got:
         if rel.endswith(".json"):  # library version stamps may differ; the content may not
-            assert _without_stamps(built / rel) == _without_stamps(shipped / rel), rel
+            assert without_stamps(built / rel) == without_stamps(shipped / rel), rel
         else:
             assert got[rel] == committed[rel], f"{rel} differs from the committed file; rebuild and commit"
 
@@ -49,7 +39,7 @@ def test_the_checkpoints_are_small_in_the_published_layout_and_say_what_they_con
         root = resolve_model(name)
         files = [p for p in root.rglob("*") if p.is_file()]
         assert sum(p.stat().st_size for p in files) < 2 * 2**20
-        assert _without_stamps(root / "model_index.json") == published.WAN_2_1_I2V_MODEL_INDEX
+        assert without_stamps(root / "model_index.json") == published.WAN_2_1_I2V_MODEL_INDEX
         transformer = json.loads((root / "transformer" / "config.json").read_text())
         assert (transformer["in_channels"], transformer["image_dim"], transformer["pos_embed_seq_len"]) == (20, 32, pos)
         assert transformer["num_attention_heads"] == 3, "an odd head count, as tiny-wan's"
@@ -61,7 +51,7 @@ def test_the_wan22_and_skyreels_checkpoints_have_the_published_structure():
     for name in ("tiny-wan22-ti2v", "tiny-wan22-i2v-a14b", "tiny-skyreels-i2v"):
         assert sum(p.stat().st_size for p in resolve_model(name).rglob("*") if p.is_file()) < 2 * 2**20, name
     ti2v = resolve_model("tiny-wan22-ti2v")
-    assert _without_stamps(ti2v / "model_index.json") == published.WAN_2_2_TI2V_5B_MODEL_INDEX
+    assert without_stamps(ti2v / "model_index.json") == published.WAN_2_2_TI2V_5B_MODEL_INDEX
     vae = json.loads((ti2v / "vae" / "config.json").read_text())
     real = published.WAN_2_2_VAE
     for key in ("is_residual", "patch_size", "in_channels", "out_channels", "scale_factor_spatial",
@@ -73,14 +63,14 @@ def test_the_wan22_and_skyreels_checkpoints_have_the_published_structure():
     assert json.loads((ti2v / "scheduler" / "scheduler_config.json").read_text())["flow_shift"] == 5.0
 
     a14b = resolve_model("tiny-wan22-i2v-a14b")
-    assert _without_stamps(a14b / "model_index.json") == published.WAN_2_2_I2V_A14B_MODEL_INDEX
+    assert without_stamps(a14b / "model_index.json") == published.WAN_2_2_I2V_A14B_MODEL_INDEX
     experts = [json.loads((a14b / e / "config.json").read_text()) for e in ("transformer", "transformer_2")]
     assert experts[0] == experts[1] and (experts[0]["in_channels"], experts[0]["image_dim"]) == (20, None)
     assert (a14b / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() != \
         (a14b / "transformer_2" / "diffusion_pytorch_model.safetensors").read_bytes()
 
     sky = resolve_model("tiny-skyreels-i2v")
-    index = _without_stamps(sky / "model_index.json")
+    index = without_stamps(sky / "model_index.json")
     assert index == {**published.SKYREELS_V2_I2V_MODEL_INDEX, "image_processor": ["transformers", "CLIPImageProcessor"]}
     transformer = json.loads((sky / "transformer" / "config.json").read_text())
     assert transformer["_class_name"] == "SkyReelsV2Transformer3DModel" and transformer["in_channels"] == 20
