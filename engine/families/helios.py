@@ -160,9 +160,7 @@ class HeliosFamily(WanFamily):
         self.desc = self.describe(Path(config.model_dir))
         self.pipe = self.load_pipeline(getattr(diffusers, self.desc.pipeline), self.component_dtypes())
         self.experts = [HeliosSequenceParallel(self.pipe.transformer)]
-        self.residency = None
         self.vae_spatial, self.vae_temporal = vae_factors(dict(self.pipe.vae.config))
-        self.boundary = None
         self.set_plan(config.plan)
 
     # -- a request ----------------------------------------------------------------------------------
@@ -172,12 +170,6 @@ class HeliosFamily(WanFamily):
             return ("helios", "done")
         return ("helios", *r.latents.shape, r.history_sizes)
 
-    def encode_prompt(self, spec: GenerationSpec):
-        """UMT5 embeddings padded to 512 tokens, by the pipeline's own `encode_prompt` (rank 0 only)."""
-        return self.pipe.encode_prompt(prompt=spec.prompt, negative_prompt=spec.negative_prompts(),
-                                       do_classifier_free_guidance=spec.use_cfg, num_videos_per_prompt=1,
-                                       max_sequence_length=512, device=self.pg.device)
-
     def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> HeliosRequest:
         o = spec.options
         sizes, chunk = tuple(o["history_sizes"]), o["num_latent_frames_per_chunk"]
@@ -185,15 +177,10 @@ class HeliosFamily(WanFamily):
         h, w = spec.height // self.vae_spatial, spec.width // self.vae_spatial
         B, C = spec.batch_size, self.pipe.transformer.config.in_channels
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
-        # every chunk's steps, as the pipeline's schedule makes them (a scratch scheduler: the request's is set per
+        # every chunk's steps, as the pipeline's schedule makes them (the request's scheduler, set again at every
         # stage); the first chunk may differ (the distilled pyramid's is_amplify_first_chunk)
-        counts = []
-        for first in (True, False):
-            scratch = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
-            counts.append(0)
-            for stage in range(self.stages(spec)):
-                self.set_timesteps(scratch, spec, stage, first, mu=1.0)
-                counts[-1] += len(scratch.timesteps)
+        counts = [sum(self.stage_steps(scheduler, spec, stage, first) for stage in range(self.stages(spec)))
+                  for first in (True, False)]
         req = HeliosRequest(spec=spec, num_steps=counts[0] + (chunks - 1) * counts[1], batch_key=(),
                             num_frames=frames, text=text, scheduler=scheduler, generator=seeded_generator(spec.seed),
                             history_sizes=sizes, chunk=chunk, chunks=chunks,
@@ -212,6 +199,10 @@ class HeliosFamily(WanFamily):
         steps, sigmas = spec.num_inference_steps, spec.options.get("sigmas")
         sigmas = np.linspace(0.999, 0.0, steps + 1)[:-1] if sigmas is None else np.asarray(sigmas, dtype=np.float64)
         scheduler.set_timesteps(steps, device=self.pg.device, sigmas=sigmas, mu=mu)
+
+    def stage_steps(self, scheduler, spec: GenerationSpec, stage: int, first: bool) -> int:
+        self.set_timesteps(scheduler, spec, stage, first, mu=1.0)          # the count does not depend on the shift
+        return len(scheduler.timesteps)
 
     def chunk_start(self, noise: torch.Tensor) -> torch.Tensor:
         """The first stage's latents from the chunk's noise (B, C, chunk, h, w)."""
@@ -249,9 +240,6 @@ class HeliosFamily(WanFamily):
 
     def _forward_with_indices(self, indices: dict, x, t, text, history: dict, sp, cfg=None):
         return self.experts[0](x, t, text, {**history, **indices}, sp, cfg=cfg)
-
-    def cache_scope(self, reqs: list[HeliosRequest]) -> int:
-        return 0
 
     def inputs(self, r: HeliosRequest) -> dict:
         long, mid, short_1x = r.history.split(list(r.history_sizes), dim=2)

@@ -33,6 +33,7 @@ rotary tables: cheap beside 40 blocks of attention over S tokens). The hooks do 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -151,9 +152,8 @@ class HeliosSequenceParallel:
         the patch)."""
         p = self.model.config.patch_size
 
-        def count(shape, scale):
-            kernel = [scale * k for k in p]
-            return int(torch.Size([-(-n // k) for n, k in zip(shape[2:], kernel)]).numel())
+        def count(shape, scale):            # (B, C, F, H, W) embedded with a patch `scale` times p: ceil each dim
+            return math.prod(-(-n // (scale * k)) for n, k in zip(shape[2:], p))
 
         S_cur = count(x.shape, 1)
         S = S_cur
