@@ -204,6 +204,45 @@ class GenerationDefaults:
         return cls(**{k: d[k] for k in common}, options={k: v for k, v in d.items() if k not in common})
 
 
+#: how a model takes an input: never, when given, or always
+REFUSED, OPTIONAL, REQUIRED = "refused", "optional", "required"
+INPUT_RULES = (REFUSED, OPTIONAL, REQUIRED)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded model can do: what the front doors (HTTP, the CLI, the page, the benches) read to build a
+    request, refuse one early, or show a form. Each family fills it in its `describe`; nothing outside
+    `engine/families/` reads the family's own facts."""
+
+    image: str = REFUSED               # a first frame to start from (image-to-video): refused | optional | required
+    last_image: str = REFUSED          # a last frame (first-last-frame)
+    video: str = REFUSED               # a video to continue (extension by diffusion forcing)
+    long_video: bool = False           # any length, streamed segment by segment (diffusion forcing, Helios, live)
+    live: bool = False                 # live sessions over a rolling KV cache, prompt switches (causal models)
+    frames_per_chunk: int = 0          # live: pixel frames a chunk holds
+    live_window: int = 0               # live: latent frames a chunk attends to, itself included (sink + ring)
+    two_experts: bool = False          # a high- and a low-noise denoiser (Wan 2.2 A14B: expert offload)
+    cache_kinds: tuple[str, ...] = ()  # step caching a request may ask for (engine/cache.py)
+    mag_calibration: bool = False      # the checkpoint carries MagCache's calibration (mag_ratios.json)
+    lora: bool = False                 # loads --lora adapters, chosen per request
+    compile: bool = False              # takes `compile` and `quantize`
+    fps_conditioned: bool = False      # the model is given the video's fps (SkyReels-V2)
+
+    def __post_init__(self):
+        for name in ("image", "last_image", "video"):
+            if getattr(self, name) not in INPUT_RULES:
+                raise ValueError(f"Capabilities.{name} must be one of {', '.join(INPUT_RULES)}")
+
+    @property
+    def takes_image(self) -> bool:
+        return self.image != REFUSED
+
+    @property
+    def extends(self) -> bool:
+        return self.video != REFUSED
+
+
 @dataclass(frozen=True)
 class ModelDescription:
     """What the coordinator knows of a checkpoint from its JSON configs alone (a family's `describe`)."""
@@ -215,8 +254,8 @@ class ModelDescription:
     frame_multiple: int                # frame counts are frame_multiple * k + 1 (1: any count)
     defaults: GenerationDefaults
     options: tuple[str, ...] = ()      # request options of this family (Wan 2.2's guidance_scale_2, ...)
-    long_video: bool = False           # makes videos of any length (diffusion forcing)
-    extra: dict = field(default_factory=dict)   # the family's own facts (two experts, scheduler config, ...)
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    extra: dict = field(default_factory=dict)   # the family's own facts (scheduler config, ...): families only
 
 
 @dataclass(frozen=True)

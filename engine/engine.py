@@ -205,7 +205,7 @@ class VideoEngine:
         desc = family.describe(model_dir)
         if config.loras:             # the files are read by the workers; what the coordinator can check, it does here
             config = config.replace(loras=lora.check_adapters(config.loras, family, desc))
-        if config.offload == "expert" and not desc.extra.get("two_experts"):
+        if config.offload == "expert" and not desc.capabilities.two_experts:
             raise ValueError(f"offload='expert' needs a two-expert checkpoint (Wan 2.2 A14B: transformer, "
                              f"transformer_2 and boundary_ratio); {config.model!r} has one denoiser")
         if config.cache is not None and "cache" not in desc.options:

@@ -151,7 +151,7 @@ def check_adapters(adapters: tuple[LoraAdapter, ...], family, desc) -> tuple[Lor
                          f"checkpoints do)")
     checked = []
     for a in adapters:
-        if a.path_2 is not None and not desc.extra.get("two_experts"):
+        if a.path_2 is not None and not desc.capabilities.two_experts:
             raise ValueError(f"{a.flag()}: two files (HIGH,LOW) are for a two-expert checkpoint (Wan 2.2 A14B); "
                              f"this one has one transformer")
         paths = []

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     with VideoPipeline.from_pretrained(args.model) as pipe:
         fps, temporal = pipe.defaults.fps, pipe.info.frame_multiple
-        fb = pipe.info.description.extra["causal"]["num_frame_per_block"]
+        fb = pipe.info.capabilities.frames_per_chunk // temporal          # latent frames a chunk
         frames = int(round(args.seconds * fps))
         frames = (frames - 1) // temporal * temporal + 1
         latent = (frames - 1) // temporal + 1

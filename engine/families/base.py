@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from engine import comm
-from engine.config import MAX_STEPS, GenerationDefaults, ModelDescription, WorkerConfig
+from engine.config import MAX_STEPS, REQUIRED, Capabilities, GenerationDefaults, ModelDescription, WorkerConfig
 from engine.dist import parse_dtype
 from engine.lora import step_rows
 from engine.parallel import ParallelPlan, resolve_plan
@@ -117,6 +117,14 @@ class VideoFamily:
         raise NotImplementedError
 
     @classmethod
+    def capabilities(cls, options: tuple[str, ...] = (), **facts) -> Capabilities:
+        """The checkpoint's capabilities: what the family's class takes (LoRA, compile, step caching when `cache` is
+        among its request `options`, the video's fps) and the checkpoint's own `facts` (inputs, experts, live)."""
+        return Capabilities(lora=cls.supports_lora, compile=cls.supports_compile,
+                            cache_kinds=tuple(cls.cache_kinds) if "cache" in options else (),
+                            fps_conditioned="fps" in options, **facts)
+
+    @classmethod
     def resolve_plan(cls, desc: ModelDescription, parallel: str, workers: int, ulysses_degree: int | None = None,
                      cfg_parallel: bool = False) -> ParallelPlan:
         return resolve_plan(parallel, cls.plans, workers, desc.heads, cls.auto_plan, ulysses_degree, cfg_parallel)
@@ -189,9 +197,9 @@ class VideoFamily:
         desc = self.describe(Path(self.model_dir))
         d = desc.defaults
         options = {}
-        if desc.extra.get("image_required"):
+        if desc.capabilities.image == REQUIRED:
             options["image"] = np.full((d.height, d.width, 3), 128, dtype=np.uint8)
-        if desc.extra.get("last_image") == "required":
+        if desc.capabilities.last_image == REQUIRED:
             options["last_image"] = options["image"]
         spec = GenerationSpec(request_id="warm-up", prompt=["warm-up"], negative_prompt="", num_frames=d.num_frames,
                               height=d.height, width=d.width, num_inference_steps=d.num_inference_steps,

@@ -105,9 +105,12 @@ class CausalWanFamily(WanFamily):
         return ModelDescription(
             family=cls.name, pipeline="CausalWan", heads=t["num_attention_heads"],
             size_multiple=spatial * t["patch_size"][1], frame_multiple=temporal * t["patch_size"][0],
-            defaults=generation_defaults(model_dir, fallback), options=OPTIONS, long_video=True,
+            defaults=generation_defaults(model_dir, fallback), options=OPTIONS,
+            capabilities=cls.capabilities(OPTIONS, long_video=True, live=True,
+                                          frames_per_chunk=cfg.frames_per_block * temporal * t["patch_size"][0],
+                                          live_window=cfg.local_attn_size),
             extra={"causal": raw, "layers": t["num_layers"], "head_dim": t["attention_head_dim"],
-                   "patch": t["patch_size"], "vae_spatial": spatial, "vae_temporal": temporal, "live": True})
+                   "patch": t["patch_size"], "vae_spatial": spatial, "vae_temporal": temporal})
 
     @classmethod
     def resolve_plan(cls, desc: ModelDescription, parallel: str, workers: int, ulysses_degree: int | None = None,

@@ -118,8 +118,8 @@ class HeliosFamily(WanFamily):
             # diffusers' check_inputs: height and width divisible by 16 (and whole patches)
             size_multiple=math.lcm(16, spatial * patch[1]), frame_multiple=1,
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
-            options=OPTIONS, long_video=True,
-            extra={"two_experts": False, "temporal": temporal,
+            options=OPTIONS, capabilities=cls.capabilities(OPTIONS, long_video=True),
+            extra={"temporal": temporal,
                    "scheduler_config": read_json(model_dir / "scheduler" / "scheduler_config.json")})
 
     @classmethod

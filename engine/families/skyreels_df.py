@@ -162,15 +162,11 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         cfg = read_json(Path(model_dir) / "transformer" / "config.json")
         scheduler = read_json(Path(model_dir) / "scheduler" / "scheduler_config.json")
         inputs = INPUTS[desc.pipeline]
-        return replace(desc, family=cls.name, options=DF_OPTIONS, long_video=True,
+        return replace(desc, family=cls.name, options=DF_OPTIONS,
+                       capabilities=cls.capabilities(DF_OPTIONS, image=inputs["image"], video=inputs["video"],
+                                                     long_video=True),
                        extra={**desc.extra, "frames_per_block": cfg.get("num_frame_per_block", 1),
-                              "scheduler_class": scheduler["_class_name"], "scheduler_config": scheduler,
-                              "inputs": inputs,
-                              # what the front doors read: may a request carry an image, a video (extend)?
-                              "image_to_video": inputs["image"] != "refused",
-                              "image_required": inputs["image"] == "required",
-                              "extends": inputs["video"] != "refused",
-                              "video_required": inputs["video"] == "required"})
+                              "scheduler_class": scheduler["_class_name"], "scheduler_config": scheduler})
 
     @classmethod
     def check_conditions(cls, desc: ModelDescription, spec: GenerationSpec) -> tuple[str, dict]:
@@ -183,7 +179,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         if "image" in options and "video" in options:
             raise RequestError("video", "give an image (a video from its first frame) or a video (to extend), "
                                         "not both")
-        rules = desc.extra["inputs"]
+        rules = {"image": desc.capabilities.image, "video": desc.capabilities.video}
         for name, other in (("image", "a video to extend"), ("video", "an image to start from")):
             if rules[name] == "refused" and name in options:
                 raise RequestError(name, f"{name} is not taken by this {desc.pipeline} checkpoint: it needs {other}")

@@ -98,15 +98,18 @@ class WanFamily(VideoFamily):
         if bool(index.get("expand_timesteps")) != cls.expand_timesteps:
             raise ValueError(f"{model_dir}: expand_timesteps is {bool(index.get('expand_timesteps'))}; the "
                              f"{cls.name} family serves checkpoints where it is {cls.expand_timesteps}")
+        options = (*(("guidance_scale_2",) if two_experts else ()), *SCHEDULE_OPTIONS, "cache")
+        mag_ratios = read_mag_ratios(model_dir)
         return ModelDescription(
             family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
             size_multiple=spatial * cfg["patch_size"][1], frame_multiple=temporal * cfg["patch_size"][0],
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
-            options=(*(("guidance_scale_2",) if two_experts else ()), *SCHEDULE_OPTIONS, "cache"),
-            extra={"two_experts": two_experts, "boundary_ratio": index.get("boundary_ratio") if two_experts else None,
+            options=options, capabilities=cls.capabilities(options, two_experts=two_experts,
+                                                           mag_calibration=mag_ratios is not None),
+            extra={"boundary_ratio": index.get("boundary_ratio") if two_experts else None,
                    "scheduler_config": read_json(model_dir / "scheduler" / "scheduler_config.json"),
                    # MagCache's calibration, when the checkpoint carries one: [ratios] or [[expert 1], [expert 2]]
-                   "mag_ratios": read_mag_ratios(model_dir)})
+                   "mag_ratios": mag_ratios})
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
@@ -123,7 +126,7 @@ class WanFamily(VideoFamily):
         if config.engine.attention == "xformers":
             raise ValueError("attention='xformers' is not available for the Wan family (it uses PyTorch SDPA)")
         desc = self.describe(Path(config.model_dir))
-        offload = config.engine.offload == "expert" and desc.extra.get("two_experts")
+        offload = config.engine.offload == "expert" and desc.capabilities.two_experts
         self.pipe = self.load_pipeline(getattr(diffusers, self.pipeline_class(desc)), self.component_dtypes(),
                                        on_host=("transformer", "transformer_2") if offload else ())
         if config.engine.loras:          # before the plan's hooks and the offload's copies, which must include them
@@ -154,7 +157,7 @@ class WanFamily(VideoFamily):
         self.residency = ExpertResidency(experts, self.pg.device) if offload else None
         self.vae_spatial, self.vae_temporal = vae_factors(dict(self.pipe.vae.config))
         self.boundary = (desc.extra["boundary_ratio"] * self.pipe.scheduler.config.num_train_timesteps
-                         if desc.extra["two_experts"] else None)
+                         if desc.capabilities.two_experts else None)
         self.set_plan(config.plan)
 
     def pipeline_class(self, desc: ModelDescription) -> str:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelDescription
+from engine.config import OPTIONAL, REFUSED, REQUIRED, ModelDescription
 from engine.families.base import cfg_rows, check_cache_option, check_common, check_number, read_json
 from engine.families.wan import WanFamily, WanRequest, check_schedule
 from engine.images import as_rgb_array, to_pil
@@ -81,15 +81,15 @@ class WanImageToVideoFamily(WanFamily):
         desc = super().describe(model_dir)
         cfg = read_json(Path(model_dir) / "transformer" / "config.json")
         if cfg.get("image_dim") is None:
-            last_image = "optional"      # Wan 2.2 I2V A14B: the condition video alone carries the images
+            last_image = OPTIONAL        # Wan 2.2 I2V A14B: the condition video alone carries the images
         elif cfg.get("pos_embed_seq_len") is not None:
-            last_image = "required"      # FLF2V: the image embedder views two images' CLIP tokens as one row
+            last_image = REQUIRED        # FLF2V: the image embedder views two images' CLIP tokens as one row
         else:
-            last_image = "refused"       # Wan 2.1 I2V: one image's CLIP tokens per row
+            last_image = REFUSED         # Wan 2.1 I2V: one image's CLIP tokens per row
         return dataclasses.replace(desc, options=("image", "last_image", *desc.options),
-                                   extra={**desc.extra, "image_to_video": True, "image_required": True,
-                                          "image_encoder": cfg.get("image_dim") is not None,
-                                          "last_image": last_image})
+                                   capabilities=dataclasses.replace(desc.capabilities, image=REQUIRED,
+                                                                    last_image=last_image),
+                                   extra={**desc.extra, "image_encoder": cfg.get("image_dim") is not None})
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
@@ -99,14 +99,14 @@ class WanImageToVideoFamily(WanFamily):
             check_number("guidance_scale_2", spec.options["guidance_scale_2"], 0, 100)
         if spec.options.get("image") is not None:
             options = dict(spec.options, image=as_rgb_array(spec.options["image"], "image"))
-        elif desc.extra["image_required"]:
+        elif desc.capabilities.image == REQUIRED:
             raise RequestError("image", "image is required: this is an image-to-video model (pass a PIL image or an "
                                         "(H, W, 3) array; HTTP: the input_reference file)")
         else:                            # Wan 2.2 TI2V without an image: text-to-video
             options = {k: v for k, v in spec.options.items() if k != "image"}
-        rule = desc.extra["last_image"]
+        rule = desc.capabilities.last_image
         if options.get("last_image") is not None:
-            if rule == "refused":
+            if rule == REFUSED:
                 raise RequestError("last_image", desc.extra.get("last_image_refusal") or
                                    "last_image needs a first-last-frame checkpoint (Wan 2.1 FLF2V, or Wan 2.2 I2V); "
                                    "this one conditions on one image")
@@ -116,7 +116,7 @@ class WanImageToVideoFamily(WanFamily):
                                                  f"last frames); got {spec.num_frames}")
         else:
             options.pop("last_image", None)
-            if rule == "required":
+            if rule == REQUIRED:
                 raise RequestError("last_image", "last_image is required: this is a first-last-frame (FLF2V) "
                                                  "checkpoint, conditioned on a first and a last image")
         return check_cache_option(dataclasses.replace(spec, options=options), cls.cache_kinds,

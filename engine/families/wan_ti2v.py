@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelDescription
+from engine.config import OPTIONAL, REFUSED, ModelDescription
 from engine.families.base import cfg_rows, read_json
 from engine.families.wan import WanFamily
 from engine.families.wan_i2v import WanI2VRequest, WanImageToVideoFamily
@@ -87,8 +87,9 @@ class WanTI2VFamily(WanImageToVideoFamily):
         desc = super().describe(model_dir)
         refusal = ("last_image is not supported by Wan 2.2 TI2V: it conditions on a first frame only (diffusers' "
                    "WanImageToVideoPipeline ignores last_image with expand_timesteps)")
-        return dataclasses.replace(desc, extra={**desc.extra, "image_required": False, "image_encoder": False,
-                                                "last_image": "refused", "last_image_refusal": refusal})
+        return dataclasses.replace(desc, capabilities=dataclasses.replace(desc.capabilities, image=OPTIONAL,
+                                                                          last_image=REFUSED),
+                                   extra={**desc.extra, "image_encoder": False, "last_image_refusal": refusal})
 
     # -- worker side -----------------------------------------------------------------------------------
 

@@ -68,7 +68,7 @@ class LiveSessions:
 
     @property
     def supported(self) -> bool:
-        return bool(self.videos.engine.info.description.extra.get("live"))
+        return self.videos.engine.info.capabilities.live
 
     def resolve(self, msg: dict) -> tuple[GenerationSpec, int]:
         """A start message -> (spec, fps), with the server's limits (APIError naming the field)."""
@@ -166,10 +166,9 @@ class LiveSessions:
         prompts = [spec.prompt[0]]
         stopped = asyncio.Event()
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.buffer_chunks)
-        cfg = self.videos.engine.info.description.extra["causal"]
         await self._send(ws, {"type": "session.created", "id": spec.request_id, "fps": fps,
                               "size": f"{spec.width}x{spec.height}", "max_seconds": self.max_seconds,
-                              "frames_per_chunk": cfg["num_frame_per_block"] * self.videos.limits.frame_multiple})
+                              "frames_per_chunk": self.videos.engine.info.capabilities.frames_per_chunk})
 
         async def receive() -> None:
             while True:

@@ -51,6 +51,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.config import REQUIRED
 from engine.engine import RequestHandle, VideoEngine
 from engine.outputs import Admitted, Cancelled, Failed, Finished, FramesChunk, Queued, Requeued, StepProgress
 from engine.request import GenerationSpec, RequestError
@@ -152,7 +153,7 @@ class VideoService:
         fps = cfg.fps if cfg.fps is not None else d.fps
         if cfg.max_frames is not None:
             max_frames = cfg.max_frames
-        elif info.long_video:
+        elif info.capabilities.long_video:
             if not cfg.max_seconds > 0:
                 raise ValueError(f"max_seconds must be positive, got {cfg.max_seconds!r}")
             max_frames = max(d.num_frames, round(cfg.max_seconds * fps) + rule)
@@ -168,7 +169,7 @@ class VideoService:
                              guidance_scale=(cfg.default_guidance_scale if cfg.default_guidance_scale is not None
                                              else d.guidance_scale),
                              # a causal model's step count is its step list's: the model's own default
-                             default_steps=d.num_inference_steps if info.extra.get("live") else cfg.default_steps)
+                             default_steps=d.num_inference_steps if info.capabilities.live else cfg.default_steps)
         from server.api.live import LiveSessions
 
         self.live = LiveSessions(self, cfg.max_live_seconds, cfg.live_buffer_chunks)
@@ -288,8 +289,8 @@ class VideoService:
             if name in options:
                 raise APIError(400, f"{name}: send the {name} as the file field input_reference", param=name,
                                code="invalid_value")
-        extra = self.engine.info.extra
-        takes_image, takes_video = bool(extra.get("image_to_video")), bool(extra.get("extends"))
+        caps = self.engine.info.capabilities
+        takes_image, takes_video = caps.takes_image, caps.extends
         if not takes_image and not takes_video:
             for name, value in (("input_reference", input_reference), ("last_image", last)):
                 if value is not None:
@@ -308,11 +309,11 @@ class VideoService:
                 raise APIError(400, "input_reference must be an MP4 video: this model extends videos and takes no "
                                     "image", param="input_reference", code="unsupported_image")
             refs = {"image": decode_image(data, "input_reference", limit)}
-        elif extra.get("video_required"):
+        elif caps.video == REQUIRED:
             raise APIError(400, "input_reference is required: this model extends a video (send an MP4 file as the "
                                 "multipart field input_reference, or use POST /v1/videos/{id}/extend)",
                            param="input_reference", code="missing_parameter")
-        elif takes_image and extra.get("image_required", True):
+        elif caps.image == REQUIRED:
             raise APIError(400, "input_reference is required: this model makes a video from an image (send a PNG, "
                                 "JPEG or WebP file as the multipart field input_reference)",
                            param="input_reference", code="missing_parameter")
@@ -423,7 +424,7 @@ class VideoService:
         extended.
         400 on a model that cannot extend, 404 for an unknown (or expired) video, 409 for one not completed."""
         cfg, lim = self.config, self.limits
-        if not self.engine.info.extra.get("extends"):
+        if not self.engine.info.capabilities.extends:
             raise APIError(400, f"this model ({self.model_name}, a {self.engine.info.family} model) cannot extend "
                                 f"videos: extension needs a diffusion-forcing (SkyReels-V2 DF) checkpoint",
                            param="model", code="unsupported_operation")

@@ -98,8 +98,8 @@ def _switch_row(pipe, width: int, height: int) -> dict:
 def _memory_rows(pipe, counts: list[int], width: int, height: int) -> list[dict]:
     from engine import worker
 
-    cfg = pipe.info.description.extra["causal"]
-    fb, temporal = cfg["num_frame_per_block"], pipe.info.frame_multiple
+    temporal = pipe.info.frame_multiple
+    fb = pipe.info.capabilities.frames_per_chunk // temporal          # latent frames a chunk
     rows = []
     for n in counts:
         frames = 1 + (n * fb - 1) * temporal
@@ -192,9 +192,9 @@ def run(args) -> int:
     config = from_cli_args(EngineConfig, args, model=model_dir, **PIPELINE_DEFAULTS)
     load = load_average()
     with VideoPipeline.from_config(config) as pipe:
-        if not pipe.info.description.extra.get("live"):
+        if not pipe.info.capabilities.live:
             raise ValueError(f"--model: {args.model} is not a causal (live) checkpoint")
-        window = pipe.info.description.extra["causal"]["local_attn_size"]
+        window = pipe.info.capabilities.live_window
         list(pipe.stream(PROMPT, num_frames=2 * pipe.info.frame_multiple + 1, width=width, height=height))  # warm-up
         live = _live_row(pipe, args.seconds, width, height)
         print(f"  live: {live['frames']} frames, first fragment {live['first_fragment_s']:.2f} s, "

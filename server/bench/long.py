@@ -151,7 +151,7 @@ def run(args) -> int:
     for n in workers:
         config = from_cli_args(EngineConfig, args, model=model_dir, workers=n, **PIPELINE_DEFAULTS)
         with VideoPipeline.from_config(config) as pipe:
-            if not pipe.info.long_video:
+            if not pipe.info.capabilities.long_video or pipe.info.capabilities.live:
                 raise ValueError(f"--model: {args.model} is not a long-video (diffusion forcing) checkpoint")
             d = pipe.defaults.options
             options = {k: d[k] for k in ("base_num_frames", "overlap_history", "ar_step", "causal_block_size")}

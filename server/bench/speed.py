@@ -118,7 +118,7 @@ def calibrated(pipe, cache: dict | None, prompts: list[str], args) -> dict | Non
     """A `mag` cache without a calibration (and a checkpoint without mag_ratios.json) gets one: MagCache's
     calibration run on the first prompt, as diffusers' `MagCacheConfig(calibrate=True)` measures it."""
     if cache is None or cache["kind"] != "mag" or cache.get("mag_ratios") or cache.get("calibrate") \
-            or pipe.info.description.extra.get("mag_ratios"):
+            or pipe.info.capabilities.mag_calibration:
         return cache
     spec = pipe.make_spec(prompts[0], num_inference_steps=args.steps, num_frames=args.frames, seed=0,
                           cache={"kind": "mag", "calibrate": True})

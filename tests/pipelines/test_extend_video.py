@@ -141,12 +141,11 @@ def test_what_a_request_or_its_checkpoint_cannot_take_is_refused_naming_the_fiel
 
 
 def test_each_checkpoint_class_takes_what_its_diffusers_pipeline_takes():
-    flags = {m: DF.describe(resolve_model(m)).extra for m in ("tiny-skyreels-df", "tiny-skyreels-df-i2v",
-                                                               "tiny-skyreels-df-v2v")}
-    assert {m: (f["image_to_video"], f["image_required"], f["extends"], f["video_required"])
-            for m, f in flags.items()} == {"tiny-skyreels-df": (True, False, True, False),
-                                           "tiny-skyreels-df-i2v": (True, True, False, False),
-                                           "tiny-skyreels-df-v2v": (False, False, True, True)}
+    caps = {m: DF.describe(resolve_model(m)).capabilities for m in ("tiny-skyreels-df", "tiny-skyreels-df-i2v",
+                                                                     "tiny-skyreels-df-v2v")}
+    assert {m: (c.image, c.video) for m, c in caps.items()} == {"tiny-skyreels-df": ("optional", "optional"),
+                                                                "tiny-skyreels-df-i2v": ("required", "refused"),
+                                                                "tiny-skyreels-df-v2v": ("refused", "required")}
     spec = _check("tiny-skyreels-df-v2v", video=[PIL.Image.fromarray(f) for f in VIDEO])
     assert spec.options["video"].shape == VIDEO.shape and (spec.options["video"] == VIDEO).all()
     assert DF.content_frames(DF.describe(resolve_model("tiny-skyreels-df-v2v")), spec) == INPUT_FRAMES + 9 - 5

@@ -103,7 +103,7 @@ def test_a14b_i2v_switches_experts_within_two_steps_and_matches_diffusers(pipeli
     scheduler.set_timesteps(2)
     assert scheduler.timesteps[0] >= 0.9 * 1000 > scheduler.timesteps[1], "high-noise expert, then low-noise"
     pipe = pipeline("tiny-wan22-i2v-a14b", workers=1)
-    assert pipe.info.extra["two_experts"] and not pipe.info.extra["image_encoder"]
+    assert pipe.info.capabilities.two_experts and not pipe.info.extra["image_encoder"]
     kw = dict(num_frames=9, height=48, width=64, num_inference_steps=2, guidance_scale=5.0, guidance_scale_2=2.0,
               seed=1)
     for images in (dict(image=IMAGE, last_image=LAST), dict(image=IMAGE)):

@@ -93,7 +93,7 @@ def test_wan22_two_experts_and_guidance_scale_2_match_diffusers(tmp_path):
     kw = dict(num_frames=5, height=32, width=48, num_inference_steps=6, guidance_scale=4.0, seed=2)
     want = diffusers_frames(WanPipeline, path, guidance_scale_2=2.0, **kw)
     with VideoPipeline.from_pretrained(str(path), workers=1, device="cpu") as pipe:
-        assert pipe.info.extra["two_experts"] and "guidance_scale_2" in pipe.info.options
+        assert pipe.info.capabilities.two_experts and "guidance_scale_2" in pipe.info.options
         got = pipe(PROMPT, negative_prompt=NEGATIVE, guidance_scale_2=2.0, **kw).frames
         other = pipe(PROMPT, negative_prompt=NEGATIVE, guidance_scale_2=6.0, **kw).frames
     assert np.abs(got - want).max() <= ATOL

@@ -3,6 +3,7 @@ video a create continues; `POST /v1/videos/{id}/extend` continues a completed vi
 `extended_from`, whose content starts with the original's frames (within MP4 error) and is streamed as it is
 made; every bad upload or extend request gets the error envelope naming the field, leaving no file and no job."""
 
+import dataclasses
 import io
 import tempfile
 import time
@@ -128,6 +129,14 @@ def _refused(r: httpx.Response, status: int, param: str | None, code: str | None
         assert error["code"] == code, error
 
 
+def _with_capabilities(monkeypatch, engine, **changes) -> None:
+    """The served model as if its capabilities were changed (what the doors read)."""
+    desc = engine.info.description
+    caps = dataclasses.replace(desc.capabilities, **changes)
+    monkeypatch.setattr(engine, "info", dataclasses.replace(
+        engine.info, description=dataclasses.replace(desc, capabilities=caps)))
+
+
 def test_bad_extend_requests_get_the_error_envelope(server, http, uploaded, monkeypatch):
     vid = uploaded["video"]["id"]
     _refused(http.post("/v1/videos/video_nope/extend", json={"prompt": "a", "seconds": "1"}), 404, "video_id",
@@ -138,7 +147,7 @@ def test_bad_extend_requests_get_the_error_envelope(server, http, uploaded, monk
     _refused(http.post(f"/v1/videos/{vid}/extend", json={"seconds": "1"}), 400, "prompt")
     _refused(http.post(f"/v1/videos/{vid}/extend", json={"prompt": "a", "seconds": "1", "overlap_history": 0}), 400,
              "overlap_history")
-    monkeypatch.setitem(server["service"].engine.info.extra, "extends", False)     # a model that cannot extend
+    _with_capabilities(monkeypatch, server["service"].engine, video="refused")     # a model that cannot extend
     _refused(http.post(f"/v1/videos/{vid}/extend", json={"prompt": "a", "seconds": "1"}), 400, "model")
 
 
@@ -157,11 +166,10 @@ def test_bad_uploads_get_400_naming_input_reference_and_leave_nothing_behind(ser
     _refused(post(b"GIF89a" + bytes(100), "in.gif"), 400, "input_reference", "unsupported_image")
     _refused(post(ball_mp4(frames=3, size=128)), 400, "input_reference", "video_too_large")   # 128x128 > 96x96
     _refused(post(ball_mp4(frames=5)), 400, "input_reference")           # fewer frames than overlap_history (9)
-    extra = server["service"].engine.info.extra
-    monkeypatch.setitem(extra, "extends", False)                         # a model that cannot extend
+    engine = server["service"].engine
+    _with_capabilities(monkeypatch, engine, video="refused")             # a model that cannot extend
     _refused(post(good), 400, "input_reference", "unsupported_video")
-    monkeypatch.setitem(extra, "extends", True)
-    monkeypatch.setitem(extra, "image_to_video", False)                  # a model that only extends
+    _with_capabilities(monkeypatch, engine, video="optional", image="refused")     # a model that only extends
     buf = io.BytesIO()
     iio.imwrite(buf, np.zeros((8, 8, 3), np.uint8), extension=".png")
     _refused(post(buf.getvalue(), "in.png"), 400, "input_reference", "unsupported_image")
