@@ -34,6 +34,26 @@ from engine.request import GenerationSpec, RequestError
 PYRAMID_OPTIONS = ("pyramid_num_inference_steps_list", "is_amplify_first_chunk", "use_zero_init", "zero_steps")
 
 
+#: the smallest eigenvalue of the block-noise covariance that diffusers' float32 Cholesky factors on every CPU; nearer
+#: to singular, whether `torch.linalg.cholesky` succeeds depends on the CPU's LAPACK path (the 1e-8 jitter diffusers
+#: adds is below float32's resolution of 1 + gamma)
+MIN_BLOCK_NOISE_EIGENVALUE = 1e-4
+
+
+def check_block_noise(gamma: float, n: int, patch: str) -> None:
+    """Refuse a `gamma` whose block noise cannot be drawn: diffusers' `sample_block_noise` factors the covariance
+    (1 + gamma) I - gamma J of the n = ph * pw pixels of a patch, whose eigenvalues are 1 + gamma (n - 1 times, the
+    directions that sum to zero) and 1 - gamma (n - 1) (the all-ones direction). It must be positive definite with a
+    margin float32 keeps: decided from these numbers, never by trying the factorisation on this CPU (ValueError
+    naming gamma)."""
+    smallest = min(1.0 + gamma, 1.0 - gamma * (n - 1))
+    if not smallest >= MIN_BLOCK_NOISE_EIGENVALUE:
+        raise ValueError(f"this checkpoint's scheduler gamma ({gamma:g}) makes the pyramid's block-noise covariance "
+                         f"(1 + gamma) I - gamma J of {patch} patches singular or nearly so (smallest eigenvalue "
+                         f"{smallest:.3g}, below {MIN_BLOCK_NOISE_EIGENVALUE:g}): diffusers' sample_block_noise "
+                         f"cannot factor it reliably; gamma must be below 1/(n-1) = {1 / (n - 1):.4g} by a margin")
+
+
 class HeliosPyramidFamily(HeliosFamily):
     """`HeliosPyramidPipeline` checkpoints: Helios' chunks, each denoised in a pyramid of resolutions."""
 
@@ -52,6 +72,10 @@ class HeliosPyramidFamily(HeliosFamily):
         desc = super().describe(model_dir)
         index = read_json(Path(model_dir) / "model_index.json")
         stages = desc.extra["scheduler_config"].get("stages", 3)
+        patch = read_json(Path(model_dir) / "transformer" / "config.json").get("patch_size", [1, 2, 2])
+        # refused at start, before any worker loads, not at a request's second stage
+        check_block_noise(desc.extra["scheduler_config"].get("gamma", 1 / 3), patch[1] * patch[2],
+                          f"{patch[1]}x{patch[2]}")
         # the lowest stage is 2^(stages-1) times smaller, in whole patches: 64 px for 3 stages of an 8x VAE
         return replace(desc, size_multiple=desc.size_multiple * 2 ** (stages - 1),
                        options=(*(o for o in desc.options if o != "sigmas"), *PYRAMID_OPTIONS),
@@ -82,19 +106,6 @@ class HeliosPyramidFamily(HeliosFamily):
 
     def __init__(self, ctx, config):
         super().__init__(ctx, config)
-        # diffusers' block noise factors (1 + gamma) I - gamma J (one block per patch); at gamma = 1/p it is singular
-        # and the factorisation fails (on a CPU always, for the default 1/3 and 2x2 patches): refused at start, not
-        # at a request's second stage
-        p = self.pipe.transformer.config.patch_size
-        n, gamma = p[1] * p[2], self.pipe.scheduler.config.gamma
-        cov = torch.eye(n, device=self.pg.device) * (1 + gamma) - torch.ones(n, n, device=self.pg.device) * gamma
-        try:
-            torch.linalg.cholesky(cov + torch.eye(n, device=self.pg.device) * 1e-8)
-        except torch.linalg.LinAlgError:
-            raise ValueError(f"this checkpoint's scheduler gamma ({gamma:g}) makes the pyramid's block-noise "
-                             f"covariance singular for {p[1]}x{p[2]} patches on {self.pg.device}: diffusers' "
-                             f"sample_block_noise cannot factor it here") from None
-
     # -- the schedule --------------------------------------------------------------------------------
 
     def stages(self, spec: GenerationSpec) -> int:

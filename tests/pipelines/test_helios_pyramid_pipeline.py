@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.pool import WorkerError
 from engine.request import RequestError
 from pipelines import VideoPipeline
 from weights import resolve_model
@@ -102,5 +101,20 @@ def test_a_gamma_whose_block_noise_cannot_be_factored_is_refused_at_start(tmp_pa
     from diffusers import HeliosScheduler
 
     HeliosScheduler(stages=3).save_pretrained(str(root / "scheduler"))       # gamma 1/3: singular for 2x2 patches
-    with pytest.raises((ValueError, WorkerError), match="gamma"):
+    with pytest.raises(ValueError, match="gamma"):                            # on the coordinator: no worker started
         VideoPipeline.from_pretrained(str(root), workers=1, device="cpu")
+
+
+@pytest.mark.parametrize("gamma, n, refused", [(1 / 3, 4, True), (1 / 3 - 1e-6, 4, True), (0.34, 4, True),
+                                               (0.25, 4, False), (1 / 3, 1, False), (0.1, 9, False),
+                                               (0.125, 9, True), (-1.0, 4, True)])
+def test_the_block_noise_refusal_is_decided_from_gamma_and_the_patch_not_by_this_cpu(gamma, n, refused):
+    """The covariance (1 + gamma) I - gamma J has eigenvalues 1 + gamma and 1 - gamma (n - 1): the refusal is
+    those numbers' (within float32's margin), the same on every CPU, whether or not a factorisation would succeed."""
+    from engine.families.helios_pyramid import check_block_noise
+
+    if refused:
+        with pytest.raises(ValueError, match="gamma"):
+            check_block_noise(gamma, n, "p")
+    else:
+        check_block_noise(gamma, n, "p")
