@@ -121,6 +121,29 @@ def make_cfg_groups(pg: ParallelGroup, members: list[int] | None = None) -> CfgG
     )
 
 
+def cfg_parallel(forward, cfg: CfgGroups, *args, **kwargs) -> torch.Tensor:
+    """Classifier-free guidance's two halves of a batch on the two halves of the workers.
+
+    `args[0]` carries the batch, B rows (unconditional, then conditional). Every tensor argument whose first
+    dimension is a multiple k B of it (k entries per row, e.g. FLF2V's two images; dict values included) is
+    cut to this half's rows; `forward` runs them on this half's workers; the pair all-gather joins the halves:
+    (B, ...) -> forward's (B/2, ...) -> (B, ...) on every rank.
+    """
+    B = args[0].shape[0]
+    if B % 2:
+        raise ValueError(f"cfg_parallel needs an even batch (unconditional + conditional), got {B}")
+
+    def half(v):
+        if isinstance(v, dict):
+            return {k: half(x) for k, x in v.items()}
+        if torch.is_tensor(v) and v.ndim and v.shape[0] >= B and v.shape[0] % B == 0:
+            return v.chunk(2)[cfg.index]
+        return v
+
+    out = forward(*(half(a) for a in args), **{k: half(v) for k, v in kwargs.items()})   # (B/2, ...)
+    return comm.all_gather(out, 0, cfg.pair)                                               # (B, ...)
+
+
 @dataclass
 class SequenceParallel:
     """One rank's view of a sequence-parallel group: the whole group, and for USP its two sub-groups.

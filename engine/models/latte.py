@@ -30,6 +30,7 @@ Uneven T, S and head counts are zero-padded and trimmed (see `engine.comm`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -40,7 +41,7 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid
 from engine import comm
 from engine.compile import CompiledBlock
 from engine.dist import ParallelGroup
-from engine.parallel import CfgGroups, ring_attention
+from engine.parallel import CfgGroups, cfg_parallel, ring_attention
 
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
 
@@ -246,16 +247,10 @@ def parallel_forward(
     the first spatial block is the head; the other blocks run on the rows that recompute.
     """
     check_strategy(strategy)
-    if cfg is not None:
-        # Each half of the group takes half of the batch, then the pair joins them.
-        B = hidden_states.shape[0]
-        if B % 2:
-            raise ValueError(f"cfg_parallel needs an even batch (unconditional + conditional), got {B}")
-        half = slice(cfg.index * (B // 2), (cfg.index + 1) * (B // 2))
-        mask = None if encoder_attention_mask is None else encoder_attention_mask[half]
-        out = parallel_forward(model, hidden_states[half], timestep[half], encoder_hidden_states[half],
-                               cfg.half, strategy, encoder_attention_mask=mask, cache=cache)  # (B/2, C_out, T, H, W)
-        return comm.all_gather(out, 0, cfg.pair)                                # (B, C_out, T, H, W)
+    if cfg is not None:                 # each half of the group takes half of the batch, then the pair joins them
+        return cfg_parallel(functools.partial(parallel_forward, model, pg=cfg.half, strategy=strategy, cache=cache),
+                            cfg, hidden_states, timestep, encoder_hidden_states,
+                            encoder_attention_mask=encoder_attention_mask)
     bias = None
     if encoder_attention_mask is not None:
         keep = encoder_attention_mask.to(torch.bool)
