@@ -46,6 +46,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from engine import comm
 from engine.request import RequestError
+from engine.sharding import current_shard
 
 KINDS = ("first_block", "mag")
 #: named presets: diffusers' defaults (`FirstBlockCacheConfig()`, `MagCacheConfig()`)
@@ -452,10 +453,10 @@ class _BlockHook(ModelHook):
         if run is None:
             return forward(hidden_states, encoder_hidden_states, temb, *rest)
         if self.position == "head":
-            shard = self.wan.shard()
+            shard = current_shard(self.wan.model)
             valid = None
-            if shard is not None and (shard.sp.world_size > 1 or shard.stop - shard.start != hidden_states.shape[1]):
-                valid = functools.partial(_first_tokens, n=shard.stop - shard.start)     # my real tokens
+            if shard is not None and (shard.sp.world_size > 1 or shard.real_tokens != hidden_states.shape[1]):
+                valid = functools.partial(_first_tokens, n=shard.real_tokens)            # my real tokens
             pg = shard.sp.pg if shard is not None else _SOLO
             self.wan.sliced = None
             run.before(hidden_states, valid, pg)                  # MagCache's rows decide before the head
@@ -486,13 +487,13 @@ _SOLO = _Solo()
 
 
 class WanStepCache:
-    """Step caching hooks on a diffusers Wan / SkyReels-V2 transformer's blocks, registered *before*
-    `WanSequenceParallel`'s (so they see a block's input after the token cut and the per-token modulation
-    cut). They do nothing while `cache.active` is None: the forward is then diffusers' own, bit for bit."""
+    """Step caching hooks on a diffusers Wan / SkyReels-V2 transformer's blocks, registered *before* its
+    shard plan's (so they see a block's input after the token cut and the per-token modulation cut; the
+    running forward's shard, `engine.sharding.current_shard`, says how many of its tokens are real). They do
+    nothing while `cache.active` is None: the forward is then diffusers' own, bit for bit."""
 
     def __init__(self, model, cache: StepCache):
-        self.cache = cache
-        self.sp_owner = None            # the WanSequenceParallel wrapping the model, for its current shard
+        self.cache, self.model = cache, model
         self.head_out = None
         self.sliced = None
         blocks = list(model.blocks)
@@ -501,9 +502,6 @@ class WanStepCache:
         for i, block in enumerate(blocks):
             position = "head" if i == 0 else "tail" if i == len(blocks) - 1 else "middle"
             HookRegistry.check_if_exists_or_initialize(block).register_hook(_BlockHook(self, position), HOOK)
-
-    def shard(self):
-        return None if self.sp_owner is None else self.sp_owner.shard
 
     def rows(self, encoder_hidden_states: torch.Tensor, temb: torch.Tensor, layout: str) -> tuple:
         """The text and the modulation of the rows that run the head (`layout` "head") or the other blocks

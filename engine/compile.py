@@ -6,7 +6,7 @@ that the compiled graph is shared by every block (their weights are graph inputs
 `inline_inbuilt_nn_modules`) and compiling costs one block's worth of tracing, not the model's.
 
 Where the compiled function sits matters here. diffusers' `HookRegistry` (the sequence-parallel hooks of
-`engine/models/wan.py`, step caching's of `engine/cache.py`) replaces `module.forward` with a chain that ends in
+`engine/sharding.py`, step caching's of `engine/cache.py`) replaces `module.forward` with a chain that ends in
 the forward it found when the first hook was registered. `compile_block` installs the compiled forward *before*
 any hook, so it is that innermost forward: the hooks stay eager Python around it (their per-request decisions,
 row gathers and token cuts are never traced, never guarded on), and the block's own arithmetic is compiled.
@@ -17,8 +17,8 @@ Batch sizes change from step to step (step-level batching, and step caching's su
 recompute), so the row dimension of every input is marked dynamic before the first call: one graph serves
 every batch size (torch specialises sizes 0 and 1, so a batch of one row costs one more graph). Other sizes
 (tokens, prompt length) follow torch's automatic dynamic shapes: the first change recompiles once with them
-symbolic. The Wan family's sequence-parallel attention is a graph break by design (`engine/models/wan.py`,
-`_exchanged_attention`: collectives on our process groups); the code after a break is compiled as its own
+symbolic. The Wan family's sequence-parallel attention is a graph break by design (`engine/sharding.py`,
+`exchanged_attention`: collectives on our process groups); the code after a break is compiled as its own
 frame whose inputs carry no mark, so there a batch size change recompiles once, then that frame is dynamic too.
 `dynamic=True` would avoid those recompiles but made the first compile 3-4 times slower on tiny-wan (symbolic
 shapes everywhere), so it is not used. `compiled_graphs()` counts the graphs a process has compiled; the engine

@@ -149,10 +149,9 @@ class WanFamily(VideoFamily):
                 compile_blocks(m.blocks, config.engine.compile_backend)
         # step caching's hooks go on first, so they see a block's input after the sequence-parallel cut
         self.step_cache = StepCache(blocks=len(experts[0].blocks))
-        caches = [WanStepCache(m, self.step_cache) for m in experts]
+        for m in experts:
+            WanStepCache(m, self.step_cache)
         self.experts = [WanSequenceParallel(m) for m in experts]
-        for cache, sp_model in zip(caches, self.experts):
-            cache.sp_owner = sp_model
         #: expert offload (engine/offload.py): which expert is on the device; None when both are
         self.residency = ExpertResidency(experts, self.pg.device) if offload else None
         self.vae_spatial, self.vae_temporal = vae_factors(dict(self.pipe.vae.config))

@@ -5,8 +5,9 @@ A video is made a chunk of `frames_per_block` latent frames at a time. Each chun
 denoised in a few steps (the warped step list, no guidance), attending to the cached K/V
 of the frames before it and to itself; then a *context pass* runs the finished chunk at
 `context_noise` and writes its self-attention K/V into the cache. The forward is diffusers'
-(`WanSequenceParallel` cuts the chunk's tokens across the workers); what changes is each
-block's attention:
+(Wan's shard plan, `engine/models/wan.py`, cuts the chunk's tokens across the workers; the
+causal plan is that plan with two attention processors, and its geometry carries each row's
+cache and prompt version); what changes is each block's attention:
 
     attn1   `CachedSelfAttention`: diffusers' projections and q/k norms on my tokens; Ulysses
             all-to-all (tokens -> heads) when sharded; RoPE at cache-relative positions; attention
@@ -39,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import comm
-from engine.models.wan import WanSequenceParallel, _rotate
+from engine.models.wan import WAN_PLAN, WanShard, rotate
 from engine.parallel import SequenceParallel
+from engine.sharding import shard_model
 
 
 def warp_timesteps(step_list, shift: float, warp: bool, num_train_timesteps: int = 1000) -> tuple[float, ...]:
@@ -157,8 +159,8 @@ class KVCache:
         key_cos, key_sin, q_cos, q_sin, mask, chunk = self._prepared
         self.k[layer, :, chunk] = k
         self.v[layer, :, chunk] = v
-        keys = _rotate(self.k[layer], key_cos, key_sin)
-        q = _rotate(q, q_cos, q_sin)
+        keys = rotate(self.k[layer], key_cos, key_sin)
+        q = rotate(q, q_cos, q_sin)
         out = F.scaled_dot_product_attention(q[None], keys[None], self.v[layer][None],
                                              attn_mask=None if mask is None else mask.view(1, 1, 1, -1))[0]
         if self.write:
@@ -184,17 +186,31 @@ class KVCache:
         self.frames_written = 0
 
 
+@dataclass(frozen=True)
+class CausalShard(WanShard):
+    """Wan's geometry of a chunk, with what travels with its rows: each row's cache and prompt version."""
+
+    caches: tuple = ()
+    versions: tuple = ()
+
+
+def _running(owner) -> CausalShard:
+    shard = owner.shard
+    if shard is None:
+        raise RuntimeError("a causal Wan model runs through CausalWan(...) only")
+    return shard
+
+
 class CachedSelfAttention:
     """A block's self-attention over [cached frames | chunk] of every row (see the module docstring)."""
 
-    def __init__(self, owner: "CausalWan", layer: int):
+    def __init__(self, owner, layer: int, original=None):
         self.owner, self.layer = owner, layer
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
-        shard, caches = self.owner.sp.shard, self.owner.caches
-        if shard is None or caches is None:
-            raise RuntimeError("a causal Wan model runs through CausalWan(...) only")
+        shard = _running(self.owner)
+        caches = shard.caches
         q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)  # (B, Sl, H*hd)
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))                         # (B, Sl, H, hd)
@@ -217,12 +233,13 @@ class CachedSelfAttention:
 class CachedCrossAttention:
     """A block's cross-attention; the text's K/V per row are computed once per prompt and kept in its cache."""
 
-    def __init__(self, owner: "CausalWan", layer: int):
+    def __init__(self, owner, layer: int, original=None):
         self.owner, self.layer = owner, layer
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
-        caches, versions = self.owner.caches, self.owner.text_versions
+        shard = _running(self.owner)
+        caches, versions = shard.caches, shard.versions
         for b, c in enumerate(caches):
             if c.text_version != versions[b]:
                 text = encoder_hidden_states[b:b + 1]
@@ -235,23 +252,23 @@ class CachedCrossAttention:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+#: Wan's plan (the chunk's tokens cut across the workers) with the cached attention on every block
+CAUSAL_WAN_PLAN = WAN_PLAN.extended(geometry=CausalShard, attention={"blocks.*.attn1": CachedSelfAttention,
+                                                                    "blocks.*.attn2": CachedCrossAttention})
+
+
 class CausalWan:
     """A `WanTransformer3DModel` run chunk by chunk over per-row `KVCache`s.
 
-        cw = CausalWan(model, cfg)                    # once: hooks and processors
+        cw = CausalWan(model, cfg)                    # once: the plan's hooks and processors
         cache = cw.new_cache(h, w, sp)                # per video
         flow = cw(x, t, text, sp, [cache], versions=[v], write=[False])   # x: (B, C, frames, h, w)
     """
 
     def __init__(self, model, cfg: CausalConfig):
         self.model, self.cfg = model, cfg
-        self.sp = WanSequenceParallel(model)
-        self.caches: list[KVCache] | None = None
-        self.text_versions: list = []
+        self.sharded = shard_model(model, CAUSAL_WAN_PLAN)
         self._rope: dict[tuple, tuple] = {}
-        for i, block in enumerate(model.blocks):
-            block.attn1.set_processor(CachedSelfAttention(self, i))
-            block.attn2.set_processor(CachedCrossAttention(self, i))
 
     def frame_tokens(self, h: int, w: int) -> int:
         _, p_h, p_w = self.model.config.patch_size
@@ -288,11 +305,8 @@ class CausalWan:
         for c, wr in zip(caches, write):
             c.prepare(frames, rope, x.device)
             c.write = wr
-        self.caches, self.text_versions = caches, versions
-        try:
-            out = self.sp(x, timestep, text, sp)
-        finally:
-            self.caches, self.text_versions = None, []
+        shard = CausalShard.of(self.model, x, sp, caches=tuple(caches), versions=tuple(versions))
+        out = self.sharded(shard, x, timestep, text, return_dict=False)[0]
         for c, v, wr in zip(caches, versions, write):
             c.text_version = v
             if wr:

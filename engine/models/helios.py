@@ -1,4 +1,4 @@
-"""Sequence parallelism for diffusers' `HeliosTransformer3DModel`, as hooks on its own modules.
+"""Sequence parallelism for diffusers' `HeliosTransformer3DModel`: a shard plan (`engine/sharding.py`).
 
 Helios denoises a chunk of latent frames while reading a compressed history: diffusers' forward embeds
 the history at three scales (`patch_long`, `patch_mid`, `patch_short`) and the chunk (`patch_embedding`),
@@ -9,26 +9,26 @@ and concatenates them into one token sequence of S = S_hist + S_cur tokens, hist
 
 Every block attends over the whole sequence (attn1), cross-attends to the prompt with the current tokens
 only (attn2, `guidance_cross_attn`: the block splits off the last `original_context_length` tokens), and
-runs its FFN per token. The hooks below shard that sequence over the workers (rank r of N keeps tokens
-[r*Sl, (r+1)*Sl), Sl = ceil(S/N), zero-padded at the end) and then let diffusers' blocks run unchanged:
+runs its FFN per token. The plan shards that sequence after the embeddings (rank r keeps tokens
+[r*Sl, (r+1)*Sl), Sl = ceil(S/N), zero-padded at the end) and lets diffusers' blocks run unchanged:
 
-    where (module)            what the hook does
-    every block (input)       hidden states (block 0 only: later blocks get the sharded output), the
-                              per-token modulation (B, S, 6, D) and the rotary table (B, S, 2hd): my
-                              tokens, cut once per forward; `original_context_length` becomes the count
-                              of my tokens the block must treat as current: my current tokens plus the
-                              padding, which sits after them (cross-attention of padding is per query and
-                              is dropped)
-    every block's attn1       `HeliosSequenceParallelProcessor`: diffusers' projections, q/k norms and
-                              rotary on my tokens, the history-key amplification by *global* position
+    where (module)            rule
+    blocks.0 (input)          hidden states: my tokens (later blocks get the sharded output)
+    every block (input)       the per-token modulation (B, S, 6, D) and the rotary table (B, S, 2hd): my
+                              tokens, cut once per forward; `original_context_length` becomes the count of
+                              my tokens the block must treat as current (`local_current`: my current tokens
+                              plus the padding, which sits after them; cross-attention of padding is per
+                              query and is dropped)
+    every block's attn1       `HeliosAttention`: the history-key amplification by *global* position
                               (`is_amplify_history`), then Ulysses / Ring / USP attention
-                              (`engine.parallel.sequence_parallel_attention`)
     norm_out (input)          all-gather the tokens (trimming the padding): norm_out and proj_out keep
                               only the current chunk's tokens, as diffusers wrote them
 
 The embeddings before the blocks run replicated on every rank (three strided convolutions and the
-rotary tables: cheap beside 40 blocks of attention over S tokens). The hooks do nothing outside
-`HeliosSequenceParallel.__call__`, so the model stays a plain diffusers model otherwise.
+rotary tables: cheap beside 40 blocks of attention over S tokens). diffusers' own `_cp_plan` for this
+model is not used: it splits and gathers around every attn1, attn2 and FFN (three all-gathers a block),
+and its amplification would read the history length from the local token count (docs/design.md,
+"Shard plans as data").
 """
 
 from __future__ import annotations
@@ -39,74 +39,63 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_helios import apply_rotary_emb_transposed
 
-from engine import comm
-from engine.models.wan import project_qkv, register_shard_hook
-from engine.parallel import CfgGroups, SequenceParallel, sequence_parallel_attention
+from engine.parallel import CfgGroups, SequenceParallel, cfg_parallel
+from engine.sharding import At, Gather, Replace, ShardedAttention, ShardPlan, Split, TokenShard, shard_model
 
 
 @dataclass(frozen=True)
-class HeliosShard:
-    """One forward's geometry on this rank: tokens [start, stop) of S, padded to Sl; S - S_cur are history."""
+class HeliosShard(TokenShard):
+    """One forward's geometry: tokens [start, stop) of S, padded to Sl; the first S - S_cur are history."""
 
-    sp: SequenceParallel
-    S: int
     S_cur: int
-    Sl: int
-    start: int
-    stop: int
 
     @classmethod
     def of(cls, S: int, S_cur: int, sp: SequenceParallel) -> "HeliosShard":
-        Sl = comm.shard_size(S, sp.world_size)
-        start, stop = min(S, sp.pg.rank * Sl), min(S, (sp.pg.rank + 1) * Sl)
-        return cls(sp, S, S_cur, Sl, start, stop)
+        return cls(sp, S, *cls.token_range(S, sp), S_cur)
 
     @property
     def history(self) -> int:
         return self.S - self.S_cur
 
     @property
+    def my_history(self) -> int:
+        """My tokens [0, n) that are history."""
+        return max(0, min(self.stop, self.history) - self.start)
+
+    @property
     def local_current(self) -> int:
         """My tokens the blocks treat as current: my current-chunk tokens and the padding after them."""
-        return self.Sl - max(0, min(self.stop, self.history) - self.start)
-
-    def mine(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """My tokens of a tensor whose `dim` holds all S, zero-padded to Sl."""
-        return comm.pad_dim(x.narrow(dim, self.start, self.stop - self.start), dim, self.Sl)
+        return self.Sl - self.my_history
 
 
-class HeliosSequenceParallelProcessor:
-    """A block's self-attention over the sharded sequence; diffusers' own processor when no forward is sharded."""
+class HeliosAttention(ShardedAttention):
+    """A Helios block's self-attention over the sharded sequence, history keys amplified by global position."""
 
-    def __init__(self, owner: "HeliosSequenceParallel", original):
-        self.owner, self.original = owner, original
+    def rotate(self, x, rotary_emb):
+        return apply_rotary_emb_transposed(x, rotary_emb)
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
-                 original_context_length=None, **kwargs):
-        shard = self.owner.shard
-        if shard is None:
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb,
-                                 original_context_length, **kwargs)
-        if attention_mask is not None or encoder_hidden_states is not None:
-            raise ValueError("the sequence-parallel processor is for Helios' self-attention (attn1) only")
-        q, k, v = project_qkv(attn, hidden_states)                                                 # (B, Sl, H, hd)
-        if rotary_emb is not None:
-            q, k = apply_rotary_emb_transposed(q, rotary_emb), apply_rotary_emb_transposed(k, rotary_emb)
-        mine_history = max(0, min(shard.stop, shard.history) - shard.start)      # my tokens [0, n) are history
-        if attn.is_amplify_history and shard.history > 0 and mine_history > 0:
-            scale = 1.0 + torch.sigmoid(attn.history_key_scale) * (attn.max_scale - 1.0)
-            if attn.history_scale_mode == "per_head":
-                scale = scale.view(1, 1, -1, 1)
-            k = torch.cat([k[:, :mine_history] * scale, k[:, mine_history:]], dim=1)
-        out = sequence_parallel_attention(q, k, v, shard.sp, shard.S)                             # (B, Sl, H, hd)
-        out = out.flatten(2, 3).type_as(q)
-        return attn.to_out[1](attn.to_out[0](out))
+    def keys(self, attn, shard: HeliosShard, k: torch.Tensor) -> torch.Tensor:
+        if not (attn.is_amplify_history and shard.my_history > 0):
+            return k
+        scale = 1.0 + torch.sigmoid(attn.history_key_scale) * (attn.max_scale - 1.0)
+        if attn.history_scale_mode == "per_head":
+            scale = scale.view(1, 1, -1, 1)
+        return torch.cat([k[:, :shard.my_history] * scale, k[:, shard.my_history:]], dim=1)   # (B, Sl, H, hd)
+
+
+HELIOS_PLAN = ShardPlan(HeliosShard, {
+    "blocks.0": At(inputs={"hidden_states": Split(1)}),                                         # (B, Sl, D)
+    "blocks.*": At(inputs={"temb": Split(1),                                                    # (B, Sl, 6, D)
+                           "rotary_emb": Split(1),                                              # (B|1, Sl, 2hd)
+                           "original_context_length": Replace("local_current")}),
+    "norm_out": At(inputs={"hidden_states": Gather(1)}),                                        # (B, S, D)
+}, attention={"blocks.*.attn1": HeliosAttention})
 
 
 class HeliosSequenceParallel:
     """Makes `model` (a `HeliosTransformer3DModel`) run sequence-parallel.
 
-        sp_model = HeliosSequenceParallel(model)        # once: registers the hooks
+        sp_model = HeliosSequenceParallel(model)        # once: the plan's hooks
         out = sp_model(x, t, text, history, sp)         # diffusers' forward, sharded over `sp`
 
     Every rank of `sp` calls it with the same replicated inputs and gets the same output.
@@ -114,37 +103,7 @@ class HeliosSequenceParallel:
 
     def __init__(self, model):
         self.model = model
-        self.shard: HeliosShard | None = None
-        self._cut_in = self._cut_out = None
-        register_shard_hook(self, model.blocks[0], pre=self._my_hidden)
-        for block in model.blocks:
-            register_shard_hook(self, block, pre=self._my_tables)
-            block.attn1.set_processor(HeliosSequenceParallelProcessor(self, block.attn1.processor))
-        register_shard_hook(self, model.norm_out, pre=self._gather)
-
-    # -- the hooks ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _my_hidden(shard: HeliosShard, args, kwargs):
-        args = list(args)
-        args[0] = shard.mine(args[0], 1)                    # (B, Sl, D): later blocks get the sharded output
-        return tuple(args), kwargs
-
-    def _my_tables(self, shard: HeliosShard, args, kwargs):
-        # block(hidden_states, encoder_hidden_states, temb (B, S, 6, D), rotary_emb (B|1, S, 2hd), ocl)
-        hidden, text, temb, rope, _ = args
-        if self._cut_in is not temb:                        # the same tables come to every block: cut them once
-            self._cut_in = temb
-            self._cut_out = (shard.mine(temb, 1), shard.mine(rope, 1))          # (B, Sl, 6, D), (B|1, Sl, 2hd)
-        return (hidden, text, *self._cut_out, shard.local_current), kwargs
-
-    @staticmethod
-    def _gather(shard: HeliosShard, args, kwargs):
-        args = list(args)
-        args[0] = comm.gather(args[0], 1, shard.S, shard.sp.pg)                  # (B, S, D)
-        return tuple(args), kwargs
-
-    # -- a forward --------------------------------------------------------------------------------------
+        self.sharded = shard_model(model, HELIOS_PLAN)
 
     def tokens(self, x: torch.Tensor, history: dict) -> tuple[int, int]:
         """(S, S_cur): tokens of the whole sequence and of the current chunk, as diffusers' forward lays them
@@ -168,17 +127,11 @@ class HeliosSequenceParallel:
         `history`: the forward's history arguments (`latents_history_short` (B, C, 1+n, H, W), `..._mid`,
         `..._long` and their `indices_*`, `indices_hidden_states`) -> (B, C_out, F, H, W) on every rank.
 
-        `cfg`: the unconditional and conditional halves of the batch run on two halves of the workers (each
-        half sharding its sequence over `sp`), then the pairs join them."""
+        `cfg`: the unconditional and conditional halves of the batch run on two halves of the workers
+        (`engine.parallel.cfg_parallel`). One worker runs diffusers' forward itself."""
         if cfg is not None:
-            rows = x.shape[0] // 2
-            half = slice(cfg.index * rows, (cfg.index + 1) * rows)
-            mine = {k: (v[half] if torch.is_tensor(v) and v.shape[0] == x.shape[0] else v) for k, v in history.items()}
-            out = self(x[half], timestep[half], text[half], mine, sp)                 # (B/2, C_out, F, H, W)
-            return comm.all_gather(out, 0, cfg.pair)                                  # (B, C_out, F, H, W)
-        S, S_cur = self.tokens(x, history)
-        self.shard = HeliosShard.of(S, S_cur, sp) if sp.world_size > 1 else None
-        try:
+            return cfg_parallel(self, cfg, x, timestep, text, history, sp)
+        if sp.world_size == 1:
             return self.model(x, timestep, text, return_dict=False, **history)[0]
-        finally:
-            self.shard = self._cut_in = self._cut_out = None
+        shard = HeliosShard.of(*self.tokens(x, history), sp)
+        return self.sharded(shard, x, timestep, text, return_dict=False, **history)[0]

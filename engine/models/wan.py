@@ -1,38 +1,34 @@
-"""Sequence parallelism for diffusers' Wan and SkyReels-V2 transformers, as hooks on their own modules.
+"""Sequence parallelism for diffusers' Wan and SkyReels-V2 transformers: a shard plan (`engine/sharding.py`).
 
-`WanSequenceParallel(model)` registers hooks (diffusers' `ModelHook`s, the machinery of
-its own context parallelism and caches) on the modules where the token sequence of
-F x H x W patches must be split or joined; then `diffusers`' own `forward` runs, unchanged:
+The plan starts from diffusers' own `WanTransformer3DModel._cp_plan`, read as it is (`from_cp_plan`), and
+changes one thing: the patch embedding sees only the frames that hold my tokens. SkyReels-V2 (no `_cp_plan`
+in diffusers) adds diffusion forcing's per-frame modulation. Rank r of N keeps tokens [r*Sl, (r+1)*Sl),
+Sl = ceil(S/N), zero-padded; then diffusers' `forward` runs, unchanged:
 
-    where (module)                 what the hook does (rank r of N, Sl = ceil(S/N) tokens each)
-    the model (input)              per-frame timesteps (diffusion forcing): keep my frames' columns, so
-                                   diffusers' per-token modulation is built for my frames only;
-                                   per-token timesteps (Wan 2.2 TI2V's expand_timesteps): keep my tokens'
-                                   [r*Sl, (r+1)*Sl), zero-padded to Sl, so the modulation diffusers builds
-                                   is already my tokens' (blocks and norm_out need nothing more)
-    rope (output)                  keep the cos/sin rows of my tokens' *global* positions, zero-pad to Sl
-    patch_embedding (input)        embed only the frames that hold my tokens
-    blocks.0 (input)               cut those frames' tokens to mine [r*Sl, (r+1)*Sl), zero-pad to Sl
-    every block (input)            per-token modulation (diffusion forcing): cut it to my tokens the same way
-    every block's attn1            `SequenceParallelAttnProcessor`: diffusers' projections, q/k norms and
-                                   rotary on my tokens, then Ulysses / Ring / USP attention
-                                   (`engine.parallel.sequence_parallel_attention`), with diffusion
-                                   forcing's block-causal mask applied from global positions
-    norm_out (output)              per-token modulation only: place my tokens in a buffer as long as my
-                                   frames, so diffusers' per-token shift/scale apply where they belong
-    proj_out (input, output)       take my tokens back (per-token modulation); all-gather the output
-                                   tokens (trimming the padding): every rank gets (B, S, p*C_out)
+    where (module)             rule                                  from
+    the model (input)          timestep (B, S) per token (Wan 2.2 TI2V): my tokens'     diffusers' _cp_plan
+                               SkyReels: timestep (B, F) per frame: my frames' columns,
+                               so the modulation diffusers repeats over tokens is
+                               built for my frames only
+    rope (output)              cos/sin rows of my tokens' *global* positions             diffusers' _cp_plan
+    patch_embedding (input)    only the latent frames that hold my tokens                longserve
+    blocks.0 (input)           those frames' tokens cut to mine                          longserve
+    every block (input)        SkyReels, per-frame modulation (B, 6, my frames' tokens,
+                               D): cut to my tokens
+    every block's attn1        `WanAttention`: Ulysses / Ring / USP attention with diffusion forcing's
+                               block-causal mask applied from global positions (the geometry's `causal`)
+    norm_out (output)          SkyReels, per-frame modulation: my tokens placed in a buffer as long as
+                               my frames, so diffusers' per-token shift/scale apply where they belong
+    proj_out (input, output)   my tokens back (per-frame modulation); all-gather of     diffusers' _cp_plan
+                               the output tokens, trimmed: (B, S, p*C_out) on every rank
 
-Everything else (cross-attention against the replicated text, the FFN, norms, time and
-text embeddings, unpatchify) is per token or replicated and runs as diffusers wrote it. The
-hooks do nothing outside `WanSequenceParallel.__call__`, so the model stays a plain diffusers
-model otherwise. Padded tokens are never attended to (trimmed before local attention,
-masked in the ring) and are dropped by the final gather.
+Everything else (cross-attention against the replicated text, the FFN, norms, time and text embeddings,
+unpatchify) is per token or replicated and runs as diffusers wrote it.
 
 Diffusion forcing's block-causal mask: diffusers builds it as an S x S boolean when
-`config.num_frame_per_block > 1` (1 GiB at 32k tokens). The engine keeps that config at 1
-and passes the block size here instead; the processor applies the same mask by global
-positions without materialising it (`engine.parallel.BlockCausal`).
+`config.num_frame_per_block > 1` (1 GiB at 32k tokens). The engine keeps that config at 1 and passes the
+block size here instead; the processor applies the same mask by global positions without materialising it
+(`engine.parallel.BlockCausal`).
 """
 
 from __future__ import annotations
@@ -40,50 +36,58 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
-from engine import comm
-from engine.parallel import BlockCausal, CfgGroups, SequenceParallel, sequence_parallel_attention
-
-HOOK = "longserve_sequence_parallel"
+from engine.parallel import BlockCausal, CfgGroups, SequenceParallel, cfg_parallel
+from engine.sharding import At, Place, ShardedAttention, ShardPlan, Split, TokenShard, from_cp_plan, shard_model
 
 
 @dataclass(frozen=True)
-class Shard:
-    """One forward's geometry on this rank: tokens [start, stop) of S, padded to Sl; frames [f0, f1) hold them."""
+class WanShard(TokenShard):
+    """One forward's geometry: F frames of `frame_tokens` tokens; my tokens lie in frames [f0, f1)."""
 
-    sp: SequenceParallel
-    S: int
-    Sl: int
-    start: int
-    stop: int
     frame_tokens: int
     f0: int
     f1: int
-    per_token_modulation: bool         # per-frame timesteps (SkyReels' diffusion forcing), cut by frames
-    causal: BlockCausal | None
-    token_timesteps: bool = False      # a timestep per token (Wan 2.2 TI2V), cut to my tokens
+    p_t: int                            # latent frames per patch
+    frame_timesteps: bool = False       # SkyReels' diffusion forcing: a timestep per frame, modulation per token
+    causal: BlockCausal | None = None
+
+    UNITS = ("tokens", "frames", "latent_frames", "tokens_of_my_frames")
 
     @classmethod
-    def of(cls, model, x: torch.Tensor, sp: SequenceParallel, per_token: bool, frames_per_block: int,
-           token_timesteps: bool = False) -> "Shard":
+    def of(cls, model, x: torch.Tensor, sp: SequenceParallel, frames_per_block: int = 1, **extra) -> "WanShard":
         _, _, F, H, W = x.shape
         p_t, p_h, p_w = model.config.patch_size
         f, frame_tokens = F // p_t, (H // p_h) * (W // p_w)
         S = f * frame_tokens
-        Sl = comm.shard_size(S, sp.world_size)
-        start, stop = min(S, sp.pg.rank * Sl), min(S, (sp.pg.rank + 1) * Sl)
+        Sl, start, stop = cls.token_range(S, sp)
         f0 = min(start // frame_tokens, f - 1)                       # at least one frame, even with no tokens
         f1 = max(-(-stop // frame_tokens), f0 + 1)
         causal = BlockCausal(frame_tokens, frames_per_block) if frames_per_block > 1 else None
-        return cls(sp, S, Sl, start, stop, frame_tokens, f0, f1, per_token, causal, token_timesteps)
+        return cls(sp, S, Sl, start, stop, frame_tokens, f0, f1, p_t, causal=causal, **extra)
 
-    def mine(self, x: torch.Tensor, dim: int, offset: int = 0) -> torch.Tensor:
-        """My tokens of a tensor whose `dim` holds tokens [offset, ...), zero-padded to Sl."""
-        return comm.pad_dim(x.narrow(dim, self.start - offset, self.stop - self.start), dim, self.Sl)
+    def split(self, x: torch.Tensor, dim: int, unit: str) -> torch.Tensor:
+        if unit == "frames":
+            return x.narrow(dim, self.f0, self.f1 - self.f0)                    # (.., my frames, ..)
+        if unit == "latent_frames":
+            return x.narrow(dim, self.f0 * self.p_t, (self.f1 - self.f0) * self.p_t)
+        if unit == "tokens_of_my_frames":
+            return self.mine(x, dim, offset=self.f0 * self.frame_tokens)        # (.., Sl, ..)
+        return super().split(x, dim, unit)
+
+    def place(self, x: torch.Tensor, dim: int, unit: str) -> torch.Tensor:
+        if unit != "tokens_of_my_frames":
+            return super().place(x, dim, unit)
+        shape = list(x.shape)
+        shape[dim] = (self.f1 - self.f0) * self.frame_tokens
+        full = x.new_zeros(shape)                                               # (.., my frames' tokens, ..)
+        full.narrow(dim, self.start - self.f0 * self.frame_tokens, self.real_tokens).copy_(
+            x.narrow(dim, 0, self.real_tokens))
+        return full
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Wan's rotary embedding on interleaved pairs (what diffusers' processors apply). x (B, Sl, H, hd)."""
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     c, s = cos[..., 0::2], sin[..., 1::2]
@@ -93,80 +97,34 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.type_as(x)
 
 
-def project_qkv(attn, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A diffusers Wan-style self-attention's q, k, v of my tokens: its projections (fused or not) and q/k norms.
-    hidden_states (B, Sl, D) -> (B, Sl, H, hd) each."""
-    if getattr(attn, "fused_projections", False):
-        q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-    else:
-        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)    # (B, Sl, H*hd)
-    q, k = attn.norm_q(q), attn.norm_k(k)
-    return tuple(t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+class WanAttention(ShardedAttention):
+    """A Wan block's self-attention over the sharded sequence."""
+
+    def rotate(self, x, rotary_emb):
+        return rotate(x, *rotary_emb)
 
 
-@torch.compiler.disable
-def _exchanged_attention(owner: "WanSequenceParallel", q, k, v) -> torch.Tensor:
-    """`sequence_parallel_attention` over the owner's current shard. Inside a compiled block (`compile` blocks) it
-    runs eager: its all-to-alls and ring passes are gloo / NCCL calls on our own process groups, which dynamo would
-    break the graph on anyway. The break is here by design: the projections before it and the output projection
-    after it stay in the graph, and the shard (a new object every forward) is read here, never guarded on."""
-    shard = owner.shard
-    return sequence_parallel_attention(q, k, v, shard.sp, shard.S, causal=shard.causal)
+#: diffusers' own plan, with the patch embedding cut to my frames before it runs
+WAN_PLAN = ShardPlan(WanShard, from_cp_plan(WanTransformer3DModel._cp_plan),
+                     attention={"blocks.*.attn1": WanAttention}).extended(modules={
+    "patch_embedding": At(inputs={"input": Split(2, "latent_frames")}),      # (B, C, my latent frames, H, W)
+    "blocks.0": At(inputs={"hidden_states": Split(1, "tokens_of_my_frames")}),
+})
 
-
-class SequenceParallelAttnProcessor:
-    """A block's self-attention over the sharded sequence; diffusers' own processor when no forward is sharded."""
-
-    def __init__(self, owner: "WanSequenceParallel", original):
-        self.owner, self.original = owner, original
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
-                 **kwargs):
-        shard = self.owner.shard
-        if shard is None:
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
-        if attention_mask is not None:
-            raise ValueError("a sequence-parallel forward applies its mask itself; got an attention_mask")
-        q, k, v = project_qkv(attn, hidden_states)                                                 # (B, Sl, H, hd)
-        if rotary_emb is not None:
-            q, k = _rotate(q, *rotary_emb), _rotate(k, *rotary_emb)
-        out = _exchanged_attention(self.owner, q, k, v)                                          # (B, Sl, H, hd)
-        out = out.flatten(2, 3).type_as(q)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-class _Hook(ModelHook):
-    """A hook that reads the owner's current shard and does nothing without one."""
-
-    def __init__(self, owner, pre=None, post=None):
-        super().__init__()
-        self.owner, self.pre, self.post = owner, pre, post
-
-    def pre_forward(self, module, *args, **kwargs):
-        shard = self.owner.shard
-        if shard is None or self.pre is None:
-            return args, kwargs
-        return self.pre(shard, list(args), kwargs)
-
-    def post_forward(self, module, output):
-        shard = self.owner.shard
-        if shard is None or self.post is None:
-            return output
-        return self.post(shard, output)
-
-
-def register_shard_hook(owner, module, pre=None, post=None) -> None:
-    """A `_Hook` on `module` that runs `pre(shard, args, kwargs)` / `post(shard, output)` while `owner.shard` is
-    set (one sharded forward) and does nothing otherwise."""
-    registry = HookRegistry.check_if_exists_or_initialize(module)
-    name = HOOK if HOOK not in registry.hooks else f"{HOOK}_{len(registry.hooks)}"
-    registry.register_hook(_Hook(owner, pre, post), name)
+#: SkyReels-V2: per-frame timesteps instead of per-token ones, and the modulation they make cut by frames
+SKYREELS_PLAN = WAN_PLAN.extended(modules={
+    "": At(inputs={"timestep": Split(1, "frames", expected_dims=2)}),
+    "blocks.*": At(inputs={"temb": Split(2, "tokens_of_my_frames", expected_dims=4)}),
+    "norm_out": At(outputs={0: Place(1, "tokens_of_my_frames", when="frame_timesteps")}),
+    "proj_out": At(inputs={0: Split(1, "tokens_of_my_frames", when="frame_timesteps")},
+                   outputs=WAN_PLAN.modules["proj_out"].outputs),
+})
 
 
 class WanSequenceParallel:
     """Makes `model` (a `WanTransformer3DModel` or `SkyReelsV2Transformer3DModel`) run sequence-parallel.
 
-        sp_model = WanSequenceParallel(model)           # once: registers the hooks
+        sp_model = WanSequenceParallel(model)           # once: the plan's hooks
         out = sp_model(x, t, text, sp)                  # diffusers' forward, sharded over `sp`
 
     Every rank of `sp` calls it with the same replicated inputs and gets the same output.
@@ -175,84 +133,9 @@ class WanSequenceParallel:
     def __init__(self, model):
         self.model = model
         self.skyreels = hasattr(model.config, "num_frame_per_block")
-        self.shard: Shard | None = None
-        self._temb_in = self._temb_out = None
         if self.skyreels and model.config.num_frame_per_block > 1:
             model._set_ar_attention(1)          # no S x S mask from diffusers: the processor applies it
-        self._register(model, pre=self._my_timesteps)
-        self._register(model.rope, post=self._rope)
-        self._register(model.patch_embedding, pre=self._my_frames)
-        self._register(model.blocks[0], pre=self._my_tokens)
-        for block in model.blocks:
-            self._register(block, pre=self._my_modulation)
-            block.attn1.set_processor(SequenceParallelAttnProcessor(self, block.attn1.processor))
-        self._register(model.norm_out, post=self._full_length)
-        self._register(model.proj_out, pre=self._back_to_mine, post=self._gather)
-
-    def _register(self, module, pre=None, post=None) -> None:
-        register_shard_hook(self, module, pre, post)
-
-    # -- the hooks ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _my_timesteps(shard: Shard, args, kwargs):
-        # diffusers repeats per-frame timesteps' modulation over every token of every frame: (B, 6, S, D) on
-        # every rank; given my frames' timesteps only, it builds (B, 6, (f1 - f0) h w, D). Per-token timesteps
-        # (B, S) would make (B, S, 6, D) on every rank; given my tokens' (B, Sl), diffusers builds the
-        # modulation of exactly the tokens the blocks and norm_out see here (padding: timestep 0, dropped)
-        if shard.per_token_modulation or shard.token_timesteps:
-            t = kwargs["timestep"] if "timestep" in kwargs else args[1]
-            t = shard.mine(t, 1) if shard.token_timesteps else t[:, shard.f0:shard.f1]
-            if "timestep" in kwargs:
-                kwargs["timestep"] = t
-            else:
-                args[1] = t
-        return tuple(args), kwargs
-
-    @staticmethod
-    def _rope(shard: Shard, freqs):
-        return tuple(shard.mine(t, 1) for t in freqs)                          # (1, Sl, 1, hd) each
-
-    def _my_frames(self, shard: Shard, args, kwargs):
-        p_t = self.model.config.patch_size[0]
-        args[0] = args[0][:, :, shard.f0 * p_t:shard.f1 * p_t]                 # (B, C, frames, H, W)
-        return tuple(args), kwargs
-
-    @staticmethod
-    def _my_tokens(shard: Shard, args, kwargs):
-        args[0] = shard.mine(args[0], 1, offset=shard.f0 * shard.frame_tokens)  # (B, Sl, D)
-        return tuple(args), kwargs
-
-    def _my_modulation(self, shard: Shard, args, kwargs):
-        if not shard.per_token_modulation:
-            return tuple(args), kwargs
-        temb = args[2]                          # SkyReels (B, 6, my frames' tokens, D)
-        if temb is not self._temb_in:           # the same tensor comes to every block: cut it once
-            self._temb_in = temb
-            self._temb_out = shard.mine(temb, 2 if self.skyreels else 1, offset=shard.f0 * shard.frame_tokens)
-        args[2] = self._temb_out
-        return tuple(args), kwargs
-
-    @staticmethod
-    def _full_length(shard: Shard, out: torch.Tensor) -> torch.Tensor:
-        if not shard.per_token_modulation:
-            return out                          # (B, Sl, D); shift/scale (B, 1, D) broadcast
-        offset = shard.f0 * shard.frame_tokens
-        full = out.new_zeros((out.shape[0], (shard.f1 - shard.f0) * shard.frame_tokens, out.shape[2]))
-        full[:, shard.start - offset:shard.stop - offset] = out[:, :shard.stop - shard.start]
-        return full                             # (B, my frames' tokens, D)
-
-    @staticmethod
-    def _back_to_mine(shard: Shard, args, kwargs):
-        if shard.per_token_modulation:
-            args[0] = shard.mine(args[0], 1, offset=shard.f0 * shard.frame_tokens)  # (B, Sl, D)
-        return tuple(args), kwargs
-
-    @staticmethod
-    def _gather(shard: Shard, out: torch.Tensor) -> torch.Tensor:
-        return comm.gather(out, 1, shard.S, shard.sp.pg)                       # (B, S, p*C_out)
-
-    # -- a forward --------------------------------------------------------------------------------------
+        self.sharded = shard_model(model, SKYREELS_PLAN if self.skyreels else WAN_PLAN)
 
     def _tokens(self, x: torch.Tensor) -> int:
         """S, the tokens of a latent x (B, C, F, H, W) after the patch embedding."""
@@ -270,32 +153,23 @@ class WanSequenceParallel:
         `image`: image-to-video's CLIP tokens (`encoder_hidden_states_image`), (k B, T, C_img) with k images per
         row (FLF2V: 2, first and last, which diffusers' image embedder views as one row of 2T tokens). The image
         path is cross-attention (replicated keys, per-token queries) and the extra input channels (the condition
-        concatenated to the latents) only widen `patch_embedding`'s input: neither needs a hook.
+        concatenated to the latents) only widen `patch_embedding`'s input: neither needs a rule.
 
         `cfg`: the unconditional and conditional halves of the batch run on two halves of the workers
-        (each half sharding its sequence over `sp`), then the pairs join them. `fps`: SkyReels' fps id, one
-        for the whole batch (diffusers' forward adds a batch of one fps embedding to every row; with one per
-        row its per-frame broadcast fits a batch of one only). `frames_per_block` > 1: diffusion forcing's
-        block-causal mask.
+        (`engine.parallel.cfg_parallel`). `fps`: SkyReels' fps id, one for the whole batch (diffusers' forward
+        adds a batch of one fps embedding to every row; with one per row its per-frame broadcast fits a batch
+        of one only). `frames_per_block` > 1: diffusion forcing's block-causal mask.
         """
         if cfg is not None:
-            half = slice(cfg.index * (x.shape[0] // 2), (cfg.index + 1) * (x.shape[0] // 2))
-            image_half = None if image is None else image.chunk(2)[cfg.index]      # (k B/2, T, C_img)
-            out = self(x[half], timestep[half], text[half], sp, fps=fps,
-                       frames_per_block=frames_per_block, image=image_half)      # (B/2, C_out, F, H, W)
-            return comm.all_gather(out, 0, cfg.pair)                              # (B, C_out, F, H, W)
+            return cfg_parallel(self, cfg, x, timestep, text, sp, fps=fps, frames_per_block=frames_per_block,
+                                image=image)
         per_frame = timestep.ndim == 2 and self.skyreels
-        per_token = timestep.ndim == 2 and not self.skyreels
-        if per_token and timestep.shape[1] != self._tokens(x):
+        if timestep.ndim == 2 and not self.skyreels and timestep.shape[1] != self._tokens(x):
             raise ValueError(f"per-token timesteps must be one per token: {self._tokens(x)}; got {timestep.shape[1]}")
         kwargs = {}
         if self.skyreels:
             kwargs = {"enable_diffusion_forcing": per_frame, "fps": None if fps is None else [fps]}
         if image is not None:
             kwargs["encoder_hidden_states_image"] = image
-        self.shard = Shard.of(self.model, x, sp, per_frame, frames_per_block, token_timesteps=per_token)
-        try:
-            return self.model(x, timestep, text, return_dict=False, **kwargs)[0]
-        finally:
-            self.shard = self._temb_in = self._temb_out = None
-
+        shard = WanShard.of(self.model, x, sp, frames_per_block, frame_timesteps=per_frame)
+        return self.sharded(shard, x, timestep, text, return_dict=False, **kwargs)[0]
