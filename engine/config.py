@@ -244,6 +244,13 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class FamilyFacts:
+    """What a family knows of a checkpoint beyond the description every family gives (a Wan 2.2 expert boundary,
+    a scheduler config, a causal model's loop): each family module defines its own frozen subclass, read by that
+    family alone."""
+
+
+@dataclass(frozen=True)
 class ModelDescription:
     """What the coordinator knows of a checkpoint from its JSON configs alone (a family's `describe`)."""
 
@@ -255,7 +262,7 @@ class ModelDescription:
     defaults: GenerationDefaults
     options: tuple[str, ...] = ()      # request options of this family (Wan 2.2's guidance_scale_2, ...)
     capabilities: Capabilities = field(default_factory=Capabilities)
-    extra: dict = field(default_factory=dict)   # the family's own facts (scheduler config, ...): families only
+    facts: FamilyFacts | None = None   # the family's own facts (its module's FamilyFacts subclass): families only
 
 
 @dataclass(frozen=True)

@@ -212,12 +212,11 @@ class VideoEngine:
             raise ValueError(f"cache: step caching is not available for {config.model!r} (a {desc.family} model; "
                              f"it is for Latte and the Wan family)")
         if config.cache is not None:        # a default every request would be refused for is refused now
-            from engine.families.base import check_cache_option
             from engine.request import RequestError
 
             probe = types.SimpleNamespace(options={"cache": config.cache})
             try:
-                check_cache_option(probe, family.cache_kinds, desc.extra.get("mag_ratios"))
+                family.check_cache(desc, probe)
             except RequestError as e:
                 raise ValueError(f"cache: {e}") from None
         if config.launcher == "torchrun" or (config.launcher == "auto" and launched_by_torchrun()):

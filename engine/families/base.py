@@ -12,34 +12,43 @@ coordinator side (class methods; they read JSON configs only, no weights, no tor
   of a request's model-facing fields; front doors add only their own limits.
 
 worker side (an instance per worker process, built by `engine.worker.setup_worker` from a
-`WorkerConfig`): loading, and a request's life on the workers. `admit`, `step` and
+`WorkerConfig`): loading, and a request's life on the workers. Loading, `admit`, `step` and
 `decode_next` are written once, here; a family fills in the parts that differ:
 
-    admit        encode_prompt (rank 0, broadcast)  ->  prepare (latents, scheduler)
+    load         load_pipeline (diffusers' components)  ->  load_denoisers: the load pipeline over the
+                 denoisers the family declares (`Denoisers`): FP8 -> compile of the repeated blocks ->
+                 step caching's hooks -> `shard` (the family's sharded forward) -> expert offload
+    admit        encode_prompt (rank 0, broadcast)  ->  prepare (latents, scheduler, the request's
+                 `FrameStream`: engine/decoding.py)
     step         model_for (Wan 2.2: the expert)  ->  inputs per request  ->  forward (the plan's
-                 parallel forward, engine/models/)  ->  guidance_scale  ->  advance (scheduler step)
-    decode_next  the "latent" output, timed; else decode (the family's VAE path)
+                 parallel forward, engine/models/)  ->  guidance_scale  ->  advance (scheduler step; final
+                 latents pushed into the request's frame stream)
+    decode_next  the request's frame stream: its next final frames through the family's VAE path
+                 (`vae_decoder`), timed; or its latents for output "latent"
 
 The parallel forwards themselves (DSP for Latte; hooks on diffusers' Wan modules) live in
-`engine/models/`, apart from these adapters.
+`engine/models/`, apart from these adapters. Families share what they share by composition: the Wan
+architecture's parts (`engine/families/wan_parts.py`) are a mixin every Wan-based family takes whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 import torch
 
 from engine import comm
 from engine.config import MAX_STEPS, REQUIRED, Capabilities, GenerationDefaults, ModelDescription, WorkerConfig
+from engine.decoding import FramesPolicy, FrameStream
 from engine.dist import parse_dtype
 from engine.lora import step_rows
 from engine.parallel import ParallelPlan, resolve_plan
@@ -52,7 +61,8 @@ class WorkerRequest:
 
     num_steps: denoising steps in all (every segment's, for long video).
     batch_key: requests with equal keys can share a `step` (same latent shape, same model).
-    decoded_frames: output frames handed out so far; num_frames: all of them.
+    decoded_frames: output frames handed out so far; num_frames: all of them; frames: the stream its final
+    latents go into and its frames come out of (engine/decoding.py).
     """
 
     spec: GenerationSpec
@@ -66,6 +76,7 @@ class WorkerRequest:
     steps_done: int = 0
     model: int = 0                     # which denoiser its next step uses (a two-expert family's expert)
     decoded_frames: int = 0
+    frames: FrameStream = None
     cache_state: dict = field(default_factory=dict)   # step caching (engine/cache.py): (expert, branch) -> state
     timings: dict = field(default_factory=lambda: {"encode_s": 0.0, "transformer_s": 0.0, "vae_s": 0.0})
 
@@ -74,8 +85,13 @@ class WorkerRequest:
         return self.steps_done >= self.num_steps
 
     def decodable(self) -> bool:
-        """Are there final frames not yet decoded? (T2V: once every step is done.)"""
-        return self.denoised and self.decoded_frames < self.num_frames
+        """Are there final frames not yet handed out?"""
+        return self.frames is not None and self.frames.ready()
+
+    @property
+    def chunk_info(self) -> dict:
+        """What the last decode handed out, in the family's words (a live chunk: its chunk and prompt index)."""
+        return self.frames.info if self.frames is not None else {}
 
     def progress(self):
         """What the coordinator learns after each job (`engine.worker.Progress`)."""
@@ -136,6 +152,17 @@ class VideoFamily:
         return spec
 
     @classmethod
+    def check_cache(cls, desc: ModelDescription, spec) -> GenerationSpec:
+        """The request's `cache` option checked against the kinds the family's forward takes (and the checkpoint's
+        MagCache calibration, for a family that reads one)."""
+        return check_cache_option(spec, cls.cache_kinds, cls.mag_ratios(desc))
+
+    @classmethod
+    def mag_ratios(cls, desc: ModelDescription) -> list | None:
+        """The checkpoint's MagCache calibration (its `mag_ratios.json`), for a `mag` cache that brings none."""
+        return None
+
+    @classmethod
     def content_frames(cls, desc: ModelDescription, spec: GenerationSpec) -> int:
         """Frames a checked request hands out: its num_frames, but for an extension (diffusion forcing's `video`),
         which hands out the input's frames and then the new ones."""
@@ -165,6 +192,7 @@ class VideoFamily:
         self.attention = "sdpa"
         self.cfg_groups = None
         self.lora = None                 # engine.lora.LoraSet, when the family loaded adapters
+        self.residency = None            # engine.offload.ExpertResidency, under expert offload
 
     def load_pipeline(self, pipeline_class, dtype, on_host=()):
         """The family's diffusers pipeline on this worker's device (the text encoder on rank 0 only; the
@@ -184,6 +212,45 @@ class VideoFamily:
             pipe.to(self.pg.device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def load_denoisers(self, denoisers: "Denoisers") -> list:
+        """The load pipeline, in the one order that works (docs/design.md, "Regional compile and FP8"): FP8 weights
+        (the compiled graph then takes their float8 matmuls) -> compile of the repeated blocks (before any hook, so
+        that a compiled block's forward is the innermost one the hooks wrap) -> step caching's hooks (before the
+        plan's, so that they see a block's input after the sequence-parallel cut) -> `shard`, the family's sharded
+        forward -> expert offload (its host copies are of the tensors the stages above left). -> the sharded
+        forwards, one per denoiser."""
+        engine, modules = self.config.engine, list(denoisers.modules)
+        if (engine.quantize != "none" or engine.compile != "none") and denoisers.blocks is None:
+            raise ValueError(f"compile and quantize are not built for the {self.name} family")
+        if engine.quantize == "fp8":
+            from engine.quantize import quantize_fp8
+
+            for m in modules:
+                quantize_fp8(m)
+        if engine.compile == "blocks":
+            from engine.compile import compile_blocks
+
+            for m in modules:
+                compile_blocks(denoisers.blocks(m), engine.compile_backend)
+        if denoisers.cache_units:
+            from engine.cache import StepCache
+
+            self.step_cache = StepCache(blocks=denoisers.cache_units)
+        if denoisers.cache_hooks:
+            for m in modules:
+                denoisers.cache_hooks(m, self.step_cache)  # step caching reads the running forward's shard itself
+        sharded = [self.shard(m) for m in modules]
+        if denoisers.offload:
+            from engine.offload import ExpertResidency
+
+            self.residency = ExpertResidency(modules, self.pg.device)
+        return sharded
+
+    def shard(self, denoiser):
+        """The plan's sharded forward of one denoiser: the load pipeline's last stage (Latte: the module itself, which
+        its hand-written DSP forward takes)."""
+        return denoiser
 
     def set_plan(self, plan: ParallelPlan) -> None:
         raise NotImplementedError
@@ -314,26 +381,35 @@ class VideoFamily:
         return guided(out, r.spec.use_cfg, self.guidance_scale(r))
 
     def advance(self, r: WorkerRequest, pred: torch.Tensor) -> None:
-        """The request's scheduler step with the guided prediction (and whatever follows it)."""
+        """The request's scheduler step with the guided prediction; once denoised, every latent frame is final."""
         t = r.scheduler.timesteps[r.steps_done]
         r.latents = r.scheduler.step(pred, t, r.latents, **r.step_kwargs, return_dict=False)[0]
         r.steps_done += 1
+        if r.denoised:
+            r.frames.push(self.final_latents(r), last=True)
+
+    def final_latents(self, r: WorkerRequest) -> torch.Tensor:
+        """The denoised latents as the pipeline decodes (or returns) them."""
+        return r.latents
+
+    def frame_stream(self, spec: GenerationSpec, limit: int, policy: FramesPolicy,
+                     lead_frames: Callable | None = None) -> FrameStream:
+        """A request's frame stream (engine/decoding.py) through the family's VAE path."""
+        return FrameStream(policy, functools.partial(self.vae_decoder, spec), spec.output, self.pg.rank, limit,
+                           lead_frames)
+
+    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor):
+        """The family's VAE path for a request's run of final latents that starts with `latents` (see
+        `engine.decoding.FrameStream`)."""
+        raise NotImplementedError
 
     def decode_next(self, r: WorkerRequest, max_frames: int):
         """The next final frames (about `max_frames`), decoded across the workers: (B, n, H, W, 3) on rank 0,
-        None elsewhere; the final latents, in one piece, for output "latent". Advances `r.decoded_frames`."""
-        if r.spec.output == "latent":
-            latents = self.final_latents(r)
-            r.decoded_frames = r.num_frames
-            return latents.cpu() if self.pg.rank == 0 else None
-        with Timer(r.timings, "vae_s"):
-            return self.decode(r, max_frames)
-
-    def final_latents(self, r: WorkerRequest) -> torch.Tensor:
-        return r.latents
-
-    def decode(self, r: WorkerRequest, max_frames: int):
-        raise NotImplementedError
+        None elsewhere; latents for output "latent". Advances `r.decoded_frames`."""
+        with Timer(r.timings, "vae_s") if r.spec.output != "latent" else contextlib.nullcontext():
+            frames = r.frames.next(max_frames)
+        r.decoded_frames = r.frames.frames_out
+        return frames
 
     def update(self, r: WorkerRequest, payload: dict) -> dict:
         """A running request changes course (`engine.worker.update`); only live-capable families accept it."""
@@ -360,6 +436,17 @@ class VideoFamily:
                                timesteps=None if timesteps is None else np.asarray(timesteps, dtype=np.float64),
                                sigmas=None if sigmas is None else np.asarray(sigmas, dtype=np.float64))
         return scheduler
+
+
+@dataclass(frozen=True)
+class Denoisers:
+    """What a family declares to the load pipeline (`VideoFamily.load_denoisers`)."""
+
+    modules: tuple[torch.nn.Module, ...]          # its denoisers (Wan 2.2: the high- and the low-noise expert)
+    blocks: Callable | None = None                # a denoiser -> its repeated blocks (FP8, compile); None: not built
+    cache_units: int = 0                          # step caching's units (engine/cache.py); 0: no step caching
+    cache_hooks: Callable | None = None           # (denoiser, StepCache) -> step caching's hooks on its blocks
+    offload: bool = False                         # expert offload: one denoiser on the device at a time
 
 
 def read_json(path: Path) -> dict:
@@ -423,14 +510,6 @@ def guided(noise: torch.Tensor, use_cfg: bool, scale: float) -> torch.Tensor:
 def cfg_rows(r: WorkerRequest, x: torch.Tensor) -> torch.Tensor:
     """`x` once per forward row of the request: twice ([uncond; cond]) under CFG."""
     return torch.cat([x, x]) if r.spec.use_cfg else x
-
-
-def to_pixels(video: torch.Tensor, video_processor, output: str):
-    """Decoded (B, 3, n, H, W) in [-1, 1] -> float32 (B, n, H, W, 3) in [0, 1] (diffusers' "np"), or uint8."""
-    frames = video_processor.postprocess_video(video=video.float().cpu(), output_type="np")
-    if output == "uint8":
-        return (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
-    return frames
 
 
 def sync_cuda() -> None:

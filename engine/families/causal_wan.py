@@ -33,19 +33,21 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, ModelDescription
+from engine.config import EngineConfig, FamilyFacts, ModelDescription
+from engine.decoding import FramesPolicy, decoded_frames
 from engine.families.base import (
+    Denoisers,
     VideoFamily,
+    WorkerRequest,
     check_common,
     generation_defaults,
     read_json,
     seeded_generator,
     sync_cuda,
-    to_pixels,
 )
-from engine.families.wan import MAX_SEQUENCE_LENGTH, WanFamily, WanRequest, decoded_frames, vae_factors
+from engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
 from engine.models.causal import CausalConfig, CausalWan, KVCache
-from engine.parallel import ParallelPlan, make_sequence_parallel
+from engine.parallel import ParallelPlan
 from engine.request import GenerationSpec, RequestError
 
 CAUSAL_CONFIG_FILE = "causal_config.json"
@@ -57,8 +59,18 @@ def chunk_frames(chunks: int, frames_per_block: int, temporal: int) -> int:
     return decoded_frames(chunks * frames_per_block, temporal)
 
 
+@dataclass(frozen=True)
+class CausalFacts(FamilyFacts):
+    config: CausalConfig                  # the chunk loop (causal_config.json)
+    layers: int                           # the transformer's, for the KV cache's size
+    head_dim: int
+    patch: tuple[int, int, int]
+    vae_spatial: int
+    vae_temporal: int
+
+
 @dataclass
-class CausalRequest(WanRequest):
+class CausalRequest(WorkerRequest):
     cfg: CausalConfig = None
     caches: list = field(default_factory=list)      # one KVCache per row
     generator: torch.Generator = None
@@ -73,14 +85,9 @@ class CausalRequest(WanRequest):
     schedule: dict = field(default_factory=dict)    # chunk -> prompt index (the request's prompt_schedule)
     pending_prompt: int | None = None               # a switch asked for, applied at the next chunk boundary
     clean: torch.Tensor = None                      # the cached frames' clean latents, by cache slot
-    to_decode: list = field(default_factory=list)   # [(chunk, prompt index, latents)] final, not decoded yet
-    chunk_info: dict = field(default_factory=dict)  # what the last decode handed out
-
-    def decodable(self) -> bool:
-        return bool(self.to_decode)
 
 
-class CausalWanFamily(WanFamily):
+class CausalWanFamily(WanParts, VideoFamily):
     """Self-Forcing / LongLive / CausVid-style checkpoints on diffusers' `WanTransformer3DModel`."""
 
     name = "causal-wan"
@@ -96,8 +103,7 @@ class CausalWanFamily(WanFamily):
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
         model_dir = Path(model_dir)
-        raw = read_json(model_dir / CAUSAL_CONFIG_FILE)
-        cfg = CausalConfig.from_dict(raw)
+        cfg = CausalConfig.from_dict(read_json(model_dir / CAUSAL_CONFIG_FILE))
         t = read_json(model_dir / "transformer" / "config.json")
         spatial, temporal = vae_factors(read_json(model_dir / "vae" / "config.json"))
         fallback = {"height": 480, "width": 832, "num_frames": chunk_frames(7, cfg.frames_per_block, temporal),
@@ -109,8 +115,8 @@ class CausalWanFamily(WanFamily):
             capabilities=cls.capabilities(OPTIONS, long_video=True, live=True,
                                           frames_per_chunk=cfg.frames_per_block * temporal * t["patch_size"][0],
                                           live_window=cfg.local_attn_size),
-            extra={"causal": raw, "layers": t["num_layers"], "head_dim": t["attention_head_dim"],
-                   "patch": t["patch_size"], "vae_spatial": spatial, "vae_temporal": temporal})
+            facts=CausalFacts(config=cfg, layers=t["num_layers"], head_dim=t["attention_head_dim"],
+                              patch=tuple(t["patch_size"]), vae_spatial=spatial, vae_temporal=temporal))
 
     @classmethod
     def resolve_plan(cls, desc: ModelDescription, parallel: str, workers: int, ulysses_degree: int | None = None,
@@ -126,8 +132,7 @@ class CausalWanFamily(WanFamily):
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
-        cfg = CausalConfig.from_dict(desc.extra["causal"])
-        n = len(cfg.timesteps)
+        n = len(desc.facts.config.timesteps)
         if spec.num_inference_steps != n:
             raise RequestError("num_inference_steps", f"this causal model denoises every chunk in exactly {n} steps "
                                                       f"(its denoising_step_list); got {spec.num_inference_steps}")
@@ -175,16 +180,13 @@ class CausalWanFamily(WanFamily):
         """Per worker: one KVCache per video (engine/models/causal.py), at the engine's dtype."""
         from engine.dist import parse_dtype
 
-        cfg = CausalConfig.from_dict(desc.extra["causal"])
-        x = desc.extra
-        tokens = (spec.height // x["vae_spatial"] // x["patch"][1]) * (spec.width // x["vae_spatial"] // x["patch"][2])
-        per_video = KVCache.nbytes(cfg, x["layers"], tokens, math.ceil(desc.heads / config.workers), desc.heads,
-                                   x["head_dim"], MAX_SEQUENCE_LENGTH, parse_dtype(config.dtype).itemsize)
+        f = desc.facts
+        tokens = (spec.height // f.vae_spatial // f.patch[1]) * (spec.width // f.vae_spatial // f.patch[2])
+        per_video = KVCache.nbytes(f.config, f.layers, tokens, math.ceil(desc.heads / config.workers), desc.heads,
+                                   f.head_dim, MAX_SEQUENCE_LENGTH, parse_dtype(config.dtype).itemsize)
         return per_video * spec.batch_size
 
     # -- worker side --------------------------------------------------------------------------------
-
-    supports_compile = False         # its own transformer and KV-cached forward: not built
 
     def __init__(self, ctx, config):
         import diffusers
@@ -192,11 +194,11 @@ class CausalWanFamily(WanFamily):
 
         from weights.causal_wan import load_causal_transformer
 
-        VideoFamily.__init__(self, ctx, config)
+        super().__init__(ctx, config)
         diffusers.utils.logging.disable_progress_bar()
         model_dir = base = Path(config.model_dir)
-        self.desc = desc = self.describe(model_dir)
-        self.cfg = CausalConfig.from_dict(desc.extra["causal"])
+        self.desc = self.describe(model_dir)
+        self.cfg = self.desc.facts.config
         device = self.pg.device
         transformer = load_causal_transformer(model_dir, self.dtype).to(device)
         index = read_json(base / "model_index.json")
@@ -210,15 +212,13 @@ class CausalWanFamily(WanFamily):
         self.pipe = diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                                           vae=vae, scheduler=scheduler)
         self.pipe.set_progress_bar_config(disable=True)
-        self.model = CausalWan(transformer, self.cfg)
+        # no FP8, compile or step caching: its own KV-cached forward (engine/models/causal.py)
+        self.model, = self.load_denoisers(Denoisers((transformer,)))
         self.vae_spatial, self.vae_temporal = vae_factors(dict(vae.config))
-        self.boundary = None
-        self.set_plan(config.plan)
+        self.set_plan(config.plan)        # Ulysses over every worker, no CFG-parallel (resolve_plan)
 
-    def set_plan(self, plan: ParallelPlan) -> None:
-        self.cfg_groups, self.sp_cfg = None, None
-        self.sp = make_sequence_parallel(self.pg, "ulysses")
-        self.plan = plan
+    def shard(self, denoiser):
+        return CausalWan(denoiser, self.cfg)
 
     # -- a request ----------------------------------------------------------------------------------
 
@@ -248,7 +248,9 @@ class CausalWanFamily(WanFamily):
                           num_frames=spec.num_frames, cfg=cfg, generator=seeded_generator(spec.seed),
                           num_chunks=num_chunks, latent_frames=latent_frames, texts=texts, schedule=schedule,
                           caches=[self.model.new_cache(h, w, self.sp, text.shape[1]) for _ in range(B)],
-                          clean=torch.zeros(B, C, cfg.capacity, h, w, device=self.pg.device))
+                          clean=torch.zeros(B, C, cfg.capacity, h, w, device=self.pg.device),
+                          # a chunk is the unit a live client sees: decoded whole, one per call
+                          frames=self.frame_stream(spec, spec.num_frames, FramesPolicy(self.vae_temporal, whole=True)))
         self._start_chunk(r)
         return r
 
@@ -336,7 +338,9 @@ class CausalWanFamily(WanFamily):
                 r.phase += 1
             else:
                 r.x0, r.x = x0, None
-                r.to_decode.append((r.chunk, r.prompt_index, x0))
+                # final; the last chunk's frames past the video's end are not decoded
+                r.frames.push(x0[:, :, :r.latent_frames - r.chunk * cfg.frames_per_block],
+                              info={"chunk": r.chunk, "prompt_index": r.prompt_index})
                 r.phase = n
         else:                                   # the context pass wrote the chunk: keep its clean latents
             first = r.caches[0].frames_written - r.x0.shape[2]
@@ -374,40 +378,13 @@ class CausalWanFamily(WanFamily):
             chunks = r.chunk + 1
             r.num_chunks = chunks
             r.num_steps = r.steps_done + (n - r.phase)
-            r.num_frames = min(r.num_frames, chunk_frames(chunks, self.cfg.frames_per_block, self.vae_temporal))
+            r.num_frames = r.frames.limit = min(r.num_frames, chunk_frames(chunks, self.cfg.frames_per_block,
+                                                                            self.vae_temporal))
             r.latent_frames = min(r.latent_frames, chunks * self.cfg.frames_per_block)
             if r.denoised:                       # phase n: the chunk was final already
                 r.x = r.x0 = None
                 r.batch_key = ("causal", "done")
         return {"progress": r.progress(), **info}
-
-    # -- decoding: one chunk per call ------------------------------------------------------------------
-
-    def decode_next(self, r: CausalRequest, max_frames: int):
-        """The oldest final chunk, whole (a chunk is the unit a live client sees): pixels (B, n, H, W, 3) on
-        rank 0, or its latents for output "latent". `max_frames` does not split a chunk."""
-        chunk, prompt_index, latents = r.to_decode.pop(0)
-        keep = max(0, min(latents.shape[2], r.latent_frames - r.latents_decoded))
-        latents = latents[:, :, :keep]
-        r.chunk_info = {"chunk": chunk, "prompt_index": prompt_index}
-        start = r.decoded_frames
-        r.latents_decoded += keep
-        r.decoded_frames = min(r.num_frames, decoded_frames(r.latents_decoded, self.vae_temporal))
-        if r.spec.output == "latent":
-            return latents.cpu() if self.pg.rank == 0 else None
-        t0 = time.perf_counter()
-        if r.decoder is None:
-            r.decoder = self.start_decoder(latents)
-        with torch.no_grad():
-            video = r.decoder.decode(self.unnormalize(latents)) if keep else None
-        if r.decoded_frames >= r.num_frames:
-            r.decoder.close()
-            r.decoder = None
-        sync_cuda()
-        r.timings["vae_s"] += time.perf_counter() - t0
-        if video is None:
-            return None
-        return to_pixels(video[:, :, :r.decoded_frames - start], self.pipe.video_processor, r.spec.output)
 
 
 FAMILY = CausalWanFamily

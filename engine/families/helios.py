@@ -26,24 +26,26 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.config import ModelDescription
+from engine.config import FamilyFacts, ModelDescription
+from engine.decoding import FramesPolicy, decoded_frames
 from engine.families.base import (
+    Denoisers,
     VideoFamily,
+    WorkerRequest,
     cfg_rows,
     check_common,
     check_int,
     generation_defaults,
     read_json,
     seeded_generator,
-    to_pixels,
 )
-from engine.families.wan import WanFamily, WanRequest, decoded_frames, vae_factors
+from engine.families.wan_parts import WanParts, vae_factors
 from engine.models.helios import HeliosSequenceParallel
 from engine.request import GenerationSpec, RequestError
 
@@ -72,8 +74,13 @@ def video_frames(num_frames: int, chunk: int, temporal: int) -> tuple[int, int]:
     return chunks, (chunks * window - 1) // temporal * temporal + 1
 
 
+@dataclass(frozen=True)
+class HeliosFacts(FamilyFacts):
+    temporal: int                         # the VAE's time compression (a chunk's frames)
+
+
 @dataclass
-class HeliosRequest(WanRequest):
+class HeliosRequest(WorkerRequest):
     generator: torch.Generator = None     # draws every chunk's noise, in order (as diffusers)
     history_sizes: tuple = (16, 2, 1)     # long, mid, 1x
     chunk: int = 9                        # latent frames per chunk
@@ -84,27 +91,19 @@ class HeliosRequest(WanRequest):
     start_point: torch.Tensor = None      # the stage's starting latents (the distilled DMD scheduler renoises to them)
     history: torch.Tensor = None          # (B, C, sum(history_sizes), h, w) float32: the last latent frames made
     prefix: torch.Tensor = None           # (B, C, 1, h, w): the video's first latent frame (zeros before it exists)
-    outputs: list = field(default_factory=list)     # output_type "latent": every chunk's latents, kept
-
-    def frames_out(self, latent_frames: int, temporal: int) -> int:
-        """Frames handed out once `latent_frames` latent frames are decoded (each chunk decodes on its own)."""
-        whole, part = divmod(latent_frames, self.chunk)
-        return min(self.num_frames, whole * chunk_frames(self.chunk, temporal) + decoded_frames(part, temporal))
 
 
-class HeliosFamily(WanFamily):
+class HeliosFamily(WanParts, VideoFamily):
     """`HeliosPipeline` checkpoints: text-to-video of any length in chunks with a multi-scale history."""
 
     name = "helios"
+    plans = ("ulysses", "ring", "usp")
+    auto_plan = "sequence"
     #: diffusers' `HeliosPipeline.__call__` defaults; Helios makes 24 fps video
     pipeline_defaults = {"HeliosPipeline": {"height": 384, "width": 640, "num_frames": 132, "num_inference_steps": 50,
                                             "guidance_scale": 5.0, "fps": 24, "history_sizes": [16, 2, 1],
                                             "num_latent_frames_per_chunk": 9}}
     pipeline_classes = frozenset(pipeline_defaults)
-    request_class = HeliosRequest
-    supports_lora = False
-    cache_kinds = ()
-    supports_compile = False         # its own hooks around a chunk's forward: not built (docs/design.md)
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
@@ -119,8 +118,7 @@ class HeliosFamily(WanFamily):
             size_multiple=math.lcm(16, spatial * patch[1]), frame_multiple=1,
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
             options=OPTIONS, capabilities=cls.capabilities(OPTIONS, long_video=True),
-            extra={"temporal": temporal,
-                   "scheduler_config": read_json(model_dir / "scheduler" / "scheduler_config.json")})
+            facts=HeliosFacts(temporal=temporal))
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
@@ -147,21 +145,24 @@ class HeliosFamily(WanFamily):
     @classmethod
     def content_frames(cls, desc: ModelDescription, spec: GenerationSpec) -> int:
         chunk = spec.options.get("num_latent_frames_per_chunk", 9)
-        return video_frames(spec.num_frames, chunk, desc.extra["temporal"])[1]
+        return video_frames(spec.num_frames, chunk, desc.facts.temporal)[1]
 
     # -- worker side: loading ---------------------------------------------------------------------
 
     def __init__(self, ctx, config):
         import diffusers
 
-        VideoFamily.__init__(self, ctx, config)
-        if config.engine.attention == "xformers":
-            raise ValueError("attention='xformers' is not available for Helios (it uses PyTorch SDPA)")
+        super().__init__(ctx, config)
+        self.refuse_xformers(config)
         self.desc = self.describe(Path(config.model_dir))
         self.pipe = self.load_pipeline(getattr(diffusers, self.desc.pipeline), self.component_dtypes())
-        self.experts = [HeliosSequenceParallel(self.pipe.transformer)]
+        # no FP8, compile or step caching: its own hooks around a chunk's forward (docs/design.md)
+        self.experts = self.load_denoisers(Denoisers((self.pipe.transformer,)))
         self.vae_spatial, self.vae_temporal = vae_factors(dict(self.pipe.vae.config))
         self.set_plan(config.plan)
+
+    def shard(self, denoiser):
+        return HeliosSequenceParallel(denoiser)
 
     # -- a request ----------------------------------------------------------------------------------
 
@@ -185,7 +186,9 @@ class HeliosFamily(WanFamily):
                             num_frames=frames, text=text, scheduler=scheduler, generator=seeded_generator(spec.seed),
                             history_sizes=sizes, chunk=chunk, chunks=chunks,
                             history=torch.zeros(B, C, sum(sizes), h, w, device=self.pg.device),
-                            prefix=torch.zeros(B, C, 1, h, w, device=self.pg.device))
+                            prefix=torch.zeros(B, C, 1, h, w, device=self.pg.device),
+                            # each chunk decodes on its own, as diffusers decodes it
+                            frames=self.frame_stream(spec, frames, FramesPolicy(self.vae_temporal, run=chunk)))
         self._start_chunk(req)
         return req
 
@@ -259,9 +262,6 @@ class HeliosFamily(WanFamily):
         return model(x, t.to(self.pg.device), text, history, self.sp_cfg if cfg_parallel else self.sp,
                      cfg=self.cfg_groups if cfg_parallel else None)                # (rows, C, chunk, h, w)
 
-    def guidance_scale(self, r: HeliosRequest) -> float:
-        return r.spec.guidance_scale
-
     def advance(self, r: HeliosRequest, pred: torch.Tensor) -> None:
         r.latents = self.scheduler_step(r, pred)
         r.steps_done += 1
@@ -284,45 +284,12 @@ class HeliosFamily(WanFamily):
         if r.index == 0:
             r.prefix = new[:, :, :1].clone()         # keep_first_frame: the video's first latent frame, for good
         r.history = torch.cat([r.history, new], dim=2)[:, :, -sum(r.history_sizes):].contiguous()
-        if r.spec.output == "latent":
-            r.outputs.append(new)                    # the caller asked for every latent: held until the end
-            if r.index == r.chunks - 1:
-                r.pending = torch.cat(r.outputs, dim=2)
-        else:
-            r.pending = new if r.pending is None else torch.cat([r.pending, new], dim=2)
+        r.frames.push(new, last=r.index == r.chunks - 1)
         r.index += 1
         if r.index < r.chunks:
             self._start_chunk(r)
         else:
             r.latents = r.history = r.prefix = r.start_point = None
-
-    def final_latents(self, r: HeliosRequest) -> torch.Tensor:
-        latents, r.pending, r.outputs = r.pending, None, []
-        return latents
-
-    # -- decoding: each chunk on its own, as diffusers decodes it --------------------------------------
-
-    def decode(self, r: HeliosRequest, max_frames: int):
-        """The next latent frames of the oldest undecoded chunk whose pixels fit in `max_frames` (at least one),
-        through that chunk's streaming decoder across the workers (collective); rank 0 gets pixels."""
-        start, done = r.decoded_frames, r.latents_decoded
-        left = r.chunk - done % r.chunk                                            # latent frames left in this chunk
-        k = 1
-        while k < min(left, r.pending.shape[2]) and r.frames_out(done + k + 1, self.vae_temporal) - start <= max_frames:
-            k += 1
-        piece, r.pending = r.pending[:, :, :k], r.pending[:, :, k:]
-        if r.decoder is None:
-            r.decoder = self.start_decoder(piece)
-        with torch.no_grad():
-            video = r.decoder.decode(self.unnormalize(piece))                      # (B, 3, n, H, W) on rank 0
-        r.latents_decoded += k
-        r.decoded_frames = r.frames_out(r.latents_decoded, self.vae_temporal)
-        if r.latents_decoded % r.chunk == 0 or r.decoded_frames >= r.num_frames:
-            r.decoder.close()                        # the next chunk decodes on its own
-            r.decoder = None
-        if video is None:
-            return None
-        return to_pixels(video[:, :, :r.decoded_frames - start], self.pipe.video_processor, r.spec.output)
 
 
 FAMILY = HeliosFamily

@@ -21,6 +21,7 @@ the stage's resolution); requests batch with others at the same stage resolution
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelDescription
 from engine.families.base import check_int, read_json
-from engine.families.helios import HeliosFamily, HeliosRequest
+from engine.families.helios import HeliosFacts, HeliosFamily, HeliosRequest
 from engine.request import GenerationSpec, RequestError
 
 PYRAMID_OPTIONS = ("pyramid_num_inference_steps_list", "is_amplify_first_chunk", "use_zero_init", "zero_steps")
@@ -54,6 +55,13 @@ def check_block_noise(gamma: float, n: int, patch: str) -> None:
                          f"cannot factor it reliably; gamma must be below 1/(n-1) = {1 / (n - 1):.4g} by a margin")
 
 
+@dataclass(frozen=True)
+class HeliosPyramidFacts(HeliosFacts):
+    stages: int = 3                       # the scheduler's resolutions per chunk
+    is_distilled: bool = False            # the DMD scheduler: a step re-noises to the stage's starting noise
+    is_cfg_zero_star: bool = False        # guidance by CFG-Zero*
+
+
 class HeliosPyramidFamily(HeliosFamily):
     """`HeliosPyramidPipeline` checkpoints: Helios' chunks, each denoised in a pyramid of resolutions."""
 
@@ -67,26 +75,25 @@ class HeliosPyramidFamily(HeliosFamily):
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
-        from dataclasses import replace
-
         desc = super().describe(model_dir)
         index = read_json(Path(model_dir) / "model_index.json")
-        stages = desc.extra["scheduler_config"].get("stages", 3)
+        scheduler = read_json(Path(model_dir) / "scheduler" / "scheduler_config.json")
+        stages = scheduler.get("stages", 3)
         patch = read_json(Path(model_dir) / "transformer" / "config.json").get("patch_size", [1, 2, 2])
         # refused at start, before any worker loads, not at a request's second stage
-        check_block_noise(desc.extra["scheduler_config"].get("gamma", 1 / 3), patch[1] * patch[2],
-                          f"{patch[1]}x{patch[2]}")
+        check_block_noise(scheduler.get("gamma", 1 / 3), patch[1] * patch[2], f"{patch[1]}x{patch[2]}")
         # the lowest stage is 2^(stages-1) times smaller, in whole patches: 64 px for 3 stages of an 8x VAE
         return replace(desc, size_multiple=desc.size_multiple * 2 ** (stages - 1),
                        options=(*(o for o in desc.options if o != "sigmas"), *PYRAMID_OPTIONS),
-                       extra={**desc.extra, "stages": stages, "is_distilled": bool(index.get("is_distilled")),
-                              "is_cfg_zero_star": bool(index.get("is_cfg_zero_star"))})
+                       facts=HeliosPyramidFacts(**vars(desc.facts), stages=stages,
+                                                is_distilled=bool(index.get("is_distilled")),
+                                                is_cfg_zero_star=bool(index.get("is_cfg_zero_star"))))
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
         o, d = spec.options, desc.defaults.options
         steps = o.get("pyramid_num_inference_steps_list", d.get("pyramid_num_inference_steps_list", [10, 10, 10]))
-        stages = desc.extra["stages"]
+        stages = desc.facts.stages
         if not isinstance(steps, (list, tuple)) or len(steps) != stages:
             raise RequestError("pyramid_num_inference_steps_list",
                                f"pyramid_num_inference_steps_list must be a list of {stages} step counts (one per "
@@ -104,8 +111,6 @@ class HeliosPyramidFamily(HeliosFamily):
                         "pyramid_num_inference_steps_list": [int(v) for v in steps]}
         return spec
 
-    def __init__(self, ctx, config):
-        super().__init__(ctx, config)
     # -- the schedule --------------------------------------------------------------------------------
 
     def stages(self, spec: GenerationSpec) -> int:
@@ -120,7 +125,7 @@ class HeliosPyramidFamily(HeliosFamily):
         """The noise at the lowest stage's resolution: bilinear halvings, each times 2 (diffusers' pyramid)."""
         B, C, T, h, w = noise.shape
         x = noise.permute(0, 2, 1, 3, 4).reshape(B * T, C, h, w)                  # (B T, C, h, w)
-        for _ in range(self.desc.extra["stages"] - 1):
+        for _ in range(self.desc.facts.stages - 1):
             h, w = h // 2, w // 2
             x = F.interpolate(x, size=(h, w), mode="bilinear") * 2
         return x.reshape(B, T, C, h, w).permute(0, 2, 1, 3, 4)                    # (B, C, T, h', w')
@@ -146,15 +151,15 @@ class HeliosPyramidFamily(HeliosFamily):
 
     def scheduler_step(self, r: HeliosRequest, pred: torch.Tensor) -> torch.Tensor:
         t = r.scheduler.timesteps[r.stage_step]
-        extra = {}
-        if self.desc.extra["is_distilled"]:
-            extra = dict(cur_sampling_step=r.stage_step, dmd_noisy_tensor=r.start_point, dmd_sigmas=r.scheduler.sigmas,
-                         dmd_timesteps=r.scheduler.timesteps, all_timesteps=r.scheduler.timesteps)
-        return r.scheduler.step(pred, t, r.latents, generator=r.generator, return_dict=False, **extra)[0]
+        dmd = {}
+        if self.desc.facts.is_distilled:
+            dmd = dict(cur_sampling_step=r.stage_step, dmd_noisy_tensor=r.start_point, dmd_sigmas=r.scheduler.sigmas,
+                       dmd_timesteps=r.scheduler.timesteps, all_timesteps=r.scheduler.timesteps)
+        return r.scheduler.step(pred, t, r.latents, generator=r.generator, return_dict=False, **dmd)[0]
 
     def guide(self, r: HeliosRequest, out: torch.Tensor) -> torch.Tensor:
         """CFG-Zero* on `is_cfg_zero_star` checkpoints (diffusers' `optimized_scale` per row), else plain CFG."""
-        if not (r.spec.use_cfg and self.desc.extra["is_cfg_zero_star"]):
+        if not (r.spec.use_cfg and self.desc.facts.is_cfg_zero_star):
             return super().guide(r, out)
         from diffusers.pipelines.helios.pipeline_helios_pyramid import optimized_scale
 

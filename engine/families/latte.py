@@ -1,5 +1,5 @@
 """The Latte family (`LattePipeline` checkpoints: Latte-1 and the shipped tiny-latte): loading, prompts,
-latents, batched steps and the frame-split VAE decode. The parallel forwards are `engine/models/latte.py`.
+latents, batched steps and the frame-split VAE path. The parallel forwards are `engine/models/latte.py`.
 """
 
 from __future__ import annotations
@@ -9,19 +9,18 @@ from pathlib import Path
 import torch
 
 from engine import comm
-from engine.cache import StepCache
 from engine.config import ModelDescription
+from engine.decoding import FramesPolicy, to_pixels
 from engine.families.base import (
+    Denoisers,
     VideoFamily,
     WorkerRequest,
     cfg_rows,
-    check_cache_option,
     check_common,
     generation_defaults,
     read_json,
     scheduler_step_kwargs,
     seeded_generator,
-    to_pixels,
 )
 from engine.models.latte import STRATEGIES, check_strategy, parallel_forward
 from engine.parallel import ParallelPlan, make_cfg_groups
@@ -76,13 +75,12 @@ class LatteFamily(VideoFamily):
             "guidance_scale": 7.5, "fps": 8})
         return ModelDescription(family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
                                 size_multiple=vae_scale * cfg["patch_size"], frame_multiple=1, defaults=defaults,
-                                options=("cache",), capabilities=cls.capabilities(("cache",)),
-                                extra={"native_frames": cfg["video_length"]})
+                                options=("cache",), capabilities=cls.capabilities(("cache",)))
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
         check_common(desc, spec)
-        return check_cache_option(spec)
+        return cls.check_cache(desc, spec)
 
     def __init__(self, ctx, config):
         import diffusers
@@ -92,21 +90,14 @@ class LatteFamily(VideoFamily):
         if self.vae_tiling:
             self.pipe.vae.enable_tiling()  # per frame, so any split of the frames across workers decodes alike
         self.attention = select_attention(self.pipe.transformer, self.pg.device, config.engine.attention)
-        model = self.pipe.transformer
-        if config.engine.quantize == "fp8":
-            from engine.quantize import quantize_fp8
-
-            quantize_fp8(model)
-        if config.engine.compile == "blocks":        # DSP's forward calls them; the embedded baselines run them eager
-            from engine.compile import compile_blocks
-
-            blocks = [*model.transformer_blocks, *model.temporal_transformer_blocks]
-            compile_blocks(blocks, config.engine.compile_backend)
         self.split_variance = getattr(self.pipe.scheduler.config, "variance_type", None) not in (
             "learned", "learned_range")
+        # compiled: the spatial and temporal blocks (DSP's forward calls them; the embedded baselines run them eager);
+        # step caching: the head is the first spatial block, the rest every other block (engine/cache.py), through
+        # the forward itself (no hooks); the sharded forward is the hand-written DSP one (engine/models/latte.py)
+        self.load_denoisers(Denoisers((self.pipe.transformer,), blocks=spatial_and_temporal_blocks,
+                                      cache_units=2 * len(self.pipe.transformer.transformer_blocks)))
         self._cfg = None
-        # step caching: the head is the first spatial block, the rest every other block (engine/cache.py)
-        self.step_cache = StepCache(blocks=2 * len(self.pipe.transformer.transformer_blocks))
         self.set_plan(config.plan)
 
     def set_plan(self, plan: ParallelPlan) -> None:
@@ -140,7 +131,8 @@ class LatteFamily(VideoFamily):
         return WorkerRequest(spec=spec, num_steps=len(scheduler.timesteps), batch_key=("latte", *shape),
                              num_frames=spec.num_frames, text=text, scheduler=scheduler,
                              latents=noise.to(self.pg.device) * scheduler.init_noise_sigma,
-                             step_kwargs=scheduler_step_kwargs(scheduler, generator))
+                             step_kwargs=scheduler_step_kwargs(scheduler, generator),
+                             frames=self.frame_stream(spec, spec.num_frames, FramesPolicy()))   # a frame per frame
 
     def inputs(self, r: WorkerRequest) -> dict:
         t = r.scheduler.timesteps[r.steps_done]
@@ -154,39 +146,47 @@ class LatteFamily(VideoFamily):
                                 self.pg, self.plan.name, cfg=self.cfg_groups if cfg_parallel else None,
                                 encoder_attention_mask=mask, cache=self.step_cache.active)  # (rows, C_out, T, h, w)
 
-    def decode(self, r: WorkerRequest, max_frames: int):
-        """Frames [done, done + max_frames) of every video of the request, split across the workers.
+    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor) -> "LatteDecoder":
+        return LatteDecoder(self.pipe, self.pg, spec)
 
-        Latte's VAE is per frame: each rank decodes its share of the B*n frames in chunks of
-        `decode_chunk_size`; rank 0 gathers them.
-        """
+
+def spatial_and_temporal_blocks(transformer) -> list:
+    return [*transformer.transformer_blocks, *transformer.temporal_transformer_blocks]
+
+
+class LatteDecoder:
+    """Latte's VAE is per frame: each rank decodes its share of the B*n frames of a call in chunks of the request's
+    `decode_chunk_size`; rank 0 gathers them (as uint8 for that output: a quarter of the bytes)."""
+
+    def __init__(self, pipe, pg, spec: GenerationSpec):
+        self.pipe, self.pg, self.chunk, self.output = pipe, pg, spec.decode_chunk_size, spec.output
+
+    def decode(self, latents: torch.Tensor, keep: slice):
         pipe, pg = self.pipe, self.pg
-        start = r.decoded_frames
-        stop = min(r.num_frames, start + max_frames)
-        B, C, T, h, w = r.latents.shape
-        n = stop - start
-        frames = r.latents[:, :, start:stop].permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B*n, C, h, w)
+        B, C, n, h, w = latents.shape
+        frames = latents.permute(0, 2, 1, 3, 4).flatten(0, 1)                      # (B*n, C, h, w)
         frames = frames / pipe.vae.config.scaling_factor
         mine = comm.shard(frames, 0, pg)                                           # (ceil(B*n/N), C, h, w)
         count = comm.valid_length(B * n, pg)                                       # real frames in my shard
-        chunk = r.spec.decode_chunk_size
         with torch.no_grad():
-            outs = [pipe.vae.decode(mine[i:min(i + chunk, count)]).sample for i in range(0, count, chunk)]
+            outs = [pipe.vae.decode(mine[i:min(i + self.chunk, count)]).sample for i in range(0, count, self.chunk)]
         f = pipe.vae_scale_factor
         decoded = torch.cat(outs) if outs else mine.new_zeros((0, pipe.vae.config.out_channels, h * f, w * f))
-        if r.spec.output == "uint8":
+        if self.output == "uint8":
             # what to_pixels makes of it, done here: a quarter of the bytes to gather
             decoded = ((decoded.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         decoded = comm.pad_dim(decoded, 0, mine.shape[0])                          # (ceil(B*n/N), 3, H, W)
         shards = comm.gather_to(decoded, 0, pg)                                    # (N, ceil(B*n/N), 3, H, W)
-        r.decoded_frames = stop
         if pg.rank != 0:
             return None
         video = shards.flatten(0, 1)[:B * n]                                       # (B*n, 3, H, W)
-        video = video.reshape(B, n, *video.shape[1:])                              # (B, n, 3, H, W)
-        if r.spec.output == "uint8":
-            return video.permute(0, 1, 3, 4, 2).cpu().numpy()                      # (B, n, H, W, 3)
-        return to_pixels(video.permute(0, 2, 1, 3, 4), pipe.video_processor, r.spec.output)
+        video = video.reshape(B, n, *video.shape[1:])[:, keep]                     # (B, n', 3, H, W)
+        if self.output == "uint8":
+            return video.permute(0, 1, 3, 4, 2).cpu().numpy()                      # (B, n', H, W, 3)
+        return to_pixels(video.permute(0, 2, 1, 3, 4), pipe.video_processor, self.output)
+
+    def close(self) -> None:
+        pass
 
 
 FAMILY = LatteFamily

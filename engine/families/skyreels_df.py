@@ -45,16 +45,9 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelDescription
-from engine.families.base import (
-    cfg_rows,
-    check_common,
-    check_int,
-    check_number,
-    read_json,
-    seeded_generator,
-    to_pixels,
-)
-from engine.families.wan import WanFamily, WanRequest, decoded_frames
+from engine.decoding import FramesPolicy, decoded_frames, to_pixels
+from engine.families.base import cfg_rows, check_common, check_int, check_number, read_json, seeded_generator
+from engine.families.wan import WanFacts, WanFamily, WanRequest
 from engine.images import as_rgb_array, as_video_array, to_pil
 from engine.request import GenerationSpec, RequestError
 
@@ -111,7 +104,8 @@ def check_schedule(desc: ModelDescription, steps: int, plan: dict, ar_step: int,
     would, so a schedule diffusers refuses (its minimum `ar_step`) is refused here, naming ar_step."""
     import diffusers
 
-    scheduler = getattr(diffusers, desc.extra["scheduler_class"]).from_config(desc.extra["scheduler_config"])
+    config = desc.facts.scheduler_config
+    scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
     scheduler.set_timesteps(steps)
     for frames, prefix in plan["segments"]:
         try:
@@ -119,6 +113,11 @@ def check_schedule(desc: ModelDescription, steps: int, plan: dict, ar_step: int,
                 None, frames, scheduler.timesteps, frames, ar_step, prefix, cbs)
         except ValueError as e:
             raise RequestError("ar_step", f"ar_step={ar_step}: {e}") from None
+
+
+@dataclass(frozen=True)
+class DFFacts(WanFacts):
+    frames_per_block: int = 1             # the transformer's causal block (the default causal_block_size)
 
 
 @dataclass
@@ -134,14 +133,7 @@ class DFRequest(WanRequest):
     row: int = 0                                      # row of the current segment's step matrix
     schedulers: list = field(default_factory=list)    # one per latent frame of the current segment
     tail: torch.Tensor = None                         # the last `overlap` final latent frames (the next prefix)
-    outputs: list = field(default_factory=list)       # output_type "latent": the final latents, kept
     condition: torch.Tensor = None                    # the first segment's prefix (B, C, k, h, w): image or video
-    video: object = None                              # rank 0: the input video's frames (T, H, W, 3) uint8
-    lead: int = 0                                     # frames of the input video handed out before the new ones
-    skip: int = 0                                     # decoded frames that re-make the input's end (not handed out)
-
-    def decodable(self) -> bool:
-        return self.decoded_frames < self.lead or super().decodable()
 
 
 class SkyReelsDiffusionForcingFamily(WanFamily):
@@ -160,13 +152,11 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
     def describe(cls, model_dir) -> ModelDescription:
         desc = super().describe(model_dir)
         cfg = read_json(Path(model_dir) / "transformer" / "config.json")
-        scheduler = read_json(Path(model_dir) / "scheduler" / "scheduler_config.json")
         inputs = INPUTS[desc.pipeline]
         return replace(desc, family=cls.name, options=DF_OPTIONS,
                        capabilities=cls.capabilities(DF_OPTIONS, image=inputs["image"], video=inputs["video"],
                                                      long_video=True),
-                       extra={**desc.extra, "frames_per_block": cfg.get("num_frame_per_block", 1),
-                              "scheduler_class": scheduler["_class_name"], "scheduler_config": scheduler})
+                       facts=DFFacts(**vars(desc.facts), frames_per_block=cfg.get("num_frame_per_block", 1)))
 
     @classmethod
     def check_conditions(cls, desc: ModelDescription, spec: GenerationSpec) -> tuple[str, dict]:
@@ -203,7 +193,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         base = o.get("base_num_frames", d.get("base_num_frames", 97))
         overlap = o.get("overlap_history", d.get("overlap_history"))
         ar_step = o.get("ar_step", d.get("ar_step", 0))
-        cbs = o.get("causal_block_size", d.get("causal_block_size")) or desc.extra["frames_per_block"]
+        cbs = o.get("causal_block_size", d.get("causal_block_size")) or desc.facts.frames_per_block
         check_int("base_num_frames", base, 1)
         if overlap is not None:
             check_int("overlap_history", overlap, 1)
@@ -329,21 +319,30 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                 frames, timesteps, frames, o["ar_step"], prefix, cbs)
             matrices.append((step_matrix, update_mask, interval))
         fps = o.get("fps", d.fps)
+        num_frames, policy, lead_frames = self.content_frames(self.desc, spec), FramesPolicy(self.vae_temporal), None
+        if kind == "video":
+            video, spec = o["video"], replace(spec, options={k: v for k, v in o.items() if k != "video"})
+            if spec.output != "latent":             # "latent" is diffusers' own: the new latents, prefix included
+                # the input's frames first; the decoded frames that re-make its end are not handed out
+                policy = FramesPolicy(self.vae_temporal, lead=len(video),
+                                      skip=decoded_frames(plan["overlap"], self.vae_temporal))
+                if self.pg.rank == 0:                # rank 0 alone hands them out; the others drop theirs
+                    lead_frames = functools.partial(self.input_frames, video, spec)
         req = DFRequest(spec=spec, num_steps=sum(len(m[0]) for m in matrices), batch_key=(),
-                        num_frames=spec.num_frames, text=text, plan=plan, cbs=cbs, fps_id=0 if fps == 16 else 1,
+                        num_frames=num_frames, text=text, plan=plan, cbs=cbs, fps_id=0 if fps == 16 else 1,
                         addnoise=float(o.get("addnoise_condition", d.options.get("addnoise_condition", 0))),
                         generator=seeded_generator(spec.seed), noise_generator=seeded_generator(spec.seed + 1),
-                        matrices=matrices, condition=condition)
-        if kind == "video":
-            if spec.output != "latent":             # "latent" is diffusers' own: the new latents, prefix included
-                req.lead = len(o["video"])
-                req.skip = decoded_frames(plan["overlap"], self.vae_temporal)
-                req.num_frames = self.content_frames(self.desc, spec)
-            # rank 0 alone hands the input's frames out, and lets them go once they are out; the others drop theirs
-            req.video = o["video"] if self.pg.rank == 0 and req.lead else None
-            req.spec = replace(spec, options={k: v for k, v in o.items() if k != "video"})
+                        matrices=matrices, condition=condition,
+                        frames=self.frame_stream(spec, num_frames, policy, lead_frames))
         self._start_segment(req)
         return req
+
+    def input_frames(self, video, spec: GenerationSpec, start: int, stop: int):
+        """Rank 0: frames [start, stop) of the video an extension continues, at the request's size as diffusers'
+        `preprocess_video` resizes them: (B, n, H, W, 3)."""
+        pixels = self.pipe.video_processor.preprocess_video([to_pil(f) for f in video[start:stop]],
+                                                            height=spec.height, width=spec.width)
+        return to_pixels(pixels.expand(spec.batch_size, -1, -1, -1, -1), self.pipe.video_processor, spec.output)
 
     def _start_segment(self, r: DFRequest) -> None:
         """Draw the segment's noise (the request's generator, in order, as diffusers), put the prefix in: the end
@@ -412,65 +411,13 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         new = r.latents if r.segment == 0 else r.latents[:, :, overlap:]           # (B, C, k, h, w) final
         if r.plan["long"]:
             r.tail = new[:, :, -overlap:] if r.tail is None else torch.cat([r.tail, new], dim=2)[:, :, -overlap:]
-        if r.spec.output == "latent":
-            r.outputs.append(new)                # the caller asked for every latent: held until the end
-            if r.segment == len(r.plan["segments"]) - 1:
-                r.pending = torch.cat(r.outputs, dim=2)
-        else:
-            r.pending = new if r.pending is None else torch.cat([r.pending, new], dim=2)
+        r.frames.push(new, last=r.segment == len(r.plan["segments"]) - 1)
         r.segment += 1
         r.schedulers = []
         if r.segment < len(r.plan["segments"]):
             self._start_segment(r)
         else:
             r.latents = r.tail = None
-
-    def final_latents(self, r: DFRequest) -> torch.Tensor:
-        latents, r.pending, r.outputs = r.pending, None, []
-        return latents
-
-    # -- decoding: an extension's input frames first, then the new ones --------------------------------
-
-    def made_frames(self, r: DFRequest, latents: int) -> int:
-        """Frames handed out once `latents` latent frames are decoded (the input's first, then the new ones)."""
-        return r.lead + max(0, decoded_frames(latents, self.vae_temporal) - r.skip)
-
-    def decode(self, r: DFRequest, max_frames: int):
-        """The Wan family's streaming decode, after an extension's input frames and without the frames that
-        re-make the input's end (decoded all the same: the VAE's causal cache needs them)."""
-        start = r.decoded_frames
-        if start < r.lead:
-            stop = min(r.lead, start + max_frames)
-            r.decoded_frames = stop
-            if self.pg.rank != 0:
-                return None
-            frames = r.video[start:stop]
-            if stop == r.lead:
-                r.video = None                                                  # handed out: not kept
-            pixels = self.pipe.video_processor.preprocess_video([to_pil(f) for f in frames],
-                                                                height=r.spec.height, width=r.spec.width)
-            return to_pixels(pixels.expand(r.spec.batch_size, -1, -1, -1, -1), self.pipe.video_processor,
-                             r.spec.output)                                    # (B, n, H, W, 3), as diffusers'
-        k = 1                                                                   # at least one frame to hand out
-        while k < r.pending.shape[2] and self.made_frames(r, r.latents_decoded + k) <= start:
-            k += 1
-        while k < r.pending.shape[2] and self.made_frames(r, r.latents_decoded + k + 1) - start <= max_frames:
-            k += 1
-        chunk, r.pending = r.pending[:, :, :k], r.pending[:, :, k:]
-        if r.decoder is None:
-            r.decoder = self.start_decoder(chunk)
-        with torch.no_grad():
-            video = r.decoder.decode(self.unnormalize(chunk))                    # (B, 3, n, H, W) on rank 0
-        before = decoded_frames(r.latents_decoded, self.vae_temporal)
-        r.latents_decoded += k
-        r.decoded_frames = self.made_frames(r, r.latents_decoded)
-        if r.decoded_frames >= r.num_frames:
-            r.decoder.close()
-            r.decoder = None
-        if video is None:
-            return None
-        video = video[:, :, max(0, r.skip - before):]                           # not the input's end again
-        return to_pixels(video, self.pipe.video_processor, r.spec.output)
 
 
 FAMILY = SkyReelsDiffusionForcingFamily

@@ -46,10 +46,15 @@ from pathlib import Path
 import torch
 
 from engine.config import OPTIONAL, REFUSED, REQUIRED, ModelDescription
-from engine.families.base import cfg_rows, check_cache_option, check_common, check_number, read_json
-from engine.families.wan import WanFamily, WanRequest, check_schedule
+from engine.families.base import cfg_rows, check_common, check_number, read_json
+from engine.families.wan import WanFacts, WanFamily, WanRequest, check_schedule
 from engine.images import as_rgb_array, to_pil
 from engine.request import GenerationSpec, RequestError
+
+
+@dataclass(frozen=True)
+class WanI2VFacts(WanFacts):
+    image_encoder: bool = False           # a CLIP image encoder conditions the transformer (Wan 2.1 I2V, FLF2V)
 
 
 @dataclass
@@ -75,6 +80,9 @@ class WanImageToVideoFamily(WanFamily):
     pipeline_classes = frozenset(pipeline_defaults)
     request_class = WanI2VRequest
     rank0_components = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
+    #: why a checkpoint refuses `last_image` (one that conditions on one image's CLIP tokens)
+    last_image_refusal = ("last_image needs a first-last-frame checkpoint (Wan 2.1 FLF2V, or Wan 2.2 I2V); this one "
+                          "conditions on one image")
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
@@ -89,7 +97,8 @@ class WanImageToVideoFamily(WanFamily):
         return dataclasses.replace(desc, options=("image", "last_image", *desc.options),
                                    capabilities=dataclasses.replace(desc.capabilities, image=REQUIRED,
                                                                     last_image=last_image),
-                                   extra={**desc.extra, "image_encoder": cfg.get("image_dim") is not None})
+                                   facts=WanI2VFacts(**vars(desc.facts),
+                                                     image_encoder=cfg.get("image_dim") is not None))
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
@@ -107,9 +116,7 @@ class WanImageToVideoFamily(WanFamily):
         rule = desc.capabilities.last_image
         if options.get("last_image") is not None:
             if rule == REFUSED:
-                raise RequestError("last_image", desc.extra.get("last_image_refusal") or
-                                   "last_image needs a first-last-frame checkpoint (Wan 2.1 FLF2V, or Wan 2.2 I2V); "
-                                   "this one conditions on one image")
+                raise RequestError("last_image", cls.last_image_refusal)
             options["last_image"] = as_rgb_array(options["last_image"], "last_image")
             if spec.num_frames < 2:
                 raise RequestError("num_frames", f"num_frames must be at least 2 with last_image (its first and "
@@ -119,8 +126,7 @@ class WanImageToVideoFamily(WanFamily):
             if rule == REQUIRED:
                 raise RequestError("last_image", "last_image is required: this is a first-last-frame (FLF2V) "
                                                  "checkpoint, conditioned on a first and a last image")
-        return check_cache_option(dataclasses.replace(spec, options=options), cls.cache_kinds,
-                                  desc.extra.get("mag_ratios"))
+        return cls.check_cache(desc, dataclasses.replace(spec, options=options))
 
     # -- worker side -----------------------------------------------------------------------------------
 
@@ -153,7 +159,7 @@ class WanImageToVideoFamily(WanFamily):
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, condition: torch.Tensor = None,
                 image_embeds: torch.Tensor = None) -> WanI2VRequest:
         req = super().prepare(spec, text)
-        req.condition = condition.to(torch.float32)
+        req.condition = None if condition is None else condition.to(torch.float32)
         req.image_embeds = None if image_embeds is None else image_embeds.to(self.dtype)
         return req
 

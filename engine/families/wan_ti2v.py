@@ -42,7 +42,6 @@ import torch
 
 from engine.config import OPTIONAL, REFUSED, ModelDescription
 from engine.families.base import cfg_rows, read_json
-from engine.families.wan import WanFamily
 from engine.families.wan_i2v import WanI2VRequest, WanImageToVideoFamily
 from engine.images import to_pil
 from engine.request import GenerationSpec
@@ -70,6 +69,8 @@ class WanTI2VFamily(WanImageToVideoFamily):
     request_class = WanTI2VRequest
     rank0_components = ("text_encoder", "tokenizer")
     expand_timesteps = True
+    last_image_refusal = ("last_image is not supported by Wan 2.2 TI2V: it conditions on a first frame only "
+                          "(diffusers' WanImageToVideoPipeline ignores last_image with expand_timesteps)")
 
     @classmethod
     def claims(cls, model_dir: Path) -> bool:
@@ -85,11 +86,8 @@ class WanTI2VFamily(WanImageToVideoFamily):
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:
         desc = super().describe(model_dir)
-        refusal = ("last_image is not supported by Wan 2.2 TI2V: it conditions on a first frame only (diffusers' "
-                   "WanImageToVideoPipeline ignores last_image with expand_timesteps)")
         return dataclasses.replace(desc, capabilities=dataclasses.replace(desc.capabilities, image=OPTIONAL,
-                                                                          last_image=REFUSED),
-                                   extra={**desc.extra, "image_encoder": False, "last_image_refusal": refusal})
+                                                                          last_image=REFUSED))
 
     # -- worker side -----------------------------------------------------------------------------------
 
@@ -113,9 +111,9 @@ class WanTI2VFamily(WanImageToVideoFamily):
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, condition: torch.Tensor = None,
                 mask: torch.Tensor = None) -> WanTI2VRequest:
-        req = WanFamily.prepare(self, spec, text)
-        if condition is not None:
-            req.condition, req.mask = condition.to(torch.float32), mask.to(torch.float32)
+        req = super().prepare(spec, text, condition)
+        if mask is not None:
+            req.mask = mask.to(torch.float32)
         # WanPipeline's mask without an image: ones like the latents (only its [0, 0] is read)
         full = req.mask if req.mask is not None else torch.ones(req.latents.shape[2:], device=req.latents.device)
         _, p_h, p_w = self.pipe.transformer.config.patch_size      # diffusers writes ::2 (the patch of every Wan)
@@ -128,11 +126,6 @@ class WanTI2VFamily(WanImageToVideoFamily):
         x = cfg_rows(r, x).to(self.dtype)
         timesteps = (r.token_mask * t).unsqueeze(0).expand(x.shape[0], -1)                       # (rows, S)
         return {"x": x, "t": timesteps, "text": r.text}
-
-    def advance(self, r: WanTI2VRequest, pred: torch.Tensor) -> None:
-        super().advance(r, pred)
-        if r.denoised and r.mask is not None:
-            r.pending = self.final_latents(r)
 
     def final_latents(self, r: WanTI2VRequest) -> torch.Tensor:
         """The image's latent back in frame 0, as the pipeline blends it before decoding (or returning latents)."""

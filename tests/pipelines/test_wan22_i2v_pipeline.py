@@ -103,7 +103,7 @@ def test_a14b_i2v_switches_experts_within_two_steps_and_matches_diffusers(pipeli
     scheduler.set_timesteps(2)
     assert scheduler.timesteps[0] >= 0.9 * 1000 > scheduler.timesteps[1], "high-noise expert, then low-noise"
     pipe = pipeline("tiny-wan22-i2v-a14b", workers=1)
-    assert pipe.info.capabilities.two_experts and not pipe.info.extra["image_encoder"]
+    assert pipe.info.capabilities.two_experts and not pipe.info.facts.image_encoder
     kw = dict(num_frames=9, height=48, width=64, num_inference_steps=2, guidance_scale=5.0, guidance_scale_2=2.0,
               seed=1)
     for images in (dict(image=IMAGE, last_image=LAST), dict(image=IMAGE)):
@@ -131,7 +131,7 @@ def test_a14b_i2v_three_workers_match_one_worker(pipeline):
 
 def test_skyreels_i2v_matches_diffusers_and_two_workers_match_one(pipeline):
     one = pipeline("tiny-skyreels-i2v", workers=1)
-    assert one.info.family == "wan-i2v" and one.info.extra["image_encoder"] and one.defaults.fps == 24
+    assert one.info.family == "wan-i2v" and one.info.facts.image_encoder and one.defaults.fps == 24
     kw = dict(num_frames=9, height=48, width=64, num_inference_steps=2, guidance_scale=5.0, seed=3)
     want = diffusers_frames("SkyReelsV2ImageToVideoPipeline", "tiny-skyreels-i2v", image=IMAGE, **kw)
     assert want.std() > 0.01

@@ -73,7 +73,7 @@ def test_one_worker_matches_diffusers_wan_i2v(i2v1):
     assert got.frames.shape == want.shape == (1, 9, 48, 64, 3)
     assert want.std() > 0.01, "the reference video should not be flat"
     assert np.abs(got.frames - want).max() <= ATOL
-    assert i2v1.info.family == "wan-i2v" and i2v1.info.extra["image_encoder"]
+    assert i2v1.info.family == "wan-i2v" and i2v1.info.facts.image_encoder
     other = i2v1(PROMPT, negative_prompt=NEGATIVE, image=OTHER, **kw).frames
     assert np.abs(other - want).max() > 1e-2, "the image conditions the video"
 
