@@ -192,12 +192,18 @@ class TokenShard:
 # -- the engine -------------------------------------------------------------------------------------
 
 
-_SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> its ShardedModel
+#: model -> a weak reference to its ShardedModel (both weak: a dropped model and its hooks are collected)
+_SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sharded(model: torch.nn.Module) -> "ShardedModel | None":
+    ref = _SHARDED.get(model)
+    return None if ref is None else ref()
 
 
 def current_shard(model: torch.nn.Module) -> TokenShard | None:
     """The geometry of the sharded forward running on `model` now; None outside one (or if never sharded)."""
-    sharded = _SHARDED.get(model)
+    sharded = _sharded(model)
     return None if sharded is None else sharded.shard
 
 
@@ -275,8 +281,8 @@ class ShardedModel:
     A model carries one plan: sharding it again removes the previous plan first (`remove`)."""
 
     def __init__(self, model: torch.nn.Module, plan: ShardPlan):
-        if model in _SHARDED:
-            _SHARDED[model].remove()
+        if _sharded(model) is not None:
+            _sharded(model).remove()
         self.model, self.plan = model, plan
         self.shard: TokenShard | None = None
         self._memo: dict = {}
@@ -293,7 +299,7 @@ class ShardedModel:
             for layer, module in modules_matching(model, name):
                 self._processors.append((module, module.processor))
                 module.set_processor(processor(self, layer, module.processor))
-        _SHARDED[model] = self
+        _SHARDED[model] = weakref.ref(self)
 
     def remove(self) -> None:
         """Take this plan's hooks and processors off the model: it is diffusers' model as it was."""
@@ -302,7 +308,7 @@ class ShardedModel:
         for module, original in reversed(self._processors):
             module.set_processor(original)
         self._hooked, self._processors = [], []
-        if _SHARDED.get(self.model) is self:
+        if _sharded(self.model) is self:
             del _SHARDED[self.model]
 
     def __call__(self, shard: TokenShard, *args, **kwargs):
