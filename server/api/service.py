@@ -148,9 +148,9 @@ class VideoService:
         self.engine = VideoEngine.start(cfg.engine)
         self.engine.add_batch_listener(self._on_batch)
         info = self.engine.info
-        d, m, rule = info.defaults, info.size_multiple, info.frame_multiple
+        d, m, rule = self.engine.defaults, info.size_multiple, info.frame_multiple
         max_size = cfg.max_size if cfg.max_size is not None else 2 * max(d.width, d.height)
-        fps = cfg.fps if cfg.fps is not None else d.fps
+        fps = d.fps
         if cfg.max_frames is not None:
             max_frames = cfg.max_frames
         elif info.capabilities.long_video:
@@ -166,10 +166,7 @@ class VideoService:
         self.limits = Limits(size_multiple=m, default_width=fit(d.width), default_height=fit(d.height),
                              max_size=max_size, frame_multiple=rule, default_frames=min(d.num_frames, max_frames),
                              max_frames=max_frames, max_steps=cfg.max_steps, fps=fps,
-                             guidance_scale=(cfg.default_guidance_scale if cfg.default_guidance_scale is not None
-                                             else d.guidance_scale),
-                             # a causal model's step count is its step list's: the model's own default
-                             default_steps=d.num_inference_steps if info.capabilities.live else cfg.default_steps)
+                             guidance_scale=d.guidance_scale, default_steps=d.num_inference_steps)
         from server.api.live import LiveSessions
 
         self.live = LiveSessions(self, cfg.max_live_seconds, cfg.live_buffer_chunks)
