@@ -327,5 +327,5 @@ class VideoPipeline:
             elif isinstance(out, Failed):
                 raise_failure(out)
             elif isinstance(out, Cancelled):
-                raise RuntimeError(f"request {spec.request_id} was cancelled")
+                raise RuntimeError(f"request {spec.request_id} was cancelled ({out.reason})")
             yield out

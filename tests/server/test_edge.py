@@ -343,3 +343,30 @@ def test_the_queue_is_bounded_by_work_and_the_most_expensive_request_counts_in_f
         for vid in made:
             http.delete(f"/v1/videos/{vid}")
     assert service.jobs.work() == 0, "deleted videos no longer count"
+
+
+def test_one_gate_counts_a_live_session_in_whole_chunks_like_any_video():
+    """The admission gate is the same for create, extend and live: a session costs its longest length in whole
+    chunks, counts against the same work as videos, and is refused by the same 429 (503 while draining)."""
+    from types import SimpleNamespace
+
+    from server.api.admission import AdmissionGate
+    from server.api.errors import APIError
+    from server.api.jobs import LIVE, VIDEO, Job, JobRegistry
+
+    limits = SimpleNamespace(default_frames=12, default_width=64, default_height=64, default_steps=4)
+    jobs, shutdown = JobRegistry(), SimpleNamespace(draining=False)
+    gate = AdmissionGate(jobs, None, shutdown, limits, max_work=5, max_work_per_key=None, frames_per_chunk=12)
+    session = SimpleNamespace(num_frames=13, width=64, height=64, num_inference_steps=4)
+    assert gate.cost(session, VIDEO) == pytest.approx(13 / 12) and gate.cost(session, LIVE) == 2, "two chunks"
+    gate.admit(Job("live_a", LIVE, gate.cost(session, LIVE)))
+    gate.admit(Job("video_b", VIDEO, 2.5))
+    with pytest.raises(APIError) as refused:
+        gate.admit(Job("live_c", LIVE, gate.cost(session, LIVE)))              # 2 + 2.5 + 2 > 5
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
+    assert jobs.remove(jobs.get("live_a")) and jobs.work() == 2.5
+    gate.admit(Job("live_c", LIVE, gate.cost(session, LIVE)))                   # room again
+    shutdown.draining = True
+    with pytest.raises(APIError) as closed:
+        gate.check_open(writes_files=False)
+    assert closed.value.status == 503 and closed.value.code == "server_shutdown"
