@@ -26,6 +26,7 @@ if typing.TYPE_CHECKING:
 
 DEVICES = (None, "cpu", "cuda")
 MAX_STEPS = 1000                    # most denoising steps a request may ask for, anywhere
+MAX_FPS = 1000                      # highest frames per second a request may ask for, anywhere
 ATTENTION = ("auto", "sdpa", "xformers")
 LAUNCHERS = ("auto", "local", "torchrun")
 COMPILE = ("none", "blocks")
@@ -82,6 +83,14 @@ class EngineConfig:
                               "file per expert of a two-expert model; SCALE is its scale when a request names it "
                               "without one (default 1). Requests choose adapters by name (engine/lora.py)",
                           flag="--lora", metavar="NAME=PATH[:SCALE]")
+
+    # -- request defaults: what a request that leaves a field out gets, through every door ----------------
+    default_steps: int | None = option(None, "num_inference_steps when a request gives none (default: the model's)",
+                                       group="defaults")
+    default_guidance_scale: float | None = option(None, "guidance_scale when a request gives none (default: the "
+                                                        "model's)", group="defaults")
+    default_fps: int | None = option(None, "frames per second when a request gives none: seconds x fps = frames, "
+                                           "and the MP4's rate (default: the model's)", group="defaults")
 
     # -- the scheduler ------------------------------------------------------------------------------------
     max_batch: int = option(8, "most requests in one denoising step", group="scheduling")
@@ -151,6 +160,16 @@ class EngineConfig:
             _positive_int(name, getattr(self, name))
         if self.max_running is not None:
             _positive_int("max_running", self.max_running)
+        if self.default_steps is not None and (_not_int(self.default_steps)
+                                               or not 1 <= self.default_steps <= MAX_STEPS):
+            raise ValueError(f"default_steps must be an integer in [1, {MAX_STEPS}] or None, got "
+                             f"{self.default_steps!r}")
+        if self.default_guidance_scale is not None and not (_positive_number(self.default_guidance_scale, True)
+                                                            and self.default_guidance_scale <= 100):
+            raise ValueError(f"default_guidance_scale must be a number in [0, 100] or None, got "
+                             f"{self.default_guidance_scale!r}")
+        if self.default_fps is not None and (_not_int(self.default_fps) or not 1 <= self.default_fps <= MAX_FPS):
+            raise ValueError(f"default_fps must be an integer in [1, {MAX_FPS}] or None, got {self.default_fps!r}")
         if self.max_queue is not None and (_not_int(self.max_queue) or self.max_queue < 0):
             raise ValueError(f"max_queue must be a non-negative integer or None, got {self.max_queue!r}")
         if self.job_timeout_s is not None and not _positive_number(self.job_timeout_s):
@@ -167,6 +186,13 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return build(type(self), {**dataclasses.asdict(self), **changes})
+
+    def request_defaults(self, model: "GenerationDefaults") -> "GenerationDefaults":
+        """What a request that leaves a field out gets: the model's defaults, with the operator's (the "defaults"
+        group: --default-steps, --default-guidance-scale, --default-fps) in their place where set."""
+        given = {"num_inference_steps": self.default_steps, "guidance_scale": self.default_guidance_scale,
+                 "fps": self.default_fps}
+        return dataclasses.replace(model, **{k: v for k, v in given.items() if v is not None})
 
     @property
     def live_kv_budget_bytes(self) -> int | None:
@@ -321,11 +347,13 @@ def _optional_parser(kind: type):
 
 
 def add_cli_args(parser: argparse.ArgumentParser, cls, groups: tuple[str, ...] | None = None,
-                 defaults: dict | None = None, titles: dict | None = None, exclude: tuple[str, ...] = ()) -> None:
+                 defaults: dict | None = None, titles: dict | None = None, exclude: tuple[str, ...] = (),
+                 aliases: dict[str, tuple[str, ...]] | None = None) -> None:
     """One flag per field of the dataclass `cls` whose group is in `groups` (all when None).
 
     `defaults` overrides a field's default for this command (the server queues at most 256,
-    say); `titles` names the argument groups. Booleans are `--flag` (and `--no-flag`).
+    say); `titles` names the argument groups; `aliases` gives a field more spellings on this
+    command (a flag's older name). Booleans are `--flag` (and `--no-flag`).
     """
     defaults = defaults or {}
     sections: dict[str, Any] = {}
@@ -340,12 +368,13 @@ def add_cli_args(parser: argparse.ArgumentParser, cls, groups: tuple[str, ...] |
         kind = _base_type(f, cls)
         help_text = f.metadata["help"] + ("" if default in (None, False, ()) else f" (default: {default})")
         kwargs = {"dest": f.name, "default": default, "help": help_text}
+        flags = (_flag(f), *(aliases or {}).get(f.name, ()))
         if kind is tuple:           # a repeatable flag: each occurrence adds one item
-            target.add_argument(_flag(f), action="append", type=str, metavar=f.metadata.get("metavar"),
+            target.add_argument(*flags, action="append", type=str, metavar=f.metadata.get("metavar"),
                                 **{**kwargs, "default": None})
             continue
         if kind is bool:
-            target.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kwargs)
+            target.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
             continue
         if f.metadata.get("choices"):
             kwargs["choices"] = f.metadata["choices"]
@@ -354,7 +383,7 @@ def add_cli_args(parser: argparse.ArgumentParser, cls, groups: tuple[str, ...] |
         optional = f.default is None or typing.get_origin(typing.get_type_hints(cls)[f.name]) in (
             typing.Union, types.UnionType)
         kwargs["type"] = _optional_parser(kind) if optional and kind in (int, float) else kind
-        target.add_argument(_flag(f), **kwargs)
+        target.add_argument(*flags, **kwargs)
 
 
 def from_cli_args(cls, args: argparse.Namespace, **overrides):

@@ -30,8 +30,8 @@ from typing import Callable, Protocol
 from engine import worker as jobs
 from engine.config import EngineConfig
 from engine.outputs import (
+    CANCELLED,
     Admitted,
-    Cancelled,
     Failed,
     Finished,
     FramesChunk,
@@ -39,6 +39,7 @@ from engine.outputs import (
     RequestFailure,
     Requeued,
     StepProgress,
+    ended_early,
 )
 from engine.pool import WorkerError
 from engine.request import GenerationSpec
@@ -109,13 +110,14 @@ class EngineCore:
         self._tell_positions()
         return req
 
-    def abort_request(self, request_id: str) -> bool:
-        """Cancel: a waiting request now, a running one at the next step boundary. False if unknown or finished."""
-        req, dequeued = self.scheduler.cancel(request_id)
+    def abort_request(self, request_id: str, reason: str | RequestFailure = CANCELLED) -> bool:
+        """End a request for `reason` (`Scheduler.abort`): a waiting one now, a running one at the next step
+        boundary. False if unknown or finished."""
+        req, dequeued = self.scheduler.abort(request_id, reason)
         if req is None:
             return False
-        if dequeued:                                           # it was waiting: cancelled now, told here
-            req.stream.put(Cancelled(req.id))
+        if dequeued:                                           # it was waiting: ended now, told here
+            req.stream.put(final_output(req))
             self._tell_positions()
         return True
 
@@ -124,9 +126,10 @@ class EngineCore:
         return self.scheduler.update(request_id, payload)
 
     def close(self) -> None:
-        """The engine closes: every unfinished request ends now, with a final output (Failed: engine_closed)."""
+        """The engine closes: every unfinished request ends now, with a final output (as its abort asked, else
+        Failed: engine_closed)."""
         for r in self.scheduler.close():
-            r.stream.put(Failed(r.id, r.error))
+            r.stream.put(final_output(r))
 
     # -- one step boundary ---------------------------------------------------------------------------
 
@@ -141,7 +144,7 @@ class EngineCore:
         if plan.release:
             self._release([r.id for r in plan.release])
             for r in plan.release:
-                r.stream.put(Cancelled(r.id))
+                r.stream.put(final_output(r))
             if self._pool_lost(restarts):
                 return True      # the release met a dead worker: every admitted request was queued again
         if plan.admit:
@@ -151,7 +154,7 @@ class EngineCore:
                 return True
         for req, payloads in plan.update:
             for payload in payloads:
-                if req.state is not RequestState.RUNNING or req.cancel_requested:
+                if req.state is not RequestState.RUNNING or req.aborted:
                     break
                 res = self._call(jobs.update, req.id, payload, involved=[req])
                 if res is None:
@@ -159,7 +162,7 @@ class EngineCore:
                         return True
                     break
                 self.scheduler.stepped(req, res["progress"])
-        if plan.decode is not None and not plan.decode.cancel_requested:
+        if plan.decode is not None and not plan.decode.aborted:
             if not self._decode(plan.decode, plan.decode_frames) and self._pool_lost(restarts):
                 return True
         if plan.step is not None:
@@ -205,8 +208,8 @@ class EngineCore:
         chunk = self._call(jobs.decode_next, req.id, max_frames, involved=[req])
         if chunk is None:
             return False
-        if req.cancel_requested:
-            return True   # cancelled meanwhile: released (Cancelled) at the next boundary
+        if req.aborted:
+            return True   # aborted meanwhile: released (its final output) at the next boundary
         done = self.scheduler.decoded(req, chunk)
         req.stream.put(FramesChunk(req.id, chunk.frames, chunk.start, chunk.stop, chunk.num_frames, chunk.vae_s,
                                    chunk.info))
@@ -278,8 +281,8 @@ class EngineCore:
 
     def _tell_requeued(self, lost: list[ScheduledRequest]) -> None:
         for r in lost:
-            if r.state is RequestState.FINISHED_CANCELLED:
-                r.stream.put(Cancelled(r.id))
+            if r.state.finished:                  # aborted before the restart: it just ends
+                r.stream.put(final_output(r))
             else:
                 r.stream.put(Requeued(r.id, "the worker pool restarted; the request is admitted again"))
         if lost:
@@ -300,6 +303,13 @@ class EngineCore:
             log.warning("release failed: %s", str(e).splitlines()[0] if str(e) else e)
             self.crashes += 1
             self._tell_requeued(self.scheduler.requeue_admitted())
+
+
+def final_output(r: ScheduledRequest):
+    """The final output of a request the scheduler finished early: as its abort asked, or Failed."""
+    if r.aborted:
+        return ended_early(r.id, r.abort_reason)
+    return Failed(r.id, r.error)
 
 
 def failure_for(e: WorkerError, job: str, detail: str) -> RequestFailure:

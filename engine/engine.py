@@ -4,17 +4,18 @@ The Python pipeline and the HTTP server both talk to this object and nothing bel
 as vLLM's `LLM` and API server both sit on its engine:
 
     engine = VideoEngine.start(EngineConfig(model="tiny-wan", workers=2))
-    handle = engine.submit(spec)          # RequestError naming a field; QueueFullError
+    handle = engine.submit(RequestInput("a red ball", seconds=2))   # RequestError naming a field; QueueFullError
     for out in handle: ...                # typed outputs (engine.outputs); `async for` in a coroutine
-    engine.cancel(spec.request_id); engine.stats(); engine.close()
+    engine.abort(handle.request_id, "deleted"); engine.stats(); engine.close()
 
 What it owns:
 - the worker pool (`engine.pool`), whose workers load the checkpoint's family
   (`engine.families`, detected from `model_index.json`) with a parallel plan;
 - the `EngineCore` (`engine/core.py`), which carries out the `Scheduler`'s decision of
   every step boundary on the pool, on a thread of the engine's own;
-- the family's request validation (`check_request`), run once, here, before anything is
-  queued.
+- the one completion of a request (`complete`: a door's `RequestInput` -> a checked
+  `GenerationSpec`, engine/request.py), run here before anything is queued;
+- why a request ends early (`abort(id, reason)`): its final output says so.
 """
 
 from __future__ import annotations
@@ -33,10 +34,18 @@ from engine import lora, worker
 from engine.config import EngineConfig, ModelInfo, WorkerConfig
 from engine.core import BatchStep, EngineCore
 from engine.families import detect_family
-from engine.outputs import FINAL, RequestOutput
+from engine.outputs import CANCELLED, FINAL, RequestFailure, RequestOutput
 from engine.parallel import ParallelPlan
 from engine.pool import WorkerError, launched_by_torchrun, make_pool
-from engine.request import GenerationSpec
+from engine.request import (
+    GenerationSpec,
+    RequestError,
+    RequestInput,
+    check_prompts,
+    complete_request,
+    default_request,
+    fill_request,
+)
 from engine.scheduler import QueueFullError, RequestState, ScheduledRequest
 
 log = logging.getLogger("longserve.engine")
@@ -116,7 +125,7 @@ class RequestHandle:
 
     @property
     def spec(self) -> GenerationSpec:
-        """The request as checked (the family filled in its defaults)."""
+        """The request as completed and checked (`VideoEngine.complete`)."""
         return self._req.spec
 
     @property
@@ -128,8 +137,13 @@ class RequestHandle:
         return RequestStatus(r.state, r.steps_done, r.num_steps, r.frames_done, r.num_frames, r.queue_position,
                              r.admissions)
 
+    def abort(self, reason: str | RequestFailure = CANCELLED) -> bool:
+        """End the request early, for `reason` (`VideoEngine.abort`)."""
+        return self._engine.abort(self.request_id, reason)
+
     def cancel(self) -> bool:
-        return self._engine.cancel(self.request_id)
+        """`abort("cancelled")`: what leaving the iteration early does."""
+        return self.abort(CANCELLED)
 
     def switch(self, prompt: str) -> bool:
         """A live session's new prompt, applied at its next chunk (its chunks' `info["prompt_index"]` tells)."""
@@ -212,13 +226,17 @@ class VideoEngine:
             raise ValueError(f"cache: step caching is not available for {config.model!r} (a {desc.family} model; "
                              f"it is for Latte and the Wan family)")
         if config.cache is not None:        # a default every request would be refused for is refused now
-            from engine.request import RequestError
 
             probe = types.SimpleNamespace(options={"cache": config.cache})
             try:
                 family.check_cache(desc, probe)
             except RequestError as e:
                 raise ValueError(f"cache: {e}") from None
+        try:                                # request defaults every request would be refused for are refused now
+            complete_request(default_request(desc, "defaults"), family, desc, config)
+        except RequestError as e:
+            raise ValueError(f"the request defaults (--default-steps, --default-guidance-scale, --default-fps) do "
+                             f"not suit {config.model!r}: {e}") from None
         if config.launcher == "torchrun" or (config.launcher == "auto" and launched_by_torchrun()):
             config = config.replace(workers=int(os.environ.get("WORLD_SIZE", config.workers)))
         plan = family.resolve_plan(desc, config.parallel, config.workers, config.ulysses_degree,
@@ -254,15 +272,31 @@ class VideoEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def submit(self, spec: GenerationSpec) -> RequestHandle:
-        """Validate (the family's `check_request`: RequestError naming the field) and queue a request
-        (QueueFullError when `max_queue` requests wait). Its outputs come through the returned handle."""
+    @property
+    def defaults(self):
+        """What a request that leaves a field out gets (`GenerationDefaults`): the model's, with the operator's
+        `default_steps`, `default_guidance_scale` and `default_fps` in their place where set."""
+        return self.config.request_defaults(self.info.description.defaults)
+
+    def complete(self, request: RequestInput | GenerationSpec, limits=None) -> GenerationSpec:
+        """A door's request -> a complete, checked spec (engine/request.py: defaults, seconds -> frames, prompt
+        checks, the family's checks; RequestError naming the field). `limits(spec)`, a door's own limits, sees
+        the filled-in spec before the model's checks, so a value past them never reaches those."""
+        if limits is not None and isinstance(request, RequestInput):
+            request = fill_request(request, self.info.description, self.defaults)
+            limits(request)
+        return complete_request(request, self.family, self.info.description, self.config)
+
+    def content_frames(self, spec: GenerationSpec) -> int:
+        """Frames a checked request hands out (an extension's: the video's and the new ones)."""
+        return self.family.content_frames(self.info.description, spec)
+
+    def submit(self, request: RequestInput | GenerationSpec) -> RequestHandle:
+        """Complete and check a request (`complete`: RequestError naming the field) and queue it (QueueFullError
+        when `max_queue` requests wait). Its outputs come through the returned handle."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        spec.lora = lora.check_request(spec.lora, self.config.loras)       # any family: the engine loaded them
-        if self.config.cache is not None and "cache" not in spec.options:     # the engine's default step caching
-            spec = dataclasses.replace(spec, options={**spec.options, "cache": self.config.cache})
-        spec = self.family.check_request(self.info.description, spec)
+        spec = self.complete(request)
         kv = self.family.kv_bytes(self.info.description, spec, self.config)
         req = self.core.add_request(spec, kv)
         self._notify()
@@ -279,15 +313,19 @@ class VideoEngine:
         req = self.core.scheduler.get(request_id)
         if req is None:
             return False
+        if "prompt" in payload:
+            check_prompts(payload["prompt"])
         payload = self.family.check_update(self.info.description, req.spec, payload)
         ok = self.core.update_request(request_id, payload)
         self._notify()
         return ok
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel a request: a waiting one now, a running one at the next step boundary. False if it is unknown
-        or already finished."""
-        found = self.core.abort_request(request_id)
+    def abort(self, request_id: str, reason: str | RequestFailure = CANCELLED) -> bool:
+        """End a request early: a waiting one now, a running one at the next step boundary. Its final output says
+        why: `Cancelled(reason)` for a word ("cancelled", "deleted", "released", "disconnected", ...),
+        `Failed(reason)` for a `RequestFailure` (kind `outputs.ABORTED`). The first reason asked for wins. False if
+        it is unknown or already finished."""
+        found = self.core.abort_request(request_id, reason)
         if found:
             self._notify()
         return found

@@ -8,7 +8,12 @@ dataclass each, and end with exactly one of `Finished`, `Failed` or `Cancelled`:
     StepProgress(step, ...)     after every denoising step (of every segment, for a long video)
     FramesChunk(frames, ...)    final frames, decoded (a long video's arrive while it still denoises)
     Requeued(reason)            the workers restarted under it: it waits again and starts over
-    Finished(timings) | Failed(error) | Cancelled
+    Finished(timings) | Failed(error) | Cancelled(reason)
+
+A request ends early only by `VideoEngine.abort(id, reason)`, and its final output says why: a
+word ends it `Cancelled(reason)` ("cancelled" when a reader let go; a server says "deleted",
+"released", "disconnected", ...), a `RequestFailure` ends it `Failed(error)` (a drain's
+`server_shutdown`, a writer's `storage_full`).
 
 The Python pipeline reads a handle as a plain iterator; the server as an async iterator
 (`async for out in handle`), so a coroutine per job wakes on its own outputs (as vLLM's
@@ -22,6 +27,10 @@ import collections
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+#: the reason of a plain cancellation (a reader that let go of its handle), and the kind of an abort's failure
+CANCELLED = "cancelled"
+ABORTED = "aborted"
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,8 @@ class Requeued(RequestOutput):
 
 @dataclass(frozen=True)
 class RequestFailure:
-    """Why a request failed. kind: the worker failure kind (`engine.pool.FAILURE_KINDS`); code: the API's."""
+    """Why a request failed. kind: the worker failure kind (`engine.pool.FAILURE_KINDS`), or ABORTED for a failure
+    its caller gave (`VideoEngine.abort`); code: the API's."""
 
     code: str
     message: str
@@ -91,7 +101,14 @@ class Failed(RequestOutput):
 
 @dataclass(frozen=True)
 class Cancelled(RequestOutput):
-    pass
+    reason: str = CANCELLED           # the word its abort gave
+
+
+def ended_early(request_id: str, reason: "str | RequestFailure") -> RequestOutput:
+    """The final output of a request aborted for `reason`: Failed for a failure, else Cancelled."""
+    if isinstance(reason, RequestFailure):
+        return Failed(request_id, reason)
+    return Cancelled(request_id, reason)
 
 
 FINAL = (Finished, Failed, Cancelled)

@@ -1,17 +1,44 @@
-"""A video request as plain data (it travels to the workers), and the error that blames its input.
+"""A video request as plain data (it travels to the workers), the one way a partial request is completed,
+and the error that blames its input.
+
+Every front door (the Python pipeline, `longserve generate`, HTTP create and extend, the live WebSocket)
+hands the engine a `RequestInput`: what its caller gave, in the engine's terms, with None for "the
+default". `complete_request` turns it into a `GenerationSpec` in one place, in this order:
+
+1. the prompt: one string or a non-empty list of strings (blank ones are refused by `check_common`);
+2. defaults: the model's (`ModelDescription.defaults`) where the operator set none (`EngineConfig`'s
+   "defaults" group: `default_steps`, `default_guidance_scale`, `default_fps`), a random seed;
+3. seconds -> frames at the request's fps under the VAE's frame rule (`frame_count`, the one function
+   for it): the nearest count the model makes for a video, the seconds *added* for an extension (a
+   `video` option), rounded down for a live session's length (a `live` option);
+4. the engine's own request checks (the LoRA adapters loaded at start, the engine's default `cache`);
+5. the family's `check_request` (its rules and options, `check_common` among them), which raises
+   `RequestError` naming the field, so nothing a worker would refuse ever reaches the workers.
+
+A door maps only its own syntax (a size string, a multipart field, a start message) and its own
+limits (the server's longest video, largest size, most steps, longest prompt) on the completed spec.
 
 `GenerationSpec` holds what every model family understands (prompts, frames, size, steps,
 guidance, seed, what to return, the LoRA adapters of the request); `options` holds what only some families understand
-(Wan 2.2's `guidance_scale_2`, diffusion forcing's `base_num_frames`, ...). A family's
-`check_request` validates a spec on the coordinator, before any worker sees it, and
-raises `RequestError` naming the field at fault.
+(Wan 2.2's `guidance_scale_2`, diffusion forcing's `base_num_frames`, ...).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import random
+import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, GenerationDefaults, ModelDescription
 
 OUTPUTS = ("np", "uint8", "latent")
+MAX_SEED = 2**63 - 1
+#: the option of an extension (diffusion forcing) that says how many of the video's last frames are made again
+OVERLAP_OPTION = "overlap_history"
 
 
 class RequestError(ValueError):
@@ -50,6 +77,7 @@ class GenerationSpec:
     decode_chunk_size: int = 8
     options: dict = field(default_factory=dict)
     lora: list = field(default_factory=list)
+    fps: int | None = None          # the video's frames per second: what its seconds were counted in, the MP4's rate
 
     @property
     def batch_size(self) -> int:
@@ -68,15 +96,166 @@ class GenerationSpec:
 
     @classmethod
     def from_params(cls, request_id: str, prompt: str, params: dict, output: str = "uint8") -> "GenerationSpec":
-        """The inverse of `params` (extra keys, such as the server's fps, are ignored)."""
+        """The inverse of `params` (with the server's fps, when stored; other extra keys are ignored)."""
         return cls(request_id=request_id, prompt=[prompt], negative_prompt=params["negative_prompt"],
                    num_frames=params["num_frames"], height=params["height"], width=params["width"],
                    num_inference_steps=params["num_inference_steps"], guidance_scale=params["guidance_scale"],
                    seed=params["seed"], output=output, options=dict(params.get("options") or {}),
-                   lora=list(params.get("lora") or []))
+                   lora=list(params.get("lora") or []), fps=params.get("fps"))
 
     def negative_prompts(self) -> list[str]:
         """One negative prompt per prompt."""
         if isinstance(self.negative_prompt, str):
             return [self.negative_prompt] * self.batch_size
         return list(self.negative_prompt)
+
+
+@dataclass
+class RequestInput:
+    """A request as a front door hands it to the engine: what the caller gave; None means "the default".
+
+    `seconds` is the video's length instead of `num_frames` (both may be given when they agree); for an
+    extension (a `video` option) it is the length *added*. `options` are the family's own (and `image`,
+    `video`, `live`, ...); `lora` takes any shape `engine.lora.check_request` does.
+    """
+
+    prompt: str | list[str]
+    negative_prompt: str | list[str] | None = None
+    num_frames: int | None = None
+    seconds: float | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    fps: int | None = None
+    output: str = "np"
+    decode_chunk_size: int = 8
+    options: dict = field(default_factory=dict)
+    lora: object = None
+    request_id: str | None = None
+
+
+def default_request(desc: "ModelDescription", request_id: str) -> RequestInput:
+    """A throw-away request at every default (the warm-up's, the start's check of the defaults): a grey image
+    or video where the model needs one."""
+    import numpy as np
+
+    from engine.config import REQUIRED
+
+    d, caps = desc.defaults, desc.capabilities
+    grey = np.full((d.height, d.width, 3), 128, dtype=np.uint8)
+    options = {}
+    if caps.image == REQUIRED:
+        options["image"] = grey
+    if caps.last_image == REQUIRED:
+        options["last_image"] = grey
+    if caps.video == REQUIRED:
+        options["video"] = np.stack([grey] * d.num_frames)
+    return RequestInput(prompt="warm-up", seed=0, options=options, request_id=request_id)
+
+
+def frame_count(frames: float, rule: int, *, down: bool = False, at_least: int = 1) -> int:
+    """The frame count a model makes nearest to `frames` (rounded down with `down`), at least `at_least`.
+
+    `rule` is the VAE's: counts are rule*k + 1 (a causal video VAE turns `rule` frames into one latent
+    frame after the first); rule 1 takes any count. Halves round up."""
+    steps = (frames - 1) / rule
+    k = math.floor(steps + 1e-9) if down else math.floor(steps + 0.5)
+    count = k * rule + 1
+    while count < at_least:
+        count += rule
+    return max(1, count)
+
+
+def prompt_list(prompt) -> list[str]:
+    """One prompt or a non-empty list of them -> a list (RequestError naming "prompt" otherwise)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    raise RequestError("prompt", f"prompt must be a non-empty string or a non-empty list of strings; "
+                                 f"got {type(prompt).__name__}")
+
+
+def check_prompts(prompts, field_name: str = "prompt") -> None:
+    """Prompts as the model takes them: strings, none of them blank (RequestError naming the field)."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise RequestError(field_name, f"{field_name} must be a non-empty string or a non-empty list of strings")
+    if any(not p.strip() for p in prompts):
+        raise RequestError(field_name, f"{field_name} must not be empty")
+
+
+def _integer(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RequestError(name, f"{name} must be an integer in [{low}, {high}]; got {value!r}")
+    return value
+
+
+def request_frames(request: RequestInput, desc: "ModelDescription", defaults: "GenerationDefaults", fps: int,
+                   options: dict) -> int:
+    """The request's num_frames: given, from its seconds under the frame rule, or the default."""
+    rule = desc.frame_multiple
+    extension = options.get("video") is not None
+    overlap = (options.get(OVERLAP_OPTION, defaults.options.get(OVERLAP_OPTION)) or 0) if extension else 0
+    if isinstance(overlap, bool) or not isinstance(overlap, int):
+        overlap = 0                                   # the family names a bad overlap_history
+    if request.seconds is None:
+        if request.num_frames is not None:
+            return request.num_frames
+        # an extension re-makes the video's last `overlap` frames and adds at least one latent frame's worth
+        return max(overlap + rule, defaults.num_frames) if extension else defaults.num_frames
+    seconds = request.seconds
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or seconds <= 0:
+        raise RequestError("seconds", f"seconds must be a positive number; got {seconds!r}")
+    if extension:                                     # the seconds added: new frames in whole latent frames
+        frames = frame_count(overlap + seconds * fps, rule, at_least=overlap + rule)
+    else:                                             # a live session never runs past its length
+        frames = frame_count(seconds * fps, rule, down=options.get("live") is True)
+    if request.num_frames is not None and request.num_frames != frames:
+        raise RequestError("seconds", f"seconds={seconds:g} at fps={fps} is {frames} frames, but num_frames="
+                                      f"{request.num_frames}; give one of them, or consistent values")
+    return frames
+
+
+def fill_request(request: RequestInput, desc: "ModelDescription", defaults: "GenerationDefaults") -> GenerationSpec:
+    """Steps 1-3 of the completion (the module docstring): a spec with every field filled in, not yet checked."""
+    from engine.config import MAX_FPS
+
+    prompts = prompt_list(request.prompt)
+    fps = _integer("fps", defaults.fps if request.fps is None else request.fps, 1, MAX_FPS)
+    options = {k: v for k, v in (request.options or {}).items() if v is not None}
+    if "fps" in desc.options:                         # a model conditioned on fps gets the video's
+        options.setdefault("fps", fps)
+    pick = lambda given, default: default if given is None else given  # noqa: E731
+    return GenerationSpec(
+        request_id=request.request_id or uuid.uuid4().hex, prompt=prompts,
+        negative_prompt=pick(request.negative_prompt, ""),
+        num_frames=request_frames(request, desc, defaults, fps, options),
+        height=pick(request.height, defaults.height), width=pick(request.width, defaults.width),
+        num_inference_steps=pick(request.num_inference_steps, defaults.num_inference_steps),
+        guidance_scale=pick(request.guidance_scale, defaults.guidance_scale),
+        seed=random.randrange(MAX_SEED) if request.seed is None else request.seed,
+        output=request.output, decode_chunk_size=request.decode_chunk_size, options=options,
+        lora=request.lora, fps=fps)
+
+
+def complete_request(request: "RequestInput | GenerationSpec", family, desc: "ModelDescription",
+                     config: "EngineConfig") -> GenerationSpec:
+    """A door's request -> a complete, checked `GenerationSpec` (the module docstring's steps; RequestError
+    naming the field). A `GenerationSpec` is checked as it is (steps 4-5): checking is idempotent."""
+    from engine import lora
+
+    if isinstance(request, RequestInput):
+        spec = fill_request(request, desc, config.request_defaults(desc.defaults))
+    elif isinstance(request, GenerationSpec):
+        spec = request
+    else:
+        raise TypeError(f"a request is a RequestInput or a GenerationSpec, not {type(request).__name__}")
+    spec.lora = lora.check_request(spec.lora, config.loras)                 # any family: the engine loaded them
+    if config.cache is not None and "cache" not in spec.options:           # the engine's default step caching
+        spec = dataclasses.replace(spec, options={**spec.options, "cache": config.cache})
+    return family.check_request(desc, spec)

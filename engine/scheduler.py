@@ -22,8 +22,9 @@ Lifecycle (`RequestState`), one way only except for the crash recovery noted bel
 
 One iteration's decision (`schedule()`), in the order the engine core carries it out:
 
-1. `release`: running requests whose cancellation was asked for (FINISHED_CANCELLED now):
-   a cancelled request leaves at the next boundary and its slot is free at once.
+1. `release`: running requests whose abort was asked for (`abort(id, reason)`: FINISHED_CANCELLED,
+   or FINISHED_FAILED when the reason is a failure): an aborted request leaves at the next boundary
+   and its slot is free at once.
 2. `admit`: waiting requests, oldest first, while fewer than `max_running` are admitted
    (RUNNING + DECODING).
 3. `decode`: one chunk of at most `decode_chunk_frames` frames of the oldest request that
@@ -97,7 +98,7 @@ class ScheduledRequest:
     model: int = 0                             # the denoiser its next step uses (a two-expert model's expert)
     passed_over: int = 0                       # offload: batches of the other expert run while it waited
     decodable: bool = False                    # final frames wait to be decoded
-    cancel_requested: bool = False
+    abort_reason: str | RequestFailure | None = None   # why it ends before its time (`Scheduler.abort`)
     solo: bool = False                         # runs in a batch of its own (after an out-of-memory batch)
     error: RequestFailure | None = None        # when FINISHED_FAILED
     admissions: int = 0                        # > 1 after a crash sent it back to the queue
@@ -112,6 +113,11 @@ class ScheduledRequest:
     @property
     def id(self) -> str:
         return self.spec.request_id
+
+    @property
+    def aborted(self) -> bool:
+        """Asked to end before its time: it leaves at the next step boundary (a waiting one has left)."""
+        return self.abort_reason is not None
 
     def progressed(self, p) -> None:
         """Take in what a worker job reports of it (`engine.worker.Progress`)."""
@@ -189,19 +195,23 @@ class Scheduler:
             self._waiting.append(req)
         return req
 
-    def cancel(self, request_id: str) -> tuple[ScheduledRequest | None, bool]:
-        """Ask to cancel: a waiting request leaves the queue now (FINISHED_CANCELLED), a running one at the
-        next step boundary. Returns (the request or None when it is unknown or finished, whether it was
-        dequeued now: decided under the lock, so exactly one thread tells the request it is cancelled)."""
+    def abort(self, request_id: str,
+              reason: str | RequestFailure = "cancelled") -> tuple[ScheduledRequest | None, bool]:
+        """Ask a request to end, for `reason`: a word (it ends Cancelled: "cancelled", "deleted", ...) or a
+        `RequestFailure` (it ends Failed). A waiting request leaves the queue now, a running one at the next step
+        boundary; the first reason asked for is the one it ends with. Returns (the request or None when it is
+        unknown or finished, whether it was dequeued now: decided under the lock, so exactly one thread tells the
+        request how it ended)."""
         with self._lock:
             req = self._requests.get(request_id)
             if req is None or req.state.finished:
                 return None, False
-            req.cancel_requested = True
+            if req.abort_reason is None:
+                req.abort_reason = reason
             if req.state is not RequestState.WAITING:
                 return req, False
             self._waiting.remove(req)
-            self._finish_locked(req, RequestState.FINISHED_CANCELLED)
+            self._finish_aborted_locked(req)
         return req, True
 
     def update(self, request_id: str, payload: dict) -> bool:
@@ -209,7 +219,7 @@ class Scheduler:
         False when it is unknown or finished."""
         with self._lock:
             req = self._requests.get(request_id)
-            if req is None or req.state.finished or req.cancel_requested:
+            if req is None or req.state.finished or req.aborted:
                 return False
             req.updates.append(payload)
         return True
@@ -252,9 +262,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         with self._lock:
-            for r in [r for r in self._admitted if r.cancel_requested]:
+            for r in [r for r in self._admitted if r.aborted]:
                 self._admitted.remove(r)
-                self._finish_locked(r, RequestState.FINISHED_CANCELLED)
+                self._finish_aborted_locked(r)
                 out.release.append(r)
             stepping = [r for r in self._admitted if r.state is RequestState.RUNNING]   # admitted before now
             while self._waiting and len(self._admitted) < self.max_running:
@@ -268,10 +278,10 @@ class Scheduler:
                 self._admitted.append(req)
                 out.admit.append(req)
             for r in stepping:
-                if r.updates and r.batch_key is not None and not r.cancel_requested:
+                if r.updates and r.batch_key is not None and not r.aborted:
                     out.update.append((r, r.updates))
                     r.updates = []
-            ready = [r for r in self._admitted if r.decodable and not r.cancel_requested]
+            ready = [r for r in self._admitted if r.decodable and not r.aborted]
             if ready:
                 out.decode = min(ready, key=lambda r: r.seq)
                 out.decode_frames = self.decode_chunk_frames
@@ -288,7 +298,7 @@ class Scheduler:
     def _select_batch_locked(self, candidates: list[ScheduledRequest]) -> list[ScheduledRequest]:
         groups: dict[tuple, list[ScheduledRequest]] = {}
         for r in sorted(candidates, key=lambda r: r.seq):
-            if not r.cancel_requested and r.batch_key is not None and r.steps_done < r.num_steps:
+            if not r.aborted and r.batch_key is not None and r.steps_done < r.num_steps:
                 groups.setdefault(("solo", r.id) if r.solo else r.batch_key, []).append(r)
         if not groups:
             return []
@@ -372,13 +382,17 @@ class Scheduler:
         return True
 
     def close(self) -> list[ScheduledRequest]:
-        """Every unfinished request, finished now (FINISHED_FAILED: the engine closed under it)."""
+        """Every unfinished request, finished now: as its abort asked, else FINISHED_FAILED (the engine closed
+        under it)."""
         error = RequestFailure(code="engine_closed", message="the engine was closed before this request finished",
                                kind="internal")
         with self._lock:
             gone = list(self._requests.values())
             for r in gone:
-                self._finish_locked(r, RequestState.FINISHED_FAILED, error)
+                if r.aborted:
+                    self._finish_aborted_locked(r)
+                else:
+                    self._finish_locked(r, RequestState.FINISHED_FAILED, error)
             self._waiting.clear()
             self._admitted.clear()
         return gone
@@ -392,13 +406,13 @@ class Scheduler:
             self._admitted.clear()
             told = []
             for r in reversed(back):
-                if r.batch_key is None and not r.cancel_requested:
+                if r.batch_key is None and not r.aborted:
                     r.admissions -= 1                 # its admission job never ran
                     self._requeue_locked(r)
                     continue
                 told.insert(0, r)
-                if r.cancel_requested:
-                    self._finish_locked(r, RequestState.FINISHED_CANCELLED)
+                if r.aborted:
+                    self._finish_aborted_locked(r)
                 else:
                     self._requeue_locked(r)
         return told
@@ -409,6 +423,13 @@ class Scheduler:
         r.decodable = False
         r.batch_key = None
         self._waiting.appendleft(r)
+
+    def _finish_aborted_locked(self, req: ScheduledRequest) -> None:
+        """An aborted request ends as its reason says: FINISHED_FAILED for a failure, else FINISHED_CANCELLED."""
+        if isinstance(req.abort_reason, RequestFailure):
+            self._finish_locked(req, RequestState.FINISHED_FAILED, req.abort_reason)
+        else:
+            self._finish_locked(req, RequestState.FINISHED_CANCELLED)
 
     def _finish_locked(self, req: ScheduledRequest, state: RequestState, error: RequestFailure | None = None) -> None:
         req.state = state

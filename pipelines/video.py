@@ -17,9 +17,7 @@ request's typed outputs.
 from __future__ import annotations
 
 import os
-import random
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -29,7 +27,7 @@ from engine.config import EngineConfig
 from engine.engine import VideoEngine
 from engine.outputs import Cancelled, Failed, Finished, FramesChunk, RequestOutput, Requeued, StepProgress
 from engine.pool import WorkerError
-from engine.request import GenerationSpec, RequestError
+from engine.request import GenerationSpec, RequestError, RequestInput
 
 OUTPUT_TYPES = ("np", "latent")
 WHOLE_VIDEO = 1 << 30          # frames per decode call: everything that is final, split across the workers
@@ -170,7 +168,9 @@ class VideoPipeline:
 
     @property
     def defaults(self):
-        return self.info.defaults
+        """What a call that leaves an argument out gets: the model's defaults, with the engine's `default_steps`,
+        `default_guidance_scale` and `default_fps` in their place where set (`VideoEngine.defaults`)."""
+        return self.engine.defaults
 
     def set_parallel(self, parallel: str, ulysses_degree: int | None = None) -> None:
         """Switch the parallel plan for later calls, without reloading the model."""
@@ -189,30 +189,24 @@ class VideoPipeline:
 
     # -- the call, diffusers style -------------------------------------------------------------
 
-    def make_spec(self, prompt, negative_prompt="", num_frames=None, height=None, width=None,
-                  num_inference_steps=None, guidance_scale=None, seed=None, output_type="np",
-                  decode_chunk_size=8, lora=None, **options) -> GenerationSpec:
-        """A request with the checkpoint's defaults filled in (not yet checked: `engine.submit` checks it)."""
-        d = self.defaults
-        if isinstance(prompt, str):
-            prompts = [prompt]
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = list(prompt)
-        else:
-            raise RequestError("prompt", f"prompt must be a non-empty string or a non-empty list of strings; "
-                                         f"got {type(prompt).__name__}")
+    def request(self, prompt, negative_prompt="", num_frames=None, height=None, width=None,
+                num_inference_steps=None, guidance_scale=None, seed=None, output_type="np", decode_chunk_size=8,
+                lora=None, seconds=None, fps=None, **options) -> RequestInput:
+        """A call's arguments as the engine's request: this door maps only its own syntax (`output_type`, a video
+        given as an MP4 path); the engine completes the rest (`VideoEngine.complete`: defaults, seconds ->
+        frames, checks)."""
         if output_type not in OUTPUT_TYPES:
             raise RequestError("output_type", f"output_type must be one of {', '.join(OUTPUT_TYPES)}; "
                                               f"got {output_type!r}")
-        return GenerationSpec(
-            request_id=uuid.uuid4().hex, prompt=prompts, negative_prompt=negative_prompt,
-            num_frames=d.num_frames if num_frames is None else num_frames,
-            height=d.height if height is None else height, width=d.width if width is None else width,
-            num_inference_steps=d.num_inference_steps if num_inference_steps is None else num_inference_steps,
-            guidance_scale=d.guidance_scale if guidance_scale is None else guidance_scale,
-            seed=random.randrange(2**63) if seed is None else seed, output=output_type,
-            decode_chunk_size=decode_chunk_size,
-            options=self.read_inputs({k: v for k, v in options.items() if v is not None}), lora=lora)
+        return RequestInput(prompt=prompt, negative_prompt=negative_prompt, num_frames=num_frames, seconds=seconds,
+                            height=height, width=width, num_inference_steps=num_inference_steps,
+                            guidance_scale=guidance_scale, seed=seed, fps=fps, output=output_type,
+                            decode_chunk_size=decode_chunk_size, lora=lora,
+                            options=self.read_inputs({k: v for k, v in options.items() if v is not None}))
+
+    def make_spec(self, prompt, *args, **kwargs) -> GenerationSpec:
+        """The complete, checked request of a call's arguments (`request`, then `VideoEngine.complete`)."""
+        return self.engine.complete(self.request(prompt, *args, **kwargs))
 
     @staticmethod
     def read_inputs(options: dict) -> dict:
@@ -237,6 +231,8 @@ class VideoPipeline:
         output_type: str = "np",
         callback: Callable[[int, int], None] | None = None,
         decode_chunk_size: int = 8,
+        seconds: float | None = None,
+        fps: int | None = None,
         **options,
     ) -> VideoOutput:
         """Generate video(s). `callback(step, num_steps)` runs after every denoising step.
@@ -245,11 +241,14 @@ class VideoPipeline:
         `timesteps`, a fixed schedule, as diffusers' `retrieve_timesteps` takes them; image-to-video: `image`, a PIL
         image or an (H, W, 3) array; diffusion forcing: `video`, the frames to extend, (T, H, W, 3) uint8, a list of
         PIL images or an MP4 path; ...) and `lora`, the adapters loaded at start to apply: `[{"name": "style",
-        "scale": 0.8}]` or `{"style": 0.8}` (a RequestError names `lora` for an unknown one). Defaults for frames,
-        size, steps and guidance come from the checkpoint.
+        "scale": 0.8}]` or `{"style": 0.8}` (a RequestError names `lora` for an unknown one). `seconds` gives the
+        length instead of `num_frames` (at `fps`; the nearest count the model makes; for an extension, the seconds
+        added). Defaults for frames, size, steps, guidance and fps are the checkpoint's, or the engine's
+        `default_*` options (`defaults`).
         """
         spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
-                              guidance_scale, seed, output_type, decode_chunk_size, **options)
+                              guidance_scale, seed, output_type, decode_chunk_size, seconds=seconds, fps=fps,
+                              **options)
         t_start = time.perf_counter()
         chunks, timings = [], {}
         checked: list = []
@@ -275,7 +274,8 @@ class VideoPipeline:
                height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
                guidance_scale: float | None = None,
                seed: int | None = None, callback: Callable[[int, int], None] | None = None,
-               decode_chunk_size: int = 8, timings: dict | None = None, **options) -> Iterator[np.ndarray]:
+               decode_chunk_size: int = 8, timings: dict | None = None, seconds: float | None = None,
+               fps: int | None = None, **options) -> Iterator[np.ndarray]:
         """Generate one video and yield its frames as soon as they are final: float32 (T_i, H, W, 3) in [0, 1].
 
         The chunks concatenate to what `__call__` returns for the same arguments. A long
@@ -293,7 +293,7 @@ class VideoPipeline:
         if not isinstance(prompt, str):
             raise RequestError("prompt", "stream() takes one prompt (a string) or a schedule [(chunk, prompt), ...]")
         spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
-                              guidance_scale, seed, "np", decode_chunk_size, **options)
+                              guidance_scale, seed, "np", decode_chunk_size, seconds=seconds, fps=fps, **options)
         yielded = 0      # frames handed out: after a worker restart the video is made again, the same frames
         for out in self._outputs(spec, callback):
             if isinstance(out, FramesChunk) and out.stop > yielded:
@@ -307,15 +307,13 @@ class VideoPipeline:
              seed: int | None = None, fps: int | None = None, **options) -> "LiveSession":
         """Start a live session on a causal model: chunks of frames as they are made, `switch(prompt)` at any
         time (applied at the next chunk), `close()` (or leaving a `with` block) to end it. The session ends
-        by itself after `seconds` of video."""
-        fps = self.defaults.fps if fps is None else fps
-        if not isinstance(seconds, (int, float)) or not 0 < seconds <= 24 * 3600:
+        by itself after `seconds` of video (the frames of whole latent frames that fit)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 24 * 3600:
             raise RequestError("seconds", f"seconds must be in (0, 86400]; got {seconds!r}")
-        rule = self.info.frame_multiple
-        frames = max(1, int(round(seconds * fps)))
-        frames = (frames - 1) // rule * rule + 1 if rule > 1 else frames
-        spec = self.make_spec(prompt, "", frames, height, width, None, None, seed, "np", live=True, **options)
-        return LiveSession(self.engine.submit(spec), fps)
+        spec = self.make_spec(prompt, "", None, height, width, None, None, seed, "np", seconds=seconds, fps=fps,
+                              live=True, **options)
+        handle = self.engine.submit(spec)
+        return LiveSession(handle, handle.spec.fps)
 
     def _outputs(self, spec: GenerationSpec, callback, checked: list | None = None) -> Iterator[RequestOutput]:
         """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError).
@@ -329,5 +327,5 @@ class VideoPipeline:
             elif isinstance(out, Failed):
                 raise_failure(out)
             elif isinstance(out, Cancelled):
-                raise RuntimeError(f"request {spec.request_id} was cancelled")
+                raise RuntimeError(f"request {spec.request_id} was cancelled ({out.reason})")
             yield out

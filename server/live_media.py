@@ -52,7 +52,7 @@ from typing import IO
 
 import numpy as np
 
-from server.media import _lower_priority, ffmpeg_exe
+from server.media import ffmpeg_exe, lower_priority
 
 log = logging.getLogger("longserve.live_media")
 
@@ -120,7 +120,7 @@ class ChunkMuxer:
         cmd += ["-flush_packets", "1", "-f", "flv", "pipe:1"]
         # the encoder yields the CPU to the workers (media.py's niceness)
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                      bufsize=0, preexec_fn=_lower_priority if os.name == "posix" else None)
+                                      bufsize=0, preexec_fn=lower_priority if os.name == "posix" else None)
         self._reader = threading.Thread(target=_read_flv, args=(self._proc.stdout, self._samples),
                                         name="live-mp4-reader", daemon=True)
         self._reader.start()

@@ -108,7 +108,7 @@ class FragmentedMP4Writer:
         self._file = open(self.part_path, "wb")
         # the encoder yields the CPU to the workers: a video written a little later, never slower steps
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                      bufsize=0, preexec_fn=_lower_priority if os.name == "posix" else None)
+                                      bufsize=0, preexec_fn=lower_priority if os.name == "posix" else None)
         name = self.final_path.stem
         self._feeder = threading.Thread(target=self._feed_input, name=f"mp4-feed-{name}", daemon=True)
         self._pump = threading.Thread(target=self._pump_output, name=f"mp4-writer-{name}", daemon=True)
@@ -308,7 +308,7 @@ class FragmentedMP4Writer:
 ENCODER_NICENESS = 10
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
     os.nice(ENCODER_NICENESS)
 
 

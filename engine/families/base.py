@@ -47,12 +47,12 @@ import numpy as np
 import torch
 
 from engine import comm
-from engine.config import MAX_STEPS, REQUIRED, Capabilities, GenerationDefaults, ModelDescription, WorkerConfig
+from engine.config import MAX_STEPS, Capabilities, GenerationDefaults, ModelDescription, WorkerConfig
 from engine.decoding import FramesPolicy, FrameStream
 from engine.dist import parse_dtype
 from engine.lora import step_rows
 from engine.parallel import ParallelPlan, resolve_plan
-from engine.request import OUTPUTS, GenerationSpec, RequestError
+from engine.request import OUTPUTS, GenerationSpec, RequestError, check_prompts, complete_request, default_request
 
 
 @dataclass
@@ -262,16 +262,7 @@ class VideoFamily:
         (more rows, another text length and, for Latte, a text mask: the sizes that change between batches become
         symbolic here, also after Wan's graph break). Collective: every rank runs it at load. -> wall time (s)."""
         desc = self.describe(Path(self.model_dir))
-        d = desc.defaults
-        options = {}
-        if desc.capabilities.image == REQUIRED:
-            options["image"] = np.full((d.height, d.width, 3), 128, dtype=np.uint8)
-        if desc.capabilities.last_image == REQUIRED:
-            options["last_image"] = options["image"]
-        spec = GenerationSpec(request_id="warm-up", prompt=["warm-up"], negative_prompt="", num_frames=d.num_frames,
-                              height=d.height, width=d.width, num_inference_steps=d.num_inference_steps,
-                              guidance_scale=d.guidance_scale, seed=0, options=options)
-        spec = type(self).check_request(desc, spec)
+        spec = complete_request(default_request(desc, "warm-up"), type(self), desc, self.config.engine)
         longer = dataclasses.replace(spec, request_id="warm-up-2",
                                      prompt=["a longer warm-up prompt, so that the length of the text changes"])
         t0 = time.perf_counter()
@@ -584,10 +575,7 @@ def check_cache_option(spec: GenerationSpec, kinds: tuple[str, ...] = ("first_bl
 
 def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:
     """Checks every family needs: prompts, frames, size, steps, guidance, seed, output, options."""
-    if not spec.prompt or not all(isinstance(p, str) for p in spec.prompt):
-        raise RequestError("prompt", "prompt must be a non-empty string or a non-empty list of strings")
-    if any(not p.strip() for p in spec.prompt):
-        raise RequestError("prompt", "prompt must not be empty")
+    check_prompts(spec.prompt)
     neg = spec.negative_prompt
     if isinstance(neg, (list, tuple)):
         if len(neg) != spec.batch_size or not all(isinstance(p, str) for p in neg):

@@ -1,7 +1,7 @@
 """The FastAPI application: routes, error envelope, auth, and an in-process runner.
 
     service = VideoService(ServeConfig.from_options(model="tiny-latte", workers=2)).start()
-    app = create_app(service, api_key=None)     # Host, Origin and work limits from service.config
+    app = create_app(service, api_key=None)     # Host and Origin checks from service.config
     uvicorn.run(app, host="127.0.0.1", port=8000)      # or: with serve_in_thread(app) as url: ...
 
 The app does not own the services' lifecycle: whoever started them closes them
@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 
-from server.api.admission import WorkAdmission
 from server.api.edge import EdgeGuard, default_allowed_hosts, exposure_warnings, parse_list, uvicorn_options
 from server.api.errors import install_error_handlers
 from server.api.routes import router, v1
@@ -28,8 +27,8 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 def create_app(videos, score=None, *, api_key: str | Sequence[str] | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, poll_after_ms: int = 250) -> FastAPI:
-    """videos: a started `server.api.service.VideoService` (its `ServeConfig` gives the edge's and admission's
-    settings: allowed hosts and origins, the bound address, the work limits); score: a
+    """videos: a started `server.api.service.VideoService` (its `ServeConfig` gives the edge's settings: allowed
+    hosts and origins, the bound address); score: a
     `server.api.score_service.ScoreService` or None; api_key: one key or several (one per client)."""
     config = videos.config
     app = FastAPI(title="longserve", description="OpenAI-compatible video generation (and text scoring) server",
@@ -40,7 +39,6 @@ def create_app(videos, score=None, *, api_key: str | Sequence[str] | None = None
     app.state.api_keys = tuple(k for k in keys if k)
     app.state.max_body_bytes = max_body_bytes
     app.state.poll_after_ms = poll_after_ms
-    app.state.admission = WorkAdmission(videos, config.max_queued_work, config.max_work_per_key)
     app.state.edge_warnings = exposure_warnings(config.host, bool(app.state.api_keys))
     install_error_handlers(app)
     app.include_router(router)

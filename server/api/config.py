@@ -75,7 +75,7 @@ class ServeConfig:
                                                    "to this long, then fail the rest (server_shutdown) and exit",
                                   group="jobs", metavar="SECONDS")
 
-    # -- request limits and defaults (limits default from the model) ------------------------------------
+    # -- request limits (they default from the model; the request defaults are the engine's) ---------------
     max_frames: int | None = option(None, "longest video in frames (default: 4 x the model's default frame count; "
                                           "for a long-video model, --max-seconds at its fps)", group="limits")
     max_seconds: float = option(60.0, "longest video of a long-video (diffusion forcing) model, in seconds at its "
@@ -83,11 +83,6 @@ class ServeConfig:
     max_size: int | None = option(None, "largest width or height in pixels (default: 2 x the model's native size)",
                                   group="limits")
     max_steps: int = option(200, "most denoising steps a request may ask for", group="limits")
-    default_steps: int = option(20, "num_inference_steps when a request gives none", group="limits")
-    default_guidance_scale: float | None = option(None, "guidance_scale when a request gives none (default: the "
-                                                        "model's)", group="limits", flag="--guidance-scale")
-    fps: int | None = option(None, "frames per second: seconds x fps = frames (default: the model's)",
-                             group="limits")
     max_fps: int = option(60, "highest fps a request may ask for", group="limits")
     max_prompt_chars: int = option(4000, "longest prompt (and negative prompt) in characters", group="limits")
     max_image_pixels: int = option(4096 * 4096, "largest input_reference image (width x height), checked from its "
@@ -120,15 +115,13 @@ class ServeConfig:
 
     def __post_init__(self):
         self._check_edge_and_admission()
-        for name in ("max_steps", "default_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers",
+        for name in ("max_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers",
                      "max_image_pixels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.fps is not None and (isinstance(self.fps, bool) or not isinstance(self.fps, int) or self.fps < 1):
-            raise ValueError(f"fps must be a positive integer, got {self.fps!r}")
-        if self.default_steps > self.max_steps:
-            raise ValueError(f"default_steps ({self.default_steps}) exceeds max_steps ({self.max_steps})")
+        if self.engine.default_steps is not None and self.engine.default_steps > self.max_steps:
+            raise ValueError(f"default_steps ({self.engine.default_steps}) exceeds max_steps ({self.max_steps})")
         if self.max_steps > MAX_STEPS:
             raise ValueError(f"max_steps must be <= {MAX_STEPS} (the engine's limit), got {self.max_steps}")
         if self.reuse_completed not in ("seeded", "off"):

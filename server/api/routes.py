@@ -1,7 +1,7 @@
 """Route handlers: parse and check the HTTP request, call the service, shape the answer.
 
 Request and response bodies are the models of `server/api/protocol.py`; the work is done by
-`server/api/service.py` (videos) and `server/api/score_service.py` (scoring). Every error is an
+`server/api/service.py` (videos and live sessions) and `server/api/score_service.py` (scoring). Every error is an
 `APIError`, answered in the OpenAI envelope by `server/api/errors.py`.
 """
 
@@ -175,7 +175,7 @@ async def create_video(request: Request):
         req = VideoCreateRequest.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    video = await run_in_threadpool(request.app.state.admission.create, req, request.state.client)
+    video = await run_in_threadpool(request.app.state.videos.create, req, request.state.client)
     return JSONResponse(video.model_dump())
 
 
@@ -192,7 +192,7 @@ async def extend_video(request: Request, video_id: str):
         req = VideoExtendRequest.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    video = await run_in_threadpool(request.app.state.admission.extend, video_id, req, request.state.client)
+    video = await run_in_threadpool(request.app.state.videos.extend, video_id, req, request.state.client)
     return JSONResponse(video.model_dump())
 
 

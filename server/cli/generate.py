@@ -42,12 +42,19 @@ def add_arguments(p) -> None:
     p.add_argument("prompt", help="what the video shows")
     g = p.add_argument_group("the video")
     g.add_argument("--frames", type=int, default=None, help="number of frames (default: the model's)")
+    g.add_argument("--seconds", type=float, default=None, help="the length instead of --frames, at --fps (the "
+                                                               "nearest frame count the model makes; with --video, "
+                                                               "the seconds added)")
     g.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels (default: the model's)")
-    g.add_argument("--steps", type=int, default=None, help="denoising steps (of each segment; default: the model's)")
-    g.add_argument("--guidance-scale", type=float, default=None, help="(default: the model's)")
+    g.add_argument("--steps", type=int, default=None, help="denoising steps (of each segment; default: "
+                                                           "--default-steps, else the model's)")
+    g.add_argument("--guidance-scale", type=float, default=None, help="(default: --default-guidance-scale, else the "
+                                                                      "model's)")
     g.add_argument("--negative-prompt", default="")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--fps", type=int, default=None, help="frames per second of the MP4 (default: the model's)")
+    g.add_argument("--fps", type=int, default=None, help="frames per second: of the MP4, of --seconds, and given to "
+                                                         "a model conditioned on it (default: --default-fps, else "
+                                                         "the model's)")
     g.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
                    help="a model-specific option, e.g. --opt guidance_scale_2=3 (Wan 2.2); repeatable")
     g.add_argument("-o", "--output", default="out.mp4", help="MP4 path to write")
@@ -66,7 +73,8 @@ def add_arguments(p) -> None:
     g.add_argument("--causal-block", type=int, default=None, help="latent frames per causal block (causal_block_size)")
     g.add_argument("--addnoise", type=float, default=None, help="noise on the conditioning frames "
                                                                 "(addnoise_condition)")
-    add_cli_args(p, EngineConfig, groups=("model",), titles={"model": "model and workers"})
+    add_cli_args(p, EngineConfig, groups=("model", "defaults"),
+                 titles={"model": "model and workers", "defaults": "request defaults"})
 
 
 def speed_levers(info) -> str:
@@ -111,7 +119,7 @@ def run(args) -> int:
     with VideoPipeline.from_config(config) as pipe:
         loaded = time.perf_counter()
         info = pipe.info
-        fps = args.fps or pipe.defaults.fps
+        fps = pipe.defaults.fps if args.fps is None else args.fps
         print(f"loaded {args.model} ({info.family}) on {info.workers} worker(s) ({info.device}, "
               f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention}"
               + "".join(f", lora {a.name} x{a.scale:g}" for a in config.loras) + speed_levers(info),
@@ -127,7 +135,7 @@ def run(args) -> int:
             for chunk in pipe.stream(args.prompt, negative_prompt=args.negative_prompt, num_frames=args.frames,
                                      height=height, width=width, num_inference_steps=args.steps,
                                      guidance_scale=args.guidance_scale, seed=args.seed, callback=on_step,
-                                     timings=timings, **options):
+                                     timings=timings, seconds=args.seconds, fps=args.fps, **options):
                 pixels = (np.clip(chunk, 0, 1) * 255).round().astype(np.uint8)        # (n, H, W, 3)
                 if writer is None:
                     # one file, grown in place: every keyframe starts a fragment a player can show

@@ -24,16 +24,19 @@ log = logging.getLogger("longserve.server")
 #: uvicorn's graceful shutdown after the drain: every stream has ended by then, only plain requests remain
 SHUTDOWN_GRACE_S = 2
 
-GROUP_TITLES = {"model": "model and workers", "scheduling": "scheduling", "http": "HTTP",
-                "jobs": "jobs", "limits": "request limits and defaults (limits default from the model)",
-                "scoring": "scoring (POST /v1/score)"}
+GROUP_TITLES = {"model": "model and workers", "defaults": "request defaults (what a request that leaves a field "
+                                                            "out gets; default: the model's)",
+                "scheduling": "scheduling", "http": "HTTP", "jobs": "jobs",
+                "limits": "request limits (default from the model)", "scoring": "scoring (POST /v1/score)"}
+#: the request defaults' older spellings on this command
+DEFAULT_ALIASES = {"default_guidance_scale": ("--guidance-scale",), "default_fps": ("--fps",)}
 
 
 def add_arguments(p) -> None:
     from engine.config import EngineConfig, add_cli_args
     from server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
 
-    add_cli_args(p, EngineConfig, defaults=SERVE_ENGINE_DEFAULTS, titles=GROUP_TITLES)
+    add_cli_args(p, EngineConfig, defaults=SERVE_ENGINE_DEFAULTS, titles=GROUP_TITLES, aliases=DEFAULT_ALIASES)
     add_cli_args(p, ServeConfig, defaults={"api_key_file": os.environ.get("LONGSERVE_API_KEY_FILE")},
                  titles=GROUP_TITLES)
 

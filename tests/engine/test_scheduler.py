@@ -15,7 +15,17 @@ import pytest
 from engine import worker as jobs
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.outputs import Admitted, Cancelled, Failed, Finished, FramesChunk, Queued, Requeued, StepProgress
+from engine.outputs import (
+    Admitted,
+    Cancelled,
+    Failed,
+    Finished,
+    FramesChunk,
+    Queued,
+    RequestFailure,
+    Requeued,
+    StepProgress,
+)
 from engine.pool import WorkerError
 from engine.request import GenerationSpec
 from engine.scheduler import QueueFullError, RequestState, Scheduler
@@ -136,8 +146,8 @@ class Harness:
         self.drain()
         return req
 
-    def cancel(self, rid):
-        found = self.core.abort_request(rid)
+    def cancel(self, rid, reason="cancelled"):
+        found = self.core.abort_request(rid, reason)
         self.drain()
         return found
 
@@ -288,6 +298,28 @@ def test_a_crash_fails_only_the_running_batch_and_re_admits_the_other_admitted_r
     assert h.core.crashes == 1
 
 
+def test_an_abort_ends_a_request_as_its_reason_says_waiting_running_or_when_the_engine_closes():
+    h = Harness(max_batch=1, max_running=1)
+    for rid in "abc":
+        h.submit(spec(rid, steps=5))
+    h.step()
+    h.step()                                   # a runs; b and c wait
+    assert h.cancel("b", "released")
+    assert h.of(Cancelled) == [Cancelled("b", "released")], "a waiting request ends at once"
+    shutdown = RequestFailure("server_shutdown", "the server shut down", kind="aborted")
+    assert h.cancel("a", shutdown)
+    assert h.cancel("a", "deleted"), "still running: asked again, but the first reason stays"
+    h.step()                                   # a is released at this boundary; c is admitted
+    assert [o for o in h.of(Failed) if o.request_id == "a"] == [Failed("a", shutdown)]
+    assert "a" not in h.pool.held and h.pool.admitted() == ["a", "c"]
+    assert h.cancel("c", "disconnected")
+    h.core.close()                             # before the boundary that would release it
+    h.drain()
+    assert h.kinds("c")[-1] == "Cancelled" and h.of(Cancelled)[-1].reason == "disconnected"
+    assert [h.kinds(rid).count(k) for rid in "abc" for k in ("Cancelled", "Failed", "Finished")] == [
+        0, 1, 0, 1, 0, 0, 1, 0, 0], "each request ends exactly once"
+
+
 def test_a_crash_while_decoding_fails_that_request_only():
     h = Harness(max_batch=2, decode_chunk_frames=2)
     h.submit(spec("a", steps=1, frames=6))
@@ -426,9 +458,9 @@ def test_a_handle_reads_its_outputs_in_a_thread_and_in_an_event_loop():
 
     from engine.engine import RequestHandle
 
-    class Engine:                           # what a handle needs of the engine: cancel, liveness
-        def cancel(self, rid):
-            return core.abort_request(rid)
+    class Engine:                           # what a handle needs of the engine: abort, liveness
+        def abort(self, rid, reason):
+            return core.abort_request(rid, reason)
 
         def _check_running(self):
             pass

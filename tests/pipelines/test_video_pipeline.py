@@ -242,12 +242,55 @@ def test_a_request_made_again_after_a_worker_restart_is_not_handed_out_twice():
 
     outputs = [chunk(0, 5, 0.1), Requeued("r", "restart"), chunk(0, 5, 0.2), chunk(5, 9, 0.3),
                Finished("r", {"encode_s": 0.0, "transformer_s": 0.0, "vae_s": 0.0})]
-    engine = SimpleNamespace(submit=lambda spec: iter(outputs), info=SimpleNamespace(
-        defaults=GenerationDefaults(num_frames=9, height=2, width=2, num_inference_steps=2, guidance_scale=1.0,
-                                    fps=8)))
+    engine = SimpleNamespace(submit=lambda spec: iter(outputs), complete=lambda request: request,
+                             defaults=GenerationDefaults(num_frames=9, height=2, width=2, num_inference_steps=2,
+                                                         guidance_scale=1.0, fps=8))
     pipe = VideoPipeline(engine)
     streamed = list(pipe.stream(PROMPT, seed=0))
     assert [c.shape[0] for c in streamed] == [5, 4]
     assert [float(c[0, 0, 0, 0]) for c in streamed] == [pytest.approx(0.1), pytest.approx(0.3)]
     whole = pipe(PROMPT, seed=0).frames
     assert whole.shape[1] == 9 and float(whole[0, 0, 0, 0, 0]) == pytest.approx(0.2), "the remake, not both"
+
+
+class _ChecksNothing:
+    """A family whose own checks pass everything: what `complete_request` itself does is under test."""
+
+    @staticmethod
+    def check_request(desc, spec):
+        return spec
+
+
+def test_one_completion_fills_the_defaults_and_counts_seconds_under_the_frame_rule():
+    from engine.config import Capabilities, EngineConfig, GenerationDefaults, ModelDescription
+    from engine.request import RequestError, RequestInput, complete_request, frame_count
+
+    # the frame rule: the nearest rule*k+1 (halves up), rounded down for a session's length, at least `at_least`
+    assert [frame_count(f, 4) for f in (32, 31, 30, 1, 0.2)] == [33, 33, 29, 1, 1]
+    assert frame_count(32, 4, down=True) == 29 and frame_count(16, 1) == 16
+    assert frame_count(9 + 8, 4, at_least=13) == 17 and frame_count(9 + 1, 4, at_least=13) == 13
+    defaults = GenerationDefaults(num_frames=9, height=64, width=64, num_inference_steps=20, guidance_scale=5.0,
+                                  fps=16, options={"overlap_history": 9})
+    desc = ModelDescription(family="test", pipeline="Test", heads=2, size_multiple=16, frame_multiple=4,
+                            defaults=defaults, options=("fps", "overlap_history", "video", "live"),
+                            capabilities=Capabilities(video="optional", live=True))
+    operator = EngineConfig(default_steps=3)
+
+    def complete(**given):
+        return complete_request(RequestInput(prompt="a red ball", **given), _ChecksNothing, desc, operator)
+
+    spec = complete(seconds=2, seed=0)
+    assert (spec.num_frames, spec.height, spec.width, spec.fps) == (33, 64, 64, 16)
+    assert (spec.num_inference_steps, spec.guidance_scale, spec.negative_prompt) == (3, 5.0, ""), \
+        "the operator's steps, the model's guidance"
+    assert spec.options == {"fps": 16} and spec.prompt == ["a red ball"], "a model conditioned on fps gets it"
+    assert complete(num_frames=13).num_frames == 13 and complete().num_frames == 9
+    video = np.zeros((10, 64, 64, 3), np.uint8)
+    assert complete(seconds=1, fps=8, options={"video": video}).num_frames == 9 + 8, "an extension: seconds added"
+    assert complete(seconds=2, options={"live": True}).num_frames == 29, "a session never runs past its length"
+    assert complete().seed != complete().seed, "no seed: a random one"
+    for given, field in ((dict(seconds=-1), "seconds"), (dict(seconds=2, num_frames=5), "seconds"),
+                         (dict(fps=0), "fps"), (dict(prompt=3), "prompt")):
+        with pytest.raises(RequestError) as e:
+            complete_request(RequestInput(**{"prompt": "a", **given}), _ChecksNothing, desc, operator)
+        assert e.value.field == field, given

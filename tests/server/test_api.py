@@ -228,7 +228,7 @@ def test_progress_rises_step_by_step_over_get_and_over_sse(server, http):
 def test_content_stream_sends_the_mp4_while_frames_are_still_being_decoded(server, http, monkeypatch):
     service = server["service"]
     gate, first_chunk = threading.Event(), threading.Event()
-    write_frames = service._write_frames
+    write_frames = service.outputs.write_frames
 
     def gated(job, out):  # hold the video's writing at its second chunk until the client has bytes
         if job.record.prompt == "stream me" and out.start > 0 and not gate.is_set():
@@ -236,7 +236,7 @@ def test_content_stream_sends_the_mp4_while_frames_are_still_being_decoded(serve
             gate.wait(30)
         write_frames(job, out)
 
-    monkeypatch.setattr(service, "_write_frames", gated)
+    monkeypatch.setattr(service.outputs, "write_frames", gated)
     v = create(http, prompt="stream me", size="64x64", num_frames=16, num_inference_steps=3)
     received = bytearray()
     try:
@@ -308,7 +308,7 @@ def test_a_stalled_video_writer_stalls_neither_the_denoising_nor_the_progress_of
     are followed on their own: while one video's writer is stuck, another keeps denoising and its progress
     keeps rising over the API."""
     service = server["service"]
-    write_frames = service._write_frames
+    write_frames = service.outputs.write_frames
     stuck, release = threading.Event(), threading.Event()
 
     def stuck_writer(job, out):
@@ -317,7 +317,7 @@ def test_a_stalled_video_writer_stalls_neither_the_denoising_nor_the_progress_of
             release.wait(60)                               # stuck until the checks below are done
         write_frames(job, out)
 
-    service._write_frames = stuck_writer
+    service.outputs.write_frames = stuck_writer
     try:
         long = create(http, size="64x64", num_frames=16, num_inference_steps=1000, seed=5)
         create(http, prompt="stuck", size="32x32", num_frames=4, num_inference_steps=2, seed=6)
@@ -334,7 +334,7 @@ def test_a_stalled_video_writer_stalls_neither_the_denoising_nor_the_progress_of
         assert not release.is_set() and stuck.is_set()
     finally:
         release.set()
-        service._write_frames = write_frames
+        service.outputs.write_frames = write_frames
     assert http.delete(f"/v1/videos/{long['id']}").status_code == 200
 
 
@@ -586,17 +586,18 @@ def test_score_returns_consistent_likelihood_numbers(server, http):
 
 def test_a_video_deleted_while_its_completion_is_recorded_leaves_no_file_and_no_completed_event(server, http):
     service = server["service"]
-    update = service._update
+    update = service.outputs.update
     deleted = []
 
     async def delete_then_update(job, **fields):
         if fields.get("status") == "completed" and job.record.prompt == "deleted as it completes":
+            ready.wait(30)                 # the event stream is open: it must hear the deletion, not a 404
             deleted.append(service.delete(job.record.id))
         await update(job, **fields)
 
     events, ready = [], threading.Event()
     completed_before = metric(http, 'longserve_jobs_finished_total{outcome="completed"}')
-    service._update = delete_then_update
+    service.outputs.update = delete_then_update
     try:
         v = create(http, prompt="deleted as it completes", **{k: v for k, v in VALID.items() if k != "prompt"})
         sse = threading.Thread(target=collect_events, args=(server["url"], v["id"], events, ready))
@@ -607,7 +608,7 @@ def test_a_video_deleted_while_its_completion_is_recorded_leaves_no_file_and_no_
             time.sleep(0.01)
         sse.join(30)
     finally:
-        service._update = update
+        service.outputs.update = update
     assert http.get(f"/v1/videos/{v['id']}").status_code == 404
     deadline = time.monotonic() + 10
     while list(server["data_dir"].glob(f"videos/{v['id']}*")):

@@ -80,7 +80,7 @@ def test_delete_cancels_a_long_video_in_a_later_segment(server, http):
     v = http.post("/v1/videos", json=dict(LONG, seed=2)).json()
     deadline = time.monotonic() + 120
     while True:                                   # wait until the second segment is denoising
-        job = service._job(v["id"])
+        job = service.jobs.get(v["id"])
         if job is not None and job.handle.status().step > STEPS + 2:
             break
         assert time.monotonic() < deadline, "the job never reached its second segment"

@@ -1,5 +1,5 @@
 """`longserve generate`: what `make demo` runs, end to end (the entry point as a subprocess where a signal
-matters, in this process otherwise)."""
+matters, in this process otherwise), and the one completion of a request shared with the other doors."""
 
 import subprocess
 import sys
@@ -8,19 +8,49 @@ import imageio.v3 as iio
 import pytest
 
 
-def test_generate_writes_an_mp4_with_the_requested_frames_and_size(tmp_path, capfd):
-    """In this process (`make demo`'s own command is run in tests/pipelines/test_content.py; the entry point
-    as a subprocess in the interrupted-video test below)."""
+def test_one_request_through_python_the_cli_and_http_makes_one_spec(tmp_path, capfd, monkeypatch, http_client):
+    """The engine completes every door's request in one place: the same request, with the same operator defaults
+    (`default_steps`, `default_fps`), becomes the same spec through the pipeline, `longserve generate` (in this
+    process; the entry point as a subprocess in the interrupted-video test below) and `POST /v1/videos`. Only
+    what a door must differ in differs: its request id and output type."""
+    import dataclasses
+    import time
+
+    from servers import serving
+
+    from engine.engine import VideoEngine
+    from pipelines import VideoPipeline
     from server.cli import main
 
+    specs, submit = [], VideoEngine.submit
+
+    def recording(engine, request):
+        handle = submit(engine, request)
+        specs.append(handle.spec)
+        return handle
+
+    monkeypatch.setattr(VideoEngine, "submit", recording)
+    operator = dict(model="tiny-latte", workers=1, device="cpu", default_steps=2, default_fps=4)
+    with VideoPipeline.from_pretrained(**operator) as pipe:
+        pipe("a red ball bouncing", seconds=2, height=32, width=48, seed=7)
     out = tmp_path / "demo.mp4"
-    assert main(["generate", "a red ball bouncing", "--model", "tiny-latte", "--workers", "2", "--frames", "11",
-                 "--size", "80x48", "--steps", "3", "--seed", "0", "-o", str(out)]) == 0
-    frames = iio.imread(out)
-    assert frames.shape == (11, 48, 80, 3)  # --size is WIDTHxHEIGHT
+    assert main(["generate", "a red ball bouncing", "--model", "tiny-latte", "--workers", "1", "--device", "cpu",
+                 "--seconds", "2", "--size", "48x32", "--seed", "7", "--default-steps", "2", "--default-fps", "4",
+                 "-o", str(out)]) == 0
+    with serving(tmp_path / "data", score_model="none", **operator) as s:
+        http = http_client(s["url"])
+        video = http.post("/v1/videos", json={"prompt": "a red ball bouncing", "seconds": "2", "size": "48x32",
+                                              "seed": 7}).json()
+        while http.get(f"/v1/videos/{video['id']}").json()["status"] not in ("completed", "failed"):
+            time.sleep(0.05)
+    python, cli, served = [dataclasses.replace(spec, request_id="", output="") for spec in specs]
+    assert python == cli == served
+    assert (python.num_frames, python.height, python.width, python.num_inference_steps, python.fps) == (8, 32, 48, 2, 4)
+    assert python.guidance_scale == 7.5 and python.seed == 7, "the model's guidance; the seed given"
+    assert iio.imread(out).shape == (8, 32, 48, 3)  # --size is WIDTHxHEIGHT
     captured = capfd.readouterr()
-    assert "denoising" in captured.err and "3/3" in captured.err  # the tqdm bar reached the end
-    assert f"wrote {out}" in captured.out and "generation" in captured.out
+    assert "denoising" in captured.err and "2/2" in captured.err  # the tqdm bar reached the end
+    assert f"wrote {out}" in captured.out and "at 4 fps" in captured.out
 
 
 def test_generate_rejects_a_bad_size_and_a_missing_model_naming_them(tmp_path, capsys):
@@ -89,7 +119,7 @@ def test_engine_options_are_flags_generated_from_the_config_and_reach_the_engine
 
     parser = build_parser()
     subcommands = next(a for a in parser._actions if a.dest == "command").choices
-    for command, groups in (("serve", ("model", "scheduling")), ("generate", ("model",))):
+    for command, groups in (("serve", ("model", "defaults", "scheduling")), ("generate", ("model", "defaults"))):
         helps = {a.dest: a.help for a in subcommands[command]._actions}
         for f in dataclasses.fields(EngineConfig):
             if f.metadata["group"] in groups:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from server.api.admission import WorkAdmission, most_expensive_cost, request_cost
+from server.api.admission import most_expensive_cost, request_cost
 from server.api.app import create_app
 from server.api.config import ServeConfig
 from server.api.score_service import ScoreService
@@ -113,7 +113,7 @@ class StandInVideos:
 
     def __init__(self, **options):
         self.config = ServeConfig.from_options(**options)
-        self.store, self.limits, self.model_name, self.started_at = None, None, "tiny-latte", 0
+        self.model_name, self.started_at = "tiny-latte", 0
 
     def health(self):
         return 200, {"status": "ok", "model": "tiny-latte", "workers": 1, "workers_ready": True,
@@ -309,8 +309,8 @@ def test_the_queue_is_bounded_by_work_and_the_most_expensive_request_counts_in_f
     from server.api.errors import APIError
     from server.api.protocol import VideoCreateRequest
 
-    http, service, admission = server["http"], server["service"], server["app"].state.admission
-    lim = service.limits
+    http, service = server["http"], server["service"]
+    admission, lim = service.admission, service.limits
     biggest = most_expensive_cost(lim)
     assert biggest == pytest.approx(lim.max_frames / lim.default_frames * lim.max_size ** 2
                                     / (lim.default_width * lim.default_height) * lim.max_steps / lim.default_steps)
@@ -318,28 +318,55 @@ def test_the_queue_is_bounded_by_work_and_the_most_expensive_request_counts_in_f
     huge = {"prompt": "a red ball", "size": f"{lim.max_size}x{lim.max_size}", "num_frames": lim.max_frames,
             "num_inference_steps": lim.max_steps}
     two = {"prompt": "a red ball", "num_inference_steps": 2 * lim.default_steps}      # costs 2
-    made, saved = [], admission.max_work
+    made, saved = [], (admission.max_work, admission.max_work_per_key)
     admission.max_work = biggest + 2.5
     try:
         # the most expensive allowed request runs (one at a time: --max-running 1) and counts in full
         made.append(http.post("/v1/videos", json=huge).json()["id"])
-        assert admission.work() == pytest.approx(biggest)
+        assert service.jobs.work() == pytest.approx(biggest)
         made.append(http.post("/v1/videos", json=two).json()["id"])
-        assert admission.work() == pytest.approx(biggest + 2)
+        assert service.jobs.work() == pytest.approx(biggest + 2)
         r = http.post("/v1/videos", json=two)                          # biggest + 4 > biggest + 2.5
         assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0, r.text
         assert "--max-queued-work" in r.json()["error"]["message"]
 
         # per key: a key's own work is bounded; another key's is not touched by it
-        per_key = WorkAdmission(service, max_work=None, max_work_per_key=3)
-        made.append(per_key.create(VideoCreateRequest(**two), "key-a").id)
+        admission.max_work, admission.max_work_per_key = None, 3
+        made.append(service.create(VideoCreateRequest(**two), owner="key-a").id)
         with pytest.raises(APIError) as refused:
-            per_key.create(VideoCreateRequest(**two), "key-a")
+            service.create(VideoCreateRequest(**two), owner="key-a")
         assert refused.value.status == 429 and refused.value.code == "key_work_limit"
-        made.append(per_key.create(VideoCreateRequest(**two), "key-b").id)
-        assert per_key.work("key-a") == per_key.work("key-b") == pytest.approx(2)
+        made.append(service.create(VideoCreateRequest(**two), owner="key-b").id)
+        assert service.jobs.work("key-a") == service.jobs.work("key-b") == pytest.approx(2)
     finally:
-        admission.max_work = saved
+        admission.max_work, admission.max_work_per_key = saved
         for vid in made:
             http.delete(f"/v1/videos/{vid}")
-    assert admission.work() == 0 and per_key.work() == 0, "deleted videos no longer count"
+    assert service.jobs.work() == 0, "deleted videos no longer count"
+
+
+def test_one_gate_counts_a_live_session_in_whole_chunks_like_any_video():
+    """The admission gate is the same for create, extend and live: a session costs its longest length in whole
+    chunks, counts against the same work as videos, and is refused by the same 429 (503 while draining)."""
+    from types import SimpleNamespace
+
+    from server.api.admission import AdmissionGate
+    from server.api.errors import APIError
+    from server.api.jobs import LIVE, VIDEO, Job, JobRegistry
+
+    limits = SimpleNamespace(default_frames=12, default_width=64, default_height=64, default_steps=4)
+    jobs, shutdown = JobRegistry(), SimpleNamespace(draining=False)
+    gate = AdmissionGate(jobs, None, shutdown, limits, max_work=5, max_work_per_key=None, frames_per_chunk=12)
+    session = SimpleNamespace(num_frames=13, width=64, height=64, num_inference_steps=4)
+    assert gate.cost(session, VIDEO) == pytest.approx(13 / 12) and gate.cost(session, LIVE) == 2, "two chunks"
+    gate.admit(Job("live_a", LIVE, gate.cost(session, LIVE)))
+    gate.admit(Job("video_b", VIDEO, 2.5))
+    with pytest.raises(APIError) as refused:
+        gate.admit(Job("live_c", LIVE, gate.cost(session, LIVE)))              # 2 + 2.5 + 2 > 5
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
+    assert jobs.remove(jobs.get("live_a")) and jobs.work() == 2.5
+    gate.admit(Job("live_c", LIVE, gate.cost(session, LIVE)))                   # room again
+    shutdown.draining = True
+    with pytest.raises(APIError) as closed:
+        gate.check_open(writes_files=False)
+    assert closed.value.status == 503 and closed.value.code == "server_shutdown"

@@ -89,14 +89,14 @@ def test_an_uploaded_mp4_is_continued_and_the_content_is_the_whole_extended_vide
 
 def test_extend_continues_a_completed_video_streamed_with_extended_from(server, http, uploaded, monkeypatch):
     service, source = server["service"], uploaded["video"]
-    seen, apply = [], service._apply
+    seen, take = [], service.outputs.take
 
-    async def recording(job, out):        # every engine output the job's follower turns into files and events
+    async def recording(job, out):        # every engine output the job's runner turns into files and events
         if job.record.prompt == "the ball rolls on":
             seen.append(out)
-        await apply(job, out)
+        return await take(job, out)
 
-    monkeypatch.setattr(service, "_apply", recording)
+    monkeypatch.setattr(service.outputs, "take", recording)
     r = http.post(f"/v1/videos/{source['id']}/extend", json={"prompt": "the ball rolls on", "seconds": "1"})
     assert r.status_code == 200, r.text
     v = r.json()

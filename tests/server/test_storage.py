@@ -316,8 +316,8 @@ def test_the_storage_quota_evicts_the_oldest_completed_videos_first_and_never_a_
     sizes = {vid: b for vid, b, _ in service.store.stored()}
     assert list(sizes) == [first["id"], second["id"]] and sizes[first["id"]] == sizes[second["id"]] > 0
     running = create(http, num_inference_steps=200, num_frames=4, seed=8)
-    monkeypatch.setattr(service, "config", dataclasses.replace(service.config,
-                                                               max_storage_bytes=2 * sizes[first["id"]]))
+    monkeypatch.setattr(service.storage, "config", dataclasses.replace(service.config,
+                                                                       max_storage_bytes=2 * sizes[first["id"]]))
     third = wait(http, create(http, **same)["id"])               # over the quota once it completes
     assert third["status"] == "completed"
 
@@ -328,7 +328,7 @@ def test_the_storage_quota_evicts_the_oldest_completed_videos_first_and_never_a_
     for kept in (second, third):
         assert http.get(f"/v1/videos/{kept['id']}/content").content[4:8] == b"ftyp"
     assert http.get(f"/v1/videos/{running['id']}").json()["status"] in ("queued", "in_progress")
-    assert sum(b for _, b, _ in service.store.stored()) <= service.config.max_storage_bytes
+    assert sum(b for _, b, _ in service.store.stored()) <= service.storage.config.max_storage_bytes
     assert http.delete(f"/v1/videos/{running['id']}").status_code == 200
 
 
@@ -357,7 +357,7 @@ def test_a_drain_fails_what_runs_past_its_time_with_server_shutdown_and_refuses_
         assert events[-1][0] == "video.failed" and events[-1][1]["error"]["code"] == "server_shutdown"
         assert service.store.get(long).status == "failed"
     finally:
-        service.draining = service.drained = False
+        service.shutdown.draining = service.shutdown.drained = False
 
 
 def collect_events(url, vid, out):

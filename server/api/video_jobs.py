@@ -1,0 +1,214 @@
+"""`VideoOutputs`: what a video job's engine outputs become: its record, its files and its SSE events.
+
+Job status (the API's) and progress:
+
+    queued       waiting in the engine (or re-queued after a worker crash), progress 0
+    in_progress  admitted: progress = 90 * steps done / steps while denoising, then
+                 90..99 as frames are decoded and written
+    completed    the MP4 is complete on disk (fsynced, with its directory), progress 100
+    failed       `error` {code, message} says why
+
+A record changes in memory first (what clients read), then in SQLite through the store side (`server/api/
+storage.py`, which retries and keeps what still fails). The first decoded frames make the thumbnail and
+the fragmented-MP4 writer (on the runner's thread pool); every chunk is handed to the writer by the job's
+own coroutine, so one slow writer holds up no other job. A failed write ends the job with `storage_full`
+or `storage_error` (the runner aborts the request with it).
+
+How a job ends (`server/api/runner.py` calls one of these for its final output): `finished` completes the
+MP4 and the record; `failed` records the error; `cancelled` says why the server ended it: `deleted` drops
+what was written, `released` (a drain) puts the record back to queued for the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from engine.outputs import ABORTED, Admitted, FramesChunk, Queued, RequestFailure, Requeued, StepProgress
+from engine.scheduler import RequestState
+from server.api.jobs import DELETED, RELEASED, Job, JobRegistry
+from server.api.protocol import Video, VideoError
+from server.api.store import VideoRecord
+from server.api.streaming import EventBroker
+from server.media import FragmentedMP4Writer, storage_error_code, write_png
+
+log = logging.getLogger("longserve.server")
+
+DENOISE_SHARE = 90   # progress points for denoising steps; decoded frames take 9 more; 100 = downloadable
+#: tests only: a video whose prompt is this variable's value stops between its complete file and the record
+#: that says so (until the process is killed: tests/server/test_serve_process.py)
+PAUSE_BEFORE_COMMIT_ENV = "LONGSERVE_TEST_PAUSE_BEFORE_COMMIT"
+
+
+class VideoOutputs:
+    """The sink of every video job (`runner.JobSink`). `health`: the counters (`server/api/health.py`)."""
+
+    def __init__(self, jobs: JobRegistry, storage, broker: EventBroker, runner, health, keyframe_interval: int):
+        self.jobs, self.storage, self.broker, self.runner, self.health = jobs, storage, broker, runner, health
+        self.keyframe_interval = keyframe_interval
+        self._pause_prompt = os.environ.get(PAUSE_BEFORE_COMMIT_ENV)
+
+    # -- the outputs on the way ---------------------------------------------------------------------------
+
+    async def take(self, job: Job, out) -> RequestFailure | None:
+        rec = job.record
+        if isinstance(out, Queued):
+            if self.broker.has_subscribers(rec.id):
+                self.broker.publish(rec.id, "video.queued", event(rec, queue_position=out.position))
+        elif isinstance(out, Admitted):
+            await self.update(job, status="in_progress", progress=0)
+            self.broker.publish(rec.id, "video.in_progress", event(rec, step=0, num_steps=out.num_steps))
+        elif isinstance(out, StepProgress):
+            self.set(rec, progress=progress(job))
+            self.broker.publish(rec.id, "video.progress", event(
+                rec, step=out.step, num_steps=out.num_steps, batch_size=out.batch_size,
+                step_ms=round(1000 * out.step_s, 2)))
+            if out.denoised:
+                self.broker.publish(rec.id, "video.decoding", event(rec, frames_done=0,
+                                                                    num_frames=job.handle.status().num_frames))
+        elif isinstance(out, FramesChunk):
+            try:
+                await self.runner.run_io(self.write_frames, job, out)
+                await job.writer.write_async(out.frames[0])     # (n, H, W, 3) uint8: this job's own hand-off
+            except OSError as e:                                  # the thumbnail, or the writer's part file
+                return self._write_failed(storage_error_code(e), f"writing the video failed: {e}")
+            if job.writer.failed:
+                return self._write_failed(job.writer.error_code, job.writer.error)
+            self.set(rec, progress=progress(job))
+            self.broker.publish(rec.id, "video.decoding", event(rec, frames_done=out.stop, num_frames=out.num_frames))
+        elif isinstance(out, Requeued):
+            await self.drop_output(job)
+            await self.update(job, status="queued", progress=0)
+            self.health.requeued.inc()
+        return None
+
+    def _write_failed(self, code: str, message: str) -> RequestFailure:
+        if code.startswith("storage"):
+            self.storage.failed(message)
+        return RequestFailure(code, message, kind=ABORTED)
+
+    def write_frames(self, job: Job, out: FramesChunk) -> None:
+        """The io thread: the first chunk makes the thumbnail and the writer (the frames are then handed to the
+        writer by the job's coroutine, `FragmentedMP4Writer.write_async`)."""
+        rec, p, store = job.record, job.record.params, self.storage.store
+        if job.writer is None:
+            write_png(store.thumbnail_path(rec.id), out.frames[0][0])
+            job.writer = FragmentedMP4Writer(store.partial_path(rec.id), store.video_path(rec.id), p["width"],
+                                             p["height"], p["fps"], keyframe_interval=self.keyframe_interval)
+            job.changed.notify()
+
+    # -- how it ends ------------------------------------------------------------------------------------------
+
+    async def finished(self, job: Job, timings: dict) -> None:
+        if job.writer is None:
+            await self.failed(job, RequestFailure("encoding_failed", "no frames were decoded", kind=ABORTED))
+            return
+        loop = asyncio.get_running_loop()
+        written: asyncio.Future = loop.create_future()
+        job.writer.finish(lambda ok, err: loop.call_soon_threadsafe(
+            lambda: written.done() or written.set_result((ok, err))))
+        ok, error = await written
+        if not self.jobs.holds(job):
+            await self.drop_output(job)             # deleted while its file was finished
+            return
+        if not ok:
+            code = job.writer.error_code or "encoding_failed"
+            if code.startswith("storage"):
+                self.storage.failed(error)
+            await self.failed(job, RequestFailure(code, f"writing the MP4 failed: {error}", kind=ABORTED))
+            return
+        if self._pause_prompt and job.record.prompt == self._pause_prompt:
+            await asyncio.sleep(3600)               # tests: a crash between the complete file and its record
+        now = int(time.time())
+        size = await self.runner.run_io(self.storage.store.files_bytes, job.record.id)
+        extra = {}
+        if timings and "blocks" in timings:         # transformer block evaluations (step caching skips some)
+            extra["params"] = {**job.record.params, "transformer_blocks": {
+                "evaluated": timings["blocks"], "skipped": timings.get("blocks_skipped", 0)}}
+        await self.update(job, status="completed", progress=100, completed_at=now,
+                          expires_at=self.storage.expiry(now), bytes=size, **extra)
+        if not self.jobs.holds(job):                # deleted while its record was written: cancelled, not completed
+            await self.drop_output(job)
+            return
+        self.health.finished.inc(outcome="completed")
+        self.broker.publish(job.record.id, "video.completed", video_view(job.record).model_dump())
+        if self.storage.config.max_storage_bytes is not None:
+            try:
+                await self.runner.run_io(self.storage.enforce_quota)
+            except Exception:
+                log.exception("enforcing the storage quota failed")
+
+    async def failed(self, job: Job, error: RequestFailure) -> None:
+        """Failed in memory first (what clients read, and the event), then the files go and SQLite is told."""
+        fields = {"status": "failed", "error": {"code": error.code, "message": error.message},
+                  "expires_at": self.storage.expiry(int(time.time()))}
+        self.set(job.record, **fields)
+        self.health.finished.inc(outcome="failed")
+        self.broker.publish(job.record.id, "video.failed", video_view(job.record).model_dump())
+        try:
+            await self.drop_output(job)
+        except Exception:          # noqa: BLE001 - the record must still be written
+            log.exception("removing the files of failed %s failed", job.record.id)
+        if self.jobs.holds(job):
+            await self.storage.save(job.record, fields)
+
+    async def cancelled(self, job: Job, reason: str) -> None:
+        await self.drop_output(job)
+        if reason == DELETED or not self.jobs.holds(job):
+            return
+        if reason == RELEASED:                      # a drain let it go: it runs at the next start
+            if job.record.status != "queued":
+                await self.update(job, status="queued", progress=0)
+            return
+        await self.failed(job, RequestFailure("cancelled", f"the video was cancelled ({reason})", kind=ABORTED))
+
+    # -- the record and the files -------------------------------------------------------------------------
+
+    async def drop_output(self, job: Job) -> None:
+        writer, job.writer = job.writer, None
+        if writer is not None:
+            await self.runner.run_io(writer.abort)
+        await self.runner.run_io(self.storage.store.remove_files, job.record.id)
+        job.changed.notify()
+
+    async def update(self, job: Job, **fields) -> None:
+        """The record in memory first (what clients read), then in SQLite (unless the job was deleted)."""
+        self.set(job.record, **fields)
+        if self.jobs.holds(job):
+            await self.storage.save(job.record, fields)
+
+    def set(self, rec: VideoRecord, **fields) -> None:
+        with self.jobs.lock:
+            for k, v in fields.items():
+                setattr(rec, k, v)
+
+
+def progress(job: Job) -> int:
+    """90 points over every denoising step (all segments' for long video), 9 over the frames decoded so far
+    (a long video's first segments are decoded while later ones denoise), 100 once the file is complete."""
+    s = job.handle.status()
+    if s.state is RequestState.WAITING:
+        return 0
+    steps = s.step / max(1, s.num_steps)
+    frames = s.frames_done / max(1, s.num_frames)
+    return min(99, int(DENOISE_SHARE * steps + (99 - DENOISE_SHARE) * frames))
+
+
+def video_view(rec: VideoRecord) -> Video:
+    """The API's Video object of a record."""
+    p = rec.params
+    return Video(id=rec.id, model=rec.model, status=rec.status, progress=rec.progress, created_at=rec.created_at,
+                 completed_at=rec.completed_at, expires_at=rec.expires_at,
+                 error=VideoError(**rec.error) if rec.error else None,
+                 prompt=rec.prompt, seconds=rec.seconds, size=rec.size, extended_from=rec.extended_from,
+                 num_frames=p.get("content_frames", p["num_frames"]), fps=p["fps"],
+                 num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
+                 seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {},
+                 lora=p.get("lora") or [], transformer_blocks=p.get("transformer_blocks"))
+
+
+def event(rec: VideoRecord, **extra) -> dict:
+    """An SSE event's data: where the video stands, and the event's own fields."""
+    return {"id": rec.id, "status": rec.status, "progress": rec.progress, **extra}
