@@ -232,11 +232,12 @@ class VideoEngine:
                 family.check_cache(desc, probe)
             except RequestError as e:
                 raise ValueError(f"cache: {e}") from None
-        try:                                # request defaults every request would be refused for are refused now
-            complete_request(default_request(desc, "defaults"), family, desc, config)
-        except RequestError as e:
-            raise ValueError(f"the request defaults (--default-steps, --default-guidance-scale, --default-fps) do "
-                             f"not suit {config.model!r}: {e}") from None
+        if (config.default_steps, config.default_guidance_scale, config.default_fps) != (None, None, None):
+            try:                            # operator defaults every request would be refused for are refused now
+                complete_request(default_request(desc, "defaults"), family, desc, config)
+            except RequestError as e:
+                raise ValueError(f"the request defaults (--default-steps, --default-guidance-scale, --default-fps) "
+                                 f"do not suit {config.model!r}: {e}") from None
         if config.launcher == "torchrun" or (config.launcher == "auto" and launched_by_torchrun()):
             config = config.replace(workers=int(os.environ.get("WORLD_SIZE", config.workers)))
         plan = family.resolve_plan(desc, config.parallel, config.workers, config.ulysses_degree,

@@ -132,6 +132,11 @@ def test_from_pretrained_rejects_bad_options():
         VideoPipeline.from_pretrained("tiny-latte", vae_tiling="yes")
     with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
         VideoPipeline.from_pretrained("/tmp/no-such-model")
+    with pytest.raises(ValueError, match="default_steps"):
+        VideoPipeline.from_pretrained("tiny-latte", default_steps=0)
+    # a request default the model refuses for every request stops the start, before any worker loads
+    with pytest.raises(ValueError, match="request defaults.*exactly 4 steps"):
+        VideoPipeline.from_pretrained("tiny-live", default_steps=20)
 
 
 def test_killed_worker_fails_the_call_quickly_and_the_next_call_succeeds(pipe_n):
