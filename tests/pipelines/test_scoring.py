@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import TextScoringPipeline
 from server.cli import main as cli_main
-from weights.build_tiny_lm import CORPUS
+from tools.weights.build_tiny_lm import CORPUS
 from weights.lm import resolve_causal_lm
 
 TINY = resolve_causal_lm("tiny-lm")
@@ -102,7 +102,7 @@ def scorer_for():
 
 
 def test_tiny_lm_is_a_small_gqa_llama_that_rebuilds_byte_identically(tmp_path, hf):
-    from weights.build_tiny_lm import build
+    from tools.weights.build_tiny_lm import build
 
     config = hf[1].config
     assert config.model_type == "llama"

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from tests.support.checkpoints import digests, without_stamps
-from weights import build_tiny_helios, read_model_index, resolve_model
+from tools.weights import build_tiny_helios
+from weights import read_model_index, resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,8 @@ import hashlib
 
 import pytest
 
-from weights import TINY_LORAS, build_tiny_lora, resolve_lora
+from tools.weights import build_tiny_lora
+from weights import TINY_LORAS, resolve_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from tests.support.checkpoints import digests, without_stamps
+from tools.weights import build_tiny_wan
+from tools.weights.train_tiny_skyreels_df import GENERATION_DEFAULTS as GENERATION_DEFAULTS_DF
 from weights import (
     TINY_MODELS,
-    build_tiny_wan,
     generation_defaults,
     pipeline_class,
     read_model_index,
@@ -23,7 +24,6 @@ from weights import (
     resolve_model,
 )
 from weights import wan as published
-from weights.train_tiny_skyreels_df import GENERATION_DEFAULTS as GENERATION_DEFAULTS_DF
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_WAN = TINY_MODELS["tiny-wan"]

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from tests.support.checkpoints import digests, without_stamps
-from weights import TINY_MODELS, build_tiny_wan_i2v, read_model_index, resolve_model
+from tools.weights import build_tiny_wan_i2v
+from weights import TINY_MODELS, read_model_index, resolve_model
 from weights import wan as published
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -4,8 +4,8 @@ directory.
 
 Usage::
 
-    python -m weights.build_tiny_skyreels_df_variants                  # (re)writes both shipped dirs
-    python -m weights.build_tiny_skyreels_df_variants --kind v2v --out DIR
+    python -m tools.weights.build_tiny_skyreels_df_variants                  # (re)writes both shipped dirs
+    python -m tools.weights.build_tiny_skyreels_df_variants --kind v2v --out DIR
 
 The three diffusion-forcing pipelines of diffusers take the same components (tokenizer, UMT5 text encoder,
 ``SkyReelsV2Transformer3DModel``, ``AutoencoderKLWan``, scheduler), and diffusers' own examples load the one
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
+from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 
 SOURCE = "tiny-skyreels-df"
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
@@ -84,7 +84,7 @@ def entries(root: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_skyreels_df_variants",
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_skyreels_df_variants",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=KINDS, default=None, help="one of them (default: both)")
     ap.add_argument("--out", default=None, help="output directory (with --kind; default: the shipped one)")

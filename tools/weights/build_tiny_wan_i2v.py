@@ -5,13 +5,13 @@ two experts, no image encoder) and ``weights/tiny-skyreels-i2v`` (SkyReels-V2 I2
 
 Usage::
 
-    python -m weights.build_tiny_wan_i2v                               # (re)writes every shipped dir
-    python -m weights.build_tiny_wan_i2v --kind i2v --out DIR          # writes DIR instead
+    python -m tools.weights.build_tiny_wan_i2v                               # (re)writes every shipped dir
+    python -m tools.weights.build_tiny_wan_i2v --kind i2v --out DIR          # writes DIR instead
 
 The Wan 2.1 ones are complete diffusers ``WanImageToVideoPipeline`` directories whose model_index.json names
 the published components (``weights.wan.WAN_2_1_I2V_MODEL_INDEX``: the Wan 2.1 T2V ones plus
 ``CLIPVisionModel`` and ``CLIPImageProcessor``). They share tiny-wan's text encoder, tokenizer
-and VAE builders (``weights.build_tiny_wan``: same seeds, so the same weights) and add:
+and VAE builders (``tools.weights.build_tiny_wan``: same seeds, so the same weights) and add:
 
 * transformer: tiny-wan's (3 heads x 12, 2 blocks, patch (1, 2, 2)) with the I2V branch of
   Wan 2.1 I2V 14B: in_channels 20 = latent 8 + condition 8 + the 4-channel first-frame mask
@@ -59,8 +59,8 @@ from pathlib import Path
 
 import torch
 
-from .build_tiny_latte import file_digests
-from .build_tiny_wan import (
+from tools.weights.build_tiny_latte import file_digests
+from tools.weights.build_tiny_wan import (
     SEED,
     TINY_Z_DIM,
     WAN_GENERATION_DEFAULTS,
@@ -70,11 +70,11 @@ from .build_tiny_wan import (
     build_text_encoder,
     build_vae,
     build_wan_tokenizer,
-    redraw_,
     save_pipeline,
 )
-from .registry import TINY_MODELS
-from .wan import (
+from weights.registry import TINY_MODELS
+from weights.seeded import redraw_
+from weights.wan import (
     CLIP_IMAGE_PROCESSOR,
     CLIP_VIT_H_14_VISION,
     SKYREELS_V2_I2V_MODEL_INDEX,
@@ -251,7 +251,7 @@ def build(kind: str, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_wan_i2v", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_wan_i2v", description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=(*KINDS, "all"), default="all", help="which checkpoint (default: all)")
     ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs one --kind)")
     args = ap.parse_args(argv)

@@ -1,11 +1,11 @@
-"""Train `weights/tiny-live`: a tiny causal few-step Wan model that draws `weights.clips`' long bouncing clips
+"""Train `weights/tiny-live`: a tiny causal few-step Wan model that draws `tools.weights.clips`' long bouncing clips
 chunk by chunk, and follows a prompt that changes while it plays.
 
 Usage::
 
-    python -m weights.train_tiny_live                 # rewrites weights/tiny-live/ (+ train_tiny_live.json, -loss.png)
-    python -m weights.train_tiny_live --out DIR       # writes DIR instead (and DIR.json, DIR-loss.png beside it)
-    python -m weights.train_tiny_live --out DIR --vae-steps 4 --steps 4 --clips 4   # a smoke run
+    python -m tools.weights.train_tiny_live            # rewrites weights/tiny-live/ (+ train_tiny_live.json, -loss.png)
+    python -m tools.weights.train_tiny_live --out DIR  # writes DIR instead (and DIR.json, DIR-loss.png beside it)
+    python -m tools.weights.train_tiny_live --out DIR --vae-steps 4 --steps 4 --clips 4   # a smoke run
 
 Everything runs on the CPU, seeded (numpy and torch generators, deterministic torch algorithms, a fixed
 thread count), so the same seed, thread count, CPU and library versions give the same files.
@@ -84,16 +84,17 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from weights.build_tiny_latte import _normalise_permissions, file_digests  # noqa: E402
+from tools.weights.build_tiny_latte import _normalise_permissions, file_digests  # noqa: E402
+from tools.weights.clips import SIZE, render_long_clip  # noqa: E402
+from tools.weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
 from weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream  # noqa: E402
-from weights.clips import COLOURS, SHAPES, SIZE, render_long_clip  # noqa: E402
+from weights.prompts import COLOURS, SHAPES  # noqa: E402
 from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
-from weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
 
 SEED = 0
 THREADS = 2
-HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "tiny-live"
+DEFAULT_OUT = TINY_MODELS["tiny-live"]
+RECORDS = DEFAULT_OUT.parent                   # the shipped runs' records (.json, -loss.png) lie in weights/
 TEXT_FROM = TINY_MODELS["tiny-wan"]            # the random tiny UMT5 and its tokenizer, copied as they are
 MAX_SEQUENCE_LENGTH = 512                      # WanPipeline's prompt length
 
@@ -726,7 +727,7 @@ def _train(out, *, seed, vae_steps, steps, n_clips, threads, lr, record_path, pl
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
         "versions": _versions(),
         "files": file_digests(out),
-        "command": " ".join(["python -m weights.train_tiny_live", *sys.argv[1:]]),
+        "command": " ".join(["python -m tools.weights.train_tiny_live", *sys.argv[1:]]),
     }
     if record_path is not None:
         Path(record_path).write_text(json.dumps(record, indent=2) + "\n")
@@ -740,7 +741,7 @@ def _train(out, *, seed, vae_steps, steps, n_clips, threads, lr, record_path, pl
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.train_tiny_live", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.train_tiny_live", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
@@ -750,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=THREADS, help="torch CPU threads (results depend on it)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
-    stem = HERE / "train_tiny_live" if out == DEFAULT_OUT else out.parent / out.name
+    stem = RECORDS / "train_tiny_live" if out == DEFAULT_OUT else out.parent / out.name
     train(out, seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, clips=args.clips, threads=args.threads,
           lr=args.lr, record_path=Path(f"{stem}.json"), plot=Path(f"{stem}-loss.png"),
           log=lambda msg: print(msg, flush=True))

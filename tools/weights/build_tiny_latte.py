@@ -2,10 +2,10 @@
 
 Usage::
 
-    python -m weights.build_tiny_latte --out DIR  # writes DIR (weights/tiny-latte itself is trained:
-                                                   # python -m weights.train_tiny_latte)
+    python -m tools.weights.build_tiny_latte --out DIR  # writes DIR (weights/tiny-latte itself is trained:
+                                                   # python -m tools.weights.train_tiny_latte)
 
-The shipped ``weights/tiny-latte`` is made by ``weights.train_tiny_latte``, which takes its
+The shipped ``weights/tiny-latte`` is made by ``tools.weights.train_tiny_latte``, which takes its
 tokenizer, text encoder and scheduler from here (the text encoder frozen, so it is byte-identical
 to this build's); this builder stays for tests and benchmarks that want random weights.
 
@@ -56,7 +56,6 @@ import argparse
 import hashlib
 import io
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -64,6 +63,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from weights.seeded import reinit_
 
 SEED = 0
 
@@ -225,38 +226,6 @@ CORPUS = (
 
 
 # ------------------------------------------------------------------------------------------
-def _std_for(t: torch.Tensor) -> float:
-    fan_in = t[0].numel() if t.dim() >= 2 else t.numel()
-    return min(0.2, max(0.02, 1.0 / math.sqrt(max(fan_in, 1))))
-
-
-@torch.no_grad()
-def reinit_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Redraw every parameter of ``module`` from a generator seeded with ``seed``.
-
-    Parameters are visited in sorted-name order, so the result depends only on the parameter
-    names/shapes and the seed (not on torch's default initialisers).  Matrices/convolutions get
-    N(0, clamp(1/sqrt(fan_in), 0.02, 0.2)); 1-D norm scales get 1 + N(0, 0.05); other vectors
-    (biases) get N(0, 0.05); ``scale_shift_table`` gets N(0, 0.1).
-    """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    params = dict(module.named_parameters())
-    for name in sorted(params):
-        p = params[name]
-        leaf = name.rsplit(".", 1)[-1]
-        is_norm_scale = p.dim() == 1 and leaf == "weight"
-        if name.endswith("scale_shift_table"):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.1
-        elif p.dim() >= 2:
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * _std_for(p)
-        elif is_norm_scale:
-            noise = 1.0 + torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05
-        else:
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05
-        p.copy_(noise.to(p.dtype))
-    return module
-
-
 def train_spiece_model(corpus=CORPUS, vocab_size: int = SP_VOCAB_SIZE) -> bytes:
     """Train the tokenizer's sentencepiece unigram model (deterministic: one thread)."""
     import sentencepiece as spm
@@ -409,7 +378,7 @@ def build(out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_latte", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_latte", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True,
                     help="output directory (not weights/tiny-latte: that one is trained, weights.train_tiny_latte)")
     args = ap.parse_args(argv)

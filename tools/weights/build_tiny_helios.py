@@ -3,8 +3,8 @@ and ``weights/tiny-helios-distilled`` (``HeliosPyramidPipeline`` with the distil
 
 Usage::
 
-    python -m weights.build_tiny_helios                                  # (re)writes both shipped dirs
-    python -m weights.build_tiny_helios --kind distilled --out DIR       # writes DIR instead
+    python -m tools.weights.build_tiny_helios                                  # (re)writes both shipped dirs
+    python -m tools.weights.build_tiny_helios --kind distilled --out DIR       # writes DIR instead
 
 A complete diffusers ``HeliosPipeline`` directory whose model_index.json names the published Helios
 components (``T5TokenizerFast``, ``UMT5EncoderModel``, ``HeliosTransformer3DModel``, ``AutoencoderKLWan``,
@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from .build_tiny_latte import file_digests
-from .build_tiny_wan import (
+from tools.weights.build_tiny_latte import file_digests
+from tools.weights.build_tiny_wan import (
     SEED,
     TINY_Z_DIM,
     UMT5_CONFIG,
@@ -50,10 +50,10 @@ from .build_tiny_wan import (
     build_text_encoder,
     build_vae,
     build_wan_tokenizer,
-    redraw_,
     save_pipeline,
 )
-from .registry import TINY_MODELS
+from weights.registry import TINY_MODELS
+from weights.seeded import redraw_
 
 HELIOS_MODEL_INDEX = {
     "_class_name": "HeliosPipeline",
@@ -128,7 +128,7 @@ def build(kind: str = "helios", out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_helios", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_helios", description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=sorted(WRITERS), default=None, help="one checkpoint (default: both)")
     ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs --kind)")
     args = ap.parse_args(argv)
