@@ -42,7 +42,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import random
 import re
 import threading
@@ -84,9 +83,6 @@ WRITE_RETRY_S = (0.05, 0.25)
 #: seconds a client is told to wait (Retry-After) when there is no room, and while the server shuts down
 STORAGE_RETRY_AFTER_S = 30
 SHUTDOWN_RETRY_AFTER_S = 10
-#: tests only: a video whose prompt is this variable's value stops between its complete file and the record
-#: that says so (until the process is killed: tests/server/test_serve_process.py)
-PAUSE_BEFORE_COMMIT_ENV = "LONGSERVE_TEST_PAUSE_BEFORE_COMMIT"
 
 @dataclass(frozen=True)
 class Limits:
@@ -136,7 +132,6 @@ class VideoService:
         self._unsaved: dict[str, dict] = {}            # video id -> record fields SQLite has not taken yet
         self._storage_error: str | None = None         # the last failed write, until a write succeeds again
         self._free_bytes: int | None = None            # the data dir's free space, as last measured
-        self._pause_prompt = os.environ.get(PAUSE_BEFORE_COMMIT_ENV)
         self._build_metrics()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -808,8 +803,6 @@ class VideoService:
                 self._storage_failed(error)
             await self._fail(job, code, f"writing the MP4 failed: {error}")
             return
-        if self._pause_prompt and job.record.prompt == self._pause_prompt:
-            await asyncio.sleep(3600)            # tests: a crash between the complete file and its record
         now = int(time.time())
         size = await self._run_io(self.store.files_bytes, job.record.id)
         extra = {}
