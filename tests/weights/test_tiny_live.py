@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from tools.weights.build_tiny_latte import file_digests
+from tools.weights.writing import file_digests
 from weights import TINY_MODELS, resolve_model
 from weights.causal_wan import load_causal_transformer, read_causal_config
 

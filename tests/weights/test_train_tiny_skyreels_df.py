@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from tools.weights.build_tiny_latte import file_digests
 from tools.weights.train_tiny_skyreels_df import GENERATION_DEFAULTS, OVERLAP, THREADS, WINDOW, noise_levels, train
+from tools.weights.writing import file_digests
 from weights import TINY_MODELS
 from weights.prompts import PROMPTS
 

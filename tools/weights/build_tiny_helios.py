@@ -35,23 +35,21 @@ byte-identical files. The weights are meaningless.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tools.weights.build_tiny_latte import file_digests
 from tools.weights.build_tiny_wan import (
     SEED,
     TINY_Z_DIM,
     UMT5_CONFIG,
-    build_into,
     build_text_encoder,
     build_vae,
     build_wan_tokenizer,
     save_pipeline,
 )
+from tools.weights.writing import report, write_whole
 from weights.registry import TINY_MODELS
 from weights.seeded import redraw_
 
@@ -124,7 +122,7 @@ WRITERS = {"helios": ("tiny-helios", write_tiny_helios), "distilled": ("tiny-hel
 
 def build(kind: str = "helios", out: str | Path | None = None) -> Path:
     name, write = WRITERS[kind]
-    return build_into(TINY_MODELS[name] if out is None else out, write)
+    return write_whole(TINY_MODELS[name] if out is None else out, write)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out needs --kind")
     for kind in [args.kind] if args.kind else sorted(WRITERS, reverse=True):
         t0 = time.perf_counter()
-        out = build(kind, args.out)
-        for rel, digest in file_digests(out).items():
-            if rel.endswith(".safetensors"):
-                print(f"  {rel}: {digest[:16]}")
-        print(f"wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        report(build(kind, args.out), time.perf_counter() - t0, kind=kind)
     return 0
 
 

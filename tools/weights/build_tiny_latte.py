@@ -53,17 +53,14 @@ parallel execution and serving, not to make pretty videos.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
-import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from tools.weights.writing import report, write_whole
 from weights.seeded import reinit_
 
 SEED = 0
@@ -329,52 +326,9 @@ def write_pipeline(out_dir: Path) -> None:
     (out_dir / "tokenizer" / "spiece.model").write_bytes(spiece_model)
 
 
-def file_digests(root: Path) -> dict[str, str]:
-    """sha256 of every file under ``root`` (relative posix path -> hex digest)."""
-    root = Path(root)
-    return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
-
-
-def _normalise_permissions(root: Path) -> None:
-    # mkdtemp makes a 0700 directory and some savers write 0600 files; make the checkpoint
-    # readable like any other package data (0755 directories, 0644 files).
-    root.chmod(0o755)
-    for p in root.rglob("*"):
-        p.chmod(0o755 if p.is_dir() else 0o644)
-
-
 def build(out: str | Path) -> Path:
-    """Build the checkpoint into ``out`` (replacing a previous build there) and return it.
-
-    The new checkpoint is written into a temporary sibling directory first and swapped in at
-    the end, so an interrupted run never leaves a half-written checkpoint behind.  An existing
-    ``out`` is only replaced if it is empty or looks like a pipeline directory
-    (has model_index.json); anything else is refused rather than deleted.
-    """
-    out = Path(out).resolve()
-    if out.exists():
-        if not out.is_dir():
-            raise FileExistsError(f"{out} exists and is not a directory")
-        if any(out.iterdir()) and not (out / "model_index.json").is_file():
-            raise FileExistsError(
-                f"refusing to overwrite {out}: it is not empty and has no model_index.json"
-            )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        write_pipeline(tmp)
-        _normalise_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    """Build the checkpoint into ``out`` (replacing a previous build there, whole: `write_whole`) and return it."""
+    return write_whole(out, write_pipeline)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,17 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="output directory (not weights/tiny-latte: that one is trained, weights.train_tiny_latte)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    out = build(args.out)
-    digests = file_digests(out)
-    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    for rel, digest in digests.items():
-        if rel.endswith(".safetensors"):
-            print(f"{digest}  {rel}")
-    print(
-        json.dumps(
-            {"out": str(out), "files": len(digests), "bytes": total, "seconds": round(time.perf_counter() - t0, 2)}
-        )
-    )
+    report(build(args.out), time.perf_counter() - t0)
     return 0
 
 

@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from tools.weights.writing import write_whole
 from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 
 SOURCE = "tiny-skyreels-df"
@@ -62,20 +61,8 @@ def build(kind: str, out: str | Path | None = None) -> Path:
     (the digest test compares them as links)."""
     if kind not in CLASSES:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    out = Path(DEFAULT_OUT[kind] if out is None else out).absolute()
-    if out.exists() and not (out / "model_index.json").is_file() and any(out.iterdir()):
-        raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        write(kind, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return write_whole(DEFAULT_OUT[kind] if out is None else out, lambda tmp: write(kind, tmp), resolve=False,
+                       normalise=False)
 
 
 def entries(root: Path) -> dict[str, str]:

@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,7 +51,8 @@ from typing import Any
 
 import torch
 
-from tools.weights.build_tiny_latte import _normalise_permissions, build_tokenizer, file_digests
+from tools.weights.build_tiny_latte import build_tokenizer
+from tools.weights.writing import report, write_whole
 from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 from weights.seeded import redraw_
 from weights.wan import (
@@ -230,32 +229,6 @@ def write_tiny_skyreels_df(out_dir: Path) -> None:
 WRITERS: dict[str, Callable[[Path], None]] = {"wan": write_tiny_wan, "skyreels-df": write_tiny_skyreels_df}
 
 
-def build_into(out: str | Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` into a temporary sibling of ``out`` and swap it in; return ``out``.
-
-    An interrupted run never leaves a half-written checkpoint behind. An existing ``out`` is only
-    replaced if it is empty or looks like a pipeline directory (has model_index.json).
-    """
-    out = Path(out).resolve()
-    if out.exists():
-        if not out.is_dir():
-            raise FileExistsError(f"{out} exists and is not a directory")
-        if any(out.iterdir()) and not (out / "model_index.json").is_file():
-            raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        write(tmp)
-        _normalise_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
 def build(kind: str, out: str | Path | None = None) -> Path:
     """Build the ``kind`` checkpoint (``"wan"`` or ``"skyreels-df"``) into ``out`` (default: shipped dir)."""
     if kind not in WRITERS:
@@ -263,7 +236,7 @@ def build(kind: str, out: str | Path | None = None) -> Path:
     if out is None and kind not in DEFAULT_OUT:
         raise ValueError(f"the shipped {kind} checkpoint is trained (python -m tools.weights.train_tiny_skyreels_df); "
                          f"give an output directory for the random build")
-    return build_into(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
+    return write_whole(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,14 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                  "give --out for the random build")
     for kind in kinds:
         t0 = time.perf_counter()
-        out = build(kind, args.out)
-        digests = file_digests(out)
-        total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-        for rel, digest in digests.items():
-            if rel.endswith(".safetensors"):
-                print(f"{digest}  {rel}")
-        print(json.dumps({"kind": kind, "out": str(out), "files": len(digests), "bytes": total,
-                          "seconds": round(time.perf_counter() - t0, 2)}))
+        report(build(kind, args.out), time.perf_counter() - t0, kind=kind)
     return 0
 
 

@@ -51,7 +51,6 @@ give byte-identical files. The weights are meaningless.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -59,19 +58,18 @@ from pathlib import Path
 
 import torch
 
-from tools.weights.build_tiny_latte import file_digests
 from tools.weights.build_tiny_wan import (
     SEED,
     TINY_Z_DIM,
     WAN_GENERATION_DEFAULTS,
     WAN_TRANSFORMER_CONFIG,
-    build_into,
     build_scheduler,
     build_text_encoder,
     build_vae,
     build_wan_tokenizer,
     save_pipeline,
 )
+from tools.weights.writing import report, write_whole
 from weights.registry import TINY_MODELS
 from weights.seeded import redraw_
 from weights.wan import (
@@ -247,7 +245,7 @@ def build(kind: str, out: str | Path | None = None) -> Path:
     """Build the ``kind`` checkpoint (one of ``KINDS``) into ``out`` (default: the shipped dir)."""
     if kind not in WRITERS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    return build_into(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
+    return write_whole(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,14 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out needs one --kind")
     for kind in kinds:
         t0 = time.perf_counter()
-        out = build(kind, args.out)
-        digests = file_digests(out)
-        total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-        for rel, digest in digests.items():
-            if rel.endswith(".safetensors"):
-                print(f"{digest}  {rel}")
-        print(json.dumps({"kind": kind, "out": str(out), "files": len(digests), "bytes": total,
-                          "seconds": round(time.perf_counter() - t0, 2)}))
+        report(build(kind, args.out), time.perf_counter() - t0, kind=kind)
     return 0
 
 

@@ -45,9 +45,7 @@ import json
 import math
 import platform
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,6 +55,7 @@ import torch.nn.functional as F
 
 from tools.weights import build_tiny_latte as random_build
 from tools.weights.clips import FRAMES, render_clip
+from tools.weights.writing import write_whole
 from weights.prompts import PROMPTS
 from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 
@@ -464,23 +463,13 @@ def _train(out, *, seed, vae_steps, steps, clips_per_prompt, threads, batch, lr,
 
 def write(pipe, spiece_model: bytes, record: dict, out: Path) -> None:
     """Save the pipeline to a temporary sibling of `out`, then swap it in (never a half-written `out`)."""
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()) and not (out / "model_index.json").is_file():
-        raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    def write_files(tmp: Path) -> None:
         pipe.save_pretrained(str(tmp), safe_serialization=True)
         (tmp / "tokenizer" / "spiece.model").write_bytes(spiece_model)
         (tmp / "TRAINING.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
-        random_build._normalise_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_whole(out, write_files)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,7 +76,6 @@ import math  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -84,9 +83,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tools.weights.build_tiny_latte import _normalise_permissions, file_digests  # noqa: E402
 from tools.weights.clips import SIZE, render_long_clip  # noqa: E402
 from tools.weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
+from tools.weights.writing import file_digests, write_whole  # noqa: E402
 from weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream  # noqa: E402
 from weights.prompts import COLOURS, SHAPES  # noqa: E402
 from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
@@ -589,12 +588,7 @@ def write_checkpoint(out: Path, transformer, vae, text_from: Path = TEXT_FROM) -
     from diffusers import FlowMatchEulerDiscreteScheduler
     from safetensors.torch import save_file
 
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()) and not (out / "model_index.json").is_file():
-        raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    def write(tmp: Path) -> None:
         (tmp / CAUSAL_CONFIG_FILE).write_text(json.dumps(causal_config(), indent=2) + "\n")
         sd = {k: v.detach().contiguous() for k, v in to_upstream(transformer.state_dict()).items()}
         save_file(sd, str(tmp / "model.safetensors"))
@@ -612,13 +606,8 @@ def write_checkpoint(out: Path, transformer, vae, text_from: Path = TEXT_FROM) -
         defaults = {"height": 64, "width": 64, "num_frames": DEFAULT_FRAMES,
                     "num_inference_steps": len(DENOISING_STEP_LIST), "guidance_scale": 1.0, "fps": FPS}
         (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2) + "\n")
-        _normalise_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_whole(out, write)
 
 
 def plot_losses(vae_losses, start_losses, sink_losses, path: Path, title: str) -> None:

@@ -62,8 +62,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tools.weights.build_tiny_latte import file_digests  # noqa: E402
-from tools.weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_into, build_scheduler  # noqa: E402
+from tools.weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_scheduler  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
 from tools.weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
@@ -75,6 +74,7 @@ from tools.weights.train_tiny_live import (  # noqa: E402
     encode_prompts,
     load_text,
 )
+from tools.weights.writing import file_digests, write_whole  # noqa: E402
 from weights.prompts import PROMPTS  # noqa: E402
 from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
 from weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER  # noqa: E402
@@ -243,7 +243,7 @@ def train_transformer(model, windows: Windows, text, text_bias, steps: int, g: t
 
 
 def write_checkpoint(out: Path, transformer, text_from: Path = TEXT_FROM, vae_from: Path = VAE_FROM) -> None:
-    """The pipeline directory, written to a temporary sibling and swapped in (`build_into`)."""
+    """The pipeline directory, written to a temporary sibling and swapped in (`write_whole`)."""
     import diffusers
 
     def write(tmp: Path) -> None:
@@ -256,7 +256,7 @@ def write_checkpoint(out: Path, transformer, text_from: Path = TEXT_FROM, vae_fr
         (tmp / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
         (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
 
-    build_into(out, write)
+    write_whole(out, write)
 
 
 def plot_losses(losses, path: Path, title: str) -> None:
