@@ -334,7 +334,7 @@ def build(out: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_latte", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True,
-                    help="output directory (not weights/tiny-latte: that one is trained, weights.train_tiny_latte)")
+                    help="output directory (not weights/tiny-latte: that one is trained, train_tiny_latte)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     report(build(args.out), time.perf_counter() - t0)

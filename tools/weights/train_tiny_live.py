@@ -26,7 +26,7 @@ The recipe, in order:
    caption as `WanPipeline` does (512 positions, zero past the prompt's tokens). The 512 - n zero rows
    all become the same key and value in every cross-attention, so training keeps the n real rows plus
    one zero row whose attention logit gets + log(512 - n): the same attention, exactly, at 1/50 of the cost.
-2. Clips: `--clips` long clips (`weights.clips.render_long_clip`, `CLIP_FRAMES` frames, one of the 8
+2. Clips: `--clips` long clips (`tools.weights.clips.render_long_clip`, `CLIP_FRAMES` frames, one of the 8
    bouncing prompts "a {red|green|blue|yellow} {ball|square} bouncing") whose colour changes at 0 to 3
    chunk boundaries (the object keeps its motion and shape, the caption changes with the colour).
 3. VAE: diffusers' `AutoencoderKLWan` at toy width (8x spatial, no temporal compression: one latent
