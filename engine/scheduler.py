@@ -120,7 +120,7 @@ class ScheduledRequest:
         return self.abort_reason is not None
 
     def progressed(self, p) -> None:
-        """Take in what a worker job reports of it (`engine.worker.Progress`)."""
+        """Take in what a worker job reports of it (`engine.results.Progress`)."""
         self.steps_done, self.batch_key, self.decodable = p.steps_done, tuple(p.batch_key), p.decodable
         self.model = p.model
         if p.num_steps is not None:
@@ -333,7 +333,7 @@ class Scheduler:
     # -- results of the work (the engine core's thread) -----------------------------------------------
 
     def admitted(self, req: ScheduledRequest, admission) -> None:
-        """Its admission job (`engine.worker.Admission`) ran."""
+        """Its admission job (`engine.results.Admission`) ran."""
         req.num_steps, req.num_frames = admission.num_steps, admission.num_frames
         req.progressed(admission.progress)
 
@@ -348,7 +348,7 @@ class Scheduler:
         return False
 
     def decoded(self, req: ScheduledRequest, chunk) -> bool:
-        """A chunk of `req`'s frames was decoded (`engine.worker.DecodedChunk`); returns True when that was its
+        """A chunk of `req`'s frames was decoded (`engine.results.DecodedChunk`); returns True when that was its
         last (FINISHED_COMPLETED)."""
         req.progressed(chunk.progress)
         req.frames_done = chunk.stop

@@ -1,7 +1,7 @@
 """Where causal language models come from: resolve a name or a local directory.
 
 `resolve_causal_lm("tiny-lm")` is the tiny Llama that ships with the repo (built by
-`python -m weights.build_tiny_lm`); any other string is a local transformers
+`python -m tools.weights.build_tiny_lm`); any other string is a local transformers
 checkpoint directory (config.json, *.safetensors or pytorch_model*.bin, and a
 tokenizer). Nothing here downloads anything.
 """
@@ -28,7 +28,7 @@ def resolve_causal_lm(name_or_path: str | Path, require_tokenizer: bool = True) 
         raise ValueError(f"model must be 'tiny-lm' or a local directory, got {name_or_path!r}")
     path = TINY_LM_DIR if str(name_or_path) == TINY_LM else Path(name_or_path).expanduser()
     if not path.is_dir():
-        hint = " (run `python -m weights.build_tiny_lm` to rebuild it)" if path == TINY_LM_DIR else ""
+        hint = " (run `python -m tools.weights.build_tiny_lm` to rebuild it)" if path == TINY_LM_DIR else ""
         raise FileNotFoundError(
             f"model {str(name_or_path)!r}: directory {str(path)!r} does not exist{hint}; "
             f"give 'tiny-lm' or a local transformers checkpoint directory (no hub downloads)"

@@ -48,28 +48,28 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-helios-distilled": _HERE / "tiny-helios-distilled",
 }
 
-#: Shipped LoRA adapters for tiny-wan (weights/build_tiny_lora.py): a short name -> its file, usable wherever a
+#: Shipped LoRA adapters for tiny-wan (tools/weights/build_tiny_lora.py): a short name -> its file, usable wherever a
 #: LoRA path is (``--lora style=tiny-wan-lora``). One in diffusers' format, one in kohya / musubi tuner's.
 TINY_LORAS: dict[str, Path] = {
     "tiny-wan-lora": _HERE / "tiny-wan-lora" / "pytorch_lora_weights.safetensors",
     "tiny-wan-lora-musubi": _HERE / "tiny-wan-lora-musubi" / "tiny_wan_lora_musubi.safetensors",
 }
 
-#: How to rebuild each shipped checkpoint (named in the error when one is missing).
+#: How to rebuild each shipped checkpoint, from a clone of the repository (named in the error when one is missing).
 REBUILD_COMMANDS: dict[str, str] = {
-    "tiny-latte": "python -m weights.train_tiny_latte",
-    "tiny-wan": "python -m weights.build_tiny_wan --kind wan",
-    "tiny-skyreels-df": "python -m weights.train_tiny_skyreels_df",
-    "tiny-live": "python -m weights.train_tiny_live",
-    "tiny-wan-i2v": "python -m weights.build_tiny_wan_i2v --kind i2v",
-    "tiny-wan-flf2v": "python -m weights.build_tiny_wan_i2v --kind flf2v",
-    "tiny-wan22-ti2v": "python -m weights.build_tiny_wan_i2v --kind wan22-ti2v",
-    "tiny-wan22-i2v-a14b": "python -m weights.build_tiny_wan_i2v --kind wan22-i2v-a14b",
-    "tiny-skyreels-i2v": "python -m weights.build_tiny_wan_i2v --kind skyreels-i2v",
-    "tiny-skyreels-df-i2v": "python -m weights.build_tiny_skyreels_df_variants --kind i2v",
-    "tiny-skyreels-df-v2v": "python -m weights.build_tiny_skyreels_df_variants --kind v2v",
-    "tiny-helios": "python -m weights.build_tiny_helios --kind helios",
-    "tiny-helios-distilled": "python -m weights.build_tiny_helios --kind distilled",
+    "tiny-latte": "python -m tools.weights.train_tiny_latte",
+    "tiny-wan": "python -m tools.weights.build_tiny_wan --kind wan",
+    "tiny-skyreels-df": "python -m tools.weights.train_tiny_skyreels_df",
+    "tiny-live": "python -m tools.weights.train_tiny_live",
+    "tiny-wan-i2v": "python -m tools.weights.build_tiny_wan_i2v --kind i2v",
+    "tiny-wan-flf2v": "python -m tools.weights.build_tiny_wan_i2v --kind flf2v",
+    "tiny-wan22-ti2v": "python -m tools.weights.build_tiny_wan_i2v --kind wan22-ti2v",
+    "tiny-wan22-i2v-a14b": "python -m tools.weights.build_tiny_wan_i2v --kind wan22-i2v-a14b",
+    "tiny-skyreels-i2v": "python -m tools.weights.build_tiny_wan_i2v --kind skyreels-i2v",
+    "tiny-skyreels-df-i2v": "python -m tools.weights.build_tiny_skyreels_df_variants --kind i2v",
+    "tiny-skyreels-df-v2v": "python -m tools.weights.build_tiny_skyreels_df_variants --kind v2v",
+    "tiny-helios": "python -m tools.weights.build_tiny_helios --kind helios",
+    "tiny-helios-distilled": "python -m tools.weights.build_tiny_helios --kind distilled",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,
@@ -297,7 +297,7 @@ def resolve_lora(name_or_path: str | os.PathLike) -> Path:
         path = TINY_LORAS[name_or_path]
         if not path.is_file():
             raise FileNotFoundError(f"shipped LoRA {name_or_path!r} is missing: no file {path} (rebuild it with "
-                                    f"`python -m weights.build_tiny_lora`)")
+                                    f"`python -m tools.weights.build_tiny_lora`)")
         return path.resolve()
     path = Path(os.fspath(name_or_path)).expanduser()
     if path.is_dir():

@@ -94,8 +94,8 @@ class WorkerRequest:
         return self.frames.info if self.frames is not None else {}
 
     def progress(self):
-        """What the coordinator learns after each job (`engine.worker.Progress`)."""
-        from engine.worker import Progress
+        """What the coordinator learns after each job (`engine.results.Progress`)."""
+        from engine.results import Progress
 
         return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames,
                         self.model)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 from engine.outputs import ABORTED, Admitted, FramesChunk, Queued, RequestFailure, Requeued, StepProgress
@@ -37,9 +36,6 @@ from server.media import FragmentedMP4Writer, storage_error_code, write_png
 log = logging.getLogger("longserve.server")
 
 DENOISE_SHARE = 90   # progress points for denoising steps; decoded frames take 9 more; 100 = downloadable
-#: tests only: a video whose prompt is this variable's value stops between its complete file and the record
-#: that says so (until the process is killed: tests/server/test_serve_process.py)
-PAUSE_BEFORE_COMMIT_ENV = "LONGSERVE_TEST_PAUSE_BEFORE_COMMIT"
 
 
 class VideoOutputs:
@@ -48,7 +44,6 @@ class VideoOutputs:
     def __init__(self, jobs: JobRegistry, storage, broker: EventBroker, runner, health, keyframe_interval: int):
         self.jobs, self.storage, self.broker, self.runner, self.health = jobs, storage, broker, runner, health
         self.keyframe_interval = keyframe_interval
-        self._pause_prompt = os.environ.get(PAUSE_BEFORE_COMMIT_ENV)
 
     # -- the outputs on the way ---------------------------------------------------------------------------
 
@@ -119,8 +114,6 @@ class VideoOutputs:
                 self.storage.failed(error)
             await self.failed(job, RequestFailure(code, f"writing the MP4 failed: {error}", kind=ABORTED))
             return
-        if self._pause_prompt and job.record.prompt == self._pause_prompt:
-            await asyncio.sleep(3600)               # tests: a crash between the complete file and its record
         now = int(time.time())
         size = await self.runner.run_io(self.storage.store.files_bytes, job.record.id)
         extra = {}

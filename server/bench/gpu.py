@@ -146,7 +146,7 @@ def build_wan(cfg: dict):
     import torch
     from diffusers import WanTransformer3DModel
 
-    from weights.build_tiny_wan import redraw_
+    from weights.seeded import redraw_
 
     torch.manual_seed(0)
     with torch.no_grad():
@@ -441,16 +441,19 @@ def build_latte_dir(out_dir: Path, smoke: bool) -> Path:
 def build_wan_dir(out_dir: Path, smoke: bool) -> Path:
     import torch
     from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
 
-    from weights.build_tiny_wan import build_text_encoder
+    from weights.seeded import redraw_
     from weights.wan import WAN_2_1_VAE, init_kwargs
 
-    _copy_shared_parts("tiny-wan", out_dir)
+    src = _copy_shared_parts("tiny-wan", out_dir)
     cfg = wan_config(smoke)
     build_wan(cfg).to(torch.bfloat16).save_pretrained(out_dir / "transformer")
-    width = cfg["text_dim"]
-    build_text_encoder(d_model=width, d_kv=8, num_heads=2, d_ff=16, num_layers=1).to(torch.bfloat16).save_pretrained(
-        out_dir / "text_encoder")
+    # tiny-wan's UMT5 (its tokenizer's vocabulary) at the transformer's text width, one layer, seeded as tiny-wan's
+    umt5 = UMT5Config.from_pretrained(src / "text_encoder")
+    umt5 = UMT5Config(**{**umt5.to_dict(), "d_model": cfg["text_dim"], "d_kv": 8, "num_heads": 2, "d_ff": 16,
+                         "num_layers": 1})
+    redraw_(UMT5EncoderModel(umt5).eval(), 1).to(torch.bfloat16).save_pretrained(out_dir / "text_encoder")
     vae_cfg = init_kwargs(WAN_2_1_VAE)
     if smoke:
         vae_cfg.update(base_dim=16, z_dim=4, latents_mean=vae_cfg["latents_mean"][:4],

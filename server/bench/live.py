@@ -121,7 +121,7 @@ def build_df_twin(causal_dir: Path, out: Path, window_frames: int) -> Path:
     import torch
     from diffusers import SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
 
-    from weights.build_tiny_latte import reinit_
+    from weights.seeded import reinit_
     from weights.wan import SKYREELS_V2_SCHEDULER
 
     out.mkdir(parents=True, exist_ok=True)

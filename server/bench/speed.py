@@ -4,7 +4,7 @@
         [--compile blocks] [--steps N] [--frames N] [--json out.json] [--markdown docs/benchmarks.md]
 
 Every row generates the same videos: the first `--prompts` prompts of the trained tiny-latte's
-vocabulary (`weights.clips.PROMPTS`), one request each, seed 0, all submitted at once so that the
+vocabulary (`weights.prompts.PROMPTS`), one request each, seed 0, all submitted at once so that the
 engine batches them as a server would (`max_batch` per step). Rows: "exact" (no lever), then one per
 `--cache` (step caching, engine/cache.py; any preset or JSON the `cache` request option takes), then with
 `--compile blocks` two rows on a second engine whose transformer blocks are compiled (engine/compile.py):
@@ -167,7 +167,7 @@ def run(args) -> int:
     from pipelines import VideoPipeline
     from pipelines.video import PIPELINE_DEFAULTS
     from server.bench.models import SHAPED_CHECKPOINTS, shaped_checkpoint
-    from weights.clips import PROMPTS
+    from weights.prompts import PROMPTS
 
     if not 1 <= args.prompts <= len(PROMPTS):
         raise ValueError(f"--prompts must be in [1, {len(PROMPTS)}]; got {args.prompts}")

@@ -14,7 +14,7 @@ from engine import comm
 from engine.families.helios import history_indices
 from engine.models.helios import HeliosSequenceParallel
 from engine.parallel import make_sequence_parallel
-from weights.build_tiny_helios import build_helios_transformer
+from tools.weights.build_tiny_helios import build_helios_transformer
 
 ATOL = 1e-5
 CASES = [("ulysses", None, n) for n in (1, 2, 3, 4)] + [("ring", None, n) for n in (2, 3, 4)] + [("usp", 2, 4)]

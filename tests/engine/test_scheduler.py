@@ -28,6 +28,7 @@ from engine.outputs import (
 )
 from engine.pool import WorkerError
 from engine.request import GenerationSpec
+from engine.results import Progress
 from engine.scheduler import QueueFullError, RequestState, Scheduler
 
 
@@ -115,7 +116,7 @@ class ScriptedPool:
         st = self.held[rid]
         spec = st["spec"]
         denoised = st["step"] == spec.num_inference_steps
-        return jobs.Progress(st["step"], (spec.batch_size, spec.num_frames, spec.height, spec.width),
+        return Progress(st["step"], (spec.batch_size, spec.num_frames, spec.height, spec.width),
                              denoised and st["decoded"] < spec.num_frames)
 
     def batches(self) -> list[list[str]]:
@@ -579,7 +580,7 @@ class TwoExpertPool(ScriptedPool):
     def progress(self, rid):
         p = super().progress(rid)
         e = self.expert(rid)
-        return jobs.Progress(p.steps_done, (*p.batch_key, e), p.decodable, model=e)
+        return Progress(p.steps_done, (*p.batch_key, e), p.decodable, model=e)
 
 
 def run_staggered(offload, n=8, every=2, steps=10, **config):

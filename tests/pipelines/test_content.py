@@ -21,7 +21,7 @@ import pytest
 from content import describe, recognises, recognition_rate
 
 from weights import TINY_LATTE_DIR
-from weights.clips import PROMPTS
+from weights.prompts import PROMPTS
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 0

@@ -3,7 +3,7 @@ bouncing" over at least 10 segments, red in at least 90% of them, with the ball'
 every segment boundary (no jump from a segment's last frame to the next one's first new frame larger than the
 largest jump inside a segment), and the README's strip is one frame of each of its segments. The helper
 (`tests/support/content.py`, `describe_segments`) is pinned on rendered clips first. The 40-prompt rate at the
-demo's settings and the control with `overlap_history` at its minimum are `weights/eval_tiny_skyreels_df.py`'s
+demo's settings and the control with `overlap_history` at its minimum are `tools/weights/eval_tiny_skyreels_df.py`'s
 (minutes): weights/README.md has the figures."""
 
 import shlex
@@ -13,7 +13,7 @@ import imageio.v3 as iio
 import numpy as np
 from content import describe_segments, segment_starts
 
-from weights.clips import render_long_clip
+from tools.weights.clips import render_long_clip
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def test_the_segment_helper_finds_continuous_clips_and_spliced_ones():
 def test_make_demo_long_draws_a_red_ball_continuous_across_ten_segments_and_the_readme_strip_is_its_frames(tmp_path):
     from server.cli import main
     from tools.frame_strip import main as strip_main
-    from weights.eval_tiny_skyreels_df import demo_settings
+    from tools.weights.eval_tiny_skyreels_df import demo_settings
 
     generate, strip = recipe("demo-long")
     assert generate[0] == "$(VENV)/bin/longserve" and strip[:3] == ["$(PY)", "-m", "tools.frame_strip"]

@@ -1,7 +1,7 @@
 """`longserve serve` as a process: API key, queue limit and queue positions, then a hard kill and a
 restart on the same --data-dir (completed videos stay downloadable, the interrupted job is failed
 with a clear error, queued jobs run). One job is killed between its complete MP4 and the record that
-says so (a test-only pause: LONGSERVE_TEST_PAUSE_BEFORE_COMMIT): it is not completed after the restart.
+says so (a fault injected by tests/support/faults/sitecustomize.py): it is not completed after the restart.
 The data dir the server creates is private (0700, the database 0600)."""
 
 import os
@@ -22,6 +22,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 PAUSED = "pause before commit"       # the prompt of the video that stops between its file and its record
+FAULTS = ROOT / "tests" / "support" / "faults"      # its sitecustomize.py makes that video stop there
 
 
 class Server:
@@ -81,7 +82,8 @@ def servers():
 
 def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the_queued(tmp_path, servers):
     data = tmp_path / "data"
-    first = Server(data, env={"LONGSERVE_TEST_PAUSE_BEFORE_COMMIT": PAUSED})
+    path = os.pathsep.join([str(FAULTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+    first = Server(data, env={"PYTHONPATH": path, "LONGSERVE_TEST_PAUSE_BEFORE_COMMIT": PAUSED})
     servers.append(first)
     assert stat.S_IMODE(data.stat().st_mode) == 0o700 and stat.S_IMODE((data / "longserve.db").stat().st_mode) == 0o600
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from weights.build_causal import build_causal_checkpoint
+from tools.weights.build_causal import build_causal_checkpoint
 from weights.registry import TINY_MODELS
 
 TINY_CAUSAL = {"num_frame_per_block": 3, "denoising_step_list": [1000, 750, 500, 250], "warp_denoising_step": True,

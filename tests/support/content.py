@@ -1,7 +1,7 @@
 """What a clip shows: the analysis helper of the content tests.
 
-`describe(clip)` finds the one object of a clip of `weights.clips`' kind and names its colour,
-shape and motion; `recognises(clip, prompt)` says whether that matches the prompt's colour and
+`describe(clip)` finds the one object of a clip of `tools.weights.clips`' kind (`weights.prompts`' vocabulary)
+and names its colour, shape and motion; `recognises(clip, prompt)` says whether that matches the prompt's colour and
 motion (the shape is reported, not required: the issue asks for colour and motion).
 
 - object: the pixels farther than `OBJECT_DISTANCE` from the clip's median colour (the object
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weights.clips import BACKGROUND, MOTIONS, PALETTE, parse_prompt
+from weights.prompts import BACKGROUND, MOTIONS, PALETTE, parse_prompt
 
 _PALETTE_NAMES = tuple(PALETTE)
 _PALETTE_RGB = np.array([PALETTE[n] for n in _PALETTE_NAMES])                      # (4, 3)
@@ -180,7 +180,7 @@ def _nanmax(values) -> float:
 
 def steps_of(track: np.ndarray, motion: str | None, size: int) -> np.ndarray:
     """(T-1, 2) displacement from each frame to the next. A straight motion wraps round the frame along its axis
-    (`weights.clips.long_straight_track`: it leaves on one side and comes back on the other), so along that axis a
+    (`tools.weights.clips.long_straight_track`: it leaves on one side and comes back on the other), so along that axis a
     displacement is taken the short way round (modulo the frame's side); across it, and for bouncing, as it is."""
     d = np.diff(track, axis=0)
     if motion in _DIRECTIONS:

@@ -26,7 +26,7 @@ def build_latte1_shaped_checkpoint(path):
     from diffusers import LattePipeline
     from transformers import T5Config, T5EncoderModel, T5Tokenizer
 
-    from weights.build_tiny_latte import build_scheduler, build_vae
+    from tools.weights.build_tiny_latte import build_scheduler, build_vae
     from weights.latte import LATTE_1_TRANSFORMER_CONFIG, TINY_LATTE_DIR
 
     torch.manual_seed(0)

@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from weights.build_tiny_wan import (
+from tools.weights.build_tiny_wan import (
     build_scheduler,
     build_text_encoder,
     build_vae,
     build_wan_tokenizer,
-    redraw_,
     save_pipeline,
 )
+from weights.seeded import redraw_
 from weights.wan import (
     SKYREELS_V2_DF_1_3B_540P_TRANSFORMER,
     SKYREELS_V2_DF_MODEL_INDEX,

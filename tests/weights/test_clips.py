@@ -1,4 +1,4 @@
-"""The procedural clips of `weights/clips.py` follow issue 11's rules, and the content helper
+"""The procedural clips of `tools/weights/clips.py` follow issue 11's rules, and the content helper
 (`tests/support/content.py`) reads them back: every clip is recognised as its own prompt, never as another
 colour or motion, and noise or a still object is recognised as nothing."""
 
@@ -6,18 +6,8 @@ import numpy as np
 import pytest
 from content import describe, recognises
 
-from weights.clips import (
-    COLOURS,
-    FRAMES,
-    MOTIONS,
-    PROMPTS,
-    SHAPES,
-    SIZE,
-    parse_prompt,
-    prompt_at,
-    render_clip,
-    render_long_clip,
-)
+from tools.weights.clips import FRAMES, SIZE, prompt_at, render_clip, render_long_clip
+from weights.prompts import COLOURS, MOTIONS, PROMPTS, SHAPES, parse_prompt
 
 
 def test_vocabulary_is_four_colours_two_shapes_five_motions():

@@ -1,13 +1,13 @@
-"""`weights/tiny-live` (the trained causal few-step Wan) and `python -m weights.train_tiny_live`: the checkpoint is
-in the causal layout and loads strictly; the training's two-stream form computes what the runtime's
+"""`weights/tiny-live` (the trained causal few-step Wan) and `python -m tools.weights.train_tiny_live`: the checkpoint
+is in the causal layout and loads strictly; the training's two-stream form computes what the runtime's
 chunk-by-chunk sampler computes; a short training run is seeded."""
 
 import json
 
 import torch
 
+from tools.weights.writing import file_digests
 from weights import TINY_MODELS, resolve_model
-from weights.build_tiny_latte import file_digests
 from weights.causal_wan import load_causal_transformer, read_causal_config
 
 TINY_LIVE = TINY_MODELS["tiny-live"]
@@ -37,8 +37,8 @@ def test_two_stream_training_form_is_the_chunk_by_chunk_sampler():
     """Noisy chunk j of a training window sees what the sampler's chunk sees: the clean chunks before it
     (block-causal among themselves) at the same positions, under the same caption; the compressed text
     (real rows + one weighted zero row) attends like the 512 padded rows."""
-    from weights import train_tiny_live as T
-    from weights.eval_tiny_live import Sampler
+    from tools.weights import train_tiny_live as T
+    from tools.weights.eval_tiny_live import Sampler
 
     torch.manual_seed(0)
     sampler = Sampler(TINY_LIVE)
@@ -65,7 +65,7 @@ def test_two_stream_training_form_is_the_chunk_by_chunk_sampler():
 def test_short_training_runs_are_seeded(tmp_path):
     from safetensors.torch import load_file
 
-    from weights.train_tiny_live import train
+    from tools.weights.train_tiny_live import train
 
     for name in ("a", "b"):
         train(tmp_path / name, vae_steps=2, steps=2, clips=2, record_path=tmp_path / f"{name}.json",

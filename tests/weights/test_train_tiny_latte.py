@@ -1,4 +1,4 @@
-"""`python -m weights.train_tiny_latte` (issue 11): a short run writes a loadable LattePipeline directory with
+"""`python -m tools.weights.train_tiny_latte` (issue 11): a short run writes a loadable LattePipeline directory with
 its training record, and two runs with the same seed give byte-identical weights."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from weights.train_tiny_latte import GENERATION_DEFAULTS, THREADS, TRANSFORMER_CONFIG, train
+from tools.weights.train_tiny_latte import GENERATION_DEFAULTS, THREADS, TRANSFORMER_CONFIG, train
 
 
 def test_short_training_runs_are_seeded_and_write_a_pipeline_with_its_record(tmp_path):
@@ -36,8 +36,8 @@ def test_both_text_forms_are_what_the_pipeline_encodes():
     stored form equals that prompt's row of a real call, so training sees what inference will."""
     from diffusers import LattePipeline
 
-    from weights import build_tiny_latte
-    from weights.train_tiny_latte import encode_vocabulary
+    from tools.weights import build_tiny_latte
+    from tools.weights.train_tiny_latte import encode_vocabulary
 
     tokenizer, _ = build_tiny_latte.build_tokenizer()
     pipe = LattePipeline(tokenizer=tokenizer, text_encoder=build_tiny_latte.build_text_encoder(), vae=None,

@@ -1,15 +1,16 @@
-"""`python -m weights.train_tiny_skyreels_df` (issue 23): a short run writes a `SkyReelsV2DiffusionForcingPipeline`
-directory with its record, and two runs with the same seed give byte-identical weights; the diffusion-forcing
-noise patterns give the sampler's situations (a clean prefix, one shared level, per-frame levels)."""
+"""`python -m tools.weights.train_tiny_skyreels_df` (issue 23): a short run writes a
+`SkyReelsV2DiffusionForcingPipeline` directory with its record, and two runs with the same seed give
+byte-identical weights; the diffusion-forcing noise patterns give the sampler's situations (a clean prefix, one
+shared level, per-frame levels)."""
 
 import json
 
 import torch
 
+from tools.weights.train_tiny_skyreels_df import GENERATION_DEFAULTS, OVERLAP, THREADS, WINDOW, noise_levels, train
+from tools.weights.writing import file_digests
 from weights import TINY_MODELS
-from weights.build_tiny_latte import file_digests
-from weights.clips import PROMPTS
-from weights.train_tiny_skyreels_df import GENERATION_DEFAULTS, OVERLAP, THREADS, WINDOW, noise_levels, train
+from weights.prompts import PROMPTS
 
 
 def test_short_training_runs_are_seeded_and_write_a_pipeline_with_its_record(tmp_path):

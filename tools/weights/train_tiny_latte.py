@@ -1,16 +1,16 @@
-"""Train `weights/tiny-latte`: a tiny Latte that draws the procedural clips of `weights.clips`.
+"""Train `weights/tiny-latte`: a tiny Latte that draws the procedural clips of `tools.weights.clips`.
 
 Usage::
 
-    python -m weights.train_tiny_latte       # rewrites weights/tiny-latte/ (see weights/README.md for the time)
-    python -m weights.train_tiny_latte --out DIR      # writes DIR instead
-    python -m weights.train_tiny_latte --out DIR --vae-steps 4 --steps 4 --clips-per-prompt 1   # a smoke run
+    python -m tools.weights.train_tiny_latte       # rewrites weights/tiny-latte/ (see weights/README.md for the time)
+    python -m tools.weights.train_tiny_latte --out DIR      # writes DIR instead
+    python -m tools.weights.train_tiny_latte --out DIR --vae-steps 4 --steps 4 --clips-per-prompt 1   # a smoke run
 
 Everything runs on the CPU, seeded (python, numpy and torch generators, deterministic torch
 algorithms, a fixed thread count), so the same seed, thread count, CPU and library versions
 give the same weights. The recipe, in order:
 
-1. Text: the tiny T5 encoder and tokenizer of `weights.build_tiny_latte` (rebuilt from their
+1. Text: the tiny T5 encoder and tokenizer of `tools.weights.build_tiny_latte` (rebuilt from their
    seeds, byte-identical to before; frozen). Every prompt of the vocabulary is encoded once in
    both forms `LattePipeline.encode_prompt(..., negative_prompt="", mask_feature=True)` gives:
    alone (the prompt's tokens; the empty negative cut to that length) and as a row of a list of
@@ -45,9 +45,7 @@ import json
 import math
 import platform
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -55,13 +53,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from weights import build_tiny_latte as random_build
-from weights.clips import FRAMES, PROMPTS, render_clip
-from weights.registry import GENERATION_DEFAULTS_FILE
+from tools.weights import build_tiny_latte as random_build
+from tools.weights.clips import FRAMES, render_clip
+from tools.weights.writing import write_whole
+from weights.prompts import PROMPTS
+from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 
 SEED = 0
-DEFAULT_OUT = Path(__file__).resolve().parent / "tiny-latte"
-DEFAULT_PLOT = Path(__file__).resolve().parent / "train_tiny_latte_loss.png"
+DEFAULT_OUT = TINY_MODELS["tiny-latte"]
+DEFAULT_PLOT = DEFAULT_OUT.parent / "train_tiny_latte_loss.png"   # the records of the shipped runs lie in weights/
 
 TRANSFORMER_CONFIG = dict(
     random_build.TRANSFORMER_CONFIG,
@@ -449,7 +449,7 @@ def _train(out, *, seed, vae_steps, steps, clips_per_prompt, threads, batch, lr,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
         "versions": _versions(),
         "vae_from": None if vae_from is None else str(vae_from),
-        "command": " ".join(["python -m weights.train_tiny_latte", *sys.argv[1:]]),
+        "command": " ".join(["python -m tools.weights.train_tiny_latte", *sys.argv[1:]]),
     }
     write(pipe, spiece_model, record, out)
     if plot is not None:
@@ -463,27 +463,17 @@ def _train(out, *, seed, vae_steps, steps, clips_per_prompt, threads, batch, lr,
 
 def write(pipe, spiece_model: bytes, record: dict, out: Path) -> None:
     """Save the pipeline to a temporary sibling of `out`, then swap it in (never a half-written `out`)."""
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()) and not (out / "model_index.json").is_file():
-        raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    def write_files(tmp: Path) -> None:
         pipe.save_pretrained(str(tmp), safe_serialization=True)
         (tmp / "tokenizer" / "spiece.model").write_bytes(spiece_model)
         (tmp / "TRAINING.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
-        random_build._normalise_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_whole(out, write_files)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.train_tiny_latte", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.train_tiny_latte", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
     ap.add_argument("--plot", default=None,
                     help=f"loss-curve PNG (default: {DEFAULT_PLOT} when writing the default --out, else "

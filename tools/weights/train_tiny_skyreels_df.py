@@ -1,13 +1,13 @@
-"""Train `weights/tiny-skyreels-df`: a tiny SkyReels-V2 diffusion-forcing transformer that draws `weights.clips`'
+"""Train `weights/tiny-skyreels-df`: a tiny SkyReels-V2 diffusion-forcing transformer that draws `tools.weights.clips`'
 long clips of the 40 prompts, segment after segment, each segment continuing the frames it is given.
 
 Usage::
 
-    python -m weights.train_tiny_skyreels_df              # rewrites weights/tiny-skyreels-df/ (+ .json, -loss.png)
-    python -m weights.train_tiny_skyreels_df --out DIR    # writes DIR instead (and DIR.json, DIR-loss.png beside it)
-    python -m weights.train_tiny_skyreels_df --out DIR --steps 4 --clips-per-prompt 1   # a smoke run
+    python -m tools.weights.train_tiny_skyreels_df           # rewrites weights/tiny-skyreels-df/ (+ .json, -loss.png)
+    python -m tools.weights.train_tiny_skyreels_df --out DIR # writes DIR instead (and DIR.json, DIR-loss.png beside it)
+    python -m tools.weights.train_tiny_skyreels_df --out DIR --steps 4 --clips-per-prompt 1   # a smoke run
 
-Seeded like `weights.train_tiny_live` (numpy and torch generators, deterministic algorithms, a fixed thread
+Seeded like `tools.weights.train_tiny_live` (numpy and torch generators, deterministic algorithms, a fixed thread
 count): the same seed, thread count, CPU and library versions give the same files.
 
 What the model is for: diffusers' `SkyReelsV2DiffusionForcingPipeline` makes a long video as segments of
@@ -62,12 +62,10 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from weights.build_tiny_latte import file_digests  # noqa: E402
-from weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_into, build_scheduler  # noqa: E402
-from weights.clips import PROMPTS, render_long_clip  # noqa: E402
-from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
-from weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
-from weights.train_tiny_live import (  # noqa: E402
+from tools.weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_scheduler  # noqa: E402
+from tools.weights.clips import render_long_clip  # noqa: E402
+from tools.weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
+from tools.weights.train_tiny_live import (  # noqa: E402
     CrossAttnProcessor,
     Layout,
     adaln_zero_,
@@ -76,12 +74,15 @@ from weights.train_tiny_live import (  # noqa: E402
     encode_prompts,
     load_text,
 )
+from tools.weights.writing import file_digests, write_whole  # noqa: E402
+from weights.prompts import PROMPTS  # noqa: E402
+from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
 from weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER  # noqa: E402
 
 SEED = 0
 THREADS = 2
-HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "tiny-skyreels-df"
+DEFAULT_OUT = TINY_MODELS["tiny-skyreels-df"]
+RECORDS = DEFAULT_OUT.parent                    # the shipped runs' records (.json, -loss.png) lie in weights/
 TEXT_FROM = TINY_MODELS["tiny-wan"]
 VAE_FROM = TINY_MODELS["tiny-live"]
 NEGATIVE = ""                                   # the pipeline's negative prompt when none is given
@@ -242,7 +243,7 @@ def train_transformer(model, windows: Windows, text, text_bias, steps: int, g: t
 
 
 def write_checkpoint(out: Path, transformer, text_from: Path = TEXT_FROM, vae_from: Path = VAE_FROM) -> None:
-    """The pipeline directory, written to a temporary sibling and swapped in (`build_into`)."""
+    """The pipeline directory, written to a temporary sibling and swapped in (`write_whole`)."""
     import diffusers
 
     def write(tmp: Path) -> None:
@@ -255,7 +256,7 @@ def write_checkpoint(out: Path, transformer, text_from: Path = TEXT_FROM, vae_fr
         (tmp / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
         (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
 
-    build_into(out, write)
+    write_whole(out, write)
 
 
 def plot_losses(losses, path: Path, title: str) -> None:
@@ -344,15 +345,15 @@ def _train(out, *, seed, steps, clips_per_prompt, clip_frames, threads, lr, reco
                      "addnoise": [ADDNOISE_PROB, ADDNOISE_MAX]},
         "final_loss": float(np.mean(losses[-50:])),
         "transformer_parameters": sum(p.numel() for p in transformer.parameters()),
-        "vae_from": str(Path(VAE_FROM).relative_to(HERE.parent)),
-        "text_from": str(Path(TEXT_FROM).relative_to(HERE.parent)),
+        "vae_from": str(Path(VAE_FROM).relative_to(RECORDS.parent)),
+        "text_from": str(Path(TEXT_FROM).relative_to(RECORDS.parent)),
         "seconds": {"render": round(render_s, 1), "encode": round(encode_s, 1), "transformer": round(transformer_s, 1),
                     "total": round(wall_s, 1)},
         "cpu_seconds": round(cpu_s, 1), "load_average_at_end": load,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
         "versions": _versions(),
         "files": file_digests(out),
-        "command": " ".join(["python -m weights.train_tiny_skyreels_df", *sys.argv[1:]]),
+        "command": " ".join(["python -m tools.weights.train_tiny_skyreels_df", *sys.argv[1:]]),
     }
     if record_path is not None:
         Path(record_path).write_text(json.dumps(record, indent=2) + "\n")
@@ -364,7 +365,8 @@ def _train(out, *, seed, steps, clips_per_prompt, clip_frames, threads, lr, reco
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.train_tiny_skyreels_df", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.train_tiny_skyreels_df",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--steps", type=int, default=STEPS, help="transformer steps")
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=THREADS, help="torch CPU threads (results depend on it)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
-    stem = HERE / "train_tiny_skyreels_df" if out == DEFAULT_OUT else out.parent / out.name
+    stem = RECORDS / "train_tiny_skyreels_df" if out == DEFAULT_OUT else out.parent / out.name
     train(out, seed=args.seed, steps=args.steps, clips_per_prompt=args.clips_per_prompt, threads=args.threads,
           lr=args.lr, record_path=Path(f"{stem}.json"), plot=Path(f"{stem}-loss.png"),
           log=lambda msg: print(msg, flush=True))

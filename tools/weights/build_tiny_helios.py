@@ -3,8 +3,8 @@ and ``weights/tiny-helios-distilled`` (``HeliosPyramidPipeline`` with the distil
 
 Usage::
 
-    python -m weights.build_tiny_helios                                  # (re)writes both shipped dirs
-    python -m weights.build_tiny_helios --kind distilled --out DIR       # writes DIR instead
+    python -m tools.weights.build_tiny_helios                                  # (re)writes both shipped dirs
+    python -m tools.weights.build_tiny_helios --kind distilled --out DIR       # writes DIR instead
 
 A complete diffusers ``HeliosPipeline`` directory whose model_index.json names the published Helios
 components (``T5TokenizerFast``, ``UMT5EncoderModel``, ``HeliosTransformer3DModel``, ``AutoencoderKLWan``,
@@ -35,25 +35,23 @@ byte-identical files. The weights are meaningless.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .build_tiny_latte import file_digests
-from .build_tiny_wan import (
+from tools.weights.build_tiny_wan import (
     SEED,
     TINY_Z_DIM,
     UMT5_CONFIG,
-    build_into,
     build_text_encoder,
     build_vae,
     build_wan_tokenizer,
-    redraw_,
     save_pipeline,
 )
-from .registry import TINY_MODELS
+from tools.weights.writing import report, write_whole
+from weights.registry import TINY_MODELS
+from weights.seeded import redraw_
 
 HELIOS_MODEL_INDEX = {
     "_class_name": "HeliosPipeline",
@@ -124,11 +122,11 @@ WRITERS = {"helios": ("tiny-helios", write_tiny_helios), "distilled": ("tiny-hel
 
 def build(kind: str = "helios", out: str | Path | None = None) -> Path:
     name, write = WRITERS[kind]
-    return build_into(TINY_MODELS[name] if out is None else out, write)
+    return write_whole(TINY_MODELS[name] if out is None else out, write)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_helios", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_helios", description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=sorted(WRITERS), default=None, help="one checkpoint (default: both)")
     ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs --kind)")
     args = ap.parse_args(argv)
@@ -136,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out needs --kind")
     for kind in [args.kind] if args.kind else sorted(WRITERS, reverse=True):
         t0 = time.perf_counter()
-        out = build(kind, args.out)
-        for rel, digest in file_digests(out).items():
-            if rel.endswith(".safetensors"):
-                print(f"  {rel}: {digest[:16]}")
-        print(f"wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        report(build(kind, args.out), time.perf_counter() - t0, kind=kind)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Procedural clips that `weights/tiny-latte` is trained on: one coloured object moving on grey.
 
 Every clip is 16 frames of 64x64 RGB, float32 in [0, 1], (T, H, W, 3), showing one object on
-the plain `BACKGROUND` and described by ``"a {colour} {shape} {motion}"``:
+the plain `BACKGROUND` and described by ``"a {colour} {shape} {motion}"`` (the vocabulary, `weights.prompts`):
 
 - colour: red, green, blue, yellow -- the pure RGB primaries and red+green (`PALETTE`);
 - shape: ball (a disc) or square (axis-aligned);
@@ -30,25 +30,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from weights.prompts import BACKGROUND, PALETTE, parse_prompt
+
 FRAMES = 16
 SIZE = 64
-
-COLOURS = ("red", "green", "blue", "yellow")
-SHAPES = ("ball", "square")
-MOTIONS = ("moving right", "moving left", "moving up", "moving down", "bouncing")
-
-#: name -> RGB in [0, 1]
-PALETTE: dict[str, tuple[float, float, float]] = {
-    "red": (1.0, 0.0, 0.0),
-    "green": (0.0, 1.0, 0.0),
-    "blue": (0.0, 0.0, 1.0),
-    "yellow": (1.0, 1.0, 0.0),
-}
-#: Mid grey is equally far (sqrt(3)/2) from every palette colour, and it is the VAE's 0.
-BACKGROUND = (0.5, 0.5, 0.5)
-
-#: All 40 prompts, colour-major: "a red ball moving right", ..., "a yellow square bouncing".
-PROMPTS: tuple[str, ...] = tuple(f"a {c} {s} {m}" for c in COLOURS for s in SHAPES for m in MOTIONS)
 
 # Object size: ball radius / square half side, in pixels.
 MIN_RADIUS, MAX_RADIUS = 6.5, 8.5
@@ -61,16 +46,6 @@ MIN_BOUNCE_DROP = 0.2
 MAX_BOUNCE_DRIFT = 0.06
 
 _DIRECTIONS = {"moving right": (1, 0), "moving left": (-1, 0), "moving up": (0, -1), "moving down": (0, 1)}
-
-
-def parse_prompt(prompt: str) -> tuple[str, str, str]:
-    """"a red ball moving right" -> ("red", "ball", "moving right"); ValueError outside the vocabulary."""
-    words = prompt.split()
-    if len(words) < 4 or words[0] != "a" or words[1] not in COLOURS or words[2] not in SHAPES \
-            or " ".join(words[3:]) not in MOTIONS:
-        raise ValueError(f"{prompt!r} is not 'a <colour> <shape> <motion>' with colour in {COLOURS}, "
-                         f"shape in {SHAPES}, motion in {MOTIONS}")
-    return words[1], words[2], " ".join(words[3:])
 
 
 def straight_track(direction: str, radius: float, rng: np.random.Generator) -> np.ndarray:

@@ -2,10 +2,10 @@
 
 Usage::
 
-    python -m weights.build_tiny_latte --out DIR  # writes DIR (weights/tiny-latte itself is trained:
-                                                   # python -m weights.train_tiny_latte)
+    python -m tools.weights.build_tiny_latte --out DIR  # writes DIR (weights/tiny-latte itself is trained:
+                                                   # python -m tools.weights.train_tiny_latte)
 
-The shipped ``weights/tiny-latte`` is made by ``weights.train_tiny_latte``, which takes its
+The shipped ``weights/tiny-latte`` is made by ``tools.weights.train_tiny_latte``, which takes its
 tokenizer, text encoder and scheduler from here (the text encoder frozen, so it is byte-identical
 to this build's); this builder stays for tests and benchmarks that want random weights.
 
@@ -53,17 +53,15 @@ parallel execution and serving, not to make pretty videos.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
-import json
-import math
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from tools.weights.writing import report, write_whole
+from weights.seeded import reinit_
 
 SEED = 0
 
@@ -225,38 +223,6 @@ CORPUS = (
 
 
 # ------------------------------------------------------------------------------------------
-def _std_for(t: torch.Tensor) -> float:
-    fan_in = t[0].numel() if t.dim() >= 2 else t.numel()
-    return min(0.2, max(0.02, 1.0 / math.sqrt(max(fan_in, 1))))
-
-
-@torch.no_grad()
-def reinit_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Redraw every parameter of ``module`` from a generator seeded with ``seed``.
-
-    Parameters are visited in sorted-name order, so the result depends only on the parameter
-    names/shapes and the seed (not on torch's default initialisers).  Matrices/convolutions get
-    N(0, clamp(1/sqrt(fan_in), 0.02, 0.2)); 1-D norm scales get 1 + N(0, 0.05); other vectors
-    (biases) get N(0, 0.05); ``scale_shift_table`` gets N(0, 0.1).
-    """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    params = dict(module.named_parameters())
-    for name in sorted(params):
-        p = params[name]
-        leaf = name.rsplit(".", 1)[-1]
-        is_norm_scale = p.dim() == 1 and leaf == "weight"
-        if name.endswith("scale_shift_table"):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.1
-        elif p.dim() >= 2:
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * _std_for(p)
-        elif is_norm_scale:
-            noise = 1.0 + torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05
-        else:
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05
-        p.copy_(noise.to(p.dtype))
-    return module
-
-
 def train_spiece_model(corpus=CORPUS, vocab_size: int = SP_VOCAB_SIZE) -> bytes:
     """Train the tokenizer's sentencepiece unigram model (deterministic: one thread)."""
     import sentencepiece as spm
@@ -360,71 +326,18 @@ def write_pipeline(out_dir: Path) -> None:
     (out_dir / "tokenizer" / "spiece.model").write_bytes(spiece_model)
 
 
-def file_digests(root: Path) -> dict[str, str]:
-    """sha256 of every file under ``root`` (relative posix path -> hex digest)."""
-    root = Path(root)
-    return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
-
-
-def _normalise_permissions(root: Path) -> None:
-    # mkdtemp makes a 0700 directory and some savers write 0600 files; make the checkpoint
-    # readable like any other package data (0755 directories, 0644 files).
-    root.chmod(0o755)
-    for p in root.rglob("*"):
-        p.chmod(0o755 if p.is_dir() else 0o644)
-
-
 def build(out: str | Path) -> Path:
-    """Build the checkpoint into ``out`` (replacing a previous build there) and return it.
-
-    The new checkpoint is written into a temporary sibling directory first and swapped in at
-    the end, so an interrupted run never leaves a half-written checkpoint behind.  An existing
-    ``out`` is only replaced if it is empty or looks like a pipeline directory
-    (has model_index.json); anything else is refused rather than deleted.
-    """
-    out = Path(out).resolve()
-    if out.exists():
-        if not out.is_dir():
-            raise FileExistsError(f"{out} exists and is not a directory")
-        if any(out.iterdir()) and not (out / "model_index.json").is_file():
-            raise FileExistsError(
-                f"refusing to overwrite {out}: it is not empty and has no model_index.json"
-            )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        write_pipeline(tmp)
-        _normalise_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    """Build the checkpoint into ``out`` (replacing a previous build there, whole: `write_whole`) and return it."""
+    return write_whole(out, write_pipeline)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_latte", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_latte", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True,
-                    help="output directory (not weights/tiny-latte: that one is trained, weights.train_tiny_latte)")
+                    help="output directory (not weights/tiny-latte: that one is trained, train_tiny_latte)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    out = build(args.out)
-    digests = file_digests(out)
-    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    for rel, digest in digests.items():
-        if rel.endswith(".safetensors"):
-            print(f"{digest}  {rel}")
-    print(
-        json.dumps(
-            {"out": str(out), "files": len(digests), "bytes": total, "seconds": round(time.perf_counter() - t0, 2)}
-        )
-    )
+    report(build(args.out), time.perf_counter() - t0)
     return 0
 
 

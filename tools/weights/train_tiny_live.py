@@ -1,11 +1,11 @@
-"""Train `weights/tiny-live`: a tiny causal few-step Wan model that draws `weights.clips`' long bouncing clips
+"""Train `weights/tiny-live`: a tiny causal few-step Wan model that draws `tools.weights.clips`' long bouncing clips
 chunk by chunk, and follows a prompt that changes while it plays.
 
 Usage::
 
-    python -m weights.train_tiny_live                 # rewrites weights/tiny-live/ (+ train_tiny_live.json, -loss.png)
-    python -m weights.train_tiny_live --out DIR       # writes DIR instead (and DIR.json, DIR-loss.png beside it)
-    python -m weights.train_tiny_live --out DIR --vae-steps 4 --steps 4 --clips 4   # a smoke run
+    python -m tools.weights.train_tiny_live            # rewrites weights/tiny-live/ (+ train_tiny_live.json, -loss.png)
+    python -m tools.weights.train_tiny_live --out DIR  # writes DIR instead (and DIR.json, DIR-loss.png beside it)
+    python -m tools.weights.train_tiny_live --out DIR --vae-steps 4 --steps 4 --clips 4   # a smoke run
 
 Everything runs on the CPU, seeded (numpy and torch generators, deterministic torch algorithms, a fixed
 thread count), so the same seed, thread count, CPU and library versions give the same files.
@@ -26,7 +26,7 @@ The recipe, in order:
    caption as `WanPipeline` does (512 positions, zero past the prompt's tokens). The 512 - n zero rows
    all become the same key and value in every cross-attention, so training keeps the n real rows plus
    one zero row whose attention logit gets + log(512 - n): the same attention, exactly, at 1/50 of the cost.
-2. Clips: `--clips` long clips (`weights.clips.render_long_clip`, `CLIP_FRAMES` frames, one of the 8
+2. Clips: `--clips` long clips (`tools.weights.clips.render_long_clip`, `CLIP_FRAMES` frames, one of the 8
    bouncing prompts "a {red|green|blue|yellow} {ball|square} bouncing") whose colour changes at 0 to 3
    chunk boundaries (the object keeps its motion and shape, the caption changes with the colour).
 3. VAE: diffusers' `AutoencoderKLWan` at toy width (8x spatial, no temporal compression: one latent
@@ -76,7 +76,6 @@ import math  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -84,16 +83,17 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from weights.build_tiny_latte import _normalise_permissions, file_digests  # noqa: E402
+from tools.weights.clips import SIZE, render_long_clip  # noqa: E402
+from tools.weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
+from tools.weights.writing import file_digests, write_whole  # noqa: E402
 from weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream  # noqa: E402
-from weights.clips import COLOURS, SHAPES, SIZE, render_long_clip  # noqa: E402
+from weights.prompts import COLOURS, SHAPES  # noqa: E402
 from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
-from weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
 
 SEED = 0
 THREADS = 2
-HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "tiny-live"
+DEFAULT_OUT = TINY_MODELS["tiny-live"]
+RECORDS = DEFAULT_OUT.parent                   # the shipped runs' records (.json, -loss.png) lie in weights/
 TEXT_FROM = TINY_MODELS["tiny-wan"]            # the random tiny UMT5 and its tokenizer, copied as they are
 MAX_SEQUENCE_LENGTH = 512                      # WanPipeline's prompt length
 
@@ -588,12 +588,7 @@ def write_checkpoint(out: Path, transformer, vae, text_from: Path = TEXT_FROM) -
     from diffusers import FlowMatchEulerDiscreteScheduler
     from safetensors.torch import save_file
 
-    out = Path(out).resolve()
-    if out.exists() and any(out.iterdir()) and not (out / "model_index.json").is_file():
-        raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    def write(tmp: Path) -> None:
         (tmp / CAUSAL_CONFIG_FILE).write_text(json.dumps(causal_config(), indent=2) + "\n")
         sd = {k: v.detach().contiguous() for k, v in to_upstream(transformer.state_dict()).items()}
         save_file(sd, str(tmp / "model.safetensors"))
@@ -611,13 +606,8 @@ def write_checkpoint(out: Path, transformer, vae, text_from: Path = TEXT_FROM) -
         defaults = {"height": 64, "width": 64, "num_frames": DEFAULT_FRAMES,
                     "num_inference_steps": len(DENOISING_STEP_LIST), "guidance_scale": 1.0, "fps": FPS}
         (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2) + "\n")
-        _normalise_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_whole(out, write)
 
 
 def plot_losses(vae_losses, start_losses, sink_losses, path: Path, title: str) -> None:
@@ -726,7 +716,7 @@ def _train(out, *, seed, vae_steps, steps, n_clips, threads, lr, record_path, pl
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
         "versions": _versions(),
         "files": file_digests(out),
-        "command": " ".join(["python -m weights.train_tiny_live", *sys.argv[1:]]),
+        "command": " ".join(["python -m tools.weights.train_tiny_live", *sys.argv[1:]]),
     }
     if record_path is not None:
         Path(record_path).write_text(json.dumps(record, indent=2) + "\n")
@@ -740,7 +730,7 @@ def _train(out, *, seed, vae_steps, steps, n_clips, threads, lr, record_path, pl
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.train_tiny_live", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.train_tiny_live", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
@@ -750,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=THREADS, help="torch CPU threads (results depend on it)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
-    stem = HERE / "train_tiny_live" if out == DEFAULT_OUT else out.parent / out.name
+    stem = RECORDS / "train_tiny_live" if out == DEFAULT_OUT else out.parent / out.name
     train(out, seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, clips=args.clips, threads=args.threads,
           lr=args.lr, record_path=Path(f"{stem}.json"), plot=Path(f"{stem}-loss.png"),
           log=lambda msg: print(msg, flush=True))

@@ -1,6 +1,6 @@
 """Build `weights/tiny-lm/`: a tiny Llama causal LM with a byte-level BPE tokenizer.
 
-    python -m weights.build_tiny_lm [--out DIR] [--seed 0]
+    python -m tools.weights.build_tiny_lm [--out DIR] [--seed 0]
 
 Architecture: Llama with grouped-query attention (4 query heads, 2 KV heads), RoPE,
 hidden 64, 2 layers, max_position_embeddings 4096, vocabulary 384 (256 byte symbols,
@@ -146,13 +146,13 @@ def build(out: Path = TINY_LM_DIR, seed: int = 0) -> Path:
     tok_config = json.loads(tok_config_file.read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     tok_config_file.write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
-    build_info = {"built_by": "python -m weights.build_tiny_lm", "seed": seed}
+    build_info = {"built_by": "python -m tools.weights.build_tiny_lm", "seed": seed}
     (out / "BUILD.json").write_text(json.dumps(build_info, indent=2) + "\n")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m weights.build_tiny_lm", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_lm", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=TINY_LM_DIR, help="output directory (default: weights/tiny-lm)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -4,8 +4,8 @@ directory.
 
 Usage::
 
-    python -m weights.build_tiny_skyreels_df_variants                  # (re)writes both shipped dirs
-    python -m weights.build_tiny_skyreels_df_variants --kind v2v --out DIR
+    python -m tools.weights.build_tiny_skyreels_df_variants                  # (re)writes both shipped dirs
+    python -m tools.weights.build_tiny_skyreels_df_variants --kind v2v --out DIR
 
 The three diffusion-forcing pipelines of diffusers take the same components (tokenizer, UMT5 text encoder,
 ``SkyReelsV2Transformer3DModel``, ``AutoencoderKLWan``, scheduler), and diffusers' own examples load the one
@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from .registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
+from tools.weights.writing import write_whole
+from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 
 SOURCE = "tiny-skyreels-df"
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
@@ -62,20 +61,8 @@ def build(kind: str, out: str | Path | None = None) -> Path:
     (the digest test compares them as links)."""
     if kind not in CLASSES:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    out = Path(DEFAULT_OUT[kind] if out is None else out).absolute()
-    if out.exists() and not (out / "model_index.json").is_file() and any(out.iterdir()):
-        raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        write(kind, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return write_whole(DEFAULT_OUT[kind] if out is None else out, lambda tmp: write(kind, tmp), resolve=False,
+                       normalise=False)
 
 
 def entries(root: Path) -> dict[str, str]:
@@ -84,7 +71,7 @@ def entries(root: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_skyreels_df_variants",
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_skyreels_df_variants",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=KINDS, default=None, help="one of them (default: both)")
     ap.add_argument("--out", default=None, help="output directory (with --kind; default: the shipped one)")

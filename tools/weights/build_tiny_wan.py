@@ -3,10 +3,10 @@
 
 Usage::
 
-    python -m weights.build_tiny_wan                                  # (re)writes weights/tiny-wan/
-    python -m weights.build_tiny_wan --kind skyreels-df --out DIR     # the random DF sibling, written to DIR
+    python -m tools.weights.build_tiny_wan                                  # (re)writes weights/tiny-wan/
+    python -m tools.weights.build_tiny_wan --kind skyreels-df --out DIR     # the random DF sibling, written to DIR
 
-The shipped ``tiny-skyreels-df`` is trained (``python -m weights.train_tiny_skyreels_df``, weights/README.md):
+The shipped ``tiny-skyreels-df`` is trained (``python -m tools.weights.train_tiny_skyreels_df``, weights/README.md):
 this builder writes its random sibling only where ``--out`` says, never over the shipped one.
 
 ``tiny-wan`` is a complete diffusers ``WanPipeline`` directory in Wan 2.1 T2V format and
@@ -34,7 +34,7 @@ scheduler has the published settings, and every model keeps its real structure a
   (weights.wan.WAN_2_1_T2V_SCHEDULER / SKYREELS_V2_SCHEDULER); any step count works.
 * generation_defaults.json: small default call arguments for longserve (ignored by diffusers).
 
-Every parameter is redrawn from a generator seeded per component (``build_tiny_latte.reinit_``,
+Every parameter is redrawn from a generator seeded per component (``weights.seeded.redraw_``: ``reinit_``
 plus gains around 1 for the VAE's RMS norms), so the same library versions give byte-identical
 files and the output is O(1) and depends on every weight. The weights are meaningless.
 """
@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,9 +51,11 @@ from typing import Any
 
 import torch
 
-from .build_tiny_latte import _normalise_permissions, build_tokenizer, file_digests, reinit_
-from .registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
-from .wan import (
+from tools.weights.build_tiny_latte import build_tokenizer
+from tools.weights.writing import report, write_whole
+from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
+from weights.seeded import redraw_
+from weights.wan import (
     MAX_SEQUENCE_LENGTH,
     SKYREELS_V2_DF_1_3B_540P_TRANSFORMER,
     SKYREELS_V2_DF_MODEL_INDEX,
@@ -131,23 +131,6 @@ SKYREELS_DF_GENERATION_DEFAULTS = {
 
 
 # ------------------------------------------------------------------------------------------
-@torch.no_grad()
-def redraw_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """``reinit_`` (seeded, sorted-name order), then the VAE's RMS-norm gains around 1.
-
-    AutoencoderKLWan stores its norm gains as ``gamma`` tensors of shape (C, 1, 1[, 1]), which
-    ``reinit_`` would treat as 1x1 kernels and draw around 0, silencing every block.
-    """
-    reinit_(module, seed)
-    gen = torch.Generator(device="cpu").manual_seed(seed + 7919)
-    params = dict(module.named_parameters())
-    for name in sorted(params):
-        if name.endswith("gamma"):
-            p = params[name]
-            p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.05)
-    return module
-
-
 def build_wan_tokenizer():
     """tiny-latte's T5 vocabulary, padded to the 512 tokens Wan pipelines use."""
     tokenizer, spiece_model = build_tokenizer()
@@ -246,61 +229,28 @@ def write_tiny_skyreels_df(out_dir: Path) -> None:
 WRITERS: dict[str, Callable[[Path], None]] = {"wan": write_tiny_wan, "skyreels-df": write_tiny_skyreels_df}
 
 
-def build_into(out: str | Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` into a temporary sibling of ``out`` and swap it in; return ``out``.
-
-    An interrupted run never leaves a half-written checkpoint behind. An existing ``out`` is only
-    replaced if it is empty or looks like a pipeline directory (has model_index.json).
-    """
-    out = Path(out).resolve()
-    if out.exists():
-        if not out.is_dir():
-            raise FileExistsError(f"{out} exists and is not a directory")
-        if any(out.iterdir()) and not (out / "model_index.json").is_file():
-            raise FileExistsError(f"refusing to overwrite {out}: it is not empty and has no model_index.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        write(tmp)
-        _normalise_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
 def build(kind: str, out: str | Path | None = None) -> Path:
     """Build the ``kind`` checkpoint (``"wan"`` or ``"skyreels-df"``) into ``out`` (default: shipped dir)."""
     if kind not in WRITERS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if out is None and kind not in DEFAULT_OUT:
-        raise ValueError(f"the shipped {kind} checkpoint is trained (python -m weights.train_tiny_skyreels_df); "
+        raise ValueError(f"the shipped {kind} checkpoint is trained (python -m tools.weights.train_tiny_skyreels_df); "
                          f"give an output directory for the random build")
-    return build_into(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
+    return write_whole(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_wan", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_wan", description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=KINDS, default="wan", help="which checkpoint (default: wan)")
     ap.add_argument("--out", default=None, help="output directory (default: weights/tiny-wan; needed for skyreels-df)")
     args = ap.parse_args(argv)
     kinds = (args.kind,)
     if args.out is None and args.kind not in DEFAULT_OUT:
-        ap.error("tiny-skyreels-df is trained (python -m weights.train_tiny_skyreels_df): "
+        ap.error("tiny-skyreels-df is trained (python -m tools.weights.train_tiny_skyreels_df): "
                  "give --out for the random build")
     for kind in kinds:
         t0 = time.perf_counter()
-        out = build(kind, args.out)
-        digests = file_digests(out)
-        total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-        for rel, digest in digests.items():
-            if rel.endswith(".safetensors"):
-                print(f"{digest}  {rel}")
-        print(json.dumps({"kind": kind, "out": str(out), "files": len(digests), "bytes": total,
-                          "seconds": round(time.perf_counter() - t0, 2)}))
+        report(build(kind, args.out), time.perf_counter() - t0, kind=kind)
     return 0
 
 

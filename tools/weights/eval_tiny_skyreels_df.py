@@ -6,7 +6,7 @@ with `overlap_history` at its minimum (1 frame), whose boundary jumps are report
 
 Usage::
 
-    PYTHONPATH=.:tests/support python -m weights.eval_tiny_skyreels_df [--model weights/tiny-skyreels-df]
+    PYTHONPATH=.:tests/support python -m tools.weights.eval_tiny_skyreels_df [--model weights/tiny-skyreels-df]
         [--prompts all|demo] [--control bouncing|all|demo] [--seed 0] [--json out.json]
 
 A prompt's video is recognised (`content.long_video_recognised`) when its colour is named in at least 90% of
@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from weights.clips import PROMPTS
+from weights.prompts import PROMPTS
+from weights.registry import TINY_MODELS
 
 DEMO_PROMPT = "a red ball bouncing"
 #: `make demo-long`'s settings beyond the checkpoint's generation_defaults.json (tests/pipelines/test_long_content.py
@@ -90,8 +91,9 @@ def _median(results: list[dict], key: str) -> float | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.eval_tiny_skyreels_df", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=str(Path(__file__).resolve().parent / "tiny-skyreels-df"))
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.eval_tiny_skyreels_df",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(TINY_MODELS["tiny-skyreels-df"]))
     ap.add_argument("--prompts", choices=("all", "demo"), default="all")
     ap.add_argument("--control", choices=("bouncing", "all", "demo"), default="bouncing",
                     help="prompts of the overlap_history=1 control (default: the 8 bouncing ones)")

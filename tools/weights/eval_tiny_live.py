@@ -3,7 +3,7 @@ follows the runtime's semantics without a cache, and read back chunk by chunk wi
 
 Usage::
 
-    PYTHONPATH=.:tests/support python -m weights.eval_tiny_live [--model weights/tiny-live] [--seconds 30]
+    PYTHONPATH=.:tests/support python -m tools.weights.eval_tiny_live [--model weights/tiny-live] [--seconds 30]
         [--switch-at 15] [--seeds 0 1] [--frames-png out.png]
 
 The sampler (independent of the training code: diffusers' own rotary embedding and cross-attention, only
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from weights.causal_wan import load_causal_transformer, read_causal_config
+from weights.registry import TINY_MODELS
 
 
 class MaskedSelfAttn:
@@ -38,7 +39,7 @@ class MaskedSelfAttn:
     mask: torch.Tensor | None = None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        from weights.train_tiny_live import rotate
+        from tools.weights.train_tiny_live import rotate
 
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         k = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
@@ -147,8 +148,8 @@ def evaluate(sampler: Sampler, seconds: float, switch_at: float, before: str, af
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.eval_tiny_live", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=str(Path(__file__).resolve().parent / "tiny-live"))
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.eval_tiny_live", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(TINY_MODELS["tiny-live"]))
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--switch-at", type=float, default=15.0)
     ap.add_argument("--before", default="a red ball bouncing")

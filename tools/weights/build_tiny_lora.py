@@ -3,8 +3,8 @@ people publish Wan LoRAs in, so that both go through diffusers' loaders in the t
 
 Usage::
 
-    python -m weights.build_tiny_lora                        # (re)writes both shipped adapters
-    python -m weights.build_tiny_lora --kind musubi --out F  # writes the file F instead
+    python -m tools.weights.build_tiny_lora                        # (re)writes both shipped adapters
+    python -m tools.weights.build_tiny_lora --kind musubi --out F  # writes the file F instead
 
 * ``tiny-wan-lora`` (``weights/tiny-wan-lora/pytorch_lora_weights.safetensors``): **diffusers format**, written
   by diffusers' own ``WanPipeline.save_lora_weights`` (keys ``transformer.blocks.0.attn1.to_q.lora_A.weight``,
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .registry import TINY_LORAS
+from weights.registry import TINY_LORAS
 
 SEED = 0
 BLOCKS, INNER, FFN = 2, 36, 64          # tiny-wan's transformer (weights/build_tiny_wan.py)
@@ -126,7 +126,7 @@ def canonical_header(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_lora", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_lora", description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=KINDS, default=None, help="which adapter (default: both)")
     ap.add_argument("--out", default=None, help="where to write it (default: the shipped path)")
     args = ap.parse_args(argv)

@@ -5,13 +5,13 @@ two experts, no image encoder) and ``weights/tiny-skyreels-i2v`` (SkyReels-V2 I2
 
 Usage::
 
-    python -m weights.build_tiny_wan_i2v                               # (re)writes every shipped dir
-    python -m weights.build_tiny_wan_i2v --kind i2v --out DIR          # writes DIR instead
+    python -m tools.weights.build_tiny_wan_i2v                               # (re)writes every shipped dir
+    python -m tools.weights.build_tiny_wan_i2v --kind i2v --out DIR          # writes DIR instead
 
 The Wan 2.1 ones are complete diffusers ``WanImageToVideoPipeline`` directories whose model_index.json names
 the published components (``weights.wan.WAN_2_1_I2V_MODEL_INDEX``: the Wan 2.1 T2V ones plus
 ``CLIPVisionModel`` and ``CLIPImageProcessor``). They share tiny-wan's text encoder, tokenizer
-and VAE builders (``weights.build_tiny_wan``: same seeds, so the same weights) and add:
+and VAE builders (``tools.weights.build_tiny_wan``: same seeds, so the same weights) and add:
 
 * transformer: tiny-wan's (3 heads x 12, 2 blocks, patch (1, 2, 2)) with the I2V branch of
   Wan 2.1 I2V 14B: in_channels 20 = latent 8 + condition 8 + the 4-channel first-frame mask
@@ -51,7 +51,6 @@ give byte-identical files. The weights are meaningless.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -59,22 +58,21 @@ from pathlib import Path
 
 import torch
 
-from .build_tiny_latte import file_digests
-from .build_tiny_wan import (
+from tools.weights.build_tiny_wan import (
     SEED,
     TINY_Z_DIM,
     WAN_GENERATION_DEFAULTS,
     WAN_TRANSFORMER_CONFIG,
-    build_into,
     build_scheduler,
     build_text_encoder,
     build_vae,
     build_wan_tokenizer,
-    redraw_,
     save_pipeline,
 )
-from .registry import TINY_MODELS
-from .wan import (
+from tools.weights.writing import report, write_whole
+from weights.registry import TINY_MODELS
+from weights.seeded import redraw_
+from weights.wan import (
     CLIP_IMAGE_PROCESSOR,
     CLIP_VIT_H_14_VISION,
     SKYREELS_V2_I2V_MODEL_INDEX,
@@ -247,11 +245,11 @@ def build(kind: str, out: str | Path | None = None) -> Path:
     """Build the ``kind`` checkpoint (one of ``KINDS``) into ``out`` (default: the shipped dir)."""
     if kind not in WRITERS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    return build_into(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
+    return write_whole(DEFAULT_OUT[kind] if out is None else out, WRITERS[kind])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weights.build_tiny_wan_i2v", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_wan_i2v", description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=(*KINDS, "all"), default="all", help="which checkpoint (default: all)")
     ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs one --kind)")
     args = ap.parse_args(argv)
@@ -260,14 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out needs one --kind")
     for kind in kinds:
         t0 = time.perf_counter()
-        out = build(kind, args.out)
-        digests = file_digests(out)
-        total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-        for rel, digest in digests.items():
-            if rel.endswith(".safetensors"):
-                print(f"{digest}  {rel}")
-        print(json.dumps({"kind": kind, "out": str(out), "files": len(digests), "bytes": total,
-                          "seconds": round(time.perf_counter() - t0, 2)}))
+        report(build(kind, args.out), time.perf_counter() - t0, kind=kind)
     return 0
 
 

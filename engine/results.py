@@ -1,0 +1,50 @@
+"""What the video engine's jobs (`engine.worker`) report to the coordinator: small frozen dataclasses that cross
+the pool's result queue. The scheduler (`engine.scheduler`) and the families (`engine.families`) read and make
+them; this module imports nothing of either, so `engine.worker` -> `engine.families` -> here is no circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the coordinator learns of a request after every job."""
+
+    steps_done: int
+    batch_key: tuple
+    decodable: bool            # final frames wait to be decoded
+    num_steps: int | None = None    # when the totals changed since admission (a live session was stopped)
+    num_frames: int | None = None
+    model: int = 0             # which of the family's denoisers its next step uses (Wan 2.2: the expert)
+
+
+@dataclass(frozen=True)
+class Admission:
+    num_steps: int
+    num_frames: int
+    encode_s: float
+    progress: Progress
+
+
+@dataclass(frozen=True)
+class StepResult:
+    progress: list[dict]       # per step run: {request_id: Progress}
+    compute_s: float
+    compiled_graphs: int = 0   # graphs this worker compiled so far (`compile` blocks; 0 without)
+
+
+@dataclass(frozen=True)
+class DecodedChunk:
+    """Frames [start, stop) of a request (rank 0's view); `done` once every frame was handed out."""
+
+    frames: object
+    start: int
+    stop: int
+    num_frames: int
+    vae_s: float
+    done: bool
+    progress: Progress
+    timings: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)     # the family's (a causal model: chunk index, prompt index)

@@ -1,0 +1,27 @@
+"""Fault injection for tests/server/test_serve_process.py, kept out of the installed package: the test puts this
+folder first on a `longserve serve` process's PYTHONPATH, so Python runs this file at start-up.
+
+With LONGSERVE_TEST_PAUSE_BEFORE_COMMIT set, a video whose prompt is its value stops between its complete MP4 and
+the record that says so: measuring the finished files (`JobStore.files_bytes`, the last step before the record is
+written) blocks until the process is killed, a crash at the worst moment for the store. The variable is taken
+out of the environment here, so the server's workers start without the patch.
+"""
+
+import os
+
+_PROMPT = os.environ.pop("LONGSERVE_TEST_PAUSE_BEFORE_COMMIT", None)
+
+if _PROMPT:
+    import threading
+
+    from server.api.store import JobStore
+
+    _measure = JobStore.files_bytes
+
+    def _files_bytes(self, video_id):
+        record = self.get(video_id)
+        if record is not None and record.prompt == _PROMPT:
+            threading.Event().wait()            # forever: the test kills the process
+        return _measure(self, video_id)
+
+    JobStore.files_bytes = _files_bytes
