@@ -45,7 +45,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from engine import comm
-from engine.request import RequestError
+from engine.errors import RequestError
 from engine.sharding import current_shard
 
 KINDS = ("first_block", "mag")

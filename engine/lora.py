@@ -47,7 +47,7 @@ import os
 import re
 from typing import Any, NamedTuple
 
-from engine.request import RequestError
+from engine.errors import RequestError
 
 MAX_SCALE = 10.0                 # largest |scale| a request may ask for (kohya users go up to about 3)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")

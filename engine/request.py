@@ -32,6 +32,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.errors import RequestError
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig, GenerationDefaults, ModelDescription
 
@@ -41,15 +43,6 @@ MAX_SEED = 2**63 - 1
 OVERLAP_OPTION = "overlap_history"
 
 
-class RequestError(ValueError):
-    """The request's input is invalid: the caller's fault (HTTP 4xx), raised before any worker ran.
-
-    `field` names the argument at fault ("num_frames", "size", "ar_step", ...).
-    """
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass
