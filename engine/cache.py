@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
-from engine import comm
-from engine.errors import RequestError
-from engine.sharding import current_shard
+from longserve.engine import comm
+from longserve.engine.errors import RequestError
+from longserve.engine.sharding import current_shard
 
 KINDS = ("first_block", "mag")
 #: named presets: diffusers' defaults (`FirstBlockCacheConfig()`, `MagCacheConfig()`)

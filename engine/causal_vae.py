@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import comm
-from engine.dist import ParallelGroup
+from longserve.engine import comm
+from longserve.engine.dist import ParallelGroup
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.dist import ParallelGroup
+from longserve.engine.dist import ParallelGroup
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 if typing.TYPE_CHECKING:
-    from engine.parallel import ParallelPlan
+    from longserve.engine.parallel import ParallelPlan
 
 DEVICES = (None, "cpu", "cuda")
 MAX_STEPS = 1000                    # most denoising steps a request may ask for, anywhere
@@ -121,7 +121,7 @@ class EngineConfig:
                                             "load (exponential backoff; seconds)", group="scheduling")
 
     def __post_init__(self):
-        from engine.lora import parse_adapters
+        from longserve.engine.lora import parse_adapters
 
         object.__setattr__(self, "loras", parse_adapters(self.loras))     # any accepted shape -> LoraAdapter tuples
         _positive_int("workers", self.workers)
@@ -136,11 +136,11 @@ class EngineConfig:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}; got {self.attention!r}")
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {self.launcher!r}")
-        from engine.dist import parse_dtype
+        from longserve.engine.dist import parse_dtype
 
         parse_dtype(self.dtype)
         if self.cache is not None:
-            from engine.cache import parse_cache
+            from longserve.engine.cache import parse_cache
 
             if not isinstance(self.cache, str):
                 raise ValueError(f"cache must be a preset name or JSON text; got {type(self.cache).__name__}")
@@ -148,7 +148,7 @@ class EngineConfig:
                 object.__setattr__(self, "cache", None)        # "none" / "off": no caching
         if self.compile not in COMPILE:
             raise ValueError(f"compile must be one of {', '.join(COMPILE)}; got {self.compile!r}")
-        from engine.compile import BACKENDS
+        from longserve.engine.compile import BACKENDS
 
         if self.compile_backend not in BACKENDS:
             raise ValueError(f"compile_backend must be one of {', '.join(BACKENDS)}; got {self.compile_backend!r}")

@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from engine import worker as jobs
-from engine.config import EngineConfig
-from engine.outputs import (
+from longserve.engine import worker as jobs
+from longserve.engine.config import EngineConfig
+from longserve.engine.outputs import (
     CANCELLED,
     Admitted,
     Failed,
@@ -41,9 +41,9 @@ from engine.outputs import (
     StepProgress,
     ended_early,
 )
-from engine.pool import WorkerError
-from engine.request import GenerationSpec
-from engine.scheduler import RequestState, ScheduledRequest, Scheduler
+from longserve.engine.pool import WorkerError
+from longserve.engine.request import GenerationSpec
+from longserve.engine.scheduler import RequestState, ScheduledRequest, Scheduler
 
 log = logging.getLogger("longserve.engine")
 

@@ -162,7 +162,7 @@ class WanVAEDecoder:
     diffusers' Wan pipelines decode or in diffusers' default tiles (`vae.enable_tiling()`) with `tiling`."""
 
     def __init__(self, pipe, pg, latents: torch.Tensor, tiling: bool, output: str):
-        from engine.causal_vae import StreamingVAEDecoder, VAETiling
+        from longserve.engine.causal_vae import StreamingVAEDecoder, VAETiling
 
         B, _, _, h, w = latents.shape
         self.vae, self.processor, self.output = pipe.vae, pipe.video_processor, output

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
 
-from engine import lora, worker
-from engine.config import EngineConfig, ModelInfo, WorkerConfig
-from engine.core import BatchStep, EngineCore
-from engine.families import detect_family
-from engine.outputs import CANCELLED, FINAL, RequestFailure, RequestOutput
-from engine.parallel import ParallelPlan
-from engine.pool import WorkerError, launched_by_torchrun, make_pool
-from engine.request import (
+from longserve.engine import lora, worker
+from longserve.engine.config import EngineConfig, ModelInfo, WorkerConfig
+from longserve.engine.core import BatchStep, EngineCore
+from longserve.engine.families import detect_family
+from longserve.engine.outputs import CANCELLED, FINAL, RequestFailure, RequestOutput
+from longserve.engine.parallel import ParallelPlan
+from longserve.engine.pool import WorkerError, launched_by_torchrun, make_pool
+from longserve.engine.request import (
     GenerationSpec,
     RequestError,
     RequestInput,
@@ -46,15 +46,15 @@ from engine.request import (
     default_request,
     fill_request,
 )
-from engine.scheduler import QueueFullError, RequestState, ScheduledRequest
+from longserve.engine.scheduler import QueueFullError, RequestState, ScheduledRequest
 
 log = logging.getLogger("longserve.engine")
 
 
 def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan) -> None:
     """Refuse, before any worker loads, a `compile` or `quantize` that could not run (ValueError naming it)."""
-    from engine.dist import default_device
-    from engine.quantize import check_fp8
+    from longserve.engine.dist import default_device
+    from longserve.engine.quantize import check_fp8
 
     if config.compile != "none":
         if not family.supports_compile:
@@ -74,7 +74,7 @@ def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan) -
 
 def resolve_checkpoint(model: str | os.PathLike) -> Path:
     """A shipped model name or a local diffusers directory -> its validated absolute path."""
-    from weights import resolve_model
+    from longserve.weights import resolve_model
 
     return Path(resolve_model(model))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.request import RequestError
+from longserve.engine.request import RequestError
 
 #: the largest image a request may carry (pixels): a 16k x 16k frame; larger is refused, naming the field
 MAX_IMAGE_PIXELS = 1 << 28

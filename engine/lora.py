@@ -47,7 +47,7 @@ import os
 import re
 from typing import Any, NamedTuple
 
-from engine.errors import RequestError
+from longserve.engine.errors import RequestError
 
 MAX_SCALE = 10.0                 # largest |scale| a request may ask for (kohya users go up to about 3)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
@@ -142,7 +142,7 @@ def check_adapters(adapters: tuple[LoraAdapter, ...], family, desc) -> tuple[Lor
     """At start, on the coordinator: the family loads adapters, each file exists, is safetensors and holds LoRA
     weights (names only: its tensors are read by the workers). Paths come back absolute. ValueError naming the
     flag and the adapter."""
-    from weights import resolve_lora
+    from longserve.weights import resolve_lora
 
     if not adapters:
         return ()

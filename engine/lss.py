@@ -41,9 +41,9 @@ from typing import Callable
 
 import torch
 
-from engine import comm
-from engine.dist import ParallelGroup, parse_dtype
-from engine.memory import PeakMemory
+from longserve.engine import comm
+from longserve.engine.dist import ParallelGroup, parse_dtype
+from longserve.engine.memory import PeakMemory
 
 ATTN_IMPLEMENTATION = "longserve_lss"
 STRATEGIES = ("lss", "ring")

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import comm
-from engine.dist import ParallelGroup
+from longserve.engine import comm
+from longserve.engine.dist import ParallelGroup
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ from typing import Any, Callable
 
 import torch
 
-from engine import comm, startup
-from engine.dist import ParallelGroup, default_device, destroy, find_free_port, init_local_group
+from longserve.engine import comm, startup
+from longserve.engine.dist import ParallelGroup, default_device, destroy, find_free_port, init_local_group
 
 FAILURE_KINDS = ("input", "out_of_memory", "internal", "worker_died", "timeout", "setup")
 
@@ -63,7 +63,7 @@ class WorkerError(RuntimeError):
 
 def classify(e: BaseException) -> str:
     """The failure kind of an exception raised by a job."""
-    from engine.request import RequestError
+    from longserve.engine.request import RequestError
 
     if isinstance(e, RequestError):
         return "input"
@@ -432,7 +432,7 @@ class TorchrunPool:
 
         import torch.distributed as dist
 
-        from engine.dist import init_from_torchrun
+        from longserve.engine.dist import init_from_torchrun
 
         pg = init_from_torchrun(device)
         self.workers = pg.world_size

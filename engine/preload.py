@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("engine.worker", "engine.lss", "engine.families.latte", "engine.families.wan",
-           "engine.families.wan_i2v", "engine.families.wan_ti2v", "engine.families.skyreels_df", "engine.offload",
-           "engine.models.latte", "engine.models.wan", "engine.causal_vae")
+MODULES = tuple(f"longserve.engine.{m}" for m in (
+    "worker", "lss", "families.latte", "families.wan", "families.wan_i2v", "families.wan_ti2v", "families.skyreels_df",
+    "offload", "models.latte", "models.wan", "causal_vae"))
 #: (module, attribute): diffusers and transformers import their classes lazily, on attribute access
 CLASSES = (("diffusers", "LattePipeline"), ("diffusers", "WanPipeline"), ("diffusers", "WanImageToVideoPipeline"),
            ("diffusers", "SkyReelsV2Pipeline"), ("diffusers", "SkyReelsV2DiffusionForcingPipeline"),

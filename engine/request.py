@@ -32,10 +32,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.errors import RequestError
+from longserve.engine.errors import RequestError
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, GenerationDefaults, ModelDescription
+    from longserve.engine.config import EngineConfig, GenerationDefaults, ModelDescription
 
 OUTPUTS = ("np", "uint8", "latent")
 MAX_SEED = 2**63 - 1
@@ -134,7 +134,7 @@ def default_request(desc: "ModelDescription", request_id: str) -> RequestInput:
     or video where the model needs one."""
     import numpy as np
 
-    from engine.config import REQUIRED
+    from longserve.engine.config import REQUIRED
 
     d, caps = desc.defaults, desc.capabilities
     grey = np.full((d.height, d.width, 3), 128, dtype=np.uint8)
@@ -216,7 +216,7 @@ def request_frames(request: RequestInput, desc: "ModelDescription", defaults: "G
 
 def fill_request(request: RequestInput, desc: "ModelDescription", defaults: "GenerationDefaults") -> GenerationSpec:
     """Steps 1-3 of the completion (the module docstring): a spec with every field filled in, not yet checked."""
-    from engine.config import MAX_FPS
+    from longserve.engine.config import MAX_FPS
 
     prompts = prompt_list(request.prompt)
     fps = _integer("fps", defaults.fps if request.fps is None else request.fps, 1, MAX_FPS)
@@ -240,7 +240,7 @@ def complete_request(request: "RequestInput | GenerationSpec", family, desc: "Mo
                      config: "EngineConfig") -> GenerationSpec:
     """A door's request -> a complete, checked `GenerationSpec` (the module docstring's steps; RequestError
     naming the field). A `GenerationSpec` is checked as it is (steps 4-5): checking is idempotent."""
-    from engine import lora
+    from longserve.engine import lora
 
     if isinstance(request, RequestInput):
         spec = fill_request(request, desc, config.request_defaults(desc.defaults))

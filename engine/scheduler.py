@@ -57,9 +57,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from engine.outputs import OutputStream, RequestFailure
-from engine.request import GenerationSpec
+from longserve.engine.config import EngineConfig
+from longserve.engine.outputs import OutputStream, RequestFailure
+from longserve.engine.request import GenerationSpec
 
 
 class RequestState(str, enum.Enum):

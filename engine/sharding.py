@@ -48,8 +48,8 @@ from dataclasses import dataclass, field, fields
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
-from engine import comm
-from engine.parallel import SequenceParallel, sequence_parallel_attention
+from longserve.engine import comm
+from longserve.engine.parallel import SequenceParallel, sequence_parallel_attention
 
 HOOK = "longserve_shard---{}"
 

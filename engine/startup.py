@@ -11,7 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 
-PRELOAD = ["engine.preload"]
+PRELOAD = ["longserve.engine.preload"]
 
 
 def start_method(device: str) -> str:

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import time
 
-from engine.config import WorkerConfig
-from engine.families import detect_family
-from engine.parallel import ParallelPlan
-from engine.request import GenerationSpec
-from engine.results import Admission, DecodedChunk, StepResult
+from longserve.engine.config import WorkerConfig
+from longserve.engine.families import detect_family
+from longserve.engine.parallel import ParallelPlan
+from longserve.engine.request import GenerationSpec
+from longserve.engine.results import Admission, DecodedChunk, StepResult
 
 
 def setup_worker(ctx, config: WorkerConfig) -> None:
@@ -43,7 +43,7 @@ def setup_worker(ctx, config: WorkerConfig) -> None:
 
 def model_info(ctx) -> dict:
     """What the workers report about the loaded model (rank 0's view)."""
-    from engine.compile import compiled_graphs
+    from longserve.engine.compile import compiled_graphs
 
     family = ctx.state["family"]
     engine = family.config.engine
@@ -83,7 +83,7 @@ def step(ctx, request_ids: list[str], max_steps: int = 1) -> StepResult:
         progress.append({r.spec.request_id: r.progress() for r in reqs})
         if any(r.denoised or r.decodable() or r.batch_key != key for r in reqs):
             break
-    from engine.compile import compiled_graphs
+    from longserve.engine.compile import compiled_graphs
 
     return StepResult(progress, time.perf_counter() - t0, compiled_graphs())
 
@@ -116,7 +116,7 @@ def release(ctx, request_ids: list[str]) -> None:
 
 def memory_start(ctx) -> None:
     """Start counting this worker's peak tensor memory (engine.memory.PeakMemory) across the jobs that follow."""
-    from engine.memory import PeakMemory
+    from longserve.engine.memory import PeakMemory
 
     ctx.state["memory"] = PeakMemory(ctx.pg.device).__enter__()
 

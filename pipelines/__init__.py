@@ -1,4 +1,4 @@
 """The user-facing Python API."""
 
-from pipelines.scoring import ScoreResult, TextScoringPipeline  # noqa: F401
-from pipelines.video import VideoOutput, VideoPipeline  # noqa: F401
+from longserve.pipelines.scoring import ScoreResult, TextScoringPipeline  # noqa: F401
+from longserve.pipelines.video import VideoOutput, VideoPipeline  # noqa: F401

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.request import RequestError
+from longserve.engine.request import RequestError
 
 #: how long ffmpeg may take over a header or a decode before the file is refused
 FFMPEG_TIMEOUT_S = 120

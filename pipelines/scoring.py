@@ -1,6 +1,6 @@
 """TextScoringPipeline: the log-likelihood of a long text under a causal LM, sequence-sharded.
 
-    from pipelines import TextScoringPipeline
+    from longserve.pipelines import TextScoringPipeline
     with TextScoringPipeline.from_pretrained("tiny-lm", workers=2, strategy="lss") as scorer:
         r = scorer.score(text, return_token_logprobs=True)
         r.num_tokens, r.num_bytes, r.total_nll, r.mean_nll, r.perplexity, r.bits_per_byte
@@ -40,10 +40,10 @@ from typing import Callable
 
 import torch
 
-from engine import lss
-from engine.dist import parse_dtype
-from engine.pool import WorkerPool
-from engine.request import RequestError
+from longserve.engine import lss
+from longserve.engine.dist import parse_dtype
+from longserve.engine.pool import WorkerPool
+from longserve.engine.request import RequestError
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -126,7 +126,7 @@ class TextScoringPipeline:
         """Load `model` ("tiny-lm" or a local transformers causal-LM directory) on `workers` workers."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from weights.lm import resolve_causal_lm
+        from longserve.weights.lm import resolve_causal_lm
 
         _check_workers(workers)
         _check_strategy(strategy)

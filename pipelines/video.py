@@ -1,6 +1,6 @@
 """`VideoPipeline`: text-to-video with any supported checkpoint, on a pool of parallel workers.
 
-    from pipelines import VideoPipeline
+    from longserve.pipelines import VideoPipeline
     with VideoPipeline.from_pretrained("tiny-latte", workers=2) as pipe:      # parallel="auto": DSP here
         out = pipe("a red ball bouncing", num_frames=32, height=64, width=64,
                    num_inference_steps=20, guidance_scale=4.5, seed=0)
@@ -23,11 +23,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from engine.config import EngineConfig
-from engine.engine import VideoEngine
-from engine.outputs import Cancelled, Failed, Finished, FramesChunk, RequestOutput, Requeued, StepProgress
-from engine.pool import WorkerError
-from engine.request import GenerationSpec, RequestError, RequestInput
+from longserve.engine.config import EngineConfig
+from longserve.engine.engine import VideoEngine
+from longserve.engine.outputs import Cancelled, Failed, Finished, FramesChunk, RequestOutput, Requeued, StepProgress
+from longserve.engine.pool import WorkerError
+from longserve.engine.request import GenerationSpec, RequestError, RequestInput
 
 OUTPUT_TYPES = ("np", "latent")
 WHOLE_VIDEO = 1 << 30          # frames per decode call: everything that is final, split across the workers
@@ -213,7 +213,7 @@ class VideoPipeline:
         """`video="in.mp4"` (a path) -> its frames (`pipelines/media.py`); arrays and PIL images go as they are."""
         video = options.get("video")
         if isinstance(video, (str, os.PathLike)):
-            from pipelines.media import read_mp4
+            from longserve.pipelines.media import read_mp4
 
             options = dict(options, video=read_mp4(video, "video"))
         return options

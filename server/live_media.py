@@ -52,7 +52,7 @@ from typing import IO
 
 import numpy as np
 
-from server.media import ffmpeg_exe, lower_priority
+from longserve.server.media import ffmpeg_exe, lower_priority
 
 log = logging.getLogger("longserve.live_media")
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from server.notify import Notifier
+from longserve.server.notify import Notifier
 
 log = logging.getLogger("longserve.media")
 

@@ -63,7 +63,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def bare_pool4():
     """Four gloo workers with no model: forward-level tests build their sub-groups in `ctx.state`."""
-    from engine.pool import WorkerPool
+    from longserve.engine.pool import WorkerPool
 
     with WorkerPool(4, device="cpu") as pool:
         yield pool
@@ -78,7 +78,7 @@ class PipelineCache:
         self._open: collections.OrderedDict = collections.OrderedDict()
 
     def get(self, model: str, **options):
-        from pipelines import VideoPipeline
+        from longserve.pipelines import VideoPipeline
 
         options.setdefault("device", "cpu")
         key = (model, tuple(sorted(options.items())))

@@ -12,35 +12,55 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNTIME = ("engine", "pipelines", "server", "weights")
+RUNTIME = ("engine", "pipelines", "server", "weights")      # the repository's folders, `longserve.<folder>` installed
 DEV_MODULE = re.compile(r"^(build|train|eval)_")
 
 
-def shipped_files() -> list[str]:
-    """The files a wheel gets, as setuptools finds them with pyproject.toml's settings (the same list as the built
-    wheel's, which takes 5-15 s to build): every module of every package found, and the package data."""
-    from setuptools import find_namespace_packages
+def setuptools_config() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+def package_folder(package: str, package_dir: dict) -> Path:
+    """Where a package's files are in the repository, by pyproject's package-dir (longserve.engine -> engine/)."""
+    for prefix in sorted(package_dir, key=len, reverse=True):
+        if package == prefix or package.startswith(prefix + "."):
+            return ROOT / package_dir[prefix] / package[len(prefix) + 1:].replace(".", "/")
+    return ROOT / package.replace(".", "/")
+
+
+def shipped_files() -> list[str]:
+    """The files a wheel gets, as installed paths (longserve/engine/...), from pyproject.toml's settings (the same list
+    as the built wheel's, which takes 5-15 s to build): every module of every listed package, and the package data."""
+    config = setuptools_config()
     files = []
-    for package in find_namespace_packages(where=str(ROOT), include=config["packages"]["find"]["include"]):
-        folder = ROOT / package.replace(".", "/")
-        files += [p.relative_to(ROOT).as_posix() for p in folder.glob("*.py")]
+    for package in config["packages"]:
+        folder = package_folder(package, config["package-dir"])
+        files += [f"{package.replace('.', '/')}/{p.name}" for p in folder.glob("*.py")]
     for package, patterns in config["package-data"].items():
+        folder = package_folder(package, config["package-dir"])
         for pattern in patterns:            # glob.glob, as setuptools: it follows the DF variants' linked folders
-            found = glob.glob(str(ROOT / package / pattern), recursive=True)
-            files += [Path(p).relative_to(ROOT).as_posix() for p in found if Path(p).is_file()]
+            found = glob.glob(str(folder / pattern), recursive=True)
+            files += [f"{package.replace('.', '/')}/{Path(p).relative_to(folder).as_posix()}" for p in found
+                      if Path(p).is_file()]
     return sorted(set(files))
 
 
-def test_the_installed_packages_hold_runtime_code_and_the_shipped_checkpoints_only():
+def test_one_top_level_name_holding_runtime_code_and_the_shipped_checkpoints_only():
+    config = setuptools_config()
+    listed = set(config["packages"])
+    folders = {"longserve." + ".".join(p.parent.relative_to(ROOT).parts)
+               for top in RUNTIME for p in (ROOT / top).rglob("__init__.py") if "/tiny-" not in p.as_posix()}
+    assert folders <= listed, f"package folders missing from pyproject's packages: {sorted(folders - listed)}"
     files = shipped_files()
     modules = [f for f in files if f.endswith(".py")]
-    assert {f.split("/")[0] for f in files} == set(RUNTIME)
+    assert {f.split("/")[0] for f in files} == {"longserve"}, "installing longserve adds exactly one top-level name"
+    assert {f.split("/")[1] for f in files if f.count("/") > 1} == set(RUNTIME)
     assert not [f for f in modules if DEV_MODULE.match(Path(f).name)], "builders/training/evaluation are tools/"
     assert not [f for f in modules if "/tiny-" in f]
-    assert {"weights/registry.py", "weights/seeded.py", "weights/prompts.py", "server/cli/__init__.py"} <= set(files)
-    assert "weights/tiny-latte/model_index.json" in files and "weights/tiny-lm/model.safetensors" in files
+    assert {"longserve/__init__.py", "longserve/weights/registry.py", "longserve/weights/seeded.py",
+            "longserve/weights/prompts.py", "longserve/server/cli/__init__.py"} <= set(files)
+    assert "longserve/weights/tiny-latte/model_index.json" in files and \
+        "longserve/weights/tiny-lm/model.safetensors" in files
 
 
 def imports_of(path: Path, module: str) -> set[str]:
@@ -60,12 +80,12 @@ def imports_of(path: Path, module: str) -> set[str]:
 
 
 def runtime_imports() -> dict[str, set[str]]:
-    """Every runtime module (dotted name) -> what it imports."""
-    found = {}
+    """Every runtime module (its installed dotted name, longserve.engine.worker) -> what it imports."""
+    found = {"longserve": imports_of(ROOT / "longserve" / "__init__.py", "longserve")}
     for top in RUNTIME:
         for path in (ROOT / top).rglob("*.py"):
             if "/tiny-" not in path.as_posix():
-                parts = path.relative_to(ROOT).with_suffix("").parts
+                parts = ("longserve", *path.relative_to(ROOT).with_suffix("").parts)
                 module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
                 found[module] = imports_of(path, module)
     return found
@@ -113,15 +133,19 @@ def test_no_runtime_module_imports_itself_back_nor_upwards_nor_dev_tooling():
     assert cycle(graph) is None, " -> ".join(cycle(graph))
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]     # the check can fail
     layer = {top: i for i, top in enumerate(("weights", "engine", "pipelines", "server"))}
-    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
-                    if layer[t.split(".")[0]] > layer[m.split(".")[0]])
+
+    def layer_of(module: str) -> int:           # longserve itself (its lazy exports) sits above every layer
+        parts = module.split(".")
+        return layer[parts[1]] if len(parts) > 1 else len(layer)
+
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
     assert not upward, upward
     dev = sorted(f"{m} -> {n}" for m, names in imports.items() for n in names if n.split(".")[0] in ("tools", "tests"))
     assert not dev, dev
 
 
 def test_every_rebuild_command_the_registry_names_is_a_script_in_tools_weights():
-    from weights.registry import REBUILD_COMMANDS, TINY_MODELS
+    from longserve.weights.registry import REBUILD_COMMANDS, TINY_MODELS
 
     assert set(REBUILD_COMMANDS) == set(TINY_MODELS)
     for name, command in REBUILD_COMMANDS.items():

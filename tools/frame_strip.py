@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     frames = iio.imread(args.video)
     if args.segments:
-        from engine.families.skyreels_df import segment_frame_starts
+        from longserve.engine.families.skyreels_df import segment_frame_starts
 
         base, overlap = (int(x) for x in args.segments.split(","))
         frames = frames[segment_frame_starts(len(frames), base, overlap)]

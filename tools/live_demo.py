@@ -39,8 +39,8 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from pipelines import VideoPipeline
-    from pipelines.video import save_video
+    from longserve.pipelines import VideoPipeline
+    from longserve.pipelines.video import save_video
 
     with VideoPipeline.from_pretrained(args.model) as pipe:
         fps, temporal = pipe.defaults.fps, pipe.info.frame_multiple

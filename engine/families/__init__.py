@@ -12,7 +12,7 @@ import pkgutil
 from functools import cache
 from pathlib import Path
 
-from engine.families.base import VideoFamily
+from longserve.engine.families.base import VideoFamily
 
 
 @cache
@@ -40,7 +40,7 @@ def family_for(pipeline_class: str) -> type[VideoFamily]:
 def detect_family(model_dir: str | Path) -> type[VideoFamily]:
     """The family of a checkpoint directory: one that claims the directory by a file of its own (a causal
     model's `causal_config.json`), else the one serving its `model_index.json`'s `_class_name`."""
-    from engine.families.base import read_json
+    from longserve.engine.families.base import read_json
 
     for family in all_families():
         if family.claims(Path(model_dir)):

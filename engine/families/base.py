@@ -46,13 +46,20 @@ from typing import Callable, ClassVar
 import numpy as np
 import torch
 
-from engine import comm
-from engine.config import MAX_STEPS, Capabilities, GenerationDefaults, ModelDescription, WorkerConfig
-from engine.decoding import FramesPolicy, FrameStream
-from engine.dist import parse_dtype
-from engine.lora import step_rows
-from engine.parallel import ParallelPlan, resolve_plan
-from engine.request import OUTPUTS, GenerationSpec, RequestError, check_prompts, complete_request, default_request
+from longserve.engine import comm
+from longserve.engine.config import MAX_STEPS, Capabilities, GenerationDefaults, ModelDescription, WorkerConfig
+from longserve.engine.decoding import FramesPolicy, FrameStream
+from longserve.engine.dist import parse_dtype
+from longserve.engine.lora import step_rows
+from longserve.engine.parallel import ParallelPlan, resolve_plan
+from longserve.engine.request import (
+    OUTPUTS,
+    GenerationSpec,
+    RequestError,
+    check_prompts,
+    complete_request,
+    default_request,
+)
 
 
 @dataclass
@@ -95,7 +102,7 @@ class WorkerRequest:
 
     def progress(self):
         """What the coordinator learns after each job (`engine.results.Progress`)."""
-        from engine.results import Progress
+        from longserve.engine.results import Progress
 
         return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames,
                         self.model)
@@ -224,17 +231,17 @@ class VideoFamily:
         if (engine.quantize != "none" or engine.compile != "none") and denoisers.blocks is None:
             raise ValueError(f"compile and quantize are not built for the {self.name} family")
         if engine.quantize == "fp8":
-            from engine.quantize import quantize_fp8
+            from longserve.engine.quantize import quantize_fp8
 
             for m in modules:
                 quantize_fp8(m)
         if engine.compile == "blocks":
-            from engine.compile import compile_blocks
+            from longserve.engine.compile import compile_blocks
 
             for m in modules:
                 compile_blocks(denoisers.blocks(m), engine.compile_backend)
         if denoisers.cache_units:
-            from engine.cache import StepCache
+            from longserve.engine.cache import StepCache
 
             self.step_cache = StepCache(blocks=denoisers.cache_units)
         if denoisers.cache_hooks:
@@ -242,7 +249,7 @@ class VideoFamily:
                 denoisers.cache_hooks(m, self.step_cache)  # step caching reads the running forward's shard itself
         sharded = [self.shard(m) for m in modules]
         if denoisers.offload:
-            from engine.offload import ExpertResidency
+            from longserve.engine.offload import ExpertResidency
 
             self.residency = ExpertResidency(modules, self.pg.device)
         return sharded
@@ -447,8 +454,7 @@ def read_json(path: Path) -> dict:
 
 def generation_defaults(model_dir: Path, fallback: dict) -> GenerationDefaults:
     """The checkpoint's optional `generation_defaults.json` (longserve's; diffusers ignores it) over `fallback`."""
-    import weights
-
+    from longserve import weights
     return GenerationDefaults.from_dict({**fallback, **weights.generation_defaults(model_dir)})
 
 
@@ -553,7 +559,7 @@ def check_cache_option(spec: GenerationSpec, kinds: tuple[str, ...] = ("first_bl
     (its `mag_ratios.json`), for a `mag` cache that brings none."""
     if "cache" not in spec.options:
         return spec
-    from engine.cache import parse_cache
+    from longserve.engine.cache import parse_cache
 
     config = parse_cache(spec.options["cache"])
     if config is not None and config["kind"] not in kinds:

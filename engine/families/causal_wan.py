@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, FamilyFacts, ModelDescription
-from engine.decoding import FramesPolicy, decoded_frames
-from engine.families.base import (
+from longserve.engine.config import EngineConfig, FamilyFacts, ModelDescription
+from longserve.engine.decoding import FramesPolicy, decoded_frames
+from longserve.engine.families.base import (
     Denoisers,
     VideoFamily,
     WorkerRequest,
@@ -45,10 +45,10 @@ from engine.families.base import (
     seeded_generator,
     sync_cuda,
 )
-from engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
-from engine.models.causal import CausalConfig, CausalWan, KVCache
-from engine.parallel import ParallelPlan
-from engine.request import GenerationSpec, RequestError
+from longserve.engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
+from longserve.engine.models.causal import CausalConfig, CausalWan, KVCache
+from longserve.engine.parallel import ParallelPlan
+from longserve.engine.request import GenerationSpec, RequestError
 
 CAUSAL_CONFIG_FILE = "causal_config.json"
 OPTIONS = ("prompt_schedule", "live")
@@ -178,7 +178,7 @@ class CausalWanFamily(WanParts, VideoFamily):
     @classmethod
     def kv_bytes(cls, desc: ModelDescription, spec: GenerationSpec, config: EngineConfig) -> int:
         """Per worker: one KVCache per video (engine/models/causal.py), at the engine's dtype."""
-        from engine.dist import parse_dtype
+        from longserve.engine.dist import parse_dtype
 
         f = desc.facts
         tokens = (spec.height // f.vae_spatial // f.patch[1]) * (spec.width // f.vae_spatial // f.patch[2])
@@ -192,7 +192,7 @@ class CausalWanFamily(WanParts, VideoFamily):
         import diffusers
         import transformers
 
-        from weights.causal_wan import load_causal_transformer
+        from longserve.weights.causal_wan import load_causal_transformer
 
         super().__init__(ctx, config)
         diffusers.utils.logging.disable_progress_bar()

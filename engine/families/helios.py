@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import FamilyFacts, ModelDescription
-from engine.decoding import FramesPolicy, decoded_frames
-from engine.families.base import (
+from longserve.engine.config import FamilyFacts, ModelDescription
+from longserve.engine.decoding import FramesPolicy, decoded_frames
+from longserve.engine.families.base import (
     Denoisers,
     VideoFamily,
     WorkerRequest,
@@ -45,9 +45,9 @@ from engine.families.base import (
     read_json,
     seeded_generator,
 )
-from engine.families.wan_parts import WanParts, vae_factors
-from engine.models.helios import HeliosSequenceParallel
-from engine.request import GenerationSpec, RequestError
+from longserve.engine.families.wan_parts import WanParts, vae_factors
+from longserve.engine.models.helios import HeliosSequenceParallel
+from longserve.engine.request import GenerationSpec, RequestError
 
 OPTIONS = ("history_sizes", "num_latent_frames_per_chunk", "sigmas")
 HISTORY = ("latents_history_long", "latents_history_mid", "latents_history_short")

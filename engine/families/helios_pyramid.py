@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelDescription
-from engine.families.base import check_int, read_json
-from engine.families.helios import HeliosFacts, HeliosFamily, HeliosRequest
-from engine.request import GenerationSpec, RequestError
+from longserve.engine.config import ModelDescription
+from longserve.engine.families.base import check_int, read_json
+from longserve.engine.families.helios import HeliosFacts, HeliosFamily, HeliosRequest
+from longserve.engine.request import GenerationSpec, RequestError
 
 PYRAMID_OPTIONS = ("pyramid_num_inference_steps_list", "is_amplify_first_chunk", "use_zero_init", "zero_steps")
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from engine import comm
-from engine.config import ModelDescription
-from engine.decoding import FramesPolicy, to_pixels
-from engine.families.base import (
+from longserve.engine import comm
+from longserve.engine.config import ModelDescription
+from longserve.engine.decoding import FramesPolicy, to_pixels
+from longserve.engine.families.base import (
     Denoisers,
     VideoFamily,
     WorkerRequest,
@@ -22,9 +22,9 @@ from engine.families.base import (
     scheduler_step_kwargs,
     seeded_generator,
 )
-from engine.models.latte import STRATEGIES, check_strategy, parallel_forward
-from engine.parallel import ParallelPlan, make_cfg_groups
-from engine.request import GenerationSpec
+from longserve.engine.models.latte import STRATEGIES, check_strategy, parallel_forward
+from longserve.engine.parallel import ParallelPlan, make_cfg_groups
+from longserve.engine.request import GenerationSpec
 
 
 def pad_text(texts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

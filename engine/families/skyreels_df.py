@@ -44,12 +44,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelDescription
-from engine.decoding import FramesPolicy, decoded_frames, to_pixels
-from engine.families.base import cfg_rows, check_common, check_int, check_number, read_json, seeded_generator
-from engine.families.wan import WanFacts, WanFamily, WanRequest
-from engine.images import as_rgb_array, as_video_array, to_pil
-from engine.request import GenerationSpec, RequestError
+from longserve.engine.config import ModelDescription
+from longserve.engine.decoding import FramesPolicy, decoded_frames, to_pixels
+from longserve.engine.families.base import cfg_rows, check_common, check_int, check_number, read_json, seeded_generator
+from longserve.engine.families.wan import WanFacts, WanFamily, WanRequest
+from longserve.engine.images import as_rgb_array, as_video_array, to_pil
+from longserve.engine.request import GenerationSpec, RequestError
 
 DF_OPTIONS = ("base_num_frames", "overlap_history", "ar_step", "causal_block_size", "addnoise_condition", "fps",
               "image", "video", "last_image")

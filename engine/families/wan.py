@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.cache import WanStepCache
-from engine.config import MAX_STEPS, FamilyFacts, ModelDescription
-from engine.decoding import FramesPolicy
-from engine.families.base import (
+from longserve.engine.cache import WanStepCache
+from longserve.engine.config import MAX_STEPS, FamilyFacts, ModelDescription
+from longserve.engine.decoding import FramesPolicy
+from longserve.engine.families.base import (
     Denoisers,
     VideoFamily,
     WorkerRequest,
@@ -31,9 +31,9 @@ from engine.families.base import (
     scheduler_step_kwargs,
     seeded_generator,
 )
-from engine.families.wan_parts import WanParts, vae_factors
-from engine.models.wan import WanSequenceParallel
-from engine.request import GenerationSpec, RequestError
+from longserve.engine.families.wan_parts import WanParts, vae_factors
+from longserve.engine.models.wan import WanSequenceParallel
+from longserve.engine.request import GenerationSpec, RequestError
 
 #: a fixed schedule instead of the scheduler's own spacing (few-step distilled models and LoRAs): a request
 #: option, or the checkpoint's generation_defaults.json (see `check_schedule`)
@@ -119,7 +119,7 @@ class WanFamily(WanParts, VideoFamily):
         self.pipe = self.load_pipeline(getattr(diffusers, self.pipeline_class(desc)), self.component_dtypes(),
                                        on_host=("transformer", "transformer_2") if offload else ())
         if config.engine.loras:          # before the load pipeline's hooks and host copies, which must include them
-            from engine.lora import LoraSet
+            from longserve.engine.lora import LoraSet
 
             self.lora = LoraSet(self.pipe, config.engine.loras)
         experts = tuple(m for m in (self.pipe.transformer, getattr(self.pipe, "transformer_2", None)) if m is not None)
@@ -213,7 +213,7 @@ def read_mag_ratios(model_dir: Path) -> list | None:
     path = Path(model_dir) / "mag_ratios.json"
     if not path.is_file():
         return None
-    from engine.cache import _mag_ratios
+    from longserve.engine.cache import _mag_ratios
 
     try:
         return _mag_ratios(read_json(path).get("mag_ratios"), "mag_ratios")

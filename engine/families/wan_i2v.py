@@ -45,11 +45,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config import OPTIONAL, REFUSED, REQUIRED, ModelDescription
-from engine.families.base import cfg_rows, check_common, check_number, read_json
-from engine.families.wan import WanFacts, WanFamily, WanRequest, check_schedule
-from engine.images import as_rgb_array, to_pil
-from engine.request import GenerationSpec, RequestError
+from longserve.engine.config import OPTIONAL, REFUSED, REQUIRED, ModelDescription
+from longserve.engine.families.base import cfg_rows, check_common, check_number, read_json
+from longserve.engine.families.wan import WanFacts, WanFamily, WanRequest, check_schedule
+from longserve.engine.images import as_rgb_array, to_pil
+from longserve.engine.request import GenerationSpec, RequestError
 
 
 @dataclass(frozen=True)

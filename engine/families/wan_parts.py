@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.decoding import WanVAEDecoder
-from engine.parallel import ParallelPlan, make_cfg_groups, make_sequence_parallel
-from engine.request import GenerationSpec
+from longserve.engine.decoding import WanVAEDecoder
+from longserve.engine.parallel import ParallelPlan, make_cfg_groups, make_sequence_parallel
+from longserve.engine.request import GenerationSpec
 
 MAX_SEQUENCE_LENGTH = 512            # the prompt length the Wan pipelines pad UMT5's output to
 

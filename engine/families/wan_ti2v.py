@@ -40,11 +40,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config import OPTIONAL, REFUSED, ModelDescription
-from engine.families.base import cfg_rows, read_json
-from engine.families.wan_i2v import WanI2VRequest, WanImageToVideoFamily
-from engine.images import to_pil
-from engine.request import GenerationSpec
+from longserve.engine.config import OPTIONAL, REFUSED, ModelDescription
+from longserve.engine.families.base import cfg_rows, read_json
+from longserve.engine.families.wan_i2v import WanI2VRequest, WanImageToVideoFamily
+from longserve.engine.images import to_pil
+from longserve.engine.request import GenerationSpec
 
 
 @dataclass

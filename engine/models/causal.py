@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import comm
-from engine.models.wan import WAN_PLAN, WanShard, rotate
-from engine.parallel import SequenceParallel
-from engine.sharding import shard_model
+from longserve.engine import comm
+from longserve.engine.models.wan import WAN_PLAN, WanShard, rotate
+from longserve.engine.parallel import SequenceParallel
+from longserve.engine.sharding import shard_model
 
 
 def warp_timesteps(step_list, shift: float, warp: bool, num_train_timesteps: int = 1000) -> tuple[float, ...]:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_helios import apply_rotary_emb_transposed
 
-from engine.parallel import CfgGroups, SequenceParallel, cfg_parallel
-from engine.sharding import At, Gather, Replace, ShardedAttention, ShardPlan, Split, TokenShard, shard_model
+from longserve.engine.parallel import CfgGroups, SequenceParallel, cfg_parallel
+from longserve.engine.sharding import At, Gather, Replace, ShardedAttention, ShardPlan, Split, TokenShard, shard_model
 
 
 @dataclass(frozen=True)

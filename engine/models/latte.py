@@ -38,10 +38,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid
 
-from engine import comm
-from engine.compile import CompiledBlock
-from engine.dist import ParallelGroup
-from engine.parallel import CfgGroups, cfg_parallel, ring_attention
+from longserve.engine import comm
+from longserve.engine.compile import CompiledBlock
+from longserve.engine.dist import ParallelGroup
+from longserve.engine.parallel import CfgGroups, cfg_parallel, ring_attention
 
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
 

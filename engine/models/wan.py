@@ -38,8 +38,17 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
-from engine.parallel import BlockCausal, CfgGroups, SequenceParallel, cfg_parallel
-from engine.sharding import At, Place, ShardedAttention, ShardPlan, Split, TokenShard, from_cp_plan, shard_model
+from longserve.engine.parallel import BlockCausal, CfgGroups, SequenceParallel, cfg_parallel
+from longserve.engine.sharding import (
+    At,
+    Place,
+    ShardedAttention,
+    ShardPlan,
+    Split,
+    TokenShard,
+    from_cp_plan,
+    shard_model,
+)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 
-from server.api.errors import APIError
-from server.api.jobs import LIVE, Job, JobRegistry
+from longserve.server.api.errors import APIError
+from longserve.server.api.jobs import LIVE, Job, JobRegistry
 
 SHUTDOWN_RETRY_AFTER_S = 10
 

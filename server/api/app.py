@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 
-from server.api.edge import EdgeGuard, default_allowed_hosts, exposure_warnings, parse_list, uvicorn_options
-from server.api.errors import install_error_handlers
-from server.api.routes import router, v1
+from longserve.server.api.edge import EdgeGuard, default_allowed_hosts, exposure_warnings, parse_list, uvicorn_options
+from longserve.server.api.errors import install_error_handlers
+from longserve.server.api.routes import router, v1
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 

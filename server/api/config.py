@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from engine.config import MAX_STEPS, EngineConfig, build, option
+from longserve.engine.config import MAX_STEPS, EngineConfig, build, option
 
 #: what serving changes of the engine's defaults
 SERVE_ENGINE_DEFAULTS = {"max_queue": 256}

@@ -14,10 +14,10 @@ import logging
 import threading
 import time
 
-from engine.outputs import ABORTED, RequestFailure
-from engine.scheduler import RequestState
-from server.api.jobs import LIVE, RELEASED, VIDEO, JobRegistry
-from server.api.streaming import EventBroker, shutdown_envelope
+from longserve.engine.outputs import ABORTED, RequestFailure
+from longserve.engine.scheduler import RequestState
+from longserve.server.api.jobs import LIVE, RELEASED, VIDEO, JobRegistry
+from longserve.server.api.streaming import EventBroker, shutdown_envelope
 
 log = logging.getLogger("longserve.server")
 

@@ -140,7 +140,7 @@ class EdgeGuard:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})   # before accept: the handshake gets 403
             return
-        from server.api.errors import ERROR_TYPES
+        from longserve.server.api.errors import ERROR_TYPES
 
         body = json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                                      "param": param, "code": code}}).encode()

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api.protocol import ErrorBody, ErrorResponse
+from longserve.server.api.protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger("longserve.server")
 
@@ -106,7 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        from server.media import storage_error_code
+        from longserve.server.media import storage_error_code
 
         code = storage_error_code(exc)
         if code is not None:          # a full disk or a failing database: the client may retry later

@@ -8,8 +8,8 @@ counters are bumped by the part that sees the event: `created`, `reused` by the 
 
 from __future__ import annotations
 
-from server.api.jobs import LIVE
-from server.api.metrics import Counter, Gauge, Histogram, Registry
+from longserve.server.api.jobs import LIVE
+from longserve.server.api.metrics import Counter, Gauge, Histogram, Registry
 
 
 class ServerHealth:

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.notify import Notifier
+from longserve.server.notify import Notifier
 
 VIDEO, LIVE = "video", "live"
 #: why the server ends a job early (`Cancelled.reason`): a DELETE; a drain sending a queued video back to the

@@ -40,12 +40,12 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from engine.outputs import FramesChunk
-from engine.request import GenerationSpec, RequestError
-from engine.scheduler import KVBudgetError, QueueFullError
-from server.api.edge import client_id, matching_key
-from server.api.errors import APIError
-from server.api.jobs import DISCONNECTED, LIVE, Job
+from longserve.engine.outputs import FramesChunk
+from longserve.engine.request import GenerationSpec, RequestError
+from longserve.engine.scheduler import KVBudgetError, QueueFullError
+from longserve.server.api.edge import client_id, matching_key
+from longserve.server.api.errors import APIError
+from longserve.server.api.jobs import DISCONNECTED, LIVE, Job
 
 log = logging.getLogger("longserve.live")
 
@@ -196,7 +196,7 @@ class LiveOutputs:
     queue, which drops a chunk rather than wait when the client is behind; and the session's last events."""
 
     def __init__(self, runner, spec: GenerationSpec, queue: asyncio.Queue, prompts: list[str], stopped):
-        from server.live_media import ChunkMuxer
+        from longserve.server.live_media import ChunkMuxer
 
         self.runner, self.queue, self.prompts, self.stopped = runner, queue, prompts, stopped
         self.muxer = ChunkMuxer(spec.width, spec.height, spec.fps)

@@ -15,13 +15,13 @@ import math
 import uuid
 from dataclasses import dataclass
 
-from engine.config import REQUIRED
-from engine.request import OVERLAP_OPTION, GenerationSpec, RequestError, RequestInput, frame_count
-from pipelines.media import VideoInputError, is_mp4, read_mp4
-from server.api.errors import APIError
-from server.api.protocol import VideoCreateRequest, VideoExtendRequest, parse_size
-from server.api.store import VideoRecord
-from server.api.uploads import decode_image, image_bytes
+from longserve.engine.config import REQUIRED
+from longserve.engine.request import OVERLAP_OPTION, GenerationSpec, RequestError, RequestInput, frame_count
+from longserve.pipelines.media import VideoInputError, is_mp4, read_mp4
+from longserve.server.api.errors import APIError
+from longserve.server.api.protocol import VideoCreateRequest, VideoExtendRequest, parse_size
+from longserve.server.api.store import VideoRecord
+from longserve.server.api.uploads import decode_image, image_bytes
 
 #: inputs that come as files, or from the source video, never as option fields
 MEDIA_OPTIONS = ("image", "video", "last_image")

@@ -19,12 +19,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect
 
-from server.api import metrics
-from server.api.edge import client_id, matching_key
-from server.api.errors import APIError, validation_error
-from server.api.protocol import Health, ModelCard, ModelList, ScoreRequest, VideoCreateRequest, VideoExtendRequest
-from server.api.streaming import TERMINAL_EVENTS, shutdown_envelope, sse_stream, tail_file
-from server.api.uploads import Upload
+from longserve.server.api import metrics
+from longserve.server.api.edge import client_id, matching_key
+from longserve.server.api.errors import APIError, validation_error
+from longserve.server.api.protocol import (
+    Health,
+    ModelCard,
+    ModelList,
+    ScoreRequest,
+    VideoCreateRequest,
+    VideoExtendRequest,
+)
+from longserve.server.api.streaming import TERMINAL_EVENTS, shutdown_envelope, sse_stream, tail_file
+from longserve.server.api.uploads import Upload
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 #: the create body's file fields: OpenAI's image (or other reference) and the first-last-frame extension

@@ -25,8 +25,8 @@ import logging
 import threading
 from typing import Protocol
 
-from engine.outputs import ABORTED, FINAL, Cancelled, Failed, Finished, RequestFailure, RequestOutput
-from server.api.jobs import DELETED, Job, JobRegistry
+from longserve.engine.outputs import ABORTED, FINAL, Cancelled, Failed, Finished, RequestFailure, RequestOutput
+from longserve.server.api.jobs import DELETED, Job, JobRegistry
 
 log = logging.getLogger("longserve.server")
 

@@ -17,8 +17,8 @@ import math
 import threading
 from pathlib import Path
 
-from server.api.errors import APIError
-from server.api.protocol import ScoreResponse
+from longserve.server.api.errors import APIError
+from longserve.server.api.protocol import ScoreResponse
 
 
 class ScoreService:
@@ -41,7 +41,7 @@ class ScoreService:
         return self._scorer is not None
 
     def load(self):
-        from pipelines.scoring import TextScoringPipeline
+        from longserve.pipelines.scoring import TextScoringPipeline
 
         with self._lock:
             if self._scorer is None:
@@ -102,8 +102,8 @@ class ScoreService:
 
     def score(self, text: str) -> ScoreResponse:
         """Blocking: `submit` runs it on the scoring threads."""
-        from engine.pool import WorkerError
-        from pipelines.scoring import ScoringInputError
+        from longserve.engine.pool import WorkerError
+        from longserve.pipelines.scoring import ScoringInputError
 
         if not text:
             raise APIError(400, "text must not be empty", param="text", code="invalid_value")

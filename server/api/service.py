@@ -32,23 +32,23 @@ import re
 import time
 from pathlib import Path
 
-from engine.engine import VideoEngine
-from engine.request import GenerationSpec
-from engine.scheduler import QueueFullError
-from server.api.admission import AdmissionGate
-from server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
-from server.api.drain import Shutdown
-from server.api.errors import APIError
-from server.api.health import ServerHealth
-from server.api.jobs import DELETED, VIDEO, Job, JobRegistry
-from server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoExtendRequest, VideoList
-from server.api.requests import Limits, VideoRequests
-from server.api.runner import JobRunner
-from server.api.storage import VideoStorage
-from server.api.store import VideoRecord
-from server.api.streaming import EventBroker
-from server.api.video_jobs import VideoOutputs, event, video_view
-from server.media import FragmentedMP4Writer
+from longserve.engine.engine import VideoEngine
+from longserve.engine.request import GenerationSpec
+from longserve.engine.scheduler import QueueFullError
+from longserve.server.api.admission import AdmissionGate
+from longserve.server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
+from longserve.server.api.drain import Shutdown
+from longserve.server.api.errors import APIError
+from longserve.server.api.health import ServerHealth
+from longserve.server.api.jobs import DELETED, VIDEO, Job, JobRegistry
+from longserve.server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoExtendRequest, VideoList
+from longserve.server.api.requests import Limits, VideoRequests
+from longserve.server.api.runner import JobRunner
+from longserve.server.api.storage import VideoStorage
+from longserve.server.api.store import VideoRecord
+from longserve.server.api.streaming import EventBroker
+from longserve.server.api.video_jobs import VideoOutputs, event, video_view
+from longserve.server.media import FragmentedMP4Writer
 
 log = logging.getLogger("longserve.server")
 
@@ -71,7 +71,7 @@ class VideoService:
 
     def start(self) -> "VideoService":
         """Open the store, start the workers (loads the model), recover old jobs, follow them."""
-        from server.api.live import LiveSessions
+        from longserve.server.api.live import LiveSessions
 
         cfg = self.config
         self.storage = VideoStorage(cfg, self.runner.io, busy=lambda vid: self.jobs.get(vid) is not None,

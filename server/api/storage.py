@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Callable
 
-from server.api.errors import APIError
-from server.api.store import JobStore, VideoRecord
-from server.media import storage_error_code
+from longserve.server.api.errors import APIError
+from longserve.server.api.store import JobStore, VideoRecord
+from longserve.server.media import storage_error_code
 
 log = logging.getLogger("longserve.server")
 

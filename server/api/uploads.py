@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.api.errors import APIError
+from longserve.server.api.errors import APIError
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 

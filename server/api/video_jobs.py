@@ -25,13 +25,13 @@ import asyncio
 import logging
 import time
 
-from engine.outputs import ABORTED, Admitted, FramesChunk, Queued, RequestFailure, Requeued, StepProgress
-from engine.scheduler import RequestState
-from server.api.jobs import DELETED, RELEASED, Job, JobRegistry
-from server.api.protocol import Video, VideoError
-from server.api.store import VideoRecord
-from server.api.streaming import EventBroker
-from server.media import FragmentedMP4Writer, storage_error_code, write_png
+from longserve.engine.outputs import ABORTED, Admitted, FramesChunk, Queued, RequestFailure, Requeued, StepProgress
+from longserve.engine.scheduler import RequestState
+from longserve.server.api.jobs import DELETED, RELEASED, Job, JobRegistry
+from longserve.server.api.protocol import Video, VideoError
+from longserve.server.api.store import VideoRecord
+from longserve.server.api.streaming import EventBroker
+from longserve.server.media import FragmentedMP4Writer, storage_error_code, write_png
 
 log = logging.getLogger("longserve.server")
 

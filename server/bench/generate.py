@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from server.bench import util as benchutil
+from longserve.server.bench import util as benchutil
 
 CONFIGS = {
     "tiny": dict(model="tiny-latte", frames=16, size=64),
@@ -35,7 +35,7 @@ CONFIGS = {
 
 
 def add_arguments(parser) -> None:
-    from engine.config import EngineConfig, add_cli_args
+    from longserve.engine.config import EngineConfig, add_cli_args
 
     parser.add_argument("--workers", default="1,2", help="worker counts, comma-separated")
     parser.add_argument("--configs", default="tiny,bench", help=f"comma-separated, of {', '.join(CONFIGS)}")
@@ -51,9 +51,9 @@ def add_arguments(parser) -> None:
 
 def build_bench_checkpoint(out_dir: Path) -> Path:
     """tiny-latte with its transformer replaced by the transformer benchmark's model."""
-    from server.bench.transformer import CONFIGS as TRANSFORMER_CONFIGS
-    from server.bench.transformer import build_model
-    from weights import resolve_latte
+    from longserve.server.bench.transformer import CONFIGS as TRANSFORMER_CONFIGS
+    from longserve.server.bench.transformer import build_model
+    from longserve.weights import resolve_latte
 
     src = resolve_latte("tiny-latte")
     shutil.copytree(src, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("transformer"))
@@ -72,9 +72,9 @@ def _cuda() -> bool:
 
 
 def run(args) -> int:
-    from engine.config import EngineConfig, from_cli_args
-    from pipelines import VideoPipeline
-    from pipelines.video import PIPELINE_DEFAULTS
+    from longserve.engine.config import EngineConfig, from_cli_args
+    from longserve.pipelines import VideoPipeline
+    from longserve.pipelines.video import PIPELINE_DEFAULTS
 
     workers = benchutil.int_list(args.workers, "--workers")
     steps_per_job = benchutil.int_list(args.steps_per_job, "--steps-per-job")

@@ -91,7 +91,7 @@ def _time(dev, fn, *args) -> float:
 
 def _peak(dev, fn, *args) -> tuple[float, float]:
     """(peak bytes above the memory at entry, seconds) of fn(*args)."""
-    from engine.memory import PeakMemory
+    from longserve.engine.memory import PeakMemory
 
     _sync(dev)
     t = time.perf_counter()
@@ -125,7 +125,7 @@ def latte_cfg(smoke: bool) -> dict:
 
 
 def wan_config(smoke: bool, layers: int | None = None) -> dict:
-    from weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER, init_kwargs
+    from longserve.weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER, init_kwargs
 
     cfg = init_kwargs(WAN_2_1_T2V_1_3B_TRANSFORMER)
     if smoke:
@@ -136,7 +136,7 @@ def wan_config(smoke: bool, layers: int | None = None) -> dict:
 
 
 def build_latte(cfg: dict, layers: int | None = None, video_length: int = 16):
-    from server.bench.models import random_latte_transformer
+    from longserve.server.bench.models import random_latte_transformer
 
     return random_latte_transformer(cfg["heads"], cfg["head_dim"], layers or cfg["layers"], video_length=video_length,
                                     sample_size=cfg["latent"], caption_channels=cfg["caption_channels"])
@@ -146,7 +146,7 @@ def build_wan(cfg: dict):
     import torch
     from diffusers import WanTransformer3DModel
 
-    from weights.seeded import redraw_
+    from longserve.weights.seeded import redraw_
 
     torch.manual_seed(0)
     with torch.no_grad():
@@ -175,13 +175,13 @@ def wan_inputs(cfg: dict, latent_frames: int, h: int, w: int, dev, dtype, batch:
 
 
 def _solo(dev):
-    from engine.dist import ParallelGroup
+    from longserve.engine.dist import ParallelGroup
 
     return ParallelGroup(rank=0, world_size=1, device=dev)
 
 
 def latte_ours(model, dev):
-    from engine.models import latte
+    from longserve.engine.models import latte
 
     pg = _solo(dev)
     return lambda x, t, e: latte.parallel_forward(model, x, t, e, pg, "dsp")
@@ -192,8 +192,8 @@ def latte_theirs(model):
 
 
 def wan_ours(model, dev):
-    from engine.models.wan import WanSequenceParallel
-    from engine.parallel import make_sequence_parallel
+    from longserve.engine.models.wan import WanSequenceParallel
+    from longserve.engine.parallel import make_sequence_parallel
 
     sp = make_sequence_parallel(_solo(dev), "ulysses")
     hooked = WanSequenceParallel(model)
@@ -415,7 +415,7 @@ def latte_vae_memory(args, out: _Out, dev, chunk: int = 16) -> None:
 
 def _copy_shared_parts(shipped: str, out_dir: Path) -> Path:
     """The tokenizer, scheduler and model_index.json of a shipped tiny checkpoint, into out_dir; its path."""
-    from weights.registry import resolve_model
+    from longserve.weights.registry import resolve_model
 
     src = resolve_model(shipped)
     for part in ("tokenizer", "scheduler", "model_index.json"):
@@ -443,8 +443,8 @@ def build_wan_dir(out_dir: Path, smoke: bool) -> Path:
     from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from weights.seeded import redraw_
-    from weights.wan import WAN_2_1_VAE, init_kwargs
+    from longserve.weights.seeded import redraw_
+    from longserve.weights.wan import WAN_2_1_VAE, init_kwargs
 
     src = _copy_shared_parts("tiny-wan", out_dir)
     cfg = wan_config(smoke)
@@ -468,7 +468,7 @@ def video(args, out: _Out, dev) -> None:
     import torch
     from diffusers import LattePipeline, WanPipeline
 
-    from pipelines import VideoPipeline
+    from longserve.pipelines import VideoPipeline
 
     s = args.smoke
     steps = 3 if s else 50
@@ -534,8 +534,8 @@ def wan_vae_memory(args, out: _Out, dev) -> None:
     import torch
     from diffusers import AutoencoderKLWan
 
-    from engine.causal_vae import StreamingVAEDecoder, VAETiling
-    from weights.wan import WAN_2_1_VAE, init_kwargs
+    from longserve.engine.causal_vae import StreamingVAEDecoder, VAETiling
+    from longserve.weights.wan import WAN_2_1_VAE, init_kwargs
 
     cfg = init_kwargs(WAN_2_1_VAE)
     if args.smoke:
@@ -592,7 +592,7 @@ def run(args) -> int:
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = _Out(args)
-    from server.bench.util import machine_info
+    from longserve.server.bench.util import machine_info
 
     out.row(section="machine", **machine_info(dev.type))
     sections = [s for s in args.sections.split(",") if s]

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from server.bench.util import (
+from longserve.server.bench.util import (
     Column,
     int_list,
     load_average,
@@ -45,7 +45,7 @@ SWITCH = "a blue ball bouncing"
 
 
 def add_arguments(parser) -> None:
-    from engine.config import EngineConfig, add_cli_args
+    from longserve.engine.config import EngineConfig, add_cli_args
 
     parser.add_argument("--size", default="64x64", help="WIDTHxHEIGHT in pixels")
     parser.add_argument("--seconds", type=float, default=10.0, help="video length of the timed session")
@@ -60,7 +60,7 @@ def add_arguments(parser) -> None:
 
 
 def _live_row(pipe, seconds: float, width: int, height: int) -> dict:
-    from server.live_media import ChunkMuxer
+    from longserve.server.live_media import ChunkMuxer
 
     fps = pipe.defaults.fps
     t0 = time.perf_counter()
@@ -96,7 +96,7 @@ def _switch_row(pipe, width: int, height: int) -> dict:
 
 
 def _memory_rows(pipe, counts: list[int], width: int, height: int) -> list[dict]:
-    from engine import worker
+    from longserve.engine import worker
 
     temporal = pipe.info.frame_multiple
     fb = pipe.info.capabilities.frames_per_chunk // temporal          # latent frames a chunk
@@ -121,8 +121,8 @@ def build_df_twin(causal_dir: Path, out: Path, window_frames: int) -> Path:
     import torch
     from diffusers import SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
 
-    from weights.seeded import reinit_
-    from weights.wan import SKYREELS_V2_SCHEDULER
+    from longserve.weights.seeded import reinit_
+    from longserve.weights.wan import SKYREELS_V2_SCHEDULER
 
     out.mkdir(parents=True, exist_ok=True)
     for name in ("text_encoder", "tokenizer", "vae"):
@@ -145,7 +145,7 @@ def build_df_twin(causal_dir: Path, out: Path, window_frames: int) -> Path:
 
 
 def _df_row(model_dir: str, config, frames: int, width: int, height: int, steps: int, window: int) -> dict:
-    from pipelines import VideoPipeline
+    from longserve.pipelines import VideoPipeline
 
     with tempfile.TemporaryDirectory() as tmp:
         df_dir = build_df_twin(Path(model_dir), Path(tmp) / "df", window)
@@ -180,11 +180,11 @@ MEMORY_COLUMNS = [
 def run(args) -> int:
     import torch
 
-    from engine.config import EngineConfig, from_cli_args
-    from pipelines import VideoPipeline
-    from pipelines.video import PIPELINE_DEFAULTS
-    from server.api.protocol import parse_size
-    from weights import resolve_model
+    from longserve.engine.config import EngineConfig, from_cli_args
+    from longserve.pipelines import VideoPipeline
+    from longserve.pipelines.video import PIPELINE_DEFAULTS
+    from longserve.server.api.protocol import parse_size
+    from longserve.weights import resolve_model
 
     width, height = parse_size(args.size)
     counts = int_list(args.memory_chunks, "--memory-chunks")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import time
 
-from server.bench.util import (
+from longserve.server.bench.util import (
     Column,
     int_list,
     load_average,
@@ -39,7 +39,7 @@ PROMPT = "a ship sailing along a coast at sunset"
 
 
 def add_arguments(parser) -> None:
-    from engine.config import EngineConfig, add_cli_args
+    from longserve.engine.config import EngineConfig, add_cli_args
 
     parser.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
     parser.add_argument("--segments", default="1,3,9", help="segment counts, comma-separated")
@@ -64,7 +64,7 @@ def frames_for(segments: int, base: int, overlap: int, temporal: int = 4) -> int
 
 
 def _longserve_rows(pipe, workers: int, plan: list[tuple[int, int]], kw: dict) -> list[dict]:
-    from engine import worker
+    from longserve.engine import worker
 
     rows = []
     pipe(PROMPT, num_frames=plan[0][1], **kw)                       # warm-up
@@ -92,7 +92,7 @@ def _diffusers_rows(model_dir: str, plan: list[tuple[int, int]], kw: dict, optio
     import torch
     from diffusers import SkyReelsV2DiffusionForcingPipeline
 
-    from engine.memory import PeakMemory
+    from longserve.engine.memory import PeakMemory
 
     pipe = SkyReelsV2DiffusionForcingPipeline.from_pretrained(model_dir)
     pipe.set_progress_bar_config(disable=True)
@@ -134,11 +134,11 @@ COLUMNS = [
 
 
 def run(args) -> int:
-    from engine.config import EngineConfig, from_cli_args
-    from pipelines import VideoPipeline
-    from pipelines.video import PIPELINE_DEFAULTS
-    from server.api.protocol import parse_size
-    from weights import resolve_model
+    from longserve.engine.config import EngineConfig, from_cli_args
+    from longserve.pipelines import VideoPipeline
+    from longserve.pipelines.video import PIPELINE_DEFAULTS
+    from longserve.server.api.protocol import parse_size
+    from longserve.weights import resolve_model
 
     workers = int_list(args.workers, "--workers")
     segment_counts = int_list(args.segments, "--segments")

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from server.bench import util as benchutil
+from longserve.server.bench import util as benchutil
 
 CONFIGS = {
     "bench": dict(heads=12, head_dim=128, ffn=8960, text_dim=4096, layers=2, frames=2, latent=(16, 16),
@@ -83,8 +83,8 @@ def run(args) -> int:
     import torch
     from diffusers import WanPipeline
 
-    from engine.lora import LoraSet, parse_adapters
-    from server.bench.models import random_wan_transformer
+    from longserve.engine.lora import LoraSet, parse_adapters
+    from longserve.server.bench.models import random_wan_transformer
 
     cfg = dict(CONFIGS[args.config])
     rank = args.rank or cfg["rank"]

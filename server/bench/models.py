@@ -110,7 +110,7 @@ def shaped_checkpoint(name: str, root: str | None = None):
     import tempfile
     from pathlib import Path
 
-    from weights import resolve_model
+    from longserve.weights import resolve_model
 
     dest = Path(root or tempfile.gettempdir()) / f"longserve-{name}"
     if (dest / "model_index.json").is_file():

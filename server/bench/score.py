@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from server.bench.util import (
+from longserve.server.bench.util import (
     Column,
     int_list,
     load_average,
@@ -136,7 +136,7 @@ def _row(tokens, method, workers, seconds, peak, bytes_sent, calls, nll, base_nl
 def _or_oom(fn):
     """fn() or None when a worker runs out of (CUDA) memory (the pool restarts its workers, so the next
     row starts with the whole GPU)."""
-    from engine.pool import WorkerError
+    from longserve.engine.pool import WorkerError
 
     try:
         return fn()
@@ -150,7 +150,7 @@ def _or_oom(fn):
 def measure(args) -> list[dict]:
     import torch
 
-    from pipelines.scoring import TextScoringPipeline
+    from longserve.pipelines.scoring import TextScoringPipeline
 
     tokens, worker_counts = int_list(args.tokens, "tokens"), int_list(args.workers, "workers")
     if args.repeat < 1:

@@ -61,8 +61,8 @@ def run(args) -> int:
         import torch
 
         args.workers = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    from server.api.protocol import parse_size
-    from server.bench.util import int_list, load_average, machine_info, text_table, write_json
+    from longserve.server.api.protocol import parse_size
+    from longserve.server.bench.util import int_list, load_average, machine_info, text_table, write_json
 
     levels = int_list(args.concurrency, "--concurrency")
     if levels[0] != 1:
@@ -186,7 +186,7 @@ def wait_for_video(http, video_id: str) -> str:
 
 def _step_counters(http) -> tuple[float, float, float]:
     """(requests stepped, steps, seconds stepping) so far, from the server's /metrics."""
-    from server.api.metrics import parse_text
+    from longserve.server.api.metrics import parse_text
 
     m = parse_text(http.get("/metrics").text)
     return (m.get("longserve_step_batch_size_sum", 0.0), m.get("longserve_step_batch_size_count", 0.0),
@@ -272,14 +272,14 @@ def _window(http, video_id: str, until, min_s: float) -> dict:
 
 
 def _report_interference(args, result: dict, load_before) -> int:
-    from server.bench.util import machine_info, replace_markdown_section, write_json
+    from longserve.server.bench.util import machine_info, replace_markdown_section, write_json
 
     rows = [dict(window=name, steps_per_s=w["steps_per_s"], seconds=w["seconds"],
                  health_median_ms=w["health"]["median_ms"], health_worst_ms=w["health"]["worst_ms"],
                  health_n=w["health"]["n"], video_median_ms=w["video"]["median_ms"],
                  video_worst_ms=w["video"]["worst_ms"], video_n=w["video"]["n"])
             for name, w in (("nothing encoding", result["alone"]), ("a stream encoding", result["encoding"]))]
-    from server.bench.util import markdown_table
+    from longserve.server.bench.util import markdown_table
 
     columns = [("window", "window"), ("steps/s", "steps_per_s", ".2f"), ("window s", "seconds", ".2f"),
                ("GET /health median ms", "health_median_ms", ".1f"), ("worst ms", "health_worst_ms", ".1f"),
@@ -330,11 +330,11 @@ def _server_device(args) -> str:
 def start_server(args, max_batch: int, timeout_s: float = 300.0, extra: list[str] = ()) -> _Server:
     import httpx
 
-    from server.api.app import free_port
+    from longserve.server.api.app import free_port
 
     port = free_port()
     data_dir = tempfile.TemporaryDirectory(prefix="longserve-bench-")
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--workers", str(args.workers),
+    cmd = [sys.executable, "-m", "longserve.server.cli", "serve", "--model", args.model, "--workers", str(args.workers),
            "--parallel", args.parallel, "--host", "127.0.0.1", "--port", str(port), "--data-dir", data_dir.name,
            "--max-batch", str(max_batch), "--max-queue", "1024", "--max-steps", str(max(args.steps, 200)),
            "--log-level", "warning", "--score-model", "none", *extra]
@@ -366,7 +366,7 @@ def start_server(args, max_batch: int, timeout_s: float = 300.0, extra: list[str
 
 
 def write_docs_section(path: str, rows: list[dict], args, meta: dict) -> None:
-    from server.bench.util import markdown_table, replace_markdown_section
+    from longserve.server.bench.util import markdown_table, replace_markdown_section
 
     m = meta["machine"]
     base = rows[0]

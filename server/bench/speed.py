@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from server.bench.util import (
+from longserve.server.bench.util import (
     Column,
     load_average,
     machine_info,
@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def add_arguments(parser) -> None:
-    from engine.config import EngineConfig, add_cli_args
+    from longserve.engine.config import EngineConfig, add_cli_args
 
     parser.add_argument("--prompts", type=int, default=40,
                         help="how many of the 40 vocabulary prompts (one video each)")
@@ -94,7 +94,7 @@ def generate(pipe, prompts: list[str], steps: int | None, frames: int | None, ca
     """Every prompt as its own request, submitted at once -> (frames per video, timings per video, wall s)."""
     import numpy as np
 
-    from engine.outputs import Failed, Finished, FramesChunk
+    from longserve.engine.outputs import Failed, Finished, FramesChunk
 
     options = {} if cache is None else {"cache": cache}
     specs = [pipe.make_spec(p, num_inference_steps=steps, num_frames=frames, seed=0, **options) for p in prompts]
@@ -122,7 +122,7 @@ def calibrated(pipe, cache: dict | None, prompts: list[str], args) -> dict | Non
         return cache
     spec = pipe.make_spec(prompts[0], num_inference_steps=args.steps, num_frames=args.frames, seed=0,
                           cache={"kind": "mag", "calibrate": True})
-    from engine.outputs import Failed, Finished
+    from longserve.engine.outputs import Failed, Finished
 
     for out in pipe.engine.submit(spec):
         if isinstance(out, Failed):
@@ -162,12 +162,12 @@ def lever_name(cache: dict | None, compiled: bool) -> str:
 
 
 def run(args) -> int:
-    from engine.cache import parse_cache
-    from engine.config import EngineConfig, from_cli_args
-    from pipelines import VideoPipeline
-    from pipelines.video import PIPELINE_DEFAULTS
-    from server.bench.models import SHAPED_CHECKPOINTS, shaped_checkpoint
-    from weights.prompts import PROMPTS
+    from longserve.engine.cache import parse_cache
+    from longserve.engine.config import EngineConfig, from_cli_args
+    from longserve.pipelines import VideoPipeline
+    from longserve.pipelines.video import PIPELINE_DEFAULTS
+    from longserve.server.bench.models import SHAPED_CHECKPOINTS, shaped_checkpoint
+    from longserve.weights.prompts import PROMPTS
 
     if not 1 <= args.prompts <= len(PROMPTS):
         raise ValueError(f"--prompts must be in [1, {len(PROMPTS)}]; got {args.prompts}")

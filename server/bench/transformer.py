@@ -63,7 +63,7 @@ import statistics
 import sys
 import time
 
-from server.bench import util as benchutil
+from longserve.server.bench import util as benchutil
 
 # engine.models.latte.STRATEGIES (not imported: --help stays fast)
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
@@ -125,7 +125,7 @@ def model_config(name: str, frames: int | None = None, size: tuple[int, int] | N
 
 def build_model(cfg: dict, seed: int):
     """The benchmark's transformer: seeded random weights, activations unit-size."""
-    from server.bench.models import random_latte_transformer, random_wan_transformer
+    from longserve.server.bench.models import random_latte_transformer, random_wan_transformer
 
     if cfg.get("model") == "wan":
         return random_wan_transformer(cfg["heads"], cfg["head_dim"], cfg["layers"], cfg["text_dim"],
@@ -188,10 +188,10 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
     import torch
     import torch.distributed as dist
 
-    from engine import comm
-    from engine.models import latte
-    from engine.models.wan import WanSequenceParallel
-    from engine.parallel import make_sequence_parallel
+    from longserve.engine import comm
+    from longserve.engine.models import latte
+    from longserve.engine.models.wan import WanSequenceParallel
+    from longserve.engine.parallel import make_sequence_parallel
 
     pg = ctx.pg
     key = ("bench_model", tuple(sorted((k, str(v)) for k, v in cfg.items())), seed)
@@ -250,7 +250,7 @@ def _timed_collectives():
     Wraps the module attributes that the forwards call (`comm.gather` goes through
     `comm.all_gather`); the time includes packing/unpacking and waiting for slower peers.
     """
-    from engine import comm
+    from longserve.engine import comm
 
     clock = [0.0]
     names = ("all_to_all_switch", "all_gather", "reduce_scatter", "ring_shift")
@@ -324,8 +324,8 @@ def command_line(args) -> str:
 def measure(args) -> list[dict]:
     import torch
 
-    from engine.dist import default_device
-    from engine.pool import WorkerPool
+    from longserve.engine.dist import default_device
+    from longserve.engine.pool import WorkerPool
 
     strategies = parse_strategies(args.strategies, args.model)
     worker_counts = sorted(set(benchutil.int_list(args.workers, "--workers")) | {1})

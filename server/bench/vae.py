@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from server.bench.util import (
+from longserve.server.bench.util import (
     Column,
     int_list,
     load_average,
@@ -75,7 +75,7 @@ def add_arguments(parser) -> None:
 
 
 def _tiling(text: str):
-    from engine.causal_vae import VAETiling
+    from longserve.engine.causal_vae import VAETiling
 
     if text == "off":
         return None
@@ -88,7 +88,7 @@ def _tiling(text: str):
 
 def _setup(args):
     """Validated (latent frames, long latent frames, latent h, latent w, tiling) from the options."""
-    from server.api.protocol import parse_size
+    from longserve.server.api.protocol import parse_size
 
     width, height = parse_size(args.size)
     if not width or not height:
@@ -111,7 +111,7 @@ def _setup(args):
 
 @functools.lru_cache(maxsize=2)
 def _build(model: str):
-    from server.bench.models import random_wan_vae
+    from longserve.server.bench.models import random_wan_vae
 
     return random_wan_vae(**MODELS[model], seed=0)
 
@@ -136,7 +136,7 @@ def _diffusers_job(ctx, model, z, tiling, measure):
     """diffusers' one-shot vae.decode on this (single) worker: (output or None, peak bytes, seconds)."""
     import torch
 
-    from engine.memory import PeakMemory
+    from longserve.engine.memory import PeakMemory
 
     vae = _vae(ctx, model)
     vae.use_tiling = False
@@ -157,9 +157,9 @@ def _stream_job(ctx, model, z, tiling, chunk, measure):
     import torch
     import torch.distributed as dist
 
-    from engine import comm
-    from engine.causal_vae import StreamingVAEDecoder
-    from engine.memory import PeakMemory
+    from longserve.engine import comm
+    from longserve.engine.causal_vae import StreamingVAEDecoder
+    from longserve.engine.memory import PeakMemory
 
     vae, pg = _vae(ctx, model), ctx.pg
     if pg.world_size > 1:
@@ -215,7 +215,7 @@ def _one_thread(ctx) -> None:
 
 
 def measure(args) -> list[dict]:
-    from engine.pool import WorkerPool
+    from longserve.engine.pool import WorkerPool
 
     workers = int_list(args.workers, "--workers")
     T, T_long, h, w, tiling = _setup(args)

@@ -12,10 +12,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "generate": ("server.cli.generate", "generate a video from a prompt"),
-    "serve": ("server.cli.serve", "run the OpenAI-compatible HTTP server"),
-    "score": ("server.cli.score", "score a long text with a causal LM (LSS sequence parallel)"),
-    "bench": ("server.cli.bench", "benchmarks: transformer | generate | serve | score | vae | long | speed"),
+    "generate": ("longserve.server.cli.generate", "generate a video from a prompt"),
+    "serve": ("longserve.server.cli.serve", "run the OpenAI-compatible HTTP server"),
+    "score": ("longserve.server.cli.score", "score a long text with a causal LM (LSS sequence parallel)"),
+    "bench": ("longserve.server.cli.bench", "benchmarks: transformer | generate | serve | score | vae | long | speed"),
 }
 
 
@@ -48,7 +48,7 @@ STARTS_WORKERS = ("generate", "serve")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in STARTS_WORKERS:
-        from engine.startup import prestart
+        from longserve.engine.startup import prestart
 
         prestart(args.device, args.launcher)
     try:

@@ -5,26 +5,27 @@ Targets register here by module; each has `add_arguments(parser)` and `run(args)
 
 from __future__ import annotations
 
+BENCH = "longserve.server.bench."
 BENCHES = {
-    "transformer": ("server.bench.transformer", "parallel plans on one DiT denoising step (Latte: DSP and baselines; "
+    "transformer": (BENCH + "transformer", "parallel plans on one DiT denoising step (Latte: DSP and baselines; "
                                                 "Wan: Ulysses, Ring, USP)"),
-    "generate": ("server.bench.generate", "seconds per video and worker-pool overhead"),
-    "serve": ("server.bench.serve", "HTTP server throughput and latency under concurrency"),
-    "score": ("server.bench.score", "LSS / ring long-text scoring: time, memory, bytes"),
-    "vae": ("server.bench.vae", "Wan VAE decode across workers, chunk by chunk: peak memory per worker"),
-    "gpu": ("server.bench.gpu", "one GPU: bf16 error, step time vs diffusers, SDPA backends, memory by video length"),
-    "live": ("server.bench.live", "live video on a causal model: first fragment, frames/s, memory by chunks, "
+    "generate": (BENCH + "generate", "seconds per video and worker-pool overhead"),
+    "serve": (BENCH + "serve", "HTTP server throughput and latency under concurrency"),
+    "score": (BENCH + "score", "LSS / ring long-text scoring: time, memory, bytes"),
+    "vae": (BENCH + "vae", "Wan VAE decode across workers, chunk by chunk: peak memory per worker"),
+    "gpu": (BENCH + "gpu", "one GPU: bf16 error, step time vs diffusers, SDPA backends, memory by video length"),
+    "live": (BENCH + "live", "live video on a causal model: first fragment, frames/s, memory by chunks, "
                                   "prompt switch, vs diffusion forcing"),
-    "speed": ("server.bench.speed", "opt-in speed levers (step caching) against exact: block evaluations, wall time, "
+    "speed": (BENCH + "speed", "opt-in speed levers (step caching) against exact: block evaluations, wall time, "
                                     "PSNR, recognition on the trained tiny-latte"),
-    "long": ("server.bench.long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),
-    "lora": ("server.bench.lora", "LoRA per request: step time with no adapter, one, and two different ones in a "
+    "long": (BENCH + "long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),
+    "lora": (BENCH + "lora", "LoRA per request: step time with no adapter, one, and two different ones in a "
                                   "batch"),
 }
 
 
 def add_arguments(parser) -> None:
-    from server.cli import add_subcommands
+    from longserve.server.cli import add_subcommands
 
     add_subcommands(parser, "target", BENCHES, "_bench")
 

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from server.api.protocol import parse_size
+from longserve.server.api.protocol import parse_size
 
 #: diffusion forcing's options, as flags (the names diffusers gives them in the comments)
 LONG_VIDEO_FLAGS = {"base_frames": "base_num_frames", "overlap": "overlap_history", "ar_step": "ar_step",
@@ -37,7 +37,7 @@ LONG_VIDEO_FLAGS = {"base_frames": "base_num_frames", "overlap": "overlap_histor
 
 
 def add_arguments(p) -> None:
-    from engine.config import EngineConfig, add_cli_args
+    from longserve.engine.config import EngineConfig, add_cli_args
 
     p.add_argument("prompt", help="what the video shows")
     g = p.add_argument_group("the video")
@@ -90,10 +90,10 @@ def speed_levers(info) -> str:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from engine.config import EngineConfig, from_cli_args
-    from pipelines import VideoPipeline
-    from pipelines.video import PIPELINE_DEFAULTS
-    from server.media import FragmentedMP4Writer
+    from longserve.engine.config import EngineConfig, from_cli_args
+    from longserve.pipelines import VideoPipeline
+    from longserve.pipelines.video import PIPELINE_DEFAULTS
+    from longserve.server.media import FragmentedMP4Writer
 
     width = height = None
     if args.size is not None:
@@ -104,7 +104,7 @@ def run(args) -> int:
         if path is not None:
             options[name] = read_image(path, flag)
     if args.video is not None:
-        from pipelines.media import read_mp4
+        from longserve.pipelines.media import read_mp4
 
         options["video"] = read_mp4(args.video, "--video")
     options.update({name: getattr(args, flag) for flag, name in LONG_VIDEO_FLAGS.items()
@@ -169,8 +169,8 @@ def run(args) -> int:
 
 def read_image(path: str, flag: str):
     """An image file -> (H, W, 3) uint8, decoded as the server decodes uploads; ValueError naming the flag."""
-    from server.api.errors import APIError
-    from server.api.uploads import decode_image
+    from longserve.server.api.errors import APIError
+    from longserve.server.api.uploads import decode_image
 
     try:
         with open(path, "rb") as f:

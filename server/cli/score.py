@@ -51,7 +51,7 @@ def read_text(file: str) -> str:
 
 
 def run(args) -> int:
-    from weights.lm import resolve_causal_lm
+    from longserve.weights.lm import resolve_causal_lm
 
     try:
         resolve_causal_lm(args.model)
@@ -64,7 +64,7 @@ def run(args) -> int:
 
     from tqdm.auto import tqdm
 
-    from pipelines.scoring import TextScoringPipeline
+    from longserve.pipelines.scoring import TextScoringPipeline
 
     bar = None
 

@@ -33,8 +33,8 @@ DEFAULT_ALIASES = {"default_guidance_scale": ("--guidance-scale",), "default_fps
 
 
 def add_arguments(p) -> None:
-    from engine.config import EngineConfig, add_cli_args
-    from server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
+    from longserve.engine.config import EngineConfig, add_cli_args
+    from longserve.server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
 
     add_cli_args(p, EngineConfig, defaults=SERVE_ENGINE_DEFAULTS, titles=GROUP_TITLES, aliases=DEFAULT_ALIASES)
     add_cli_args(p, ServeConfig, defaults={"api_key_file": os.environ.get("LONGSERVE_API_KEY_FILE")},
@@ -62,17 +62,17 @@ def api_keys(args) -> tuple[str, ...]:
 
 
 def config_from_args(args):
-    from engine.config import EngineConfig, from_cli_args
-    from server.api.config import ServeConfig
+    from longserve.engine.config import EngineConfig, from_cli_args
+    from longserve.server.api.config import ServeConfig
 
     return from_cli_args(ServeConfig, args, engine=from_cli_args(EngineConfig, args))
 
 
 def build(args):
     """(video service, score service or None, app) from parsed arguments; the video workers are started."""
-    from server.api.app import create_app
-    from server.api.score_service import ScoreService
-    from server.api.service import VideoService
+    from longserve.server.api.app import create_app
+    from longserve.server.api.score_service import ScoreService
+    from longserve.server.api.service import VideoService
 
     config = config_from_args(args)
     keys = api_keys(args)                     # a bad key file stops the start before the workers load
@@ -98,11 +98,11 @@ def run(args) -> int:
     print(f"loading {args.model} on {args.workers} worker(s), parallel={args.parallel}{compiling} ...",
           file=sys.stderr)
     videos, score, app = build(args)
-    from server.cli.generate import speed_levers
+    from longserve.server.cli.generate import speed_levers
 
     if videos.engine is not None and speed_levers(videos.engine.info):
         print(f"loaded{speed_levers(videos.engine.info).lstrip(',')}", file=sys.stderr)
-    from server.api.edge import uvicorn_options
+    from longserve.server.api.edge import uvicorn_options
     lim = videos.limits
     print(f"serving {videos.model_name} on http://{args.host}:{args.port} (data in {args.data_dir}; "
           f"max batch {args.max_batch}; frames <= {lim.max_frames}, sides <= {lim.max_size} px, "

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine import comm
-from engine.causal_vae import StreamingVAEDecoder, VAETiling, assign_items
-from engine.dist import ParallelGroup
-from engine.memory import PeakMemory
-from engine.pool import WorkerError, WorkerPool
-from server.bench.models import random_wan_vae
+from longserve.engine import comm
+from longserve.engine.causal_vae import StreamingVAEDecoder, VAETiling, assign_items
+from longserve.engine.dist import ParallelGroup
+from longserve.engine.memory import PeakMemory
+from longserve.engine.pool import WorkerError, WorkerPool
+from longserve.server.bench.models import random_wan_vae
 
 ATOL = 1e-5
 WORKERS = (1, 2, 3)

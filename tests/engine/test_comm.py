@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from engine import comm
-from engine.pool import WorkerError, WorkerPool
+from longserve.engine import comm
+from longserve.engine.pool import WorkerError, WorkerPool
 
 
 def _roundtrip_switch(ctx, full):
@@ -37,7 +37,7 @@ def _gather_to(ctx, dst):
 
 def _fail_on(ctx, bad_rank, error="input"):
     """Fail on `bad_rank` (None: every rank) before any collective: an input error, or a library's ValueError."""
-    from engine.request import RequestError
+    from longserve.engine.request import RequestError
 
     if bad_rank is None or ctx.pg.rank == bad_rank:
         raise RequestError("num_frames", "num_frames must be positive") if error == "input" else \
@@ -200,7 +200,7 @@ def test_under_torchrun_a_failing_non_zero_rank_surfaces_on_rank_0_instead_of_ha
     import subprocess
     import sys
 
-    from engine.dist import find_free_port
+    from longserve.engine.dist import find_free_port
 
     out = tmp_path / "result.json"
     # torchrun's agent stops every rank monitor-interval (default 0.1 s) after rank 1 exits: at a load of 7 that
@@ -262,7 +262,7 @@ def test_a_worker_whose_sentinel_reads_dead_is_still_alive_by_its_pid_and_killed
     import signal
     import subprocess
 
-    from engine.pool import _alive, _pid_running
+    from longserve.engine.pool import _alive, _pid_running
 
     proc = subprocess.Popen(["sleep", "30"])
 
@@ -283,7 +283,7 @@ def test_a_worker_whose_sentinel_reads_dead_is_still_alive_by_its_pid_and_killed
 
 
 def test_the_fork_server_is_prestarted_only_where_this_process_will_fork_workers(monkeypatch):
-    from engine.startup import prestart, start_method
+    from longserve.engine.startup import prestart, start_method
 
     assert (start_method("cpu"), start_method("cuda"), start_method("cuda:1")) == ("forkserver", "spawn", "spawn")
     assert prestart("cuda") is False, "CUDA workers are spawned"

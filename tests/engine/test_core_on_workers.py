@@ -9,14 +9,14 @@ import signal
 import numpy as np
 import pytest
 
-from engine import worker as jobs
-from engine.config import EngineConfig, WorkerConfig
-from engine.core import EngineCore
-from engine.engine import resolve_checkpoint
-from engine.outputs import Failed, FramesChunk, Requeued, StepProgress
-from engine.parallel import ParallelPlan
-from engine.pool import WorkerPool
-from engine.request import GenerationSpec
+from longserve.engine import worker as jobs
+from longserve.engine.config import EngineConfig, WorkerConfig
+from longserve.engine.core import EngineCore
+from longserve.engine.engine import resolve_checkpoint
+from longserve.engine.outputs import Failed, FramesChunk, Requeued, StepProgress
+from longserve.engine.parallel import ParallelPlan
+from longserve.engine.pool import WorkerPool
+from longserve.engine.request import GenerationSpec
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ tests/pipelines/)."""
 import numpy as np
 import torch
 
-from engine.decoding import FramesPolicy, FrameStream
+from longserve.engine.decoding import FramesPolicy, FrameStream
 
 
 class FrameIds:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from numerics import bf16_relative_errors  # imported at collection: a broken import fails on CPU machines too
 
-from pipelines import VideoPipeline
+from longserve.pipelines import VideoPipeline
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

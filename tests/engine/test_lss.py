@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from engine import lss
-from engine.memory import LiveTensorTracker, PeakMemory
-from pipelines.scoring import plan_windows
+from longserve.engine import lss
+from longserve.engine.memory import LiveTensorTracker, PeakMemory
+from longserve.pipelines.scoring import plan_windows
 
 
 @pytest.mark.parametrize("length,world,zigzag",

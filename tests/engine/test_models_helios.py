@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine import comm
-from engine.families.helios import history_indices
-from engine.models.helios import HeliosSequenceParallel
-from engine.parallel import make_sequence_parallel
+from longserve.engine import comm
+from longserve.engine.families.helios import history_indices
+from longserve.engine.models.helios import HeliosSequenceParallel
+from longserve.engine.parallel import make_sequence_parallel
 from tools.weights.build_tiny_helios import build_helios_transformer
 
 ATOL = 1e-5

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from latte_models import latte_inputs, tiny_latte_transformer
 
-from engine import comm
-from engine.models.latte import STRATEGIES, parallel_forward, temporal_pos_embed
-from engine.parallel import make_cfg_groups
+from longserve.engine import comm
+from longserve.engine.models.latte import STRATEGIES, parallel_forward, temporal_pos_embed
+from longserve.engine.parallel import make_cfg_groups
 
 WORKERS = (1, 2, 3, 4)
 ATOL = 1e-5

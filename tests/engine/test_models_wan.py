@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine import comm
-from engine.models.wan import WanSequenceParallel
-from engine.parallel import make_cfg_groups, make_sequence_parallel, resolve_plan
-from server.bench.models import random_wan_transformer
+from longserve.engine import comm
+from longserve.engine.models.wan import WanSequenceParallel
+from longserve.engine.parallel import make_cfg_groups, make_sequence_parallel, resolve_plan
+from longserve.server.bench.models import random_wan_transformer
 
 ATOL = 1e-5
 PLANS = [("ulysses", None), ("ring", None), ("usp", 2)]
@@ -219,8 +219,8 @@ def test_a_batch_of_diffusion_forcing_rows_gives_each_row_what_it_gets_alone(poo
 
 
 def test_outside_a_sharded_call_the_hooked_model_is_diffusers_model_unchanged():
-    from engine.dist import ParallelGroup
-    from engine.parallel import make_sequence_parallel
+    from longserve.engine.dist import ParallelGroup
+    from longserve.engine.parallel import make_sequence_parallel
 
     inputs = wan_inputs(seed=4)
     want = reference(dict(heads=3), inputs)

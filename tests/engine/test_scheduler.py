@@ -12,10 +12,10 @@ import threading
 import numpy as np
 import pytest
 
-from engine import worker as jobs
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.outputs import (
+from longserve.engine import worker as jobs
+from longserve.engine.config import EngineConfig
+from longserve.engine.core import EngineCore
+from longserve.engine.outputs import (
     Admitted,
     Cancelled,
     Failed,
@@ -26,10 +26,10 @@ from engine.outputs import (
     Requeued,
     StepProgress,
 )
-from engine.pool import WorkerError
-from engine.request import GenerationSpec
-from engine.results import Progress
-from engine.scheduler import QueueFullError, RequestState, Scheduler
+from longserve.engine.pool import WorkerError
+from longserve.engine.request import GenerationSpec
+from longserve.engine.results import Progress
+from longserve.engine.scheduler import QueueFullError, RequestState, Scheduler
 
 
 class ScriptedPool:
@@ -457,7 +457,7 @@ def test_a_handle_reads_its_outputs_in_a_thread_and_in_an_event_loop():
     """The engine's own loop drives the core; a sync and an async reader each get their request's outputs."""
     import asyncio
 
-    from engine.engine import RequestHandle
+    from longserve.engine.engine import RequestHandle
 
     class Engine:                           # what a handle needs of the engine: abort, liveness
         def abort(self, rid, reason):

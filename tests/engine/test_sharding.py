@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel import make_sequence_parallel
-from engine.sharding import (
+from longserve.engine.parallel import make_sequence_parallel
+from longserve.engine.sharding import (
     At,
     Gather,
     Replace,

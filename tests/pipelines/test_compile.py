@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from pipelines import VideoPipeline
-from weights import resolve_model
+from longserve.engine.config import EngineConfig
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_model
 
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry, low quality"
 WAN = dict(num_frames=5, height=32, width=48, num_inference_steps=3, guidance_scale=5.0, seed=0)
@@ -24,12 +24,12 @@ COMPILED = dict(compile="blocks", compile_backend="aot_eager")
 
 
 def test_bad_values_and_impossible_combinations_are_refused_at_start_naming_the_option(monkeypatch):
-    import engine.engine
+    import longserve.engine.engine as engine_module
 
     def no_workers(*args, **kwargs):
         raise AssertionError("the workers were started before the options were checked")
 
-    monkeypatch.setattr(engine.engine, "make_pool", no_workers)
+    monkeypatch.setattr(engine_module, "make_pool", no_workers)
     with pytest.raises(ValueError, match="compile must be one of none, blocks"):
         EngineConfig(compile="model")
     with pytest.raises(ValueError, match="quantize must be one of none, fp8"):
@@ -47,8 +47,8 @@ def test_a_compiled_block_is_the_innermost_forward_under_the_hooks_and_one_graph
     aot_eager); batch sizes 2, 3 and 5 share one graph, a batch of one row costs one more (torch specialises size 1)."""
     from diffusers import WanTransformer3DModel
 
-    from engine.cache import StepCache, WanStepCache
-    from engine.compile import CompiledBlock, compile_blocks, compiled_graphs
+    from longserve.engine.cache import StepCache, WanStepCache
+    from longserve.engine.compile import CompiledBlock, compile_blocks, compiled_graphs
 
     path = resolve_model("tiny-wan") / "transformer"
     plain, compiled = (WanTransformer3DModel.from_pretrained(path) for _ in range(2))
@@ -107,7 +107,7 @@ def test_fp8_weights_on_a_gpu_keep_the_frames_close_and_the_kept_layers_in_bf16(
     pytest.importorskip("torchao")
     from diffusers import LatteTransformer3DModel
 
-    from engine.quantize import quantize_fp8
+    from longserve.engine.quantize import quantize_fp8
 
     model = LatteTransformer3DModel.from_pretrained(resolve_model("tiny-latte") / "transformer",
                                                     torch_dtype=torch.bfloat16).to("cuda")

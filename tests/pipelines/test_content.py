@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from content import describe, recognises, recognition_rate
 
-from weights import TINY_LATTE_DIR
-from weights.prompts import PROMPTS
+from longserve.weights import TINY_LATTE_DIR
+from longserve.weights.prompts import PROMPTS
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 0
@@ -74,8 +74,8 @@ def test_two_workers_dsp_give_the_same_clips(clips, pipeline):
 
 
 def test_the_server_serves_the_same_clips(one_worker, tmp_path):
-    from server.api.app import create_app, serve_in_thread
-    from server.api.service import ServeConfig, VideoService
+    from longserve.server.api.app import create_app, serve_in_thread
+    from longserve.server.api.service import ServeConfig, VideoService
 
     prompts = ["a red ball bouncing", "a blue square moving left"]
     config = ServeConfig.from_options(model="tiny-latte", workers=2, device="cpu", data_dir=str(tmp_path), max_batch=4)
@@ -117,7 +117,7 @@ def test_make_demo_draws_a_red_ball_bouncing_and_the_readme_strip_is_its_frames(
     """`make demo`'s two commands (read from the Makefile: the CLI at the model's defaults, then the
     frame strip), run here in-process: the helper sees a red ball bouncing, and docs/demo_strip.png,
     which README.md shows, is that strip."""
-    from server.cli import main
+    from longserve.server.cli import main
     from tools.frame_strip import main as strip_main
 
     commands = [c for c in make_demo_commands() if c[0] != "mkdir"]

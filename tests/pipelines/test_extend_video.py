@@ -11,9 +11,9 @@ import PIL.Image
 import pytest
 import torch
 
-from engine.families.skyreels_df import SkyReelsDiffusionForcingFamily as DF
-from engine.request import GenerationSpec, RequestError
-from weights import resolve_model
+from longserve.engine.families.skyreels_df import SkyReelsDiffusionForcingFamily as DF
+from longserve.engine.request import GenerationSpec, RequestError
+from longserve.weights import resolve_model
 
 ATOL = 1e-4
 PROMPT, NEGATIVE = "a red ball moving right", "blurry"
@@ -153,8 +153,8 @@ def test_each_checkpoint_class_takes_what_its_diffusers_pipeline_takes():
 
 
 def test_a_video_path_is_read_by_the_pipeline(tmp_path):
-    from pipelines.media import read_mp4
-    from pipelines.video import VideoPipeline, save_video
+    from longserve.pipelines.media import read_mp4
+    from longserve.pipelines.video import VideoPipeline, save_video
 
     path = tmp_path / "in.mp4"
     save_video(VIDEO / 255.0, path, fps=8)

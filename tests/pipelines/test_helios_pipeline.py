@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine import worker
-from engine.outputs import FramesChunk, StepProgress
-from engine.request import RequestError
-from pipelines import VideoPipeline
-from weights import resolve_model
+from longserve.engine import worker
+from longserve.engine.outputs import FramesChunk, StepProgress
+from longserve.engine.request import RequestError
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_model
 
 ATOL = 1e-4
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.request import RequestError
-from pipelines import VideoPipeline
-from weights import resolve_model
+from longserve.engine.request import RequestError
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_model
 
 ATOL = 1e-4
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry"
@@ -111,7 +111,7 @@ def test_a_gamma_whose_block_noise_cannot_be_factored_is_refused_at_start(tmp_pa
 def test_the_block_noise_refusal_is_decided_from_gamma_and_the_patch_not_by_this_cpu(gamma, n, refused):
     """The covariance (1 + gamma) I - gamma J has eigenvalues 1 + gamma and 1 - gamma (n - 1): the refusal is
     those numbers' (within float32's margin), the same on every CPU, whether or not a factorisation would succeed."""
-    from engine.families.helios_pyramid import check_block_noise
+    from longserve.engine.families.helios_pyramid import check_block_noise
 
     if refused:
         with pytest.raises(ValueError, match="gamma"):

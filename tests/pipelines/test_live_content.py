@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from content import describe
 
-from weights.registry import TINY_MODELS
+from longserve.weights.registry import TINY_MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not (TINY_MODELS.get("tiny-live", Path("/nonexistent")) / "causal_config.json")

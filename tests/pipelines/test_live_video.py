@@ -9,12 +9,12 @@ import pytest
 import torch
 from causal_models import TINY_CAUSAL, build_tiny_causal, recompute_reference
 
-from engine.config import EngineConfig
-from engine.engine import VideoEngine
-from engine.outputs import FramesChunk
-from engine.request import RequestError
-from engine.scheduler import KVBudgetError
-from pipelines import VideoPipeline
+from longserve.engine.config import EngineConfig
+from longserve.engine.engine import VideoEngine
+from longserve.engine.outputs import FramesChunk
+from longserve.engine.request import RequestError
+from longserve.engine.scheduler import KVBudgetError
+from longserve.pipelines import VideoPipeline
 
 H, W, CHUNKS = 16, 80, 4            # 5 tokens per latent frame, 15 per chunk: not divisible by 2 or 4
 FRAMES = 1 + (CHUNKS * 3 - 1) * 4   # 45 frames = 12 latent frames = 4 chunks of 3
@@ -41,7 +41,7 @@ def test_upstream_layout_loads_with_no_missing_or_unexpected_keys(tmp_path):
     Wan module tree, not by our converter) loads strictly and equals the model it came from."""
     from diffusers import WanTransformer3DModel
 
-    from weights.causal_wan import load_causal_transformer, read_generator
+    from longserve.weights.causal_wan import load_causal_transformer, read_generator
 
     d = build_tiny_causal(tmp_path / "pt", weights_name="self_forcing_dmd.pt")
     sd = read_generator(d / "self_forcing_dmd.pt", "generator_ema")
@@ -77,7 +77,7 @@ def test_cached_chunks_equal_a_recompute_and_two_and_three_workers_equal_one(pip
 
 
 def test_the_cache_keeps_its_sinks_and_rebases_positions_past_the_window(causal_dir):
-    from engine.models.causal import CausalConfig, KVCache
+    from longserve.engine.models.causal import CausalConfig, KVCache
 
     cfg = CausalConfig.from_dict({**TINY_CAUSAL, "local_attn_size": 9, "sink_size": 1})   # 6 cached: 1 sink + 5
     cache = KVCache(cfg, 1, 2, 1, 4, 3, 1, torch.float32, "cpu")
@@ -173,8 +173,8 @@ def test_a_stream_of_2000_latent_frames_past_the_rope_table_keeps_per_worker_mem
     (engine/memory.py, the tracker on) over 20 chunks (2000 latent frames, 17 of them evicting from the cache)
     is that over 3 within 5%. Chunks of 100 latent frames and one denoising step keep the tracked run short
     (the tracker's cost is per op); 2 workers, Ulysses pads the 3 heads."""
-    from engine import worker
-    from weights.causal_wan import load_causal_transformer
+    from longserve.engine import worker
+    from longserve.weights.causal_wan import load_causal_transformer
 
     model = build_tiny_causal(tmp_path / "long", num_frame_per_block=100, denoising_step_list=[1000],
                               local_attn_size=250, sink_size=4)

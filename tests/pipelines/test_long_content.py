@@ -53,7 +53,7 @@ def test_the_segment_helper_finds_continuous_clips_and_spliced_ones():
 
 
 def test_make_demo_long_draws_a_red_ball_continuous_across_ten_segments_and_the_readme_strip_is_its_frames(tmp_path):
-    from server.cli import main
+    from longserve.server.cli import main
     from tools.frame_strip import main as strip_main
     from tools.weights.eval_tiny_skyreels_df import demo_settings
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.request import RequestError
-from pipelines import VideoPipeline
-from weights import resolve_model
+from longserve.engine.request import RequestError
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_model
 
 ATOL = 1e-4
 

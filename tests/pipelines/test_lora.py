@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.outputs import FramesChunk, StepProgress
-from engine.request import RequestError
-from pipelines import VideoPipeline
-from weights import resolve_lora, resolve_model
+from longserve.engine.outputs import FramesChunk, StepProgress
+from longserve.engine.request import RequestError
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_lora, resolve_model
 
 ATOL = 1e-4
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry, low quality"
@@ -195,8 +195,8 @@ def test_a_checkpoint_s_generation_defaults_carry_the_recipe_for_its_default_ste
     list gets it; another step count gets the scheduler's own spacing; a list of its own wins."""
     import dataclasses
 
-    from engine.families.wan import WanFamily
-    from engine.request import GenerationSpec
+    from longserve.engine.families.wan import WanFamily
+    from longserve.engine.request import GenerationSpec
 
     desc = WanFamily.describe(resolve_model("tiny-wan"))
     recipe = [1.0, 0.75, 0.5, 0.25]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines import VideoPipeline
-from weights import resolve_model
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_model
 
 PROMPT = "a red ball bouncing"
 KW = dict(num_frames=16, height=32, width=48, num_inference_steps=3, guidance_scale=4.5)  # LattePipeline: 16 frames

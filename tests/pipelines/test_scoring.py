@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipelines import TextScoringPipeline
-from server.cli import main as cli_main
+from longserve.pipelines import TextScoringPipeline
+from longserve.server.cli import main as cli_main
+from longserve.weights.lm import resolve_causal_lm
 from tests.support.checkpoints import assert_same_file
 from tools.weights.build_tiny_lm import CORPUS
-from weights.lm import resolve_causal_lm
 
 TINY = resolve_causal_lm("tiny-lm")
 RTOL = 1e-5
@@ -342,7 +342,7 @@ def test_cli_scores_stdin_as_json(monkeypatch, capsys, hf, text):
 
 def _all_gather_after_failing_on_rank_1(ctx, how):
     """Rank 1 fails while its peers wait for it in an all-gather (the fused K/V exchange's collective)."""
-    from engine import comm
+    from longserve.engine import comm
 
     if ctx.pg.rank == 1:
         if how == "oom":
@@ -358,7 +358,7 @@ def _all_gather_after_failing_on_rank_1(ctx, how):
 @pytest.mark.parametrize("how, kind", [("raise", "internal"), ("oom", "out_of_memory"), ("exit", "worker_died")])
 def test_a_failure_on_one_scoring_worker_restarts_the_pool_and_the_next_score_is_exact(how, kind, scorer_for, hf,
                                                                                        text):
-    from engine.pool import WorkerError
+    from longserve.engine.pool import WorkerError
 
     scorer = scorer_for(2)
     restarts = scorer.pool.restarts

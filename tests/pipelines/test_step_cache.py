@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine import worker as jobs
-from engine.cache import WanStepCache, parse_cache
-from engine.config import EngineConfig, WorkerConfig
-from engine.core import EngineCore
-from engine.engine import resolve_checkpoint
-from engine.outputs import FramesChunk, StepProgress
-from engine.parallel import ParallelPlan
-from engine.pool import WorkerPool
-from engine.request import GenerationSpec, RequestError
-from pipelines import VideoPipeline
-from weights import resolve_model
+from longserve.engine import worker as jobs
+from longserve.engine.cache import WanStepCache, parse_cache
+from longserve.engine.config import EngineConfig, WorkerConfig
+from longserve.engine.core import EngineCore
+from longserve.engine.engine import resolve_checkpoint
+from longserve.engine.outputs import FramesChunk, StepProgress
+from longserve.engine.parallel import ParallelPlan
+from longserve.engine.pool import WorkerPool
+from longserve.engine.request import GenerationSpec, RequestError
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_model
 
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry, low quality"
 # the random tiny-wan's head residual changes by 0.67-1.3 of itself from step to step: this threshold skips some
@@ -49,8 +49,8 @@ def test_a_bad_cache_is_refused_naming_its_field():
 
 
 def test_a_cache_the_model_cannot_take_is_refused_naming_the_field():
-    from engine.families.latte import LatteFamily
-    from engine.families.wan import WanFamily
+    from longserve.engine.families.latte import LatteFamily
+    from longserve.engine.families.wan import WanFamily
 
     latte = LatteFamily.describe(resolve_model("tiny-latte"))
     wan = WanFamily.describe(resolve_model("tiny-wan"))
@@ -65,7 +65,7 @@ def test_a_cache_the_model_cannot_take_is_refused_naming_the_field():
 def test_the_hooks_leave_diffusers_forward_bit_for_bit_while_no_request_caches():
     from diffusers import WanTransformer3DModel
 
-    from engine.cache import StepCache
+    from longserve.engine.cache import StepCache
 
     path = resolve_model("tiny-wan") / "transformer"
     plain, hooked = (WanTransformer3DModel.from_pretrained(path) for _ in range(2))

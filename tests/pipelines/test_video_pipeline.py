@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.pool import WorkerError
-from pipelines import VideoPipeline
-from weights import resolve_latte
+from longserve.engine.pool import WorkerError
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_latte
 
 PROMPT = "a red ball bouncing"
 STEPS = 3
@@ -160,7 +160,7 @@ def test_torchrun_launched_group_matches_one_worker(pipe1, tmp_path):
     import subprocess
     import sys
 
-    from engine.dist import find_free_port
+    from longserve.engine.dist import find_free_port
 
     path = str(tmp_path / "frames.npy")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -209,7 +209,7 @@ def test_latte1_shaped_checkpoint_runs_sharded_and_matches_diffusers(tmp_path):
 
 def _all_reduce_after_failing_on_rank_1(ctx, how):
     """Rank 1 fails while its peers wait for it in an all-reduce on the video workers' own group."""
-    from engine import comm
+    from longserve.engine import comm
 
     if ctx.pg.rank == 1:
         if how == "oom":
@@ -239,8 +239,8 @@ def test_a_request_made_again_after_a_worker_restart_is_not_handed_out_twice():
     again from its first frame: `stream` hands out only the frames it has not yet, `__call__` keeps the remake."""
     from types import SimpleNamespace
 
-    from engine.config import GenerationDefaults
-    from engine.outputs import Finished, FramesChunk, Requeued
+    from longserve.engine.config import GenerationDefaults
+    from longserve.engine.outputs import Finished, FramesChunk, Requeued
 
     def chunk(start, stop, value):
         return FramesChunk("r", np.full((1, stop - start, 2, 2, 3), value, np.float32), start, stop, 9, 0.0)
@@ -267,8 +267,8 @@ class _ChecksNothing:
 
 
 def test_one_completion_fills_the_defaults_and_counts_seconds_under_the_frame_rule():
-    from engine.config import Capabilities, EngineConfig, GenerationDefaults, ModelDescription
-    from engine.request import RequestError, RequestInput, complete_request, frame_count
+    from longserve.engine.config import Capabilities, EngineConfig, GenerationDefaults, ModelDescription
+    from longserve.engine.request import RequestError, RequestInput, complete_request, frame_count
 
     # the frame rule: the nearest rule*k+1 (halves up), rounded down for a session's length, at least `at_least`
     assert [frame_count(f, 4) for f in (32, 31, 30, 1, 0.2)] == [33, 33, 29, 1, 1]

@@ -11,10 +11,10 @@ import PIL.Image
 import pytest
 import torch
 
-from engine.outputs import FramesChunk, StepProgress
-from engine.request import RequestError
-from pipelines import VideoPipeline
-from weights import resolve_model
+from longserve.engine.outputs import FramesChunk, StepProgress
+from longserve.engine.request import RequestError
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_model
 
 ATOL = 1e-4
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry, low quality"

@@ -13,10 +13,10 @@ from wan_models import (
     narrow,
 )
 
-from engine.request import RequestError
-from pipelines import VideoPipeline
-from weights import resolve_model
-from weights.wan import SKYREELS_V2_T2V_14B_540P_TRANSFORMER
+from longserve.engine.request import RequestError
+from longserve.pipelines import VideoPipeline
+from longserve.weights import resolve_model
+from longserve.weights.wan import SKYREELS_V2_T2V_14B_540P_TRANSFORMER
 
 ATOL = 1e-4
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry, low quality"

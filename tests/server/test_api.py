@@ -15,11 +15,11 @@ import imageio.v3 as iio
 import pytest
 from servers import sse_events
 
-from server.api.app import create_app, serve_in_thread
-from server.api.metrics import parse_text
-from server.api.score_service import ScoreService
-from server.api.service import ServeConfig, VideoService
-from server.bench import serve as bench_serve
+from longserve.server.api.app import create_app, serve_in_thread
+from longserve.server.api.metrics import parse_text
+from longserve.server.api.score_service import ScoreService
+from longserve.server.api.service import ServeConfig, VideoService
+from longserve.server.bench import serve as bench_serve
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
 
@@ -443,7 +443,7 @@ def test_malformed_requests_get_a_4xx_error_envelope_naming_the_field_and_the_se
     restarts = metric(http, "longserve_worker_restarts")
     before = http.get("/v1/videos", params={"limit": 100}).json()["data"]
     # every field of the create body has a malformed case that names it (a new field needs one)
-    from server.api.protocol import VideoCreateRequest
+    from longserve.server.api.protocol import VideoCreateRequest
 
     named = {param for *_, param in MALFORMED}
     assert set(VideoCreateRequest.model_fields) <= named, set(VideoCreateRequest.model_fields) - named

@@ -9,8 +9,8 @@ import httpx
 import imageio.v3 as iio
 import pytest
 
-from server.api.app import create_app, serve_in_thread
-from server.api.service import ServeConfig, VideoService
+from longserve.server.api.app import create_app, serve_in_thread
+from longserve.server.api.service import ServeConfig, VideoService
 
 # 4 chunks of 3 latent frames (9 frames each) at 48x80: 36 frames asked, 33 made
 HELIOS = {"prompt": "a red ball bouncing", "size": "80x48", "num_frames": 36, "num_inference_steps": 12, "seed": 1,

@@ -9,8 +9,8 @@ import httpx
 import imageio.v3 as iio
 import pytest
 
-from server.api.app import create_app, serve_in_thread
-from server.api.service import ServeConfig, VideoService
+from longserve.server.api.app import create_app, serve_in_thread
+from longserve.server.api.service import ServeConfig, VideoService
 
 STEPS = 30                      # per segment: long enough that segments take visibly long
 # 37 frames at 64x64 = 10 latent frames in 4 segments (the checkpoint's base 17 / overlap 9 frames); no guidance

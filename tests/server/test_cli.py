@@ -18,9 +18,9 @@ def test_one_request_through_python_the_cli_and_http_makes_one_spec(tmp_path, ca
 
     from servers import serving
 
-    from engine.engine import VideoEngine
-    from pipelines import VideoPipeline
-    from server.cli import main
+    from longserve.engine.engine import VideoEngine
+    from longserve.pipelines import VideoPipeline
+    from longserve.server.cli import main
 
     specs, submit = [], VideoEngine.submit
 
@@ -54,7 +54,7 @@ def test_one_request_through_python_the_cli_and_http_makes_one_spec(tmp_path, ca
 
 
 def test_generate_rejects_a_bad_size_and_a_missing_model_naming_them(tmp_path, capsys):
-    from server.cli import main
+    from longserve.server.cli import main
 
     assert main(["generate", "x", "--size", "64by64", "-o", str(tmp_path / "x.mp4")]) == 2
     assert "size" in capsys.readouterr().err
@@ -63,7 +63,7 @@ def test_generate_rejects_a_bad_size_and_a_missing_model_naming_them(tmp_path, c
 
 
 def test_generate_a_long_video_writes_every_segment_with_a_bar_over_all_steps(tmp_path, capfd):
-    from server.cli import main
+    from longserve.server.cli import main
 
     out = tmp_path / "long.mp4"
     assert main(["generate", "a ship at sea", "--model", "tiny-skyreels-df", "--frames", "37", "--base-frames", "17",
@@ -84,8 +84,9 @@ def test_an_interrupted_long_video_leaves_a_playable_file_of_the_frames_made_so_
     # 10 segments of 5 steps: 17 frames, then 8 more per segment. The interrupt comes once the progress bar
     # has passed the first segment (its frames are in the writer), not when the file first has bytes: the
     # encoder runs at a lower priority and on a loaded machine its first bytes can lag far behind
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "generate", "waves", "--model", "tiny-skyreels-df",
-                             "--frames", "89", "--size", "64x64", "--steps", "5", "--seed", "0", "-o", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "longserve.server.cli", "generate", "waves",
+                             "--model", "tiny-skyreels-df", "--frames", "89", "--size", "64x64", "--steps", "5",
+                             "--seed", "0", "-o", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # a shell without job control starts background commands with SIGINT ignored, and
                             # the child would inherit that (the suite run as `make test &` saw exit code 0)
@@ -113,9 +114,9 @@ def test_engine_options_are_flags_generated_from_the_config_and_reach_the_engine
     `generate` flags too), and what the flags say is the config VideoEngine.start gets, from both commands."""
     import dataclasses
 
-    from engine.config import EngineConfig
-    from engine.engine import VideoEngine
-    from server.cli import build_parser, generate, serve
+    from longserve.engine.config import EngineConfig
+    from longserve.engine.engine import VideoEngine
+    from longserve.server.cli import build_parser, generate, serve
 
     parser = build_parser()
     subcommands = next(a for a in parser._actions if a.dest == "command").choices
@@ -149,8 +150,8 @@ def test_engine_options_are_flags_generated_from_the_config_and_reach_the_engine
 def test_generate_extends_an_mp4_and_writes_the_whole_extended_video(tmp_path, capfd):
     import numpy as np
 
-    from pipelines.video import save_video
-    from server.cli import main
+    from longserve.pipelines.video import save_video
+    from longserve.server.cli import main
 
     given, out = tmp_path / "in.mp4", tmp_path / "longer.mp4"
     y, x = np.mgrid[0:64, 0:64]

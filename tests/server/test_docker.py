@@ -54,8 +54,8 @@ def test_every_copied_path_exists_is_not_dockerignored_and_covers_the_packages()
                 assert not ignored(src), f"COPY {src}: excluded by .dockerignore"
                 copied.append(src.rstrip("/"))
     meta = pyproject()
-    for package in meta["tool"]["setuptools"]["packages"]["find"]["include"]:
-        assert package.rstrip("*") in copied, f"package {package} is installed but not copied"
+    for package, folder in meta["tool"]["setuptools"]["package-dir"].items():
+        assert folder in copied, f"package {package} ({folder}/) is installed but not copied"
     assert meta["project"]["readme"] in copied, "setuptools needs the readme to build"
     assert "pyproject.toml" in copied
 
@@ -71,14 +71,14 @@ def test_it_installs_the_declared_gpu_extra():
 
 
 def test_the_entrypoint_is_the_declared_console_script_and_the_default_command_parses():
-    from server.cli import COMMANDS, build_parser
+    from longserve.server.cli import COMMANDS, build_parser
 
     ins = dict(instructions())
     entry = json.loads(ins["ENTRYPOINT"])
     cmd = json.loads(ins["CMD"])
     assert entry == ["longserve", "serve"]
-    assert pyproject()["project"]["scripts"]["longserve"] == "server.cli:main"
-    assert COMMANDS["serve"][0] == "server.cli.serve"
+    assert pyproject()["project"]["scripts"]["longserve"] == "longserve.server.cli:main"
+    assert COMMANDS["serve"][0] == "longserve.server.cli.serve"
     args = build_parser().parse_args(entry[1:] + cmd)
     assert args.model.startswith("/models/") and args.host == "0.0.0.0" and args.device == "cuda"
     assert args.dtype == "bfloat16", "a GPU deployment serves in bf16 by default"
@@ -124,7 +124,7 @@ def test_the_dockerfile_documents_keys_from_the_environment_or_a_file_never_the_
 def test_the_stop_timeout_the_image_and_the_docs_give_leaves_room_for_the_drain():
     """SIGTERM drains for up to --drain-seconds, then the server stops: the stop timeout the Dockerfile and
     docs/serving.md tell operators to set (docker --stop-timeout, compose stop_grace_period) must exceed it."""
-    from server.api.config import DEFAULT_DRAIN_S
+    from longserve.server.api.config import DEFAULT_DRAIN_S
 
     ins = instructions()
     assert ("STOPSIGNAL", "SIGTERM") in ins

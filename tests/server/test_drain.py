@@ -13,7 +13,7 @@ import time
 import httpx
 from servers import ROOT, SERVE_KEY, serve_command, sse_events, wait_until_healthy
 
-from server.api.app import free_port
+from longserve.server.api.app import free_port
 
 DRAIN_S = 60               # --drain-seconds here: room for a loaded machine (the drain ends when the video does)
 STOP_MARGIN_S = 10          # docs/serving.md: the stop timeout is --drain-seconds + 10 s

@@ -17,10 +17,10 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from server.api.admission import most_expensive_cost, request_cost
-from server.api.app import create_app
-from server.api.config import ServeConfig
-from server.api.score_service import ScoreService
+from longserve.server.api.admission import most_expensive_cost, request_cost
+from longserve.server.api.app import create_app
+from longserve.server.api.config import ServeConfig
+from longserve.server.api.score_service import ScoreService
 from tests.support.servers import serving
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
@@ -134,8 +134,8 @@ def test_an_open_server_on_a_reachable_address_says_so_in_health():
 
 
 def test_keys_come_from_a_file_and_a_key_on_the_command_line_is_warned_about(tmp_path, caplog, monkeypatch):
-    from server.cli import build_parser
-    from server.cli.serve import api_keys
+    from longserve.server.cli import build_parser
+    from longserve.server.cli.serve import api_keys
 
     monkeypatch.delenv("LONGSERVE_API_KEY", raising=False)
     monkeypatch.delenv("LONGSERVE_API_KEY_FILE", raising=False)
@@ -306,8 +306,8 @@ def test_slowloris_connections_are_closed_within_the_read_timeout(server):
 
 
 def test_the_queue_is_bounded_by_work_and_the_most_expensive_request_counts_in_full(server):
-    from server.api.errors import APIError
-    from server.api.protocol import VideoCreateRequest
+    from longserve.server.api.errors import APIError
+    from longserve.server.api.protocol import VideoCreateRequest
 
     http, service = server["http"], server["service"]
     admission, lim = service.admission, service.limits
@@ -350,9 +350,9 @@ def test_one_gate_counts_a_live_session_in_whole_chunks_like_any_video():
     chunks, counts against the same work as videos, and is refused by the same 429 (503 while draining)."""
     from types import SimpleNamespace
 
-    from server.api.admission import AdmissionGate
-    from server.api.errors import APIError
-    from server.api.jobs import LIVE, VIDEO, Job, JobRegistry
+    from longserve.server.api.admission import AdmissionGate
+    from longserve.server.api.errors import APIError
+    from longserve.server.api.jobs import LIVE, VIDEO, Job, JobRegistry
 
     limits = SimpleNamespace(default_frames=12, default_width=64, default_height=64, default_steps=4)
     jobs, shutdown = JobRegistry(), SimpleNamespace(draining=False)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from servers import serving
 
-from engine.outputs import FramesChunk, StepProgress
-from pipelines.media import read_mp4
-from pipelines.video import save_video
+from longserve.engine.outputs import FramesChunk, StepProgress
+from longserve.pipelines.media import read_mp4
+from longserve.pipelines.video import save_video
 
 FPS = 8                       # tiny-skyreels-df's
 MAX_PIXELS = 96 * 96          # --max-image-pixels: a frame of 128x128 is too large

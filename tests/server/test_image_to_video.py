@@ -16,7 +16,7 @@ import PIL.Image
 import pytest
 from servers import serving
 
-from server.cli import main
+from longserve.server.cli import main
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
 

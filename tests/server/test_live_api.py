@@ -21,7 +21,7 @@ from servers import wait_until_healthy
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from server.api.app import free_port
+from longserve.server.api.app import free_port
 
 KEY = "sk-live-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -36,7 +36,7 @@ def server(tmp_path_factory):
     model = build_tiny_causal(tmp_path_factory.mktemp("causal") / "tiny-causal")
     port = free_port()
     script = Path(sys.executable).parent / "longserve"
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "longserve.server.cli"]
     proc = subprocess.Popen(head + ["serve", "--model", str(model), "--workers", "2", "--device", "cpu",
                                     "--port", str(port), "--data-dir", str(tmp_path_factory.mktemp("data")),
                                     "--api-key", KEY, "--score-model", "none", "--log-level", "warning",

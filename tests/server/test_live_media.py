@@ -8,7 +8,7 @@ import imageio_ffmpeg
 import numpy as np
 import pytest
 
-from server.live_media import ChunkMuxer
+from longserve.server.live_media import ChunkMuxer
 
 W, H, FPS = 64, 64, 16
 # distinct solid colours, one per chunk, and chunk lengths as a live session makes them (9 first, then ~12)

@@ -10,9 +10,9 @@ import imageio.v3 as iio
 import pytest
 from servers import serving
 
-from engine.config import EngineConfig, add_cli_args, from_cli_args
-from engine.lora import LoraAdapter
-from server.cli import main
+from longserve.engine.config import EngineConfig, add_cli_args, from_cli_args
+from longserve.engine.lora import LoraAdapter
+from longserve.server.cli import main
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
 

@@ -5,12 +5,12 @@ import sqlite3
 
 import pytest
 
-from server.api.store import JobStore
+from longserve.server.api.store import JobStore
 
 
 @pytest.mark.parametrize("bad", [0, -5, float("nan"), True])
 def test_retention_must_be_a_positive_number_of_seconds(bad):
-    from server.api.service import ServeConfig
+    from longserve.server.api.service import ServeConfig
 
     with pytest.raises(ValueError, match="retention_s"):
         ServeConfig.from_options(retention_s=bad)
@@ -19,14 +19,14 @@ def test_retention_must_be_a_positive_number_of_seconds(bad):
 @pytest.mark.parametrize("name,bad", [("max_storage_bytes", 0), ("max_storage_bytes", 1.5),
                                       ("min_free_bytes", -1), ("drain_seconds", float("inf"))])
 def test_storage_and_drain_options_refuse_bad_values_by_name(name, bad):
-    from server.api.service import ServeConfig
+    from longserve.server.api.service import ServeConfig
 
     with pytest.raises(ValueError, match=f"{name} must be"):
         ServeConfig.from_options(**{name: bad})
 
 
 def test_retention_defaults_to_a_week_and_none_keeps_videos():
-    from server.api.service import ServeConfig
+    from longserve.server.api.service import ServeConfig
 
     assert ServeConfig().retention_s == 7 * 24 * 3600
     assert ServeConfig.from_options(retention_s=None).retention_s is None

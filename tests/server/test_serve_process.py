@@ -15,7 +15,7 @@ import httpx
 import pytest
 from servers import ROOT, SERVE_KEY, serve_command, sse_events, wait_until_healthy
 
-from server.api.app import free_port
+from longserve.server.api.app import free_port
 
 KEY = SERVE_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -163,7 +163,7 @@ def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the
 
 
 def test_the_cli_lists_serve_and_bench_serve_options(capsys):
-    from server.cli import main
+    from longserve.server.cli import main
 
     for args in (["serve", "--help"], ["bench", "serve", "--help"]):
         with pytest.raises(SystemExit) as e:

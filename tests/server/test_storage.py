@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 from servers import serving, sse_events
 
-import server.api.store as store_module
-import server.media as media
-from server.api.metrics import parse_text
-from server.api.store import JobStore
-from server.media import FragmentedMP4Writer
+import longserve.server.api.store as store_module
+import longserve.server.media as media
+from longserve.server.api.metrics import parse_text
+from longserve.server.api.store import JobStore
+from longserve.server.media import FragmentedMP4Writer
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

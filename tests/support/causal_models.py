@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from longserve.weights.registry import TINY_MODELS
 from tools.weights.build_causal import build_causal_checkpoint
-from weights.registry import TINY_MODELS
 
 TINY_CAUSAL = {"num_frame_per_block": 3, "denoising_step_list": [1000, 750, 500, 250], "warp_denoising_step": True,
                "timestep_shift": 5.0, "local_attn_size": 15, "sink_size": 1, "context_noise": 0, "fps": 16}
@@ -61,8 +61,8 @@ def recompute_reference(model_dir: Path, prompt: str, seed: int, chunks: int, he
     from diffusers import AutoencoderKLWan, WanPipeline
     from transformers import AutoTokenizer, UMT5EncoderModel
 
-    from engine.models.causal import CausalConfig
-    from weights.causal_wan import load_causal_transformer, read_causal_config
+    from longserve.engine.models.causal import CausalConfig
+    from longserve.weights.causal_wan import load_causal_transformer, read_causal_config
 
     cfg = CausalConfig.from_dict(read_causal_config(model_dir))
     model = load_causal_transformer(model_dir)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weights.prompts import BACKGROUND, MOTIONS, PALETTE, parse_prompt
+from longserve.weights.prompts import BACKGROUND, MOTIONS, PALETTE, parse_prompt
 
 _PALETTE_NAMES = tuple(PALETTE)
 _PALETTE_RGB = np.array([PALETTE[n] for n in _PALETTE_NAMES])                      # (4, 3)
@@ -148,7 +148,7 @@ def recognition_rate(clips, prompts) -> float:
 def segment_starts(num_frames: int, base_num_frames: int, overlap_history: int | None) -> list[int]:
     """The first new frame of each segment of a diffusion-forcing video without temporal compression (one latent
     frame = one frame), as the pipeline lays the segments out (`engine.families.skyreels_df.segment_plan`)."""
-    from engine.families.skyreels_df import segment_frame_starts
+    from longserve.engine.families.skyreels_df import segment_frame_starts
 
     return segment_frame_starts(num_frames, base_num_frames, overlap_history)
 

@@ -3,7 +3,7 @@
 import torch
 from diffusers import LatteTransformer3DModel
 
-from server.bench.models import random_latte_transformer
+from longserve.server.bench.models import random_latte_transformer
 
 
 def tiny_latte_transformer(heads=3, head_dim=8, layers=2, video_length=13, caption_channels=16, seed=0):
@@ -26,8 +26,8 @@ def build_latte1_shaped_checkpoint(path):
     from diffusers import LattePipeline
     from transformers import T5Config, T5EncoderModel, T5Tokenizer
 
+    from longserve.weights.latte import LATTE_1_TRANSFORMER_CONFIG, TINY_LATTE_DIR
     from tools.weights.build_tiny_latte import build_scheduler, build_vae
-    from weights.latte import LATTE_1_TRANSFORMER_CONFIG, TINY_LATTE_DIR
 
     torch.manual_seed(0)
     transformer = LatteTransformer3DModel(**{**LATTE_1_TRANSFORMER_CONFIG, "num_layers": 1}).eval()

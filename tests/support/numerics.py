@@ -4,11 +4,11 @@ forward in bf16 against diffusers' fp32 forward, beside diffusers' own bf16 forw
 import torch
 from latte_models import latte_inputs, tiny_latte_transformer
 
-from engine.dist import ParallelGroup
-from engine.models import latte
-from engine.models.wan import WanSequenceParallel
-from engine.parallel import make_sequence_parallel
-from server.bench.models import random_wan_transformer
+from longserve.engine.dist import ParallelGroup
+from longserve.engine.models import latte
+from longserve.engine.models.wan import WanSequenceParallel
+from longserve.engine.parallel import make_sequence_parallel
+from longserve.server.bench.models import random_wan_transformer
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -16,7 +16,7 @@ SERVE_KEY = "sk-test-longserve"
 def serve_command(port, data_dir, workers: int = 2, max_batch: int = 1):
     """`longserve serve` on tiny-latte with small limits and the key SERVE_KEY (append more flags to the list)."""
     script = Path(sys.executable).parent / "longserve"
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "longserve.server.cli"]
     return head + ["serve", "--model", "tiny-latte", "--workers", str(workers), "--device", "cpu", "--host",
                    "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), "--max-batch", str(max_batch),
                    "--max-queue", "2", "--default-steps", "3", "--max-steps", "1000", "--api-key", SERVE_KEY,
@@ -27,8 +27,8 @@ def serve_command(port, data_dir, workers: int = 2, max_batch: int = 1):
 def serving(data_dir, score=None, poll_after_ms: int = 50, **options):
     """An in-process server: `VideoService(ServeConfig.from_options(**options))` behind uvicorn on a free port.
     Yields {"url", "service", "data_dir", "app"}; everything is closed on exit."""
-    from server.api.app import create_app, serve_in_thread
-    from server.api.service import ServeConfig, VideoService
+    from longserve.server.api.app import create_app, serve_in_thread
+    from longserve.server.api.service import ServeConfig, VideoService
 
     options.setdefault("device", "cpu")
     service = VideoService(ServeConfig.from_options(data_dir=str(data_dir), **options)).start()

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from engine import comm
-from engine.pool import TorchrunPool, WorkerError
+from longserve.engine import comm
+from longserve.engine.pool import TorchrunPool, WorkerError
 
 
 def sum_of_ones(ctx):

@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-from pipelines import VideoPipeline
+from longserve.pipelines import VideoPipeline
 
 if __name__ == "__main__":
     out_path, parallel = sys.argv[1], sys.argv[2]

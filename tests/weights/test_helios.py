@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from longserve.weights import read_model_index, resolve_model
 from tests.support.checkpoints import assert_rebuilt, digests
 from tools.weights import build_tiny_helios
-from weights import read_model_index, resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

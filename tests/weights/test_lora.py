@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from longserve.weights import TINY_LORAS, resolve_lora
 from tests.support.checkpoints import assert_same_file
 from tools.weights import build_tiny_lora
-from weights import TINY_LORAS, resolve_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from longserve.weights import TINY_MODELS, pipeline_class, resolve_model
 from tools.weights import build_tiny_skyreels_df_variants
-from weights import TINY_MODELS, pipeline_class, resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

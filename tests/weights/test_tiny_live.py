@@ -6,9 +6,9 @@ import json
 
 import torch
 
+from longserve.weights import TINY_MODELS, resolve_model
+from longserve.weights.causal_wan import load_causal_transformer, read_causal_config
 from tools.weights.writing import file_digests
-from weights import TINY_MODELS, resolve_model
-from weights.causal_wan import load_causal_transformer, read_causal_config
 
 TINY_LIVE = TINY_MODELS["tiny-live"]
 

@@ -7,10 +7,10 @@ import json
 
 import torch
 
+from longserve.weights import TINY_MODELS
+from longserve.weights.prompts import PROMPTS
 from tools.weights.train_tiny_skyreels_df import GENERATION_DEFAULTS, OVERLAP, THREADS, WINDOW, noise_levels, train
 from tools.weights.writing import file_digests
-from weights import TINY_MODELS
-from weights.prompts import PROMPTS
 
 
 def test_short_training_runs_are_seeded_and_write_a_pipeline_with_its_record(tmp_path):

@@ -12,10 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.checkpoints import assert_rebuilt, digests, without_stamps
-from tools.weights import build_tiny_wan
-from tools.weights.train_tiny_skyreels_df import GENERATION_DEFAULTS as GENERATION_DEFAULTS_DF
-from weights import (
+from longserve.weights import (
     TINY_MODELS,
     generation_defaults,
     pipeline_class,
@@ -23,7 +20,10 @@ from weights import (
     resolve_latte,
     resolve_model,
 )
-from weights import wan as published
+from longserve.weights import wan as published
+from tests.support.checkpoints import assert_rebuilt, digests, without_stamps
+from tools.weights import build_tiny_wan
+from tools.weights.train_tiny_skyreels_df import GENERATION_DEFAULTS as GENERATION_DEFAULTS_DF
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_WAN = TINY_MODELS["tiny-wan"]

@@ -18,8 +18,8 @@ import json
 import shutil
 from pathlib import Path
 
-from weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream
-from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
+from longserve.weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream
+from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 
 #: LongLive-1.3B's loop as its configs set it (NVlabs/LongLive configs/longlive_inference.yaml, read for the
 #: values: 3-frame blocks, 4 warped steps, shift 5, a local window of 12 latent frames with 3 sink frames)
@@ -38,7 +38,7 @@ def build_causal_checkpoint(out: str | Path, transformer_config: dict, causal: d
     import torch
     from diffusers import WanTransformer3DModel
 
-    from weights.seeded import reinit_
+    from longserve.weights.seeded import reinit_
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +77,7 @@ def build_causal_checkpoint(out: str | Path, transformer_config: dict, causal: d
 
 
 def main(argv=None) -> None:
-    from weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER
+    from longserve.weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)

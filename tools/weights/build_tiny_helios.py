@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from longserve.weights.registry import TINY_MODELS
+from longserve.weights.seeded import redraw_
 from tools.weights.build_tiny_wan import (
     SEED,
     TINY_Z_DIM,
@@ -50,8 +52,6 @@ from tools.weights.build_tiny_wan import (
     save_pipeline,
 )
 from tools.weights.writing import report, write_whole
-from weights.registry import TINY_MODELS
-from weights.seeded import redraw_
 
 HELIOS_MODEL_INDEX = {
     "_class_name": "HeliosPipeline",

@@ -60,8 +60,8 @@ from pathlib import Path
 
 import torch
 
+from longserve.weights.seeded import reinit_
 from tools.weights.writing import report, write_whole
-from weights.seeded import reinit_
 
 SEED = 0
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from weights.lm import TINY_LM_DIR
+from longserve.weights.lm import TINY_LM_DIR
 
 CORPUS = """\
 A long text is a sequence of tokens, and a causal language model reads it from left to right.

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from weights.registry import TINY_LORAS
+from longserve.weights.registry import TINY_LORAS
 
 SEED = 0
 BLOCKS, INNER, FFN = 2, 36, 64          # tiny-wan's transformer (weights/build_tiny_wan.py)

@@ -27,8 +27,8 @@ import os
 import sys
 from pathlib import Path
 
+from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 from tools.weights.writing import write_whole
-from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 
 SOURCE = "tiny-skyreels-df"
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")

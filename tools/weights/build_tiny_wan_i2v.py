@@ -58,21 +58,9 @@ from pathlib import Path
 
 import torch
 
-from tools.weights.build_tiny_wan import (
-    SEED,
-    TINY_Z_DIM,
-    WAN_GENERATION_DEFAULTS,
-    WAN_TRANSFORMER_CONFIG,
-    build_scheduler,
-    build_text_encoder,
-    build_vae,
-    build_wan_tokenizer,
-    save_pipeline,
-)
-from tools.weights.writing import report, write_whole
-from weights.registry import TINY_MODELS
-from weights.seeded import redraw_
-from weights.wan import (
+from longserve.weights.registry import TINY_MODELS
+from longserve.weights.seeded import redraw_
+from longserve.weights.wan import (
     CLIP_IMAGE_PROCESSOR,
     CLIP_VIT_H_14_VISION,
     SKYREELS_V2_I2V_MODEL_INDEX,
@@ -90,6 +78,18 @@ from weights.wan import (
     WAN_2_2_VAE,
     init_kwargs,
 )
+from tools.weights.build_tiny_wan import (
+    SEED,
+    TINY_Z_DIM,
+    WAN_GENERATION_DEFAULTS,
+    WAN_TRANSFORMER_CONFIG,
+    build_scheduler,
+    build_text_encoder,
+    build_vae,
+    build_wan_tokenizer,
+    save_pipeline,
+)
+from tools.weights.writing import report, write_whole
 
 KINDS = ("i2v", "flf2v", "wan22-ti2v", "wan22-i2v-a14b", "skyreels-i2v")
 DEFAULT_OUT = {"i2v": TINY_MODELS["tiny-wan-i2v"], "flf2v": TINY_MODELS["tiny-wan-flf2v"],

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from weights.prompts import BACKGROUND, PALETTE, parse_prompt
+from longserve.weights.prompts import BACKGROUND, PALETTE, parse_prompt
 
 FRAMES = 16
 SIZE = 64

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from weights.causal_wan import load_causal_transformer, read_causal_config
-from weights.registry import TINY_MODELS
+from longserve.weights.causal_wan import load_causal_transformer, read_causal_config
+from longserve.weights.registry import TINY_MODELS
 
 
 class MaskedSelfAttn:

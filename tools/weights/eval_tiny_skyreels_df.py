@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from weights.prompts import PROMPTS
-from weights.registry import TINY_MODELS
+from longserve.weights.prompts import PROMPTS
+from longserve.weights.registry import TINY_MODELS
 
 DEMO_PROMPT = "a red ball bouncing"
 #: `make demo-long`'s settings beyond the checkpoint's generation_defaults.json (tests/pipelines/test_long_content.py
@@ -37,7 +37,7 @@ CONTROL_OVERLAP = 1                               # overlap_history's minimum
 
 
 def demo_settings(model_dir: Path) -> dict:
-    from weights import generation_defaults
+    from longserve.weights import generation_defaults
 
     d = dict(generation_defaults(model_dir), num_frames=DEMO_FRAMES)
     return {k: d[k] for k in ("height", "width", "num_frames", "base_num_frames", "overlap_history", "ar_step",

@@ -53,11 +53,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from longserve.weights.prompts import PROMPTS
+from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 from tools.weights import build_tiny_latte as random_build
 from tools.weights.clips import FRAMES, render_clip
 from tools.weights.writing import write_whole
-from weights.prompts import PROMPTS
-from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 
 SEED = 0
 DEFAULT_OUT = TINY_MODELS["tiny-latte"]

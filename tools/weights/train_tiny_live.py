@@ -83,12 +83,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from longserve.weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream  # noqa: E402
+from longserve.weights.prompts import COLOURS, SHAPES  # noqa: E402
+from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
 from tools.weights.clips import SIZE, render_long_clip  # noqa: E402
 from tools.weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
 from tools.weights.writing import file_digests, write_whole  # noqa: E402
-from weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream  # noqa: E402
-from weights.prompts import COLOURS, SHAPES  # noqa: E402
-from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
 
 SEED = 0
 THREADS = 2

@@ -62,6 +62,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from longserve.weights.prompts import PROMPTS  # noqa: E402
+from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
+from longserve.weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER  # noqa: E402
 from tools.weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_scheduler  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
 from tools.weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
@@ -75,9 +78,6 @@ from tools.weights.train_tiny_live import (  # noqa: E402
     load_text,
 )
 from tools.weights.writing import file_digests, write_whole  # noqa: E402
-from weights.prompts import PROMPTS  # noqa: E402
-from weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
-from weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER  # noqa: E402
 
 SEED = 0
 THREADS = 2

@@ -3,7 +3,7 @@ job), with the engine's own flags (generated from EngineConfig) applied to every
 
 import json
 
-from server.cli import main
+from longserve.server.cli import main
 
 
 def test_bench_generate_writes_a_row_per_point_with_the_engine_flags_applied(tmp_path):

@@ -3,7 +3,7 @@ figures it reports say what they claim (our 1-worker forward is diffusers' forwa
 
 import json
 
-from server.cli import main
+from longserve.server.cli import main
 
 
 def test_bench_gpu_smoke_reports_each_section(tmp_path):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from server.cli import main
+from longserve.server.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

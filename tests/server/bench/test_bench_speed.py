@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from server.cli import main
+from longserve.server.cli import main
 
 
 def test_bench_speed_reports_exact_and_each_cache_setting(tmp_path):

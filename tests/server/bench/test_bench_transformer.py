@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from server.bench import util as benchutil
-from server.cli import main
+from longserve.server.bench import util as benchutil
+from longserve.server.cli import main
 
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
 REQUIRED = ("strategy", "workers", "step_time_s", "bytes_per_step", "collectives_per_step", "speedup", "machine",

@@ -14,7 +14,7 @@ _PROMPT = os.environ.pop("LONGSERVE_TEST_PAUSE_BEFORE_COMMIT", None)
 if _PROMPT:
     import threading
 
-    from server.api.store import JobStore
+    from longserve.server.api.store import JobStore
 
     _measure = JobStore.files_bytes
 
