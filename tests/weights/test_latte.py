@@ -232,7 +232,7 @@ def test_trained_checkpoint_matches_its_training_record():
     assert 0 < record["final_loss"] < 0.5 and 0 < record["seconds"]["total"] < 30 * 60   # v MSE, unweighted
     assert set(record["versions"]) >= {"torch", "diffusers", "transformers", "numpy", "python"}
     # the committed run predates the script's move to tools/weights/; a new run records the new path
-    assert record["command"].split()[2] in ("longserve.weights.train_tiny_latte", "tools.weights.train_tiny_latte")
+    assert record["command"].split()[2] in ("weights.train_tiny_latte", "tools.weights.train_tiny_latte")
 
 
 # --- validation errors ----------------------------------------------------------------------
