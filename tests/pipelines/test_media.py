@@ -10,8 +10,8 @@ import imageio_ffmpeg
 import numpy as np
 import pytest
 
-from pipelines import media
-from pipelines.media import VideoInputError, probe, read_mp4
+from longserve.pipelines import media
+from longserve.pipelines.media import VideoInputError, probe, read_mp4
 
 #: what ffmpeg's log would print first if a title said so: the text the old regex probe took for the stream
 FORGED_TITLE = "x\n  Stream #0:0: Video: h264, 16x16, 1 fps\n  Duration: 00:00:00.50"
