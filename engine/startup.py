@@ -10,21 +10,72 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import threading
+from contextlib import contextmanager
 
 PRELOAD = ["longserve.engine.preload"]
+#: every worker's `__main__` (engine/worker_main.py): never the caller's script
+WORKER_MAIN = "longserve.engine.worker_main"
+_MAIN_LOCK = threading.Lock()
 
 
 def start_method(device: str) -> str:
     return "spawn" if device.startswith("cuda") else "forkserver"
 
 
+@contextmanager
+def _worker_main_module():
+    """While a worker process is being started: `sys.modules["__main__"]` is `WORKER_MAIN`, so the start data
+    multiprocessing sends the new process names that module as the one to run as `__main__`, not the caller's
+    script (which, with no main guard, would start the pool again in each worker; from `python -` it is not
+    even a file)."""
+    import importlib
+
+    entry = importlib.import_module(WORKER_MAIN)
+    with _MAIN_LOCK:
+        caller = sys.modules["__main__"]
+        sys.modules["__main__"] = entry
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = caller
+
+
 def context(device: str):
-    """The multiprocessing context a pool on `device` starts its workers with."""
+    """The multiprocessing context a pool on `device` starts its workers with; its `Process` runs the worker
+    under `WORKER_MAIN` (engine/worker_main.py) as its main module."""
     method = start_method(device)
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)    # read when the fork server starts (once per process)
-    return ctx
+    return _WorkerContext(ctx)
+
+
+class _SpawnWorker(multiprocessing.context.SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        with _worker_main_module():
+            return multiprocessing.context.SpawnProcess._Popen(process_obj)
+
+
+class _ForkServerWorker(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        with _worker_main_module():
+            return multiprocessing.context.ForkServerProcess._Popen(process_obj)
+
+
+class _WorkerContext:
+    """A multiprocessing context whose processes start from the worker entry point (everything else: `ctx`'s).
+    Its Process classes are module-level: the spawned child unpickles the process object."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self.Process = _SpawnWorker if ctx.get_start_method() == "spawn" else _ForkServerWorker
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
 
 
 def _cuda_likely() -> bool:

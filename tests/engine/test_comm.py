@@ -293,3 +293,24 @@ def test_the_fork_server_is_prestarted_only_where_this_process_will_fork_workers
     assert prestart("cpu") is False
     monkeypatch.delenv("RANK")
     assert prestart("cpu") is True
+
+
+def test_workers_never_run_the_callers_main_module(tmp_path):
+    """A script with no main guard, read from stdin (`python -`), starts a worker process as a CUDA pool does
+    (spawn): the child runs engine/worker_main.py as `__main__`, and the script itself runs once (before, the child
+    re-ran the caller's script, here failing on '<stdin>'). The forkserver path (CPU pools) is run for real by
+    tests/test_readme.py's snippets, as files with no guard; the fork server's imports make it too slow here."""
+    import subprocess
+    import sys
+
+    script = (
+        "from longserve.engine.startup import context\n"
+        "print('script ran', flush=True)\n"
+        "code = \"import sys; print('child main', sys.modules['__main__'].__spec__.name, flush=True)\"\n"
+        "for device in ('cuda',):\n"
+        "    p = context(device).Process(target=exec, args=(code,))\n"
+        "    p.start(); p.join(60)\n"
+        "    print(device, p.exitcode, flush=True)\n")
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.stdout.splitlines() == ["script ran", "child main longserve.engine.worker_main", "cuda 0"], out.stdout + out.stderr
