@@ -3,7 +3,7 @@
 #   make docker                       # docker build -t longserve:latest .
 #   docker run --gpus all -p 8000:8000 \
 #       -v /path/to/checkpoints:/models:ro -v longserve-data:/data \
-#       longserve:latest --model /models/Wan2.1-T2V-1.3B-Diffusers --workers 4 --host 0.0.0.0
+#       longserve:latest --model /models/Wan2.1-T2V-1.3B-Diffusers --workers 4    # bf16, /data, 0.0.0.0:8000
 #
 # Weights are not baked in: mount a directory of diffusers-format checkpoints at /models.
 # Jobs and videos go to /data (a volume, so completed videos survive a container restart).
@@ -59,6 +59,9 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=300s CMD \
 # terminationGracePeriodSeconds is 30 by default). docs/serving.md, "Stopping".
 STOPSIGNAL SIGTERM
 
-ENTRYPOINT ["longserve", "serve"]
-CMD ["--model", "/models/Wan2.1-T2V-1.3B-Diffusers", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/data", \
-     "--device", "cuda", "--dtype", "bfloat16"]
+# The entrypoint carries what every run of the image needs (`docker run IMAGE ARGS...` replaces CMD, not the
+# entrypoint): bf16 on CUDA, the absolute data dir the user owns, every interface, port 8000. CMD is the default
+# model only; arguments after the image name replace it (a flag given again there wins: argparse keeps the last).
+ENTRYPOINT ["longserve", "serve", "--device", "cuda", "--dtype", "bfloat16", "--data-dir", "/data", \
+            "--host", "0.0.0.0", "--port", "8000"]
+CMD ["--model", "/models/Wan2.1-T2V-1.3B-Diffusers"]

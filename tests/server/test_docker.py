@@ -70,18 +70,47 @@ def test_it_installs_the_declared_gpu_extra():
     assert any(dep.startswith("xformers") for dep in declared["gpu"])
 
 
+def docker_run_argv(image_args: list[str]) -> list[str]:
+    """The command a container runs for `docker run IMAGE ARGS...`: ENTRYPOINT + ARGS, or ENTRYPOINT + CMD without
+    ARGS (Docker's rule; no Docker engine runs here, so the rule is applied to the Dockerfile's own lines)."""
+    ins = dict(instructions())
+    return json.loads(ins["ENTRYPOINT"]) + (image_args or json.loads(ins["CMD"]))
+
+
+def readme_docker_line() -> list[str]:
+    """The arguments after the image name in README.md's `docker run ... longserve:latest ...` line."""
+    text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    line = re.search(r"`(docker run [^`]*)`", text).group(1)
+    words = shlex.split(line)
+    return words[words.index("longserve:latest") + 1:]
+
+
 def test_the_entrypoint_is_the_declared_console_script_and_the_default_command_parses():
     from longserve.server.cli import COMMANDS, build_parser
 
-    ins = dict(instructions())
-    entry = json.loads(ins["ENTRYPOINT"])
-    cmd = json.loads(ins["CMD"])
-    assert entry == ["longserve", "serve"]
+    argv = docker_run_argv([])
+    assert argv[:2] == ["longserve", "serve"]
     assert pyproject()["project"]["scripts"]["longserve"] == "longserve.server.cli:main"
     assert COMMANDS["serve"][0] == "longserve.server.cli.serve"
-    args = build_parser().parse_args(entry[1:] + cmd)
+    args = build_parser().parse_args(argv[1:])
     assert args.model.startswith("/models/") and args.host == "0.0.0.0" and args.device == "cuda"
     assert args.dtype == "bfloat16", "a GPU deployment serves in bf16 by default"
+
+
+def test_the_readme_s_docker_line_runs_bf16_with_an_absolute_data_dir_the_container_user_owns():
+    """README.md's line passes arguments after the image name, which replace CMD: the entrypoint must keep bf16 and
+    the data dir (before, they were in CMD, and that line served float32 into a relative, root-owned directory)."""
+    from longserve.server.cli import build_parser
+
+    image_args = readme_docker_line()
+    assert "--model" in image_args and "bf16 by default" in (ROOT / "README.md").read_text()
+    args = build_parser().parse_args(docker_run_argv(image_args)[1:])
+    assert args.dtype == "bfloat16" and args.device == "cuda"
+    assert args.model == image_args[image_args.index("--model") + 1] and args.workers == 4
+    assert args.data_dir == "/data", args.data_dir
+    setup = next(a for k, a in instructions() if k == "RUN" and "useradd" in a)
+    assert "--uid 10001" in setup and "chown longserve:longserve /data" in setup
+    assert ("USER", "longserve") in instructions()
 
 
 def test_make_docker_builds_the_image_the_dockerfile_documents():
@@ -117,8 +146,7 @@ def test_the_dockerfile_documents_keys_from_the_environment_or_a_file_never_the_
     text = (ROOT / "Dockerfile").read_text()
     header = text.split("ARG ", 1)[0]
     assert "LONGSERVE_API_KEY=" in header and "LONGSERVE_API_KEY_FILE=" in header
-    cmd = json.loads(dict(instructions())["CMD"])
-    assert "--api-key" not in cmd
+    assert "--api-key" not in docker_run_argv([])
 
 
 def test_the_stop_timeout_the_image_and_the_docs_give_leaves_room_for_the_drain():
