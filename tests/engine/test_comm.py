@@ -313,4 +313,5 @@ def test_workers_never_run_the_callers_main_module(tmp_path):
         "    print(device, p.exitcode, flush=True)\n")
     out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
-    assert out.stdout.splitlines() == ["script ran", "child main longserve.engine.worker_main", "cuda 0"], out.stdout + out.stderr
+    expected = ["script ran", "child main longserve.engine.worker_main", "cuda 0"]
+    assert out.stdout.splitlines() == expected, out.stdout + out.stderr

@@ -1,0 +1,95 @@
+"""The README's Python snippets run as a user runs them: saved to a file, with no main guard, in a fresh process; every
+line that states a value (`out.frames.shape   # (1, 17, 64, 64, 3)`) prints it, and the printed value must be the one
+stated. The OpenAI-client snippet needs a server and is run by tests/server (the same calls, in-process)."""
+
+from __future__ import annotations
+
+import ast
+import keyword
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+#: a line that is a bare expression (attributes, names, tuples of them), with what the README says of it
+CLAIM = re.compile(r"^(?P<indent>\s*)(?P<expr>[A-Za-z_][\w.]*(\s*,\s*[A-Za-z_][\w.]*)*)\s*(#\s*(?P<said>.*))?$")
+
+
+def python_snippets() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def instrumented(code: str) -> tuple[str, dict[int, str]]:
+    """`code` with each claim line printing its value (tagged with its line number), and what each line says."""
+    lines, said = [], {}
+    for number, line in enumerate(code.splitlines(), 1):
+        m = CLAIM.match(line)
+        if m and not keyword.iskeyword(m["expr"].split(".")[0]):
+            said[number] = m["said"] or ""
+            line = f"{m['indent']}print('README-CLAIM', {number}, repr(({m['expr']})), flush=True)"
+        lines.append(line)
+    return "\n".join(lines) + "\n", said
+
+
+def stated(said: str):
+    """The value a comment states (its leading Python literal; names in a tuple, as `T_i`, stand for any value),
+    or None when it states none."""
+    m = re.match(r"[(\[{].*?[)\]}](?=[:,;]|\s|$)", said)
+    if not m:
+        return None
+    text = re.sub(r"(?<![\"'\w])[A-Za-z_][^,()]*", "...", m.group(0))     # a name, or an expression of one
+    try:
+        return ast.literal_eval(text.replace("...", "None"))
+    except (ValueError, SyntaxError):
+        return None
+
+
+def matches(value, expected) -> bool:
+    if expected is None:
+        return True
+    if isinstance(expected, tuple):
+        return isinstance(value, tuple) and len(value) == len(expected) and all(
+            matches(v, e) for v, e in zip(value, expected))
+    return value == expected
+
+
+def test_the_claim_reader_reads_the_readme_s_notation():
+    assert stated("(1, 17, 64, 64, 3), float32 in [0, 1]") == (1, 17, 64, 64, 3)
+    assert stated("(T_i, 64, 64, 3): one segment's final frames") == (None, 64, 64, 3)
+    assert stated("(1, T + 25 - 9, 64, 64, 3)") == (1, None, 64, 64, 3)
+    assert stated('[{"name": "style", "scale": 0.8}]') == [{"name": "style", "scale": 0.8}]
+    assert stated("a chunk's frames") is None
+    assert matches((1, 5, 64), (1, None, 64)) and not matches((1, 5, 64), (2, None, 64))
+
+
+def test_the_readme_snippets_run_as_files_with_no_main_guard_and_print_what_they_say(tmp_path):
+    """Each snippet is a file run by `python FILE` (no `if __name__ == "__main__":`; the workers must not re-run it),
+    in one process each: the inputs they open (cat.png, ship.png, ship.mp4, book.txt) are made first."""
+    import imageio.v3 as iio
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name in ("cat.png", "ship.png"):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(tmp_path / name)
+    iio.imwrite(tmp_path / "ship.mp4", rng.integers(0, 255, (17, 64, 64, 3), dtype=np.uint8), fps=16)
+    (tmp_path / "book.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    snippets = [s for s in python_snippets() if "from openai" not in s]
+    assert len(snippets) >= 2
+    for i, code in enumerate(snippets):
+        script, said = instrumented(code)
+        assert said, f"snippet {i} states nothing"
+        path = tmp_path / f"snippet{i}.py"
+        path.write_text(script)
+        run = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+        assert run.returncode == 0, f"snippet {i}:\n{code}\n{run.stdout}\n{run.stderr[-4000:]}"
+        printed = [line.split(" ", 2) for line in run.stdout.splitlines() if line.startswith("README-CLAIM ")]
+        seen = {int(number) for _, number, _ in printed}
+        assert seen == set(said), f"snippet {i}: lines {sorted(set(said) - seen)} never ran"
+        for _, number, value in printed:
+            expected = stated(said[int(number)])
+            if expected is not None:
+                assert matches(ast.literal_eval(value), expected), \
+                    f"snippet {i}, line {number}: {code.splitlines()[int(number) - 1].strip()!r} printed {value}"
