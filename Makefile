@@ -37,7 +37,7 @@ fmt: install
 # of its frames; docs/demo_strip.png (shown in README.md) is a copy of out/demo_strip.png (tests/pipelines/test_content.py)
 demo: install
 	mkdir -p out
-	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-latte --workers 2 --seed 0 -o out/demo.mp4
+	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-latte --workers 2 --seed 0 --overwrite -o out/demo.mp4
 	$(PY) -m tools.frame_strip out/demo.mp4 -o out/demo_strip.png --scale 2
 
 # a 30 s live video on tiny-live (a trained causal few-step model: weights/README.md) whose prompt switches from
@@ -53,7 +53,7 @@ demo-live: install
 demo-long: install
 	mkdir -p out
 	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-skyreels-df --workers 2 \
-		--frames 89 --base-frames 17 --overlap 9 --size 64x64 --steps 10 --seed 0 -o out/demo-long.mp4
+		--frames 89 --base-frames 17 --overlap 9 --size 64x64 --steps 10 --seed 0 --overwrite -o out/demo-long.mp4
 	$(PY) -m tools.frame_strip out/demo-long.mp4 -o out/demo_long_strip.png --segments 17,9 --scale 2
 
 bench: install

@@ -186,6 +186,15 @@ class RequestHandle:
         return self._aiter()
 
 
+def check_before_load(config: EngineConfig, request: RequestInput) -> GenerationSpec:
+    """`request` completed and checked against the checkpoint's description, before any worker loads the model
+    (RequestError naming the field): what `complete` will say of it after the load, said in a second, not after
+    the load (an image given to a text-only checkpoint, a frame count or size the model refuses, ...)."""
+    model_dir = resolve_checkpoint(config.model)
+    family = detect_family(model_dir)
+    return complete_request(request, family, family.describe(model_dir), config)
+
+
 class VideoEngine:
     """A model family on a worker pool, its scheduler and engine core. Build it with `VideoEngine.start`."""
 

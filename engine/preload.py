@@ -24,6 +24,9 @@ CLASSES = (("diffusers", "LattePipeline"), ("diffusers", "WanPipeline"), ("diffu
 
 
 def preload() -> None:
+    from longserve.engine.families import pil_image_processors
+
+    pil_image_processors()        # before CLASSES: transformers' torchvision warning, engine/families/__init__.py
     for name in MODULES:
         try:
             importlib.import_module(name)

@@ -14,9 +14,34 @@ from pathlib import Path
 
 from longserve.engine.families.base import VideoFamily
 
+#: transformers' image processors a checkpoint may name (model_index.json: Wan I2V's CLIP, Helios' SigLIP)
+IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor")
+
+
+@cache
+def pil_image_processors() -> None:
+    """Without torchvision, transformers serves `CLIPImageProcessor` as `CLIPImageProcessorPil` (the same
+    processing, PIL's) and warns on every run ("requires torchvision ... falling back"), even for models that
+    never load one. The engine asks for the PIL class by its own name and puts it where the checkpoint's name
+    finds it (as transformers' fallback does), so nothing is printed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    import sys
+
+    import transformers
+
+    for name in IMAGE_PROCESSORS:
+        pil = getattr(transformers, f"{name}Pil", None)
+        if pil is not None:       # (transformers' first attribute access may put another module object in sys.modules)
+            for module in {id(m): m for m in (transformers, sys.modules["transformers"])}.values():
+                setattr(module, name, pil)
+
 
 @cache
 def all_families() -> tuple[type[VideoFamily], ...]:
+    pil_image_processors()
     found = []
     for module in pkgutil.iter_modules(__path__):
         if module.name == "base":

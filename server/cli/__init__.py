@@ -32,7 +32,8 @@ def add_subcommands(parser: argparse.ArgumentParser, dest: str, table: dict[str,
             continue  # not built in this checkout
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
-        p.set_defaults(**{run_key: module.run})
+        # `check(args)`, where a module has one: what can be refused without the model, before any heavy import
+        p.set_defaults(**{run_key: module.run, "_check": getattr(module, "check", None)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,11 +48,13 @@ STARTS_WORKERS = ("generate", "serve")
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in STARTS_WORKERS:
-        from longserve.engine.startup import prestart
-
-        prestart(args.device, args.launcher)
     try:
+        if args._check is not None:      # bad arguments are refused at once, before the fork server and the load
+            args._check(args)
+        if args.command in STARTS_WORKERS:
+            from longserve.engine.startup import prestart
+
+            prestart(args.device, args.launcher)
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as e:  # bad arguments, missing model: a message, not a traceback
         print(f"longserve {args.command}: error: {e}", file=sys.stderr)

@@ -24,6 +24,7 @@ segment).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -57,7 +58,9 @@ def add_arguments(p) -> None:
                                                          "the model's)")
     g.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
                    help="a model-specific option, e.g. --opt guidance_scale_2=3 (Wan 2.2); repeatable")
-    g.add_argument("-o", "--output", default="out.mp4", help="MP4 path to write")
+    g.add_argument("-o", "--output", default="out.mp4", help="MP4 path to write (default: out.mp4); an existing file "
+                                                              "is refused unless --overwrite is given")
+    g.add_argument("--overwrite", action="store_true", help="replace the --output file if it exists")
     g = p.add_argument_group("image-to-video (WanImageToVideoPipeline and diffusion-forcing checkpoints)")
     g.add_argument("--image", default=None, metavar="PATH", help="the first frame's image (PNG, JPEG or WebP); "
                                                                  "resized to --size as diffusers' pipeline does")
@@ -87,14 +90,48 @@ def speed_levers(info) -> str:
     return words
 
 
+#: a request field -> the flag that sets it (a RequestError's field, named as the user typed it)
+FIELD_FLAGS = {"num_frames": "--frames", "seconds": "--seconds", "height": "--size", "width": "--size",
+               "size": "--size", "num_inference_steps": "--steps", "guidance_scale": "--guidance-scale",
+               "negative_prompt": "--negative-prompt", "seed": "--seed", "fps": "--fps", "image": "--image",
+               "last_image": "--last-image", "video": "--video", "lora": "--lora", "prompt": "prompt",
+               **{name: "--" + flag.replace("_", "-") for flag, name in LONG_VIDEO_FLAGS.items()}}
+
+
+def check(args) -> None:
+    """What can be refused without the model, in well under a second (before the fork server starts and torch is
+    imported): the size's syntax, the input files, the output file, --opt's syntax. ValueError naming the flag."""
+    if args.size is not None:
+        try:
+            parse_size(args.size)
+        except ValueError:
+            raise ValueError(f"--size must look like WIDTHxHEIGHT, e.g. 64x64; got {args.size!r}") from None
+    for flag, path in (("--image", args.image), ("--last-image", args.last_image), ("--video", args.video)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag}: no such file: {path}")
+    for flag, value in (("--frames", args.frames), ("--steps", args.steps), ("--fps", args.fps)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1; got {value}")
+    if args.seconds is not None and not args.seconds > 0:
+        raise ValueError(f"--seconds must be positive; got {args.seconds}")
+    if os.path.exists(args.output) and not args.overwrite:
+        raise ValueError(f"--output: {args.output} exists (give --overwrite to replace it, or another -o path)")
+    if os.path.isdir(args.output):
+        raise ValueError(f"--output: {args.output} is a directory")
+    parse_options(args.opt)
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
     from longserve.engine.config import EngineConfig, from_cli_args
+    from longserve.engine.engine import check_before_load
+    from longserve.engine.request import RequestError, RequestInput
     from longserve.pipelines import VideoPipeline
     from longserve.pipelines.video import PIPELINE_DEFAULTS
     from longserve.server.media import FragmentedMP4Writer
 
+    check(args)
     width = height = None
     if args.size is not None:
         width, height = parse_size(args.size)
@@ -113,6 +150,16 @@ def run(args) -> int:
     config = from_cli_args(EngineConfig, args, **PIPELINE_DEFAULTS)
     if config.loras:             # one video: every adapter given with --lora applies, at its scale
         options["lora"] = [{"name": a.name, "scale": a.scale} for a in config.loras]
+    try:                         # the request against the checkpoint's description, before the workers load it
+        check_before_load(config, RequestInput(
+            prompt=args.prompt, negative_prompt=args.negative_prompt, num_frames=args.frames, seconds=args.seconds,
+            height=height, width=width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+            seed=args.seed, fps=args.fps, lora=options.get("lora"),
+            options={k: v for k, v in options.items() if k != "lora"}))
+    except RequestError as e:
+        flag = FIELD_FLAGS.get(e.field, f"--opt {e.field}")
+        raise ValueError(f"{flag}: {e}") from None
+    print(f"writing {os.path.abspath(args.output)}", file=sys.stderr)
     if config.compile != "none":       # the workers compile at load: say so before the wait
         print(f"loading {args.model}; compiling its transformer blocks ({config.compile_backend}) with a warm-up "
               f"step at the default size ...", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@ matters, in this process otherwise), and the one completion of a request shared 
 
 import subprocess
 import sys
+import time
 
 import imageio.v3 as iio
 import pytest
@@ -169,3 +170,29 @@ def test_generate_extends_an_mp4_and_writes_the_whole_extended_video(tmp_path, c
     assert main(["generate", "x", "--model", "tiny-skyreels-df", "--video", str(tmp_path / "nope.mp4"),
                  "-o", str(out)]) == 2
     assert "--video" in capfd.readouterr().err
+
+
+def test_generate_refuses_what_it_can_before_loading_the_model_naming_the_flag(tmp_path, capsys):
+    """Refused before the fork server starts and the model loads (issue 36: `--size 64x` took 8 s; an image given
+    to a text-only checkpoint failed after the load): the size's syntax, input files, an existing output, and,
+    from the checkpoint's model_index.json, an image a text-to-video model cannot take."""
+    from longserve.server.cli import main
+
+    out = tmp_path / "x.mp4"
+    t0 = time.perf_counter()
+    assert main(["generate", "x", "--model", "tiny-latte", "--size", "64x", "-o", str(out)]) == 2
+    assert time.perf_counter() - t0 < 2
+    assert "--size" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", "tiny-latte", "--image", str(tmp_path / "cat.png"), "-o", str(out)]) == 2
+    assert "--image: no such file" in capsys.readouterr().err
+    out.write_bytes(b"keep me")
+    assert main(["generate", "x", "--model", "tiny-latte", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output: {out} exists" in err and "--overwrite" in err and out.read_bytes() == b"keep me"
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "cat.png")
+    assert main(["generate", "x", "--model", "tiny-latte", "--image", str(tmp_path / "cat.png"), "--overwrite",
+                 "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--image:" in err and "text only" in err and "loaded" not in err and out.read_bytes() == b"keep me"
