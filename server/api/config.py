@@ -105,6 +105,8 @@ class ServeConfig:
                                                 "disables scoring", group="scoring")
     score_workers: int = option(1, "workers of the scoring pool", group="scoring")
     score_strategy: str = option("lss", "lss | ring", group="scoring", choices=["lss", "ring"])
+    warm_up: bool = option(True, "run one video at the model's default shape before /health says ok, so that the "
+                                 "first client's video costs what later ones do", group="jobs")
     score_preload: bool = option(False, "start the scoring pool now, not on first use", group="scoring")
     score_concurrency: int = option(1, "/v1/score calls run at once (on threads of their own, not the API's)",
                                     group="scoring")

@@ -100,5 +100,5 @@ class ServerHealth:
                 "setup_failures": s.setup_failures, "queued": s.waiting, "running": s.running,
                 "last_error": None if error is None else {"kind": error.kind, "rank": error.rank,
                                                           "message": str(error).splitlines()[0][:500]},
-                "reason": reason, "disk_free_bytes": service.storage.free_bytes}
+                "reason": reason, "disk_free_bytes": service.storage.free_bytes, "warm_up_s": service.warm_up_s}
         return (200 if status == "ok" else 503), body

@@ -61,6 +61,7 @@ class VideoService:
         self.limits: Limits | None = None
         self.model_name: str | None = None
         self.started_at = int(time.time())
+        self.warm_up_s: float | None = None
         self.jobs = JobRegistry()
         self.broker = EventBroker()
         self.runner = JobRunner(self.jobs)
@@ -76,7 +77,14 @@ class VideoService:
         cfg = self.config
         self.storage = VideoStorage(cfg, self.runner.io, busy=lambda vid: self.jobs.get(vid) is not None,
                                     on_expired=self.monitor.expired.inc)
-        self.engine = VideoEngine.start(cfg.engine)
+        engine = VideoEngine.start(cfg.engine)
+        if cfg.warm_up:              # /health says "starting" until this is done: ready means warm
+            try:
+                self.warm_up_s = engine.warm_up()
+            except BaseException:
+                engine.close()
+                raise
+        self.engine = engine
         self.engine.add_batch_listener(self.monitor.on_batch)
         self.limits = Limits.of(self.engine, cfg)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)

@@ -102,6 +102,9 @@ def run(args) -> int:
 
     if videos.engine is not None and speed_levers(videos.engine.info):
         print(f"loaded{speed_levers(videos.engine.info).lstrip(',')}", file=sys.stderr)
+    if videos.warm_up_s is not None:
+        print(f"warmed up: one video at the model's default shape in {videos.warm_up_s:.1f} s (--no-warm-up skips "
+              f"it)", file=sys.stderr)
     from longserve.server.api.edge import uvicorn_options
     lim = videos.limits
     print(f"serving {videos.model_name} on http://{args.host}:{args.port} (data in {args.data_dir}; "

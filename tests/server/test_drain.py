@@ -97,3 +97,30 @@ def test_sigterm_lets_the_running_video_finish_refuses_new_ones_and_exits_before
     rows = dict(db.execute("SELECT id, status FROM videos").fetchall())
     db.close()
     assert rows == {running: "completed", queued: "queued"}, "the queued video runs after a restart"
+
+
+def test_health_says_ok_only_after_the_warm_up_video(tmp_path, monkeypatch):
+    """Ready means warm (issue 36: the first video on a fresh server took 25 s, later ones 1.4 s): the service runs
+    one video at the model's default shape before it exposes its engine, so /health says "starting" throughout, and
+    "ok" (with the warm-up's time) only after it."""
+    from longserve.engine.engine import VideoEngine
+    from longserve.server.api.config import ServeConfig
+    from longserve.server.api.service import VideoService
+
+    service = VideoService(ServeConfig.from_options(model="tiny-latte", workers=1, device="cpu", score_model="none",
+                                                    data_dir=str(tmp_path / "data")))
+    during, warm_up = [], VideoEngine.warm_up
+
+    def watched(engine):
+        during.append(service.monitor.health())
+        return warm_up(engine)
+
+    monkeypatch.setattr(VideoEngine, "warm_up", watched)
+    service.start()
+    try:
+        [(status, body)] = during
+        assert (status, body["status"]) == (503, "starting")
+        status, body = service.monitor.health()
+        assert (status, body["status"]) == (200, "ok") and body["warm_up_s"] > 0
+    finally:
+        service.close()

@@ -40,7 +40,8 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(head + ["serve", "--model", str(model), "--workers", "2", "--device", "cpu",
                                     "--port", str(port), "--data-dir", str(tmp_path_factory.mktemp("data")),
                                     "--api-key", KEY, "--score-model", "none", "--log-level", "warning",
-                                    "--live-kv-budget", str(BUDGET_MIB), "--max-live-seconds", "30"], cwd=ROOT)
+                                    "--live-kv-budget", str(BUDGET_MIB), "--max-live-seconds", "30", "--no-warm-up"],
+                            cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, url)
     yield {"url": url, "ws": f"ws://127.0.0.1:{port}/v1/videos/live"}

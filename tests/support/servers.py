@@ -20,7 +20,7 @@ def serve_command(port, data_dir, workers: int = 2, max_batch: int = 1):
     return head + ["serve", "--model", "tiny-latte", "--workers", str(workers), "--device", "cpu", "--host",
                    "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), "--max-batch", str(max_batch),
                    "--max-queue", "2", "--default-steps", "3", "--max-steps", "1000", "--api-key", SERVE_KEY,
-                   "--score-model", "none", "--log-level", "warning"]
+                   "--score-model", "none", "--log-level", "warning", "--no-warm-up"]
 
 
 @contextlib.contextmanager
@@ -31,6 +31,9 @@ def serving(data_dir, score=None, poll_after_ms: int = 50, **options):
     from longserve.server.api.service import ServeConfig, VideoService
 
     options.setdefault("device", "cpu")
+    # the warm-up video (ready means warm) costs every server start a video; the suite's servers skip it, and
+    # tests/server/test_drain.py's warm-up test runs it
+    options.setdefault("warm_up", False)
     service = VideoService(ServeConfig.from_options(data_dir=str(data_dir), **options)).start()
     app = create_app(service, score, poll_after_ms=poll_after_ms)
     try:
