@@ -137,7 +137,7 @@ class VideoService:
         """`POST /v1/videos` (blocking: run it in a thread). `owner`: the API key's id."""
         self.admission.check_open()
         spec = self.requests.create(req)
-        return self._submit(spec, owner, seeded=req.seed is not None)
+        return self._submit(spec, owner, seeded=req.seed is not None, asked_seconds=req.seconds)
 
     def extend(self, video_id: str, req: VideoExtendRequest, owner: str | None = None) -> Video:
         """`POST /v1/videos/{id}/extend`: a new video whose content is the completed video `video_id` continued.
@@ -150,9 +150,12 @@ class VideoService:
         spec = self.requests.extend(source, self.content_path(video_id, "video"), req)
         return self._submit(spec, owner, seeded=req.seed is not None, extended_from=video_id)
 
-    def _submit(self, spec: GenerationSpec, owner: str | None, seeded: bool, extended_from: str | None = None):
+    def _submit(self, spec: GenerationSpec, owner: str | None, seeded: bool, extended_from: str | None = None,
+                asked_seconds: str | None = None):
         """Admit a complete request, queue it and store its record; with an explicit seed (`seeded`), a repeat of a
-        completed request reuses its content (`--reuse-completed`)."""
+        completed request reuses its content (`--reuse-completed`). The record's `seconds` is the caller's own
+        text where a create gave one (`num_frames` has the count made, by the model's frame rule), else the
+        content's length."""
         key = None
         if seeded and self.config.reuse_completed == "seeded":
             key = request_key(self._checkpoint, spec, spec.fps)     # an input video counts by its pixels' digest
@@ -164,8 +167,10 @@ class VideoService:
         params = stored_params(spec)
         if frames != spec.num_frames:
             params["content_frames"] = frames
+        seconds = asked_seconds.strip() if asked_seconds is not None and frames == spec.num_frames else None
         rec = VideoRecord(id=spec.request_id, created_at=int(time.time()), status="queued", model=self.model_name,
-                          prompt=spec.prompt[0], seconds=f"{frames / spec.fps:g}", size=f"{spec.width}x{spec.height}",
+                          prompt=spec.prompt[0], seconds=seconds or f"{frames / spec.fps:g}",
+                          size=f"{spec.width}x{spec.height}",
                           params=params, request_key=key, extended_from=extended_from)
         job = Job(spec.request_id, VIDEO, self.admission.cost(spec, VIDEO), owner, record=rec, sink=self.outputs)
         self.admission.admit(job)                                     # 429 past the work limits

@@ -177,3 +177,14 @@ def test_bad_uploads_get_400_naming_input_reference_and_leave_nothing_behind(ser
     assert sorted(p.name for p in (data_dir / "videos").iterdir()) == files_before, "no file left behind"
     assert len(http.get("/v1/videos", params={"limit": 100}).json()["data"]) == jobs_before, "no job made"
     assert set(Path(tempfile.gettempdir()).glob("longserve-video-*")) == temps_before, "no temporary file left"
+
+
+def test_a_create_answers_with_the_seconds_asked_and_the_frames_made(http):
+    """`seconds` is the caller's own value (issue 36: "2" came back as "2.0625" on a 4k+1 model); `num_frames` is
+    what the model makes of it (the nearest count: 1.3 s x 8 fps = 10.4 -> 10, which is 1.25 s)."""
+    r = http.post("/v1/videos", json={"prompt": "a red ball", "seconds": "1.3", "size": "32x32", **FAST})
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert (v["seconds"], v["num_frames"]) == ("1.3", 10)
+    assert http.get(f"/v1/videos/{v['id']}").json()["seconds"] == "1.3"
+    http.delete(f"/v1/videos/{v['id']}")
