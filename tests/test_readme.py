@@ -93,3 +93,23 @@ def test_the_readme_snippets_run_as_files_with_no_main_guard_and_print_what_they
             if expected is not None:
                 assert matches(ast.literal_eval(value), expected), \
                     f"snippet {i}, line {number}: {code.splitlines()[int(number) - 1].strip()!r} printed {value}"
+
+
+def test_the_readme_s_model_list_and_the_help_texts_come_from_the_registry_and_the_subcommands(capsys):
+    """Issue 36: tiny-live was missing from the README's list, `--model`'s help named three models, and `longserve
+    --help` left out bench targets. The help texts are built from weights.TINY_MODELS and bench's BENCHES; the
+    README's list must name exactly the shipped checkpoints (and tiny-lm, the scoring model)."""
+    from longserve.server.cli import build_parser
+    from longserve.server.cli.bench import BENCHES
+    from longserve.weights import TINY_MODELS
+    from longserve.weights.lm import TINY_LM
+
+    text = (ROOT / "README.md").read_text()
+    listed = re.search(r"`weights/` ships tiny\s+checkpoints \((.*?)\)\.", text, re.S)
+    assert listed, "README: the sentence listing the shipped checkpoints"
+    assert re.findall(r"`(tiny-[\w-]+)`", listed.group(1)) == [*TINY_MODELS, TINY_LM]
+    parser = build_parser()
+    top = parser.format_help()
+    assert all(name in top for name in BENCHES), top
+    generate = parser._subparsers._group_actions[0].choices["generate"].format_help()
+    assert all(name in " ".join(generate.split()).replace("- ", "-") for name in TINY_MODELS), generate
