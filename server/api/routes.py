@@ -133,9 +133,9 @@ async def parse_create_body(request: Request) -> dict:
         body = await read_body(request)
     except APIError as e:
         if e.status == 413 and ctype == "multipart/form-data":
-            # what makes a form that large is its file: a bad input_reference (400 naming it, as the other bad
-            # uploads get; a JSON body over the limit stays 413, request_too_large)
-            raise APIError(400, f"input_reference is too large: {e.message}", param="input_reference",
+            # what makes a form that large is its file: 413 (the status --max-body-bytes' help gives every body over
+            # the limit) naming input_reference, code file_too_large (a JSON body: request_too_large)
+            raise APIError(413, f"input_reference is too large: {e.message}", param="input_reference",
                            code="file_too_large") from None
         raise
     if ctype in FORM_TYPES:
@@ -173,6 +173,14 @@ async def parse_create_body(request: Request) -> dict:
 async def live_video(websocket: WebSocket):
     """A live session on a causal model (server/api/live.py): JSON events and one fMP4 fragment per chunk."""
     await websocket.app.state.videos.live.run(websocket, websocket.app.state.api_keys)
+
+
+@router.get("/v1/videos/live")
+async def live_video_without_upgrade():
+    """A plain GET of the live endpoint (a browser, curl): 426 saying it is a WebSocket, not 404."""
+    raise APIError(426, "/v1/videos/live is a WebSocket endpoint: connect with ws:// (or wss://) and send "
+                        "{\"type\": \"start\", \"prompt\": ...}; docs/serving.md, Live video",
+                   code="upgrade_required", headers={"Upgrade": "websocket", "Connection": "Upgrade"})
 
 
 @v1.post("/videos")

@@ -78,7 +78,8 @@ def test_the_server_serves_the_same_clips(one_worker, tmp_path):
     from longserve.server.api.service import ServeConfig, VideoService
 
     prompts = ["a red ball bouncing", "a blue square moving left"]
-    config = ServeConfig.from_options(model="tiny-latte", workers=2, device="cpu", data_dir=str(tmp_path), max_batch=4)
+    config = ServeConfig.from_options(warm_up=False,  # the warm-up video: tests/server/test_drain.py
+                                      model="tiny-latte", workers=2, device="cpu", data_dir=str(tmp_path), max_batch=4)
     service = VideoService(config).start()
     try:
         with serve_in_thread(create_app(service, None, poll_after_ms=50)) as url, \

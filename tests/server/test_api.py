@@ -30,8 +30,10 @@ TERMINAL = ("video.completed", "video.failed", "video.deleted")
 def server(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("serve-data")
     # max_steps 250 x default_steps: the cost of a long-running video is not this module's subject
-    config = ServeConfig.from_options(model="tiny-latte", workers=2, device="cpu", data_dir=str(data_dir), max_batch=16,
-                         max_queue=64, default_steps=4, max_steps=1000, decode_chunk_frames=4, max_queued_work=None)
+    config = ServeConfig.from_options(warm_up=False,  # the warm-up video: tests/server/test_drain.py
+                                      model="tiny-latte", workers=2, device="cpu", data_dir=str(data_dir),
+                                      max_batch=16, max_queue=64, default_steps=4, max_steps=1000,
+                                      decode_chunk_frames=4, max_queued_work=None)
     service = VideoService(config).start()
     app = create_app(service, ScoreService("tiny-lm", workers=1, device="cpu"), poll_after_ms=50)
     try:
@@ -102,8 +104,9 @@ def metric(http, name):
 def wan_server(tmp_path_factory):
     """tiny-wan (a full-attention Wan 2.1-format model) on 2 workers: the same API, another model family."""
     data_dir = tmp_path_factory.mktemp("serve-wan")
-    config = ServeConfig.from_options(model="tiny-wan", workers=2, device="cpu", data_dir=str(data_dir), max_batch=4,
-                         default_steps=3, decode_chunk_frames=8)
+    config = ServeConfig.from_options(warm_up=False,  # the warm-up video: tests/server/test_drain.py
+                                      model="tiny-wan", workers=2, device="cpu", data_dir=str(data_dir), max_batch=4,
+                                      default_steps=3, decode_chunk_frames=8)
     service = VideoService(config).start()
     app = create_app(service, None, poll_after_ms=50)
     try:
@@ -642,3 +645,11 @@ def test_an_identical_seeded_request_gets_a_new_video_with_the_stored_content_an
         assert create(http, **changed)["status"] == "queued", changed
     # a repeat of the repeat still finds the content (the newest completed video with the request's key)
     assert create(http, **body)["status"] == "completed"
+
+
+def test_a_plain_get_of_the_live_endpoint_says_upgrade_required(http):
+    """Issue 36: `GET /v1/videos/live` without a WebSocket upgrade answered 404; it is 426 naming the protocol."""
+    r = http.get("/v1/videos/live")
+    assert r.status_code == 426, r.text
+    assert r.headers["upgrade"] == "websocket" and r.json()["error"]["code"] == "upgrade_required"
+    assert "WebSocket" in r.json()["error"]["message"]

@@ -19,7 +19,7 @@ HELIOS = {"prompt": "a red ball bouncing", "size": "80x48", "num_frames": 36, "n
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = ServeConfig.from_options(model="tiny-helios", workers=2, device="cpu", max_seconds=10,
+    config = ServeConfig.from_options(warm_up=False, model="tiny-helios", workers=2, device="cpu", max_seconds=10,
                                       data_dir=str(tmp_path_factory.mktemp("serve-helios")), decode_chunk_frames=8)
     service = VideoService(config).start()
     try:

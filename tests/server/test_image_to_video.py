@@ -96,7 +96,7 @@ MALFORMED = [
     ("gif", _gif(), 400, "unsupported_image"),
     ("bomb past the server's limit", with_png_size(PNG, 4096, 4096), 400, "image_too_large"),
     ("bomb past pillow's own limit", with_png_size(PNG, 100_000, 100_000), 400, "image_too_large"),
-    ("over the body limit", b"\x89PNG\r\n\x1a\n" + bytes(MAX_BODY), 400, "file_too_large"),
+    ("over the body limit", b"\x89PNG\r\n\x1a\n" + bytes(MAX_BODY), 413, "file_too_large"),
 ]
 
 
