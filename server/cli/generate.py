@@ -171,9 +171,12 @@ def run(args) -> int:
               f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention}"
               + "".join(f", lora {a.name} x{a.scale:g}" for a in config.loras) + speed_levers(info),
               file=sys.stderr)
-        bar = tqdm(total=args.steps, desc="denoising", unit="step", file=sys.stderr)
+        bar = None                   # made at the first step, with the total the workers planned (every segment's)
 
         def on_step(step: int, total: int) -> None:
+            nonlocal bar
+            if bar is None:
+                bar = tqdm(total=total, desc="denoising", unit="step", file=sys.stderr)
             bar.total = total
             bar.update(step - bar.n)
 
@@ -191,7 +194,8 @@ def run(args) -> int:
                 writer.write(pixels)
                 frames += len(pixels)
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
             if writer is not None:
                 writer.finish()
                 writer.done.wait(120)

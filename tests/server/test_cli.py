@@ -71,7 +71,10 @@ def test_generate_a_long_video_writes_every_segment_with_a_bar_over_all_steps(tm
                  "--overlap", "9", "--ar-step", "0", "--causal-block", "1", "--size", "64x64", "--steps", "2",
                  "--seed", "0", "-o", str(out)]) == 0
     assert iio.imread(out).shape == (37, 64, 64, 3)
-    assert "8/8" in capfd.readouterr().err, "the bar counts the 2 steps of each of the 4 segments"
+    err = capfd.readouterr().err
+    assert "8/8" in err, "the bar counts the 2 steps of each of the 4 segments"
+    bars = [b for b in err.replace("\r", "\n").splitlines() if b.startswith("denoising")]
+    assert bars and all("/8 " in b for b in bars), "the total is the whole video's from the first draw (issue 36)"
 
 
 def test_an_interrupted_long_video_leaves_a_playable_file_of_the_frames_made_so_far(tmp_path):
