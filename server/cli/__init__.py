@@ -36,6 +36,7 @@ def add_subcommands(parser: argparse.ArgumentParser, dest: str, table: dict[str,
         module.add_arguments(p)
         # `check(args)`, where a module has one: what can be refused without the model, before any heavy import
         p.set_defaults(**{run_key: module.run, "_check": getattr(module, "check", None)})
+        parser.commands = {**getattr(parser, "commands", {}), name: p}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,13 +45,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def with_config_file(parser: argparse.ArgumentParser, args, argv: list[str]):
+    """`serve --config FILE`: the file's settings become the command's defaults and `argv` is parsed again, so a
+    flag on the command line wins over the file, and the file over the built-in defaults."""
+    if args.command != "serve" or not getattr(args, "config", None):
+        return args
+    from longserve.server.cli.serve import config_file_defaults
+
+    serve = parser.commands["serve"]
+    serve.set_defaults(**config_file_defaults(args.config, serve))
+    return parser.parse_args(argv)
+
+
 #: commands whose own process starts a worker pool: the fork server is launched before their heavy imports
 STARTS_WORKERS = ("generate", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
     try:
+        args = with_config_file(parser, args, argv)
         if args._check is not None:      # bad arguments are refused at once, before the fork server and the load
             args._check(args)
         if args.command in STARTS_WORKERS:

@@ -39,6 +39,36 @@ def add_arguments(p) -> None:
     add_cli_args(p, EngineConfig, defaults=SERVE_ENGINE_DEFAULTS, titles=GROUP_TITLES, aliases=DEFAULT_ALIASES)
     add_cli_args(p, ServeConfig, defaults={"api_key_file": os.environ.get("LONGSERVE_API_KEY_FILE")},
                  titles=GROUP_TITLES)
+    p.add_argument("--config", metavar="PATH", default=None,
+                   help="a YAML (or JSON) file of settings: its keys are the config fields the flags set (model, "
+                        "workers, max_batch or max-batch, ...); a flag given on the command line wins")
+
+
+def config_file_defaults(path: str, parser) -> dict:
+    """`--config PATH` -> {field: value} for `parser.set_defaults`: a mapping whose keys are the command's own
+    settings (ValueError naming the file and the key otherwise; an API key belongs in --api-key-file)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)          # JSON is YAML too
+    except OSError as e:
+        raise ValueError(f"--config: cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config: {path} is not YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of settings, not {type(data).__name__}")
+    known = vars(parser.parse_known_args([])[0])
+    out = {}
+    for key, value in data.items():
+        field = str(key).replace("-", "_")
+        if field not in known or field == "config":
+            raise ValueError(f"--config: {path}: unknown setting {key!r} (the keys are serve's flags' fields, "
+                             f"e.g. model, workers, max_batch)")
+        out[field] = value
+    return out
 
 
 def api_keys(args) -> tuple[str, ...]:

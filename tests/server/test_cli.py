@@ -199,3 +199,26 @@ def test_generate_refuses_what_it_can_before_loading_the_model_naming_the_flag(t
                  "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--image:" in err and "text only" in err and "loaded" not in err and out.read_bytes() == b"keep me"
+
+
+def test_serve_reads_a_config_file_whose_keys_are_the_config_fields_and_flags_win(tmp_path, capsys):
+    """`longserve serve --config serve.yaml` (issue 36, as vLLM users pass it): keys are the settings' fields (or
+    their flags' spelling), values as in YAML; a flag given on the command line wins; an unknown key is refused
+    naming it, before anything starts."""
+    from longserve.server.api.config import ServeConfig
+    from longserve.server.cli import build_parser, main, with_config_file
+    from longserve.server.cli.serve import config_from_args
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: tiny-wan\nworkers: 2\nmax-batch: 3\nvae_tiling: true\nretention_s: none\n")
+    argv = ["serve", "--config", str(path), "--workers", "1"]
+    parser = build_parser()
+    args = with_config_file(parser, parser.parse_args(argv), argv)
+    config = config_from_args(args)
+    assert isinstance(config, ServeConfig)
+    engine = config.engine
+    assert (config.model, engine.workers, engine.max_batch, engine.vae_tiling, config.retention_s) == (
+        "tiny-wan", 1, 3, True, None), "the file's settings, --workers from the command line"
+    path.write_text("model: tiny-wan\nmax_batchh: 3\n")
+    assert main(argv) == 2
+    assert "unknown setting 'max_batchh'" in capsys.readouterr().err
