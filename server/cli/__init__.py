@@ -1,4 +1,4 @@
-"""The `longserve` command: generate | serve | score | bench.
+"""The `longserve` command: generate | live | serve | score | bench.
 
 Each subcommand lives in its own module with `add_arguments(parser)` and `run(args)`;
 modules import their heavy dependencies (torch, diffusers) inside `run`, so `--help`
@@ -13,6 +13,7 @@ import sys
 
 COMMANDS = {
     "generate": ("longserve.server.cli.generate", "generate a video from a prompt"),
+    "live": ("longserve.server.cli.live", "a live video on a causal model, with prompt switches, to an MP4"),
     "serve": ("longserve.server.cli.serve", "run the OpenAI-compatible HTTP server"),
     "score": ("longserve.server.cli.score", "score a long text with a causal LM (LSS sequence parallel)"),
 }
@@ -58,7 +59,7 @@ def with_config_file(parser: argparse.ArgumentParser, args, argv: list[str]):
 
 
 #: commands whose own process starts a worker pool: the fork server is launched before their heavy imports
-STARTS_WORKERS = ("generate", "serve")
+STARTS_WORKERS = ("generate", "live", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:

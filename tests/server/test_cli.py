@@ -222,3 +222,20 @@ def test_serve_reads_a_config_file_whose_keys_are_the_config_fields_and_flags_wi
     path.write_text("model: tiny-wan\nmax_batchh: 3\n")
     assert main(argv) == 2
     assert "unknown setting 'max_batchh'" in capsys.readouterr().err
+
+
+def test_live_writes_a_live_video_with_its_prompt_switch_to_a_file(tmp_path, capfd):
+    """`longserve live "prompt" --switch-at S "new prompt" -o live.mp4` (issue 36): the whole video, the switch at
+    the first chunk starting at or after S; a switch outside the video or an existing file is refused at once."""
+    from longserve.server.cli import main
+
+    out = tmp_path / "live.mp4"
+    assert main(["live", "a red ball bouncing", "--switch-at", "0.5", "a blue ball bouncing", "--seconds", "1",
+                 "--device", "cpu", "-o", str(out)]) == 0
+    assert iio.imread(out).shape == (8, 64, 64, 3), "1 s at tiny-live's 8 fps"
+    err = capfd.readouterr().err
+    assert "switch to 'a blue ball bouncing' at chunk 2 (0.75 s)" in err, "chunks of 3 frames: 0, 3, 6"
+    assert main(["live", "x", "--switch-at", "3", "y", "--seconds", "1", "-o", str(tmp_path / "x.mp4")]) == 2
+    assert "--switch-at 3: must be inside the video" in capfd.readouterr().err
+    assert main(["live", "x", "-o", str(out)]) == 2
+    assert "--output" in capfd.readouterr().err
