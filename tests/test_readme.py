@@ -65,9 +65,20 @@ def test_the_claim_reader_reads_the_readme_s_notation():
     assert matches((1, 5, 64), (1, None, 64)) and not matches((1, 5, 64), (2, None, 64))
 
 
+#: runs each snippet file as `__main__` in turn (runpy, as `python FILE` does), in one process: one interpreter and
+#: one fork server for all of them (their start is most of this test's time)
+DRIVER = """
+import runpy, sys
+for path in sys.argv[1:]:
+    print("README-SNIPPET", path, flush=True)
+    runpy.run_path(path, run_name="__main__")
+"""
+
+
 def test_the_readme_snippets_run_as_files_with_no_main_guard_and_print_what_they_say(tmp_path):
-    """Each snippet is a file run by `python FILE` (no `if __name__ == "__main__":`; the workers must not re-run it),
-    in one process each: the inputs they open (cat.png, ship.png, ship.mp4, book.txt) are made first."""
+    """Each snippet is a file run as `__main__` (no `if __name__ == "__main__":`; the workers must not re-run it),
+    one after the other in one fresh process: the inputs they open (cat.png, ship.png, ship.mp4, book.txt) are made
+    first."""
     import imageio.v3 as iio
     from PIL import Image
 
@@ -78,14 +89,20 @@ def test_the_readme_snippets_run_as_files_with_no_main_guard_and_print_what_they
     (tmp_path / "book.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
     snippets = [s for s in python_snippets() if "from openai" not in s]
     assert len(snippets) >= 2
+    paths, claims = [], []
     for i, code in enumerate(snippets):
         script, said = instrumented(code)
         assert said, f"snippet {i} states nothing"
-        path = tmp_path / f"snippet{i}.py"
-        path.write_text(script)
-        run = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=400)
-        assert run.returncode == 0, f"snippet {i}:\n{code}\n{run.stdout}\n{run.stderr[-4000:]}"
-        printed = [line.split(" ", 2) for line in run.stdout.splitlines() if line.startswith("README-CLAIM ")]
+        paths.append(tmp_path / f"snippet{i}.py")
+        paths[-1].write_text(script)
+        claims.append(said)
+    run = subprocess.run([sys.executable, "-c", DRIVER, *map(str, paths)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-4000:]}"
+    outputs = run.stdout.split("README-SNIPPET ")[1:]
+    assert len(outputs) == len(snippets), run.stdout
+    for i, (code, said, out) in enumerate(zip(snippets, claims, outputs)):
+        printed = [line.split(" ", 2) for line in out.splitlines() if line.startswith("README-CLAIM ")]
         seen = {int(number) for _, number, _ in printed}
         assert seen == set(said), f"snippet {i}: lines {sorted(set(said) - seen)} never ran"
         for _, number, value in printed:
