@@ -43,6 +43,7 @@ from longserve.engine.outputs import (
 )
 from longserve.engine.pool import WorkerError
 from longserve.engine.request import GenerationSpec
+from longserve.engine.results import AdmitFailure
 from longserve.engine.scheduler import RequestState, ScheduledRequest, Scheduler
 
 log = logging.getLogger("longserve.engine")
@@ -200,6 +201,10 @@ class EngineCore:
         info = self._call(jobs.admit, req.spec, involved=[req])
         if info is None:
             return False
+        if isinstance(info, AdmitFailure):      # the request's inputs could not be encoded: it fails alone
+            self._failed(jobs.admit, WorkerError(f"the model could not take this request's inputs: {info.message}",
+                                                 kind="input", rank=0, field=info.field), [req], restarted=False)
+            return True
         self.scheduler.admitted(req, info)
         req.stream.put(Admitted(req.id, req.num_steps, req.num_frames, req.admissions))
         return True

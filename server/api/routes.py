@@ -8,7 +8,6 @@ Request and response bodies are the models of `server/api/protocol.py`; the work
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from typing import Literal
 
@@ -22,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from longserve.server.api import metrics
 from longserve.server.api.edge import client_id, matching_key
 from longserve.server.api.errors import APIError, validation_error
+from longserve.server.api.json_input import load_object
 from longserve.server.api.protocol import (
     Health,
     ModelCard,
@@ -92,13 +92,7 @@ def parse_json_object(body: bytes, what: str = "request body") -> dict:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the {what} is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the {what} is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise APIError(400, f"the {what} must be a JSON object, not {type(obj).__name__}", code="invalid_json")
-    return obj
+    return load_object(text, what)            # depth and text checked before any field is read
 
 
 _BRACKETS = re.compile(r"([^\[\]]+)\[\](?:\[([^\[\]]+)\])?|([^\[\]]+)\[([^\[\]]+)\]")

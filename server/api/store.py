@@ -25,6 +25,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from longserve.engine.request import text_problem
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS videos (
     seq          INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -135,6 +137,10 @@ class JobStore:
     # -- rows -----------------------------------------------------------------------------------
 
     def insert(self, rec: VideoRecord) -> int:
+        for name, text in (("prompt", rec.prompt or ""), ("params", json.dumps(rec.params, ensure_ascii=False))):
+            problem = text_problem(text)      # the doors refuse such text; a record that holds it is never stored
+            if problem is not None:
+                raise ValueError(f"video {rec.id}: its {name} {problem}")
         with self._lock:
             cur = self._db.execute(
                 "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size,"

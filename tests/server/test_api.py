@@ -487,6 +487,53 @@ def test_unusual_but_valid_prompts_complete_without_a_worker_restart(server, htt
     assert metric(http, "longserve_worker_restarts") == restarts
 
 
+#: (path, JSON text with a lone surrogate, the field a 400 names): JSON's \\u escapes spell what UTF-8 cannot
+SURROGATES = [("/v1/videos", r'{"prompt": "a\ud800", "num_frames": 1, "num_inference_steps": 1}', "prompt"),
+              ("/v1/videos", r'{"prompt": "a", "negative_prompt": "\ud800", "num_inference_steps": 1}',
+               "negative_prompt"),
+              ("/v1/videos", r'{"prompt": "a", "lora": [{"name": "x\udc00"}], "seed": 1}', "lora"),
+              ("/v1/videos", r'{"prompt": "a", "\udfff": 1}', r"\udfff"),
+              ("/v1/videos/video_x/extend", r'{"prompt": "b\ud83d"}', "prompt"),
+              ("/v1/score", r'{"text": "\ud800 a"}', "text")]
+
+
+def test_text_no_tokenizer_can_encode_gets_400_naming_the_field_and_never_reaches_a_worker(server, http):
+    restarts = metric(http, "longserve_worker_restarts")
+    running = create(http, size="32x32", num_frames=4, num_inference_steps=1000, seed=3)["id"]
+    deadline = time.monotonic() + 60
+    while (before := http.get(f"/v1/videos/{running}").json())["progress"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    count = len(http.get("/v1/videos", params={"limit": 100}).json()["data"])
+    for path, body, param in SURROGATES:
+        r = http.post(path, content=body.encode(), headers=JSON)
+        assert r.status_code == 400, f"{path} {body}: {r.status_code} {r.text[:300]}"
+        err = r.json()["error"]
+        assert err["param"] == param and "surrogate" in err["message"], err
+    # the Python door: the engine's completion and the scoring pipeline refuse it, naming the field
+    from longserve.engine.request import RequestError, RequestInput
+
+    for field, kwargs in (("prompt", {"prompt": "a\udbff"}), ("negative_prompt", {"prompt": "a",
+                                                                                 "negative_prompt": "\udc80"})):
+        with pytest.raises(RequestError) as e:
+            server["service"].engine.complete(RequestInput(num_frames=1, **kwargs))
+        assert e.value.field == field
+    # a record that holds such a negative prompt is never stored
+    from longserve.server.api.store import VideoRecord
+
+    rec = VideoRecord(id="video_surrogate", created_at=0, status="queued", model="tiny-latte", prompt="a",
+                      seconds="1", size="32x32", params={"negative_prompt": "\ud800"})
+    with pytest.raises(ValueError, match="surrogate"):
+        server["service"].storage.store.insert(rec)
+    assert http.get("/v1/videos/video_surrogate").status_code == 404
+    listed = http.get("/v1/videos", params={"limit": 100})
+    assert listed.status_code == 200 and len(listed.json()["data"]) == count, "nothing was created"
+    after = http.get(f"/v1/videos/{running}").json()
+    assert after["status"] == "in_progress" and after["progress"] >= before["progress"], "its progress never reset"
+    assert metric(http, "longserve_worker_restarts") == restarts
+    assert http.delete(f"/v1/videos/{running}").status_code == 200
+
+
 def test_listing_pages_with_after_limit_and_order(server, http):
     ids = [create(http, **VALID)["id"] for _ in range(3)]
     desc = http.get("/v1/videos", params={"limit": 2}).json()
