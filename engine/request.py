@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 OUTPUTS = ("np", "uint8", "latent")
 MAX_SEED = 2**63 - 1
+#: more frames than any request may ask for (a door's own limit is far lower): seconds past it are refused before
+#: they are counted in frames, where a float like 1e308 would overflow
+MAX_FRAMES = 10**7
 #: the option of an extension (diffusion forcing) that says how many of the video's last frames are made again
 OVERLAP_OPTION = "overlap_history"
 #: how deep a request's option values may nest (lists and objects in lists and objects): the deepest any family
@@ -256,6 +259,8 @@ def request_frames(request: RequestInput, desc: "ModelDescription", defaults: "G
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
             or seconds <= 0:
         raise RequestError("seconds", f"seconds must be a positive number; got {seconds!r}")
+    if seconds * fps > MAX_FRAMES:                    # no model makes that many frames; past it, counts overflow
+        raise RequestError("seconds", f"seconds={seconds:g} at fps={fps} is more than {MAX_FRAMES} frames")
     if extension:                                     # the seconds added: new frames in whole latent frames
         frames = frame_count(overlap + seconds * fps, rule, at_least=overlap + rule)
     else:                                             # a live session never runs past its length

@@ -46,6 +46,7 @@ from longserve.engine.scheduler import KVBudgetError, QueueFullError
 from longserve.server.api.edge import client_id, matching_key
 from longserve.server.api.errors import APIError
 from longserve.server.api.jobs import DISCONNECTED, LIVE, Job
+from longserve.server.api.json_input import load_object
 
 log = logging.getLogger("longserve.live")
 
@@ -53,6 +54,8 @@ START_TIMEOUT_S = 30.0
 CLOSE_TRY_LATER = 1013
 CLOSE_POLICY = 1008
 CLOSE_SERVICE_RESTART = 1012
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_INVALID_PAYLOAD = 1007
 
 
 def socket_key(ws: WebSocket, keys: tuple[str, ...]) -> str | None:
@@ -91,9 +94,7 @@ class LiveSessions:
                                CLOSE_SERVICE_RESTART)
             return
         try:
-            msg = json.loads(await asyncio.wait_for(ws.receive_text(), START_TIMEOUT_S))
-            if not isinstance(msg, dict):
-                raise APIError(400, "messages must be JSON objects", param="type", code="invalid_value")
+            msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
             spec = service.requests.live(msg, self.max_seconds)
             job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
             service.admission.check_open(writes_files=False)
@@ -106,6 +107,9 @@ class LiveSessions:
         except (asyncio.TimeoutError, WebSocketDisconnect):
             with contextlib.suppress(Exception):
                 await ws.close(CLOSE_POLICY)
+            return
+        except ProtocolError as e:                      # a binary frame, JSON too deep or not an object
+            await self._refuse(ws, e.code, e.message, e.close_code, e.param)
             return
         except (ValueError, KeyError) as e:            # bad JSON, RequestError (a ValueError) included
             param = getattr(e, "field", None)
@@ -134,11 +138,13 @@ class LiveSessions:
         async def receive() -> None:
             while True:
                 try:
-                    msg = json.loads(await ws.receive_text())
-                except (ValueError, TypeError):
-                    await queue.put(("event", _error_event("invalid_request", "messages must be JSON objects")))
-                    continue
-                kind = msg.get("type") if isinstance(msg, dict) else None
+                    msg = await read_message(ws)
+                except ProtocolError as e:              # told, then the socket closes with its code
+                    with contextlib.suppress(Exception):
+                        await self._send(ws, _error_event(e.code, e.message, e.param))
+                        await ws.close(e.close_code)
+                    return
+                kind = msg.get("type")
                 try:
                     if kind == "prompt":
                         service.requests.check_text("prompt", msg.get("prompt"))
@@ -238,6 +244,31 @@ class LiveOutputs:
     async def _done(self, reason: str) -> None:
         await self.queue.put(("event", {"type": "done", "reason": reason, "chunks": self.chunks,
                                         "frames": self.frames, "dropped": self.dropped}))
+
+
+class ProtocolError(Exception):
+    """A message the live protocol does not take: the session is told (an error event) and the socket closes with
+    `close_code` (1003: a binary frame; 1007: not a JSON object within the bounds of `json_input.load_object`)."""
+
+    def __init__(self, code: str, message: str, close_code: int, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.close_code, self.param = code, message, close_code, param
+
+
+async def read_message(ws: WebSocket) -> dict:
+    """The client's next message as a JSON object (`json_input.load_object`: its depth and text bounded);
+    ProtocolError for anything else, WebSocketDisconnect when the client left."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    text = message.get("text")
+    if text is None:
+        raise ProtocolError("unsupported_data", "binary messages are not part of the live protocol: send JSON "
+                                                "text", CLOSE_UNSUPPORTED_DATA)
+    try:
+        return load_object(text, "message")
+    except APIError as e:
+        raise ProtocolError(e.code or "invalid_json", e.message, CLOSE_INVALID_PAYLOAD, e.param) from None
 
 
 def _error_event(code: str, message: str, param: str | None = None) -> dict:

@@ -624,3 +624,25 @@ def test_expert_offload_serves_a_request_waiting_for_the_other_expert_within_its
     assert longest <= PATIENCE, longest
     with pytest.raises(ValueError, match="offload"):
         EngineConfig(offload="disk")
+
+
+def test_a_failed_requests_message_carries_no_traceback_and_no_server_path():
+    """Issue 32: a failed video's `error.message` is what a client reads; the worker's traceback stays in the log."""
+    from longserve.engine.core import failure_for
+    from longserve.engine.pool import _job_error, describe_failure
+
+    def broken_forward():
+        open("/srv/longserve/weights/missing-shard.safetensors").read()
+
+    try:
+        broken_forward()
+    except OSError as e:
+        failure = describe_failure(e, collectives_entered=True)
+    error = _job_error(jobs.step, 1, failure, restarted=True)
+    assert "Traceback" in str(error) and __file__ in str(error)         # what the log gets
+    for kind in ("internal", "worker_died", "out_of_memory", "timeout", "setup"):
+        error.kind = kind
+        message = failure_for(error, "step", str(error)).message
+        assert "Traceback" not in message and "\n" not in message, message
+        assert __file__ not in message and "/srv/longserve" not in message, message
+        assert "FileNotFoundError" in message and "missing-shard.safetensors" in message, message

@@ -401,6 +401,19 @@ MALFORMED = [
     ("negative prompt type", "POST", "/v1/videos", bad({"negative_prompt": 3}), 400, "negative_prompt"),
     ("unknown lora", "POST", "/v1/videos", bad({"lora": [{"name": "style"}]}), 400, "lora"),
     ("lora type", "POST", "/v1/videos", bad({"lora": 3}), 400, "lora"),
+    # issue 32: a non-list lora with a seed (the repeat's key is made of checked fields), seconds that overflow
+    # frames, model options nested deeper than any takes (a RecursionError and 300 KB of log each before)
+    ("lora text with seed", "POST", "/v1/videos", bad({"lora": "style", "seed": 1}), 400, "lora"),
+    ("lora object with seed", "POST", "/v1/videos", bad({"lora": {"name": "style"}, "seed": 1}), 400, "lora"),
+    ("seconds overflow", "POST", "/v1/videos", bad({"seconds": "1e308"}, drop=("num_frames",)), 400, "seconds"),
+    ("seconds overflow number", "POST", "/v1/videos", bad({"seconds": 1e308}, drop=("num_frames",)), 400,
+     "seconds"),
+    ("deep option", "POST", "/v1/videos", {"content": b'{"prompt": "a", "cache": ' + b"[" * 800 + b"]" * 800 + b"}",
+                                           "headers": JSON}, 400, "cache"),
+    ("deep object option", "POST", "/v1/videos", {"content": b'{"prompt": "a", "sigmas": ' + b'{"a": ' * 900 +
+                                                  b"1" + b"}" * 900 + b"}", "headers": JSON}, 400, "sigmas"),
+    ("deep score", "POST", "/v1/score", {"content": b'{"text": "a", "model": ' + b"[" * 700 + b"]" * 700 + b"}",
+                                         "headers": JSON}, 400, "model"),
     ("unknown field", "POST", "/v1/videos", bad({"colour": "red"}), 400, "colour"),
     ("unknown model", "POST", "/v1/videos", bad({"model": "sora-2"}), 404, "model"),
     ("image reference", "POST", "/v1/videos", bad({"input_reference": "https://x/y.png"}), 400, "input_reference"),
