@@ -71,8 +71,9 @@ class Limits:
 class VideoRequests:
     """`engine`: the `VideoEngine` (read at every request: its capabilities decide what an upload may be)."""
 
-    def __init__(self, engine, config, limits: Limits, model_name: str):
+    def __init__(self, engine, config, limits: Limits, model_name: str, tmp_dir=None):
         self.engine, self.config, self.limits = engine, config, limits
+        self.tmp_dir = tmp_dir            # the data dir's temp area (swept at start): an upload's trip to a decoder
         self.model_name = model_name
         self.model_names = {model_name, str(config.model)}
 
@@ -293,7 +294,7 @@ class VideoRequests:
         lim = self.limits
         try:
             return read_mp4(source, field, max_frames=lim.max_frames, max_pixels=self.config.max_image_pixels,
-                            max_total_pixels=lim.max_frames * lim.max_size * lim.max_size)
+                            max_total_pixels=lim.max_frames * lim.max_size * lim.max_size, tmp_dir=self.tmp_dir)
         except VideoInputError as e:
             raise APIError(400, str(e), param=field, code=e.code) from None
 

@@ -80,7 +80,7 @@ class VideoService:
         self.engine.add_batch_listener(self.monitor.on_batch)
         self.limits = Limits.of(self.engine, cfg)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
-        self.requests = VideoRequests(self.engine, cfg, self.limits, self.model_name)
+        self.requests = VideoRequests(self.engine, cfg, self.limits, self.model_name, self.storage.store.tmp_dir)
         self.admission = AdmissionGate(self.jobs, self.storage, self.shutdown, self.limits, cfg.max_queued_work,
                                        cfg.max_work_per_key, self.engine.info.capabilities.frames_per_chunk)
         self.outputs = VideoOutputs(self.jobs, self.storage, self.broker, self.runner, self.monitor,

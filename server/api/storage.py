@@ -171,6 +171,7 @@ class VideoStorage:
                            "worker memory); create it again"})
         for path in self.store.video_dir.glob("*.part"):
             path.unlink(missing_ok=True)
+        self.store.sweep_tmp()                            # uploads a killed process was decoding
         for video_id in self.store.unmeasured():          # kept from before sizes were recorded (the quota's)
             self.store.update(video_id, bytes=self.store.files_bytes(video_id))
         return self.store.by_status("queued")

@@ -97,6 +97,8 @@ class JobStore:
         # directories it creates; one that exists keeps its mode, the operator's choice)
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.video_dir.mkdir(mode=0o700, exist_ok=True)
+        self.tmp_dir = self.data_dir / "tmp"           # uploads on their way through a decoder (`sweep_tmp`)
+        self.tmp_dir.mkdir(mode=0o700, exist_ok=True)
         self.db_path = self.data_dir / "longserve.db"
         # created 0600 before SQLite opens it: its -wal and -shm files take the database's mode
         os.close(os.open(self.db_path, os.O_RDWR | os.O_CREAT, 0o600))
@@ -120,6 +122,16 @@ class JobStore:
             self._db.close()
 
     # -- files ----------------------------------------------------------------------------------
+
+    def sweep_tmp(self) -> int:
+        """Remove what a previous run left in the temp area (a process killed while it decoded an upload: each is
+        removed when its decode ends otherwise); at start, before any request. Returns how many were removed."""
+        removed = 0
+        for path in self.tmp_dir.iterdir():
+            if path.is_file() or path.is_symlink():
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def video_path(self, video_id: str) -> Path:
         return self.video_dir / f"{video_id}.mp4"
