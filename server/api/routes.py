@@ -51,6 +51,12 @@ def require_api_key(request: Request) -> None:
     request.state.client = client_id(key)
 
 
+def json_body(model) -> dict:
+    """The OpenAPI `requestBody` of a route that parses its own body (`parse_json_object`): `model`'s JSON schema, so
+    the published schema says what the route takes (clients, and the suite's fuzzer, read it)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
 router = APIRouter()                                                     # no auth: probes and scrapers
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])   # the API
 
@@ -169,7 +175,7 @@ async def live_video(websocket: WebSocket):
     await websocket.app.state.videos.live.run(websocket, websocket.app.state.api_keys)
 
 
-@v1.post("/videos")
+@v1.post("/videos", openapi_extra=json_body(VideoCreateRequest))
 async def create_video(request: Request):
     data = await parse_create_body(request)
     try:
@@ -180,7 +186,7 @@ async def create_video(request: Request):
     return JSONResponse(video.model_dump())
 
 
-@v1.post("/videos/{video_id}/extend")
+@v1.post("/videos/{video_id}/extend", openapi_extra=json_body(VideoExtendRequest))
 async def extend_video(request: Request, video_id: str):
     """Continue a completed video (a diffusion-forcing model): a new video whose content is the whole extended
     video, streamed like any other (`/content?stream=true`)."""
@@ -274,7 +280,7 @@ async def list_models(request: Request):
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
-@v1.post("/score")
+@v1.post("/score", openapi_extra=json_body(ScoreRequest))
 async def score_text(request: Request):
     score = request.app.state.score
     if score is None:

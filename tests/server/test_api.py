@@ -702,3 +702,98 @@ def test_an_identical_seeded_request_gets_a_new_video_with_the_stored_content_an
         assert create(http, **changed)["status"] == "queued", changed
     # a repeat of the repeat still finds the content (the newest completed video with the request's key)
     assert create(http, **body)["status"] == "completed"
+
+
+# -- the fuzzer (issue 32) -----------------------------------------------------------------------------------------
+
+#: examples per operation and generation mode: a fixed budget (with a fixed seed: derandomize) that keeps the
+#: fuzzer under about 20 s; docs/serving.md records what a run tried
+FUZZ_EXAMPLES = 12
+
+
+def test_schemathesis_over_the_servers_own_openapi_schema_finds_no_5xx_and_no_worker_restart(server, http):
+    """Every operation of the server's published schema, fuzzed with bodies the schema admits (positive) and bodies
+    it does not (negative): 2xx or 4xx only, never a 5xx, never a worker restart. Videos it creates are deleted at
+    once (their jobs are not the subject)."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(server["url"] + "/openapi.json")
+    restarts = metric(http, "longserve_worker_restarts")
+    tried, errors, statuses = 0, [], {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if operation.path.endswith("/events"):
+            continue               # an SSE stream: an unknown id is 404 (in MALFORMED); a known one never ends here
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck), phases=["explicit", "generate"])
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def fuzz(case):
+                nonlocal tried
+                response = case.call(base_url=server["url"], timeout=30)
+                tried += 1
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+                if response.status_code >= 500:
+                    errors.append((case.method, case.formatted_path, case.body, response.text[:300]))
+                elif case.method == "POST" and response.status_code == 200 and response.json().get("object") == \
+                        "video":
+                    http.delete(f"/v1/videos/{response.json()['id']}")
+
+            try:
+                fuzz()
+            except Unsatisfiable:
+                pass               # nothing to negate (an operation without parameters) in NEGATIVE mode
+    print(f"\nfuzzer: {tried} requests, status counts {dict(sorted(statuses.items()))}, 5xx: {len(errors)}")
+    assert tried >= 100 and not errors, errors[:5]
+    assert metric(http, "longserve_worker_restarts") == restarts
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def test_any_json_the_create_schema_admits_maps_to_a_spec_or_a_4xx_never_an_exception(server):
+    """Property (hypothesis, fixed seed): the create door's mapping (`VideoRequests.create`: the size and seconds
+    text, the uploads, the engine's completion and the model's checks) turns any body -- the schema's fields with
+    any JSON value, any extra option, any text (lone surrogates included) -- into a complete spec or a 4xx naming a
+    field; nothing else escapes it (a 5xx)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from pydantic import ValidationError
+
+    from longserve.engine.request import GenerationSpec
+    from longserve.server.api.errors import APIError
+    from longserve.server.api.protocol import VideoCreateRequest
+
+    text = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)    # surrogates too
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                        st.floats(allow_nan=True, allow_infinity=True), text,
+                        st.sampled_from(["32x32", "64x48", "0.5", "1e308", "-1", "style:0.5", "[1, 0.5]"]))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner,
+                                                                                               max_size=3),
+                          max_leaves=6)
+    fields = st.fixed_dictionaries({"prompt": st.one_of(text, values)},
+                                   optional={name: values for name in VideoCreateRequest.model_fields
+                                             if name != "prompt"})
+    extras = st.dictionaries(st.one_of(text, st.sampled_from(["cache", "sigmas", "timesteps", "last_image"])),
+                             values, max_size=2)
+    requests, seen = server["service"].requests, {"spec": 0, "4xx": 0}
+
+    @settings(max_examples=300, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=fields, extra=extras)
+    def mapping(body, extra):
+        try:
+            spec = requests.create(VideoCreateRequest.model_validate({**extra, **body}))
+        except ValidationError:
+            seen["4xx"] += 1                   # the route answers it 400 naming the field (errors.validation_error)
+            return
+        except APIError as e:
+            assert 400 <= e.status < 500, (e.status, e.message)
+            seen["4xx"] += 1
+            return
+        assert isinstance(spec, GenerationSpec)
+        seen["spec"] += 1
+
+    mapping()
+    assert seen["spec"] > 0 and seen["4xx"] > 0, seen
