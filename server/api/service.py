@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from longserve.engine.engine import VideoEngine
+from longserve.engine.images import EncodedImage
 from longserve.engine.request import GenerationSpec
 from longserve.engine.scheduler import QueueFullError
 from longserve.server.api.admission import AdmissionGate
@@ -352,7 +353,9 @@ def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:
     params = spec.params()
     options = params["options"]
     for name, value in list(options.items()):
-        if hasattr(value, "shape") and hasattr(value, "tobytes"):       # an image (numpy array)
+        if isinstance(value, EncodedImage):                              # an uploaded image: its file's digest
+            options[name] = f"file:{value.width}x{value.height}:{value.digest}"
+        elif hasattr(value, "shape") and hasattr(value, "tobytes"):     # an image (numpy array)
             options[name] = f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(value.tobytes()).hexdigest()}"
     payload = {"checkpoint": checkpoint, "prompt": spec.prompt, "params": params, "fps": fps}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
