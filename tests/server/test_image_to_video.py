@@ -182,8 +182,9 @@ def _rss() -> int:
 
 def test_queued_image_jobs_hold_their_files_not_their_pixels_and_admission_counts_them(server, monkeypatch):
     """Issue 32: 80 image-to-video jobs, each a 4096x4096 all-black PNG (a small file, 48 MiB of pixels), held in
-    the queue (the scheduler admits none meanwhile): the server (this process) holds their files, so its RSS grows by less than 500 MiB
-    (80 decoded images would be 3.8 GiB), and each job's admission cost counts its input's bytes."""
+    the queue (the scheduler admits none meanwhile): the server (this process) holds their files, so its RSS grows
+    by less than 500 MiB (80 decoded images would be 3.8 GiB), and each job's admission cost counts its input's
+    bytes."""
     service = server["service"]
     monkeypatch.setattr(service.requests, "config", dataclasses.replace(service.config,
                                                                         max_image_pixels=4096 * 4096))
