@@ -69,7 +69,7 @@ class AdmissionGate:
         if kind == LIVE and self.frames_per_chunk:       # a session runs whole chunks
             frames = math.ceil(frames / self.frames_per_chunk) * self.frames_per_chunk
         return request_cost(self.limits, frames, spec.width, spec.height, spec.num_inference_steps) + \
-            input_cost(self.limits, input_bytes(spec.options))
+            input_cost(self.limits, input_bytes(getattr(spec, "options", None) or {}))
 
     def admit(self, job: Job) -> None:
         """Register `job` if its cost fits (429 naming the limit otherwise)."""
