@@ -62,8 +62,21 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
 
 def input_bytes(options: dict) -> int:
-    """The bytes a request's inputs hold while it waits (its images and videos, as they are kept)."""
-    return sum(v.nbytes for v in options.values() if isinstance(v, (np.ndarray, EncodedImage)))
+    """The bytes a request's inputs hold while it waits (its images and videos, as they are kept: arrays, or the
+    files of `EncodedImage` and `pipelines.media.EncodedVideo`)."""
+    return sum(v.nbytes for v in options.values()
+               if isinstance(v, (np.ndarray, EncodedImage)) or is_encoded_video(v))
+
+
+def is_encoded_video(value) -> bool:
+    """A video kept as its file by a front door (`pipelines.media.EncodedVideo`: checked there, decoded on the
+    worker by its `decode()`): anything with `decode()` and a (T, H, W, 3) `shape`."""
+    return callable(getattr(value, "decode", None)) and len(getattr(value, "shape", ())) == 4
+
+
+def video_frames(value) -> np.ndarray:
+    """A request's video as frames: an encoded one decoded here (on the worker), an array as it is."""
+    return value.decode() if is_encoded_video(value) else value
 
 
 def as_rgb_array(value, field: str) -> np.ndarray:
@@ -130,6 +143,8 @@ def as_video_array(value, field: str) -> np.ndarray:
     or (H, W[, C]) arrays of one size (diffusers' `video: list[PIL.Image]`). Every frame is converted as
     `as_rgb_array` converts an image. A path is not read here (the engine reads no files): the Python pipeline
     and the front doors decode MP4 files (`pipelines/media.py`)."""
+    if is_encoded_video(value):         # checked by its door; decoded on the worker that encodes its conditions
+        return value
     if isinstance(value, np.ndarray):
         if value.ndim != 4:
             raise RequestError(field, f"{field} must be shaped (T, H, W, 3) (or (T, H, W, 1) / (T, H, W, 4)); "

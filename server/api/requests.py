@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from longserve.engine.config import REQUIRED
 from longserve.engine.request import OVERLAP_OPTION, GenerationSpec, RequestError, RequestInput, frame_count
-from longserve.pipelines.media import VideoInputError, is_mp4, read_mp4
+from longserve.pipelines.media import VideoInputError, encoded_video, is_mp4
 from longserve.server.api.errors import APIError
 from longserve.server.api.protocol import VideoCreateRequest, VideoExtendRequest, parse_size
 from longserve.server.api.store import VideoRecord
@@ -288,13 +288,14 @@ class VideoRequests:
         return refs
 
     def read_video(self, source, field: str):
-        """An MP4 (bytes or a stored file) -> frames, bounded before decoding: at most --max-frames frames (the
+        """An MP4 (bytes or a stored file) -> the checked file (`EncodedVideo`: a queued job holds it, not its frames;
+        the worker decodes it again), bounded before decoding: at most --max-frames frames (the
         longest video this server makes), --max-image-pixels pixels each, and as many pixels in all as the
         longest video at the largest size holds."""
         lim = self.limits
         try:
-            return read_mp4(source, field, max_frames=lim.max_frames, max_pixels=self.config.max_image_pixels,
-                            max_total_pixels=lim.max_frames * lim.max_size * lim.max_size, tmp_dir=self.tmp_dir)
+            return encoded_video(source, field, max_frames=lim.max_frames, max_pixels=self.config.max_image_pixels,
+                                 max_total_pixels=lim.max_frames * lim.max_size * lim.max_size, tmp_dir=self.tmp_dir)
         except VideoInputError as e:
             raise APIError(400, str(e), param=field, code=e.code) from None
 

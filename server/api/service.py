@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from longserve.engine.engine import VideoEngine
-from longserve.engine.images import EncodedImage
+from longserve.engine.images import EncodedImage, is_encoded_video
 from longserve.engine.request import GenerationSpec
 from longserve.engine.scheduler import QueueFullError
 from longserve.server.api.admission import AdmissionGate
@@ -353,8 +353,8 @@ def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:
     params = spec.params()
     options = params["options"]
     for name, value in list(options.items()):
-        if isinstance(value, EncodedImage):                              # an uploaded image: its file's digest
-            options[name] = f"file:{value.width}x{value.height}:{value.digest}"
+        if isinstance(value, EncodedImage) or is_encoded_video(value):   # an uploaded file: its digest
+            options[name] = f"file:{tuple(value.shape)}:{value.digest}"
         elif hasattr(value, "shape") and hasattr(value, "tobytes"):     # an image (numpy array)
             options[name] = f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(value.tobytes()).hexdigest()}"
     payload = {"checkpoint": checkpoint, "prompt": spec.prompt, "params": params, "fps": fps}

@@ -236,3 +236,26 @@ def test_what_a_killed_server_left_in_its_temp_area_is_swept_at_start(tmp_path):
         assert storage.recover() == [] and list(stale.parent.iterdir()) == []
     finally:
         storage.close()
+
+
+def test_a_queued_extension_holds_its_mp4_not_its_frames_and_admission_counts_its_bytes(server, http, monkeypatch):
+    """Issue 32: a queued job keeps the uploaded MP4 as its file (decoded again by the worker that admits it), and
+    its admission cost counts the file's bytes."""
+    service = server["service"]
+    monkeypatch.setattr(service.engine.core.scheduler, "max_running", 0)     # held: it waits in the queue
+    data = ball_mp4(frames=12)
+    r = http.post("/v1/videos", data={"prompt": "a", "seconds": "1", **FAST},
+                  files={"input_reference": ("ball.mp4", data, "video/mp4")})
+    assert r.status_code == 200, r.text
+    job = service.jobs.get(r.json()["id"])
+    try:
+        video = job.handle.spec.options["video"]
+        assert video.nbytes == len(data) < 12 * 64 * 64 * 3, "the file, not its frames"
+        assert len(video) == 12 and video.shape == (12, 64, 64, 3)
+        plain = service.admission.cost(dataclasses.replace(job.handle.spec, options={}), "video")
+        lim = service.limits
+        assert job.cost - plain == pytest.approx(len(data) / (lim.default_frames * lim.default_width *
+                                                              lim.default_height * 3))
+        assert r.json()["options"]["video"] == "12 frames 64x64"
+    finally:
+        http.delete(f"/v1/videos/{job.id}")
