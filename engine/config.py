@@ -73,8 +73,8 @@ class EngineConfig:
                                    "activation and weight quantisation; embeddings, norms and the output projection "
                                    "stay in --dtype); needs CUDA with compute capability >= 8.9, torchao "
                                    "(pip install '.[gpu]') and --dtype bfloat16", choices=list(QUANTIZE))
-    #: the compile's torch backend: not a flag (the tests' "aot_eager" checks the mechanism without inductor's
-    #: C++ code generation, which takes about half a minute a graph on a small CPU)
+    #: the compile's torch backend: not a flag (the tests' "eager" and "aot_eager" check the mechanism without
+    #: inductor's C++ code generation, which takes about half a minute a graph on a small CPU)
     compile_backend: str = field(default="inductor", metadata={"group": "internal"})
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
