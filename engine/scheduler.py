@@ -188,6 +188,10 @@ class Scheduler:
         self.decode_chunk_frames = config.decode_chunk_frames
         self.max_steps_per_job = config.max_steps_per_job
         self.kv_budget = config.live_kv_budget_bytes
+        if self.kv_budget is None:            # a quarter of a worker's memory (engine/memory.py)
+            from longserve.engine.memory import default_live_kv_budget
+
+            self.kv_budget = default_live_kv_budget(config.device, config.workers)
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._requests: dict[str, ScheduledRequest] = {}      # every unfinished request

@@ -7,6 +7,7 @@ crash wipes it), so a core that steps a request whose worker state is gone fails
 the real pool.
 """
 
+import os
 import threading
 
 import numpy as np
@@ -671,3 +672,12 @@ def test_a_burst_of_prompt_switches_is_held_as_one_and_sent_once_a_chunk_starts(
     assert sched.schedule().update == [(req, [{"prompt": "p4999", "prompt_index": 5000}])]
     assert sched.schedule().update == [], "nothing more to send: 5,000 switches made one worker job"
     assert sched.switch("nope", {"prompt": "x"}) is None
+
+
+def test_the_live_kv_budget_defaults_to_a_quarter_of_a_workers_memory():
+    from longserve.engine.memory import system_memory_bytes
+
+    ram = system_memory_bytes()
+    assert 0 < ram <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert Scheduler(EngineConfig(device="cpu", workers=2)).kv_budget == int(ram * 0.25 / 2)   # shared RAM
+    assert Scheduler(EngineConfig(device="cpu", live_kv_budget=3)).kv_budget == 3 << 20       # as given
