@@ -109,3 +109,34 @@ class PeakMemory:
         else:
             self._tracker.__exit__(*exc)
             self.peak_bytes = self._tracker.peak_bytes
+
+
+#: the share of a worker's memory live sessions' KV caches may take by default (the weights, activations and the
+#: VAE's caches need the rest)
+DEFAULT_KV_SHARE = 0.25
+
+
+def default_live_kv_budget(device: str | None, workers: int) -> int:
+    """`--live-kv-budget` when none is given, in bytes per worker: a quarter of the memory one worker has. On CUDA
+    each worker has a GPU of its own: a quarter of the smallest visible one's; on CPU the workers share the
+    machine's RAM: a quarter of it, split between them."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.is_available():
+        total = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        return int(total * DEFAULT_KV_SHARE)
+    return int(system_memory_bytes() * DEFAULT_KV_SHARE / max(1, workers))
+
+
+def system_memory_bytes() -> int:
+    """The machine's RAM (or the cgroup's limit when it is lower: a container's share)."""
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total

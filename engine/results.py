@@ -18,6 +18,8 @@ class Progress:
     num_steps: int | None = None    # when the totals changed since admission (a live session was stopped)
     num_frames: int | None = None
     model: int = 0             # which of the family's denoisers its next step uses (Wan 2.2: the expert)
+    switch_ready: bool = True  # a prompt switch sent now applies at once (a causal request at a chunk's start,
+                               # with no switch applied in that chunk yet); the scheduler holds it until then
 
 
 class EncodeRefused(Exception):

@@ -110,7 +110,11 @@ class WorkerRequest:
         from longserve.engine.results import Progress
 
         return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames,
-                        self.model)
+                        self.model, self.switch_ready())
+
+    def switch_ready(self) -> bool:
+        """Would a prompt switch sent now apply at once (`Progress.switch_ready`)? Yes, but for a chunk loop."""
+        return True
 
 
 class VideoFamily:

@@ -9,6 +9,8 @@
                        with the init segment), so the binary messages concatenated play as one MP4
                        {"type": "prompt.applied", "prompt_index", "prompt", "chunk"}   before the first chunk
                        made under a new prompt
+                       {"type": "prompt.replaced", "prompt_index", "by"}   a switch that had not applied yet was
+                       replaced by a newer one: it never applies
                        {"type": "error", "code", "message", "param"}   (the API's error codes)
                        {"type": "done", "reason": "stopped" | "max_live_seconds" | "error", "chunks", "frames"}
 
@@ -23,6 +25,11 @@ job registry while it runs, and the job runner follows its engine handle (its fi
 where every job's is). Its KV cache is counted against --live-kv-budget when it starts: past it the
 error event is `live_capacity` (HTTP 503's meaning), close 1013. A disconnect ends the request
 (`abort(id, "disconnected")`): its cache is freed at the next step boundary.
+
+Prompt switches are one pending per session: the engine holds a switch until the session's next chunk
+starts, and a newer one replaces it (`prompt.replaced`), so a flood of switches costs that session one text
+encode and one recache per chunk and the other sessions nothing. The server keeps the texts of the switches
+still pending and the one applied last: a session's prompt history is bounded.
 
 A slow client never slows the others: the engine hands this session's chunks to a queue of
 `--live-buffer-chunks` fragments; when the client has not taken them, a new fragment is dropped
@@ -127,7 +134,7 @@ class LiveSessions:
 
     async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec) -> None:
         service, handle = self.service, job.handle
-        prompts = [spec.prompt[0]]
+        prompts = {0: spec.prompt[0]}           # prompt index -> text: the pending switch and the last applied
         stopped = asyncio.Event()
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.buffer_chunks)
         job.sink = LiveOutputs(service.runner, spec, queue, prompts, stopped)
@@ -148,8 +155,13 @@ class LiveSessions:
                 try:
                     if kind == "prompt":
                         service.requests.check_text("prompt", msg.get("prompt"))
-                        if handle.switch(msg.get("prompt")):
-                            prompts.append(msg["prompt"])
+                        switched = handle.switch(msg.get("prompt"))
+                        if switched is not None:
+                            prompts[switched.prompt_index] = msg["prompt"]
+                            if switched.replaced is not None:
+                                prompts.pop(switched.replaced, None)
+                                await queue.put(("event", {"type": "prompt.replaced", "prompt_index":
+                                                           switched.replaced, "by": switched.prompt_index}))
                     elif kind == "stop":
                         stopped.set()
                         handle.stop()
@@ -201,7 +213,7 @@ class LiveOutputs:
     """What a live session's outputs become (`runner.JobSink`): one fMP4 fragment per chunk for the socket's send
     queue, which drops a chunk rather than wait when the client is behind; and the session's last events."""
 
-    def __init__(self, runner, spec: GenerationSpec, queue: asyncio.Queue, prompts: list[str], stopped):
+    def __init__(self, runner, spec: GenerationSpec, queue: asyncio.Queue, prompts: dict, stopped):
         from longserve.server.live_media import ChunkMuxer
 
         self.runner, self.queue, self.prompts, self.stopped = runner, queue, prompts, stopped
@@ -216,9 +228,10 @@ class LiveOutputs:
         p = out.info.get("prompt_index", 0)
         items = []
         if p != self.last_prompt:
-            items.append(("event", {"type": "prompt.applied", "prompt_index": p,
-                                    "prompt": self.prompts[p] if p < len(self.prompts) else None,
+            items.append(("event", {"type": "prompt.applied", "prompt_index": p, "prompt": self.prompts.get(p),
                                     "chunk": out.info.get("chunk")}))
+            for older in [i for i in self.prompts if i < p]:          # bounded: what applied before goes
+                del self.prompts[older]
             self.last_prompt = p
         items.append(("chunk", {"type": "chunk", "index": out.info.get("chunk", self.chunks), "frames": len(pixels),
                                 "start_frame": out.start, "prompt_index": p, "bytes": len(data),

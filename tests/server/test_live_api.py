@@ -92,7 +92,8 @@ def test_a_session_plays_as_one_mp4_switches_its_prompt_and_stops(server, tmp_pa
         if e["index"] == 3:
             ws.send(json.dumps({"type": "stop"}))
     ws.close()
-    assert e["reason"] == "stopped" and e["chunks"] == len(chunks) and 4 <= len(chunks) <= 5
+    # (the chunks made while the stop was on its way depend on the machine's load; "stopped" is the stop's answer)
+    assert e["reason"] == "stopped" and e["chunks"] == len(chunks) >= 4
     assert [c["index"] for c in chunks] == list(range(len(chunks)))
     # the switch sent while chunk 2 was made applies at chunk 2 or 3, and prompt.applied names it
     assert len(applied) == 1 and applied[0]["prompt_index"] == 1 and applied[0]["prompt"] == "a blue ball bouncing"

@@ -46,6 +46,10 @@ def test_a_data_dir_from_before_retention_gets_the_new_columns(tmp_path):
     try:
         rec = store.get("video_old")
         assert rec is not None and rec.expires_at is None and rec.expired is False and rec.bytes is None
+        # keys are tenants: a row from before owners has none; only a view of every owner lists it
+        assert rec.owner is None and store.page(None, 10, "desc")[0] == [rec]
+        assert store.page(None, 10, "desc", owner="key-a") == ([], False)
+        assert store.completed_with_key("k", None) is None
         assert store.unmeasured() == ["video_old"]
         store.update("video_old", expires_at=5, bytes=10)
         assert store.expired(now=5) == ["video_old"] and store.expired(now=4) == []
