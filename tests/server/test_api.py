@@ -708,7 +708,7 @@ def test_an_identical_seeded_request_gets_a_new_video_with_the_stored_content_an
 
 #: examples per operation and generation mode: a fixed budget (with a fixed seed: derandomize) that keeps the
 #: fuzzer under about 20 s; docs/serving.md records what a run tried
-FUZZ_EXAMPLES = 12
+FUZZ_EXAMPLES = 10
 
 
 def test_schemathesis_over_the_servers_own_openapi_schema_finds_no_5xx_and_no_worker_restart(server, http):
@@ -747,7 +747,7 @@ def test_schemathesis_over_the_servers_own_openapi_schema_finds_no_5xx_and_no_wo
             except Unsatisfiable:
                 pass               # nothing to negate (an operation without parameters) in NEGATIVE mode
     print(f"\nfuzzer: {tried} requests, status counts {dict(sorted(statuses.items()))}, 5xx: {len(errors)}")
-    assert tried >= 100 and not errors, errors[:5]
+    assert tried >= 80 and not errors, errors[:5]
     assert metric(http, "longserve_worker_restarts") == restarts
     assert http.get("/health").json()["status"] == "ok"
 
@@ -779,7 +779,7 @@ def test_any_json_the_create_schema_admits_maps_to_a_spec_or_a_4xx_never_an_exce
                              values, max_size=2)
     requests, seen = server["service"].requests, {"spec": 0, "4xx": 0}
 
-    @settings(max_examples=300, derandomize=True, deadline=None, database=None,
+    @settings(max_examples=200, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(body=fields, extra=extras)
     def mapping(body, extra):
