@@ -157,10 +157,12 @@ def test_sessions_filling_a_keys_limit_and_every_slot_leave_another_keys_video_s
         import httpx
 
         with httpx.Client(base_url=server["url"], headers={"Authorization": f"Bearer {KEYS[1]}"}) as http:
-            t0, steps0 = time.monotonic(), session.status().step
             video = http.post("/v1/videos", json={"prompt": "a blue ball", "size": SIZE, "seconds": "1"})
             assert video.status_code == 200, video.text
             handle = service.jobs.get(video.json()["id"]).handle
+            # counted from when the engine holds B's request (the answer above): the HTTP round trip itself is the
+            # shared CPU's, and the sessions step on meanwhile
+            t0, steps0 = time.monotonic(), session.status().step
             while handle.status().step < 1:
                 assert session.status().step - steps0 <= 3 * per_chunk and time.monotonic() - t0 < 60, \
                     f"B's video is {handle.status()}"
