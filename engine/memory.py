@@ -122,9 +122,36 @@ def default_live_kv_budget(device: str | None, workers: int) -> int:
     machine's RAM: a quarter of it, split between them."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and torch.cuda.is_available():
-        total = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
-        return int(total * DEFAULT_KV_SHARE)
+        return int(min(gpu_memory_bytes()) * DEFAULT_KV_SHARE)
     return int(system_memory_bytes() * DEFAULT_KV_SHARE / max(1, workers))
+
+
+def gpu_memory_bytes() -> list[int]:
+    """Each visible GPU's memory, read without starting CUDA in this process where possible (the coordinator's own
+    CUDA context would take memory on the workers' GPU 0): NVML (nvidia-ml-py), then `nvidia-smi`, and torch only
+    when neither is there."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            return [int(pynvml.nvmlDeviceGetMemoryInfo(h).total) for h in handles]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - not installed, or no driver: the next way
+        pass
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        sizes = [int(line) * 2**20 for line in out.split() if line.strip().isdigit()]      # MiB
+        if sizes:
+            return sizes
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
 
 
 def system_memory_bytes() -> int:

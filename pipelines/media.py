@@ -81,7 +81,10 @@ class EncodedVideo:
 def encoded_video(source, field: str = "video", tmp_dir=None, **limits) -> EncodedVideo:
     """`read_mp4(source, field, **limits)` as a check (VideoInputError as it raises), then the file kept as an
     `EncodedVideo` (a path's bytes are read): the frames are let go."""
-    data = bytes(source) if isinstance(source, (bytes, bytearray, memoryview)) else Path(source).read_bytes()
+    try:
+        data = bytes(source) if isinstance(source, (bytes, bytearray, memoryview)) else Path(source).read_bytes()
+    except OSError:             # a stored video deleted or expired meanwhile
+        raise VideoInputError(field, f"{field} could not be read (it is no longer stored)", "invalid_video") from None
     frames = read_mp4(data, field, tmp_dir=tmp_dir, **limits)
     count, height, width = frames.shape[:3]
     del frames

@@ -295,8 +295,6 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
             overlap = o["overlap_history"]
             # only the frames the VAE encodes: the preprocessing is per frame, so this is the tail of diffusers'
             frames = video_frames(o["video"])              # a door's MP4 is decoded here, on rank 0
-            if self.pg.rank == 0 and frames is not o["video"]:
-                self._decoded[spec.request_id] = frames     # its lead frames, handed out by rank 0 (prepare)
             tail = pipe.video_processor.preprocess_video([to_pil(f) for f in frames[-overlap:]],
                                                          height=spec.height, width=spec.width)  # (1, 3, overlap, H, W)
             # it also draws a first segment's noise: from a throwaway generator (ours is drawn by every rank)
@@ -306,6 +304,10 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                 base_latent_num_frames=(o["base_num_frames"] - 1) // temporal + 1, overlap_history=overlap,
                 causal_block_size=o["causal_block_size"], overlap_history_latent_frames=(overlap - 1) // temporal + 1,
                 long_video_iter=0)
+            if self.pg.rank == 0 and frames is not o["video"]:
+                # its lead frames, handed out by rank 0 (prepare); kept only once the encode has succeeded (a
+                # failure here fails the request in admit, and nothing would ever take them)
+                self._decoded[spec.request_id] = frames
         return {"condition": prefix.expand(B, -1, -1, -1, -1).contiguous()}                # (B, C, k, h, w)
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, condition: torch.Tensor = None) -> DFRequest:

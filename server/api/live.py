@@ -47,6 +47,7 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from longserve.engine.errors import public_message
 from longserve.engine.outputs import FramesChunk
 from longserve.engine.request import GenerationSpec, RequestError
 from longserve.engine.scheduler import KVBudgetError, QueueFullError
@@ -171,7 +172,7 @@ class LiveSessions:
                 except APIError as e:
                     await queue.put(("event", _error_event(e.code or "invalid_request", e.message, e.param)))
                 except RequestError as e:
-                    await queue.put(("event", _error_event("invalid_request", str(e), e.field)))
+                    await queue.put(("event", _error_event("invalid_request", public_message(e), e.field)))
 
         async def produce() -> None:
             try:

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 from longserve.engine.config import REQUIRED
+from longserve.engine.errors import public_message
 from longserve.engine.request import OVERLAP_OPTION, GenerationSpec, RequestError, RequestInput, frame_count
 from longserve.pipelines.media import VideoInputError, encoded_video, is_mp4
 from longserve.server.api.errors import APIError
@@ -187,7 +188,7 @@ class VideoRequests:
             if params is None:
                 params = {"height": "size", "width": "size", "image": "input_reference", "video": source_field}
             param = params.get(e.field, e.field)
-            raise APIError(400, str(e), param=param, code="invalid_value") from None
+            raise APIError(400, public_message(e), param=param, code="invalid_value") from None
         if video is not None and (content := self.engine.content_frames(spec)) > lim.max_frames:
             self._too_long(spec, request, source_field, video, content)
         return spec
@@ -297,7 +298,7 @@ class VideoRequests:
             return encoded_video(source, field, max_frames=lim.max_frames, max_pixels=self.config.max_image_pixels,
                                  max_total_pixels=lim.max_frames * lim.max_size * lim.max_size, tmp_dir=self.tmp_dir)
         except VideoInputError as e:
-            raise APIError(400, str(e), param=field, code=e.code) from None
+            raise APIError(400, public_message(e), param=field, code=e.code) from None    # no temp file paths
 
 
 def parse_seconds(text: str) -> float:

@@ -277,9 +277,24 @@ def _dump(value) -> str | None:
     return None if value is None else json.dumps(value)
 
 
+def _loads(text: str):
+    """A stored JSON column. A row written by an older release may hold a lone surrogate (`"\\ud800"`, which
+    `json.loads` turns into one): it comes back as its escape, so an answer holding it can be encoded."""
+    def clean(value):
+        if isinstance(value, str):
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, dict):
+            return {clean(k): clean(v) for k, v in value.items()}
+        return value
+
+    return clean(json.loads(text))
+
+
 def _record(row) -> VideoRecord:
     d = dict(zip(_COLUMNS, row))
-    d["params"] = json.loads(d["params"])
-    d["error"] = json.loads(d["error"]) if d["error"] else None
+    d["params"] = _loads(d["params"])
+    d["error"] = _loads(d["error"]) if d["error"] else None
     d["expired"] = bool(d["expired"])
     return VideoRecord(**d)
