@@ -106,7 +106,7 @@ def parse_cache(value, field_name: str = "cache") -> dict | None:
         if calibrate:
             out["calibrate"] = True
         if out.get("mag_ratios") is not None:
-            out["mag_ratios"] = _mag_ratios(out["mag_ratios"], f"{field_name}.mag_ratios")
+            out["mag_ratios"] = checked_mag_ratios(out["mag_ratios"], f"{field_name}.mag_ratios")
     return out
 
 
@@ -117,7 +117,7 @@ def _number(value, field_name: str, low: float, high: float) -> float:
     return float(value)
 
 
-def _mag_ratios(value, field_name: str) -> list:
+def checked_mag_ratios(value, field_name: str) -> list:
     """A list of positive ratios (one expert), or a list of such lists (one per expert of a two-expert model)."""
     def one(v, name):
         if not isinstance(v, (list, tuple)) or not 1 <= len(v) <= 10_000:

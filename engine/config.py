@@ -75,8 +75,8 @@ class EngineConfig:
                                    "activation and weight quantisation; embeddings, norms and the output projection "
                                    "stay in --dtype); needs CUDA with compute capability >= 8.9, torchao "
                                    "(pip install '.[gpu]') and --dtype bfloat16", choices=list(QUANTIZE))
-    #: the compile's torch backend: not a flag (the tests' "aot_eager" checks the mechanism without inductor's
-    #: C++ code generation, which takes about half a minute a graph on a small CPU)
+    #: the compile's torch backend: not a flag (the tests' "eager" and "aot_eager" check the mechanism without
+    #: inductor's C++ code generation, which takes about half a minute a graph on a small CPU)
     compile_backend: str = field(default="inductor", metadata={"group": "internal"})
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
@@ -111,7 +111,9 @@ class EngineConfig:
                                     "instead of failing them", group="scheduling")
     live_kv_budget: float | None = option(None, "KV cache of causal (live) models' sessions and jobs, in MiB per "
                                                 "worker: a request past it is refused (HTTP 503) instead of "
-                                                "queued; none = no limit", group="scheduling", metavar="MIB")
+                                                "queued (default: a quarter of a worker's memory: of its GPU on "
+                                                "CUDA, of the RAM shared by the workers on CPU)",
+                                          group="scheduling", metavar="MIB")
     offload: str = option("none", "none | expert: a two-expert model (Wan 2.2 A14B) keeps only the current "
                                   "batch's expert on the device, the other in pinned host memory; batches are "
                                   "grouped by expert so that swaps are rare", choices=["none", "expert"],

@@ -29,6 +29,7 @@ from typing import Callable, Protocol
 
 from longserve.engine import worker as jobs
 from longserve.engine.config import EngineConfig
+from longserve.engine.errors import public_message
 from longserve.engine.outputs import (
     CANCELLED,
     Admitted,
@@ -43,6 +44,7 @@ from longserve.engine.outputs import (
 )
 from longserve.engine.pool import WorkerError
 from longserve.engine.request import GenerationSpec
+from longserve.engine.results import AdmitFailure
 from longserve.engine.scheduler import RequestState, ScheduledRequest, Scheduler
 
 log = logging.getLogger("longserve.engine")
@@ -200,6 +202,10 @@ class EngineCore:
         info = self._call(jobs.admit, req.spec, involved=[req])
         if info is None:
             return False
+        if isinstance(info, AdmitFailure):      # the request's inputs could not be encoded: it fails alone
+            self._failed(jobs.admit, WorkerError(f"the model could not take this request's inputs: {info.message}",
+                                                 kind="input", rank=0, field=info.field), [req], restarted=False)
+            return True
         self.scheduler.admitted(req, info)
         req.stream.put(Admitted(req.id, req.num_steps, req.num_frames, req.admissions))
         return True
@@ -259,8 +265,8 @@ class EngineCore:
 
     def _failed(self, fn, e: WorkerError, involved: list[ScheduledRequest], restarted: bool) -> None:
         detail = str(e).strip()
-        log.warning("%s failed for %s (%s): %s", fn.__name__, [r.id for r in involved], e.kind,
-                    detail.splitlines()[0] if detail else "")
+        # the log keeps the whole failure, traceback included, once; the requests' messages carry its first line
+        log.warning("%s failed for %s (%s): %s", fn.__name__, [r.id for r in involved], e.kind, detail)
         oom_retry = (e.kind == "out_of_memory" and self.config.oom_retry and fn is jobs.step
                      and len(involved) > 1)
         retry = e.kind == "setup" or oom_retry
@@ -313,8 +319,10 @@ def final_output(r: ScheduledRequest):
 
 
 def failure_for(e: WorkerError, job: str, detail: str) -> RequestFailure:
-    """Why a request in job `job` failed with `e`, in words a client can act on."""
+    """Why a request in job `job` failed with `e`, in words a client can act on: no traceback and no server path
+    (`public_message`: the first line of `detail`, file paths cut to their last name); the log has the rest."""
     where = f"worker {e.rank}" if e.rank is not None else "the worker pool"
+    detail = detail if e.kind == "input" else public_message(detail)       # an input error is our own words
     messages = {
         "input": detail,
         "out_of_memory": f"{where} ran out of memory in {job} while this video was in the batch; the worker pool "

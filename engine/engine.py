@@ -46,7 +46,7 @@ from longserve.engine.request import (
     default_request,
     fill_request,
 )
-from longserve.engine.scheduler import QueueFullError, RequestState, ScheduledRequest
+from longserve.engine.scheduler import PromptSwitch, QueueFullError, RequestState, ScheduledRequest
 
 log = logging.getLogger("longserve.engine")
 
@@ -145,9 +145,10 @@ class RequestHandle:
         """`abort("cancelled")`: what leaving the iteration early does."""
         return self.abort(CANCELLED)
 
-    def switch(self, prompt: str) -> bool:
-        """A live session's new prompt, applied at its next chunk (its chunks' `info["prompt_index"]` tells)."""
-        return self._engine.update(self.request_id, prompt=prompt)
+    def switch(self, prompt: str) -> PromptSwitch | None:
+        """A live session's new prompt, applied at its next chunk (its chunks' `info["prompt_index"]` tells):
+        its index, and the held switch it replaced (`VideoEngine.switch`); None once the request ended."""
+        return self._engine.switch(self.request_id, prompt)
 
     def stop(self) -> bool:
         """A live session ends after the chunk it is making (its frames so far are delivered, then Finished)."""
@@ -316,10 +317,25 @@ class VideoEngine:
         """KV cache bytes per worker that unfinished requests hold (counted against `live_kv_budget`)."""
         return self.core.scheduler.kv_bytes_held()
 
+    def switch(self, request_id: str, prompt: str) -> PromptSwitch | None:
+        """A running request's new prompt (a live session's), held by the scheduler until the request's next
+        chunk start and replacing any switch held before it (that one never applies: `PromptSwitch.replaced`).
+        RequestError naming `prompt` for a bad one; None when the request is unknown or finished."""
+        req = self.core.scheduler.get(request_id)
+        if req is None:
+            return None
+        check_prompts(prompt)
+        payload = self.family.check_update(self.info.description, req.spec, {"prompt": prompt})
+        result = self.core.scheduler.switch(request_id, payload)
+        self._notify()
+        return result
+
     def update(self, request_id: str, **payload) -> bool:
         """Change a running request at its next step boundary: a live session's `prompt=` (applied at its next
         chunk) or `stop=True` (it ends after the chunk it is making). The family checks the payload
         (RequestError naming the field). False when the request is unknown or finished."""
+        if set(payload) == {"prompt"}:
+            return self.switch(request_id, payload["prompt"]) is not None
         req = self.core.scheduler.get(request_id)
         if req is None:
             return False

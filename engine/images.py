@@ -16,6 +16,9 @@ Conversions, as diffusers' own helpers make them:
 
 from __future__ import annotations
 
+import io
+from dataclasses import dataclass
+
 import numpy as np
 
 from longserve.engine.request import RequestError
@@ -24,9 +27,65 @@ from longserve.engine.request import RequestError
 MAX_IMAGE_PIXELS = 1 << 28
 
 
+@dataclass(frozen=True, eq=False)
+class EncodedImage:
+    """An image as its file holds it (PNG, JPEG or WebP bytes) that a front door already checked: its header within
+    the door's pixel limit, and a full decode that succeeded. What a queued request keeps instead of its pixels (a
+    49 KB all-black 4096x4096 PNG is 48 MiB decoded): it is decoded again where it is used, on the worker that
+    encodes the request's conditions at admission (`to_pil`). `width`, `height` are its size; `digest` the
+    sha256 of its bytes (what makes two requests' images the same for repeat reuse)."""
+
+    data: bytes
+    width: int
+    height: int
+    digest: str
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.height, self.width, 3)
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds in memory: its file's bytes."""
+        return len(self.data)
+
+    def decode(self) -> np.ndarray:
+        """(H, W, 3) uint8 RGB, as the door decoded it (the first frame, converted to RGB)."""
+        import PIL.Image
+
+        with PIL.Image.open(io.BytesIO(self.data), formats=IMAGE_FORMATS) as image:
+            return np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
+
+
+#: the image files a front door takes (Pillow is asked to try these and no other format)
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+def input_bytes(options: dict) -> int:
+    """The bytes a request's inputs hold while it waits (its images and videos, as they are kept: arrays, or the
+    files of `EncodedImage` and `pipelines.media.EncodedVideo`)."""
+    return sum(v.nbytes for v in options.values()
+               if isinstance(v, (np.ndarray, EncodedImage)) or is_encoded_video(v))
+
+
+def is_encoded_video(value) -> bool:
+    """A video kept as its file by a front door (`pipelines.media.EncodedVideo`: checked there, decoded on the
+    worker by its `decode()`): anything with `decode()` and a (T, H, W, 3) `shape`."""
+    return callable(getattr(value, "decode", None)) and len(getattr(value, "shape", ())) == 4
+
+
+def video_frames(value) -> np.ndarray:
+    """A request's video as frames: an encoded one decoded here (on the worker), an array as it is."""
+    return value.decode() if is_encoded_video(value) else value
+
+
 def as_rgb_array(value, field: str) -> np.ndarray:
     """A PIL image or an (H, W[, C]) array -> a C-contiguous uint8 (H, W, 3) RGB array; RequestError naming
-    `field` for anything else."""
+    `field` for anything else. An `EncodedImage` (checked by its door) stays as it is: it is decoded on the
+    workers."""
+    if isinstance(value, EncodedImage):
+        _check_pixels(field, value.width, value.height)
+        return value
     try:
         import PIL.Image
     except ImportError:          # pragma: no cover - Pillow is a dependency of diffusers
@@ -67,8 +126,12 @@ def _check_pixels(field: str, width: int, height: int) -> None:
 
 
 def to_pil(array: np.ndarray):
-    """The (H, W, 3) uint8 array -> the RGB PIL image diffusers' pipelines take."""
+    """The (H, W, 3) uint8 array (or an `EncodedImage`, decoded here) -> the RGB PIL image diffusers' pipelines
+    take."""
     import PIL.Image
+
+    if isinstance(array, EncodedImage):
+        array = array.decode()
 
     return PIL.Image.fromarray(np.ascontiguousarray(array, dtype=np.uint8))      # (H, W, 3) uint8: RGB
 
@@ -80,6 +143,8 @@ def as_video_array(value, field: str) -> np.ndarray:
     or (H, W[, C]) arrays of one size (diffusers' `video: list[PIL.Image]`). Every frame is converted as
     `as_rgb_array` converts an image. A path is not read here (the engine reads no files): the Python pipeline
     and the front doors decode MP4 files (`pipelines/media.py`)."""
+    if is_encoded_video(value):         # checked by its door; decoded on the worker that encodes its conditions
+        return value
     if isinstance(value, np.ndarray):
         if value.ndim != 4:
             raise RequestError(field, f"{field} must be shaped (T, H, W, 3) (or (T, H, W, 1) / (T, H, W, 4)); "

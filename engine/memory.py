@@ -109,3 +109,61 @@ class PeakMemory:
         else:
             self._tracker.__exit__(*exc)
             self.peak_bytes = self._tracker.peak_bytes
+
+
+#: the share of a worker's memory live sessions' KV caches may take by default (the weights, activations and the
+#: VAE's caches need the rest)
+DEFAULT_KV_SHARE = 0.25
+
+
+def default_live_kv_budget(device: str | None, workers: int) -> int:
+    """`--live-kv-budget` when none is given, in bytes per worker: a quarter of the memory one worker has. On CUDA
+    each worker has a GPU of its own: a quarter of the smallest visible one's; on CPU the workers share the
+    machine's RAM: a quarter of it, split between them."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.is_available():
+        return int(min(gpu_memory_bytes()) * DEFAULT_KV_SHARE)
+    return int(system_memory_bytes() * DEFAULT_KV_SHARE / max(1, workers))
+
+
+def gpu_memory_bytes() -> list[int]:
+    """Each visible GPU's memory, read without starting CUDA in this process where possible (the coordinator's own
+    CUDA context would take memory on the workers' GPU 0): NVML (nvidia-ml-py), then `nvidia-smi`, and torch only
+    when neither is there."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            return [int(pynvml.nvmlDeviceGetMemoryInfo(h).total) for h in handles]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - not installed, or no driver: the next way
+        pass
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        sizes = [int(line) * 2**20 for line in out.split() if line.strip().isdigit()]      # MiB
+        if sizes:
+            return sizes
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+
+
+def system_memory_bytes() -> int:
+    """The machine's RAM (or the cgroup's limit when it is lower: a container's share)."""
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total

@@ -208,7 +208,8 @@ class WorkerPool:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.workers)]
         port = find_free_port()
-        threads = max(1, (os.cpu_count() or 1) // self.workers) if self.device == "cpu" else 0
+        # CPU workers share the coordinator's intra-op thread budget (torch's, which follows OMP_NUM_THREADS)
+        threads = max(1, torch.get_num_threads() // self.workers) if self.device == "cpu" else 0
         self._procs = [
             ctx.Process(
                 target=_worker_main,

@@ -39,10 +39,64 @@ if TYPE_CHECKING:
 
 OUTPUTS = ("np", "uint8", "latent")
 MAX_SEED = 2**63 - 1
+#: more frames than any request may ask for (a door's own limit is far lower): seconds past it are refused before
+#: they are counted in frames, where a float like 1e308 would overflow
+MAX_FRAMES = 10**7
 #: the option of an extension (diffusion forcing) that says how many of the video's last frames are made again
 OVERLAP_OPTION = "overlap_history"
+#: how deep a request's option values may nest (lists and objects in lists and objects): the deepest any family
+#: takes is 2 (a list of LoRA adapter objects); anything deeper is refused before a checker walks it
+MAX_NESTING = 16
 
 
+def text_problem(text: str) -> str | None:
+    """Why `text` is not Unicode text a tokenizer can encode, or None when it is.
+
+    Every tokenizer the families load (HF tokenizers, SentencePiece) takes its text as UTF-8, so a string is
+    encodable exactly when it encodes as UTF-8: a lone UTF-16 surrogate (U+D800..U+DFFF, which JSON's \\u escapes
+    and Python strings can hold) is the one thing a `str` can hold that does not. Found here, it never reaches a
+    worker (where the tokenizer would raise in `admit`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"is not valid Unicode text: character {e.start} is a lone surrogate "
+                f"(U+{ord(text[e.start]):04X}), which no tokenizer can encode")
+    return None
+
+
+def check_text(field_name: str, value, depth: int = 0) -> None:
+    """Every string in `value` (a string, or lists and dicts of them, keys included) is encodable text
+    (`text_problem`), and `value` nests at most MAX_NESTING deep; RequestError naming `field_name` otherwise."""
+    if isinstance(value, str):
+        problem = text_problem(value)
+        if problem is not None:
+            raise RequestError(field_name, f"{field_name} {problem}")
+        return
+    if isinstance(value, (list, tuple, dict)):
+        if depth >= MAX_NESTING:
+            raise RequestError(field_name, f"{field_name} nests lists or objects more than {MAX_NESTING} deep")
+        items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+        for key, item in items:
+            if key is not None:
+                check_text(field_name, key, depth + 1)
+            check_text(field_name, item, depth + 1)
+
+
+def check_request_text(spec: "GenerationSpec") -> None:
+    """Step 0 of the checks: every string a request holds -- prompts, negative prompts, the LoRA adapters' names,
+    option names and values -- is text a tokenizer can encode (RequestError naming the field), so no checker's
+    message and no worker ever meets one that is not."""
+    check_text("prompt", spec.prompt)
+    check_text("negative_prompt", spec.negative_prompt)
+    check_text("lora", spec.lora)
+    for name, value in spec.options.items():
+        check_text("options", name)
+        if not _is_array(value):
+            check_text(name, value)
+
+
+def _is_array(value) -> bool:
+    return type(value).__module__ in ("numpy", "torch")        # images and videos: pixels, no text
 
 
 @dataclass
@@ -179,6 +233,7 @@ def check_prompts(prompts, field_name: str = "prompt") -> None:
         raise RequestError(field_name, f"{field_name} must be a non-empty string or a non-empty list of strings")
     if any(not p.strip() for p in prompts):
         raise RequestError(field_name, f"{field_name} must not be empty")
+    check_text(field_name, prompts)
 
 
 def _integer(name: str, value, low: int, high: int) -> int:
@@ -204,6 +259,8 @@ def request_frames(request: RequestInput, desc: "ModelDescription", defaults: "G
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
             or seconds <= 0:
         raise RequestError("seconds", f"seconds must be a positive number; got {seconds!r}")
+    if seconds * fps > MAX_FRAMES:                    # no model makes that many frames; past it, counts overflow
+        raise RequestError("seconds", f"seconds={seconds:g} at fps={fps} is more than {MAX_FRAMES} frames")
     if extension:                                     # the seconds added: new frames in whole latent frames
         frames = frame_count(overlap + seconds * fps, rule, at_least=overlap + rule)
     else:                                             # a live session never runs past its length
@@ -248,6 +305,7 @@ def complete_request(request: "RequestInput | GenerationSpec", family, desc: "Mo
         spec = request
     else:
         raise TypeError(f"a request is a RequestInput or a GenerationSpec, not {type(request).__name__}")
+    check_request_text(spec)
     spec.lora = lora.check_request(spec.lora, config.loras)                 # any family: the engine loaded them
     if config.cache is not None and "cache" not in spec.options:           # the engine's default step caching
         spec = dataclasses.replace(spec, options={**spec.options, "cache": config.cache})

@@ -18,6 +18,28 @@ class Progress:
     num_steps: int | None = None    # when the totals changed since admission (a live session was stopped)
     num_frames: int | None = None
     model: int = 0             # which of the family's denoisers its next step uses (Wan 2.2: the expert)
+    switch_ready: bool = True  # a prompt switch sent now applies at once (a causal request at a chunk's start,
+                               # with no switch applied in that chunk yet); the scheduler holds it until then
+
+
+class EncodeRefused(Exception):
+    """Raised on *every* rank by `VideoFamily.broadcast_from_first` when rank 0's `make` failed: rank 0 broadcast
+    the failure in place of its result, so the collective completed everywhere and nothing is left pending. The
+    `admit` job turns it into its request's `AdmitFailure` (the request fails alone; the pool stays up)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class AdmitFailure:
+    """What `admit` returns instead of an `Admission` when the request could not be admitted (its prompt or image
+    could not be encoded): the request fails, no other request or worker is touched. No traceback: the worker's
+    log has it."""
+
+    message: str
+    field: str | None = None
 
 
 @dataclass(frozen=True)

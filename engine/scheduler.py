@@ -26,7 +26,9 @@ One iteration's decision (`schedule()`), in the order the engine core carries it
    or FINISHED_FAILED when the reason is a failure): an aborted request leaves at the next boundary
    and its slot is free at once.
 2. `admit`: waiting requests, oldest first, while fewer than `max_running` are admitted
-   (RUNNING + DECODING).
+   (RUNNING + DECODING). Live sessions do not take these slots: their memory is fixed and counted
+   against `live_kv_budget` when they are submitted, and the server's admission counts their work, so
+   sessions that run for minutes never keep a video waiting for a slot (issue 32).
 3. `decode`: one chunk of at most `decode_chunk_frames` frames of the oldest request that
    has final frames not yet decoded, so a long VAE decode is spread over several
    boundaries and never stalls the others' steps for long.
@@ -38,7 +40,9 @@ One iteration's decision (`schedule()`), in the order the engine core carries it
    same batch key (the family's: latent shape, and anything else one forward needs in
    common, such as Wan 2.2's expert) share a batch, whatever their timesteps and guidance
    scales; key groups take turns round-robin, and a group sends its oldest requests first,
-   up to `max_batch`. A request admitted in this iteration joins the batches of the next:
+   up to `max_batch`, then its live sessions, the least recently stepped first (a session has no
+   end to wait for: past `max_batch` they take turns, and a video of their shape is never left
+   out behind them). A request admitted in this iteration joins the batches of the next:
    its batch key is known once its admission ran.
 
 Live sessions (causal models, `engine/families/causal_wan.py`) are requests too: a chunk loop of
@@ -46,6 +50,10 @@ Live sessions (causal models, `engine/families/causal_wan.py`) are requests too:
 asked for while a request runs (a new prompt, stop), carried out between admission and decode
 (`Scheduler.update`, `SchedulerOutput.update`). A causal request's KV cache is counted against
 `live_kv_budget` when it is submitted (`KVBudgetError` past it) and freed when it finishes.
+A prompt switch (`switch`) is held here, one per request: a newer one replaces the held one (it is
+never applied, and `PromptSwitch.replaced` says so), and the held one is sent only when the request's
+last progress says it applies at once (`Progress.switch_ready`: a chunk's start, once per chunk). So a
+burst of switches costs one text encode and one recache per chunk, however many were sent.
 """
 
 from __future__ import annotations
@@ -104,7 +112,11 @@ class ScheduledRequest:
     admissions: int = 0                        # > 1 after a crash sent it back to the queue
     queue_position: int | None = None          # the last position its stream was told
     kv_bytes: int = 0                          # KV cache it holds per worker (causal models), counted on submit
-    updates: list = field(default_factory=list)  # changes asked for while it runs (a live session's prompt, stop)
+    updates: list = field(default_factory=list)  # changes asked for while it runs (a live session's stop)
+    held_prompt: dict | None = None            # the prompt switch waiting for `switch_ready` (one at most)
+    prompts: int = 1                           # prompt indexes given out: the next switch's is this one
+    switch_ready: bool = True                  # its last progress: a switch sent now applies at once
+    last_stepped: int = -1                     # the boundary of its last denoising batch (sessions take turns)
     timings: dict = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.time)
     finished_at: float | None = None
@@ -119,14 +131,29 @@ class ScheduledRequest:
         """Asked to end before its time: it leaves at the next step boundary (a waiting one has left)."""
         return self.abort_reason is not None
 
+    @property
+    def live(self) -> bool:
+        """A live session: no end of its own to wait for (outside `max_running`, takes turns in a batch)."""
+        return bool(self.spec.options.get("live"))
+
     def progressed(self, p) -> None:
         """Take in what a worker job reports of it (`engine.results.Progress`)."""
         self.steps_done, self.batch_key, self.decodable = p.steps_done, tuple(p.batch_key), p.decodable
         self.model = p.model
+        self.switch_ready = p.switch_ready
         if p.num_steps is not None:
             self.num_steps = p.num_steps
         if p.num_frames is not None:
             self.num_frames = p.num_frames
+
+
+@dataclass(frozen=True)
+class PromptSwitch:
+    """What a prompt switch did: the new prompt's index (what the chunks made under it carry) and the index of the
+    held switch it replaced, which will never apply (None when none was held)."""
+
+    prompt_index: int
+    replaced: int | None = None
 
 
 @dataclass
@@ -161,12 +188,17 @@ class Scheduler:
         self.decode_chunk_frames = config.decode_chunk_frames
         self.max_steps_per_job = config.max_steps_per_job
         self.kv_budget = config.live_kv_budget_bytes
+        if self.kv_budget is None:            # a quarter of a worker's memory (engine/memory.py)
+            from longserve.engine.memory import default_live_kv_budget
+
+            self.kv_budget = default_live_kv_budget(config.device, config.workers)
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._requests: dict[str, ScheduledRequest] = {}      # every unfinished request
         self._waiting: collections.deque[ScheduledRequest] = collections.deque()
         self._admitted: list[ScheduledRequest] = []           # RUNNING + DECODING, in admission order
         self._key_turns: collections.deque[tuple] = collections.deque()  # round-robin order of batch keys
+        self._boundary = 0                                    # denoising batches decided so far
         # expert offload: batches of the resident expert first (see `_select_batch_locked`)
         self.group_by_model = config.offload == "expert"
         self.max_model_wait = config.offload_max_wait
@@ -190,7 +222,9 @@ class Scheduler:
                         f"the live KV budget is full: {len(held)} session(s) hold {sum(held) / mib:.1f} MiB of "
                         f"{self.kv_budget / mib:.1f} MiB per worker and this one needs {kv_bytes / mib:.1f} MiB; "
                         f"retry when a session ends")
-            req = ScheduledRequest(spec=spec, seq=next(self._seq), kv_bytes=kv_bytes)
+            req = ScheduledRequest(spec=spec, seq=next(self._seq), kv_bytes=kv_bytes,
+                                   # a prompt schedule's prompts have the first indexes (the causal family's)
+                                   prompts=max(1, len(spec.options.get("prompt_schedule") or ())))
             self._requests[req.id] = req
             self._waiting.append(req)
         return req
@@ -216,13 +250,27 @@ class Scheduler:
 
     def update(self, request_id: str, payload: dict) -> bool:
         """Ask a request to change course at the next step boundary (after its admission, in the order asked).
-        False when it is unknown or finished."""
+        False when it is unknown or finished. A prompt goes through `switch`."""
+        if "prompt" in payload:
+            return self.switch(request_id, payload) is not None
         with self._lock:
             req = self._requests.get(request_id)
             if req is None or req.state.finished or req.aborted:
                 return False
             req.updates.append(payload)
         return True
+
+    def switch(self, request_id: str, payload: dict) -> PromptSwitch | None:
+        """Hold a prompt switch (`payload["prompt"]`) for the request's next chunk start, replacing the one held
+        (see the module docstring); None when the request is unknown or finished."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.state.finished or req.aborted:
+                return None
+            replaced = req.held_prompt["prompt_index"] if req.held_prompt is not None else None
+            req.held_prompt = {**payload, "prompt_index": req.prompts}
+            req.prompts += 1
+            return PromptSwitch(req.held_prompt["prompt_index"], replaced)
 
     def kv_bytes_held(self) -> int:
         with self._lock:
@@ -267,8 +315,13 @@ class Scheduler:
                 self._finish_aborted_locked(r)
                 out.release.append(r)
             stepping = [r for r in self._admitted if r.state is RequestState.RUNNING]   # admitted before now
-            while self._waiting and len(self._admitted) < self.max_running:
-                req = self._waiting.popleft()
+            slots = self.max_running - sum(not r.live for r in self._admitted)
+            for req in list(self._waiting):
+                if not req.live:
+                    if slots <= 0:
+                        continue
+                    slots -= 1
+                self._waiting.remove(req)
                 req.state = RequestState.RUNNING
                 req.steps_done = req.frames_done = 0
                 req.decodable = False
@@ -278,9 +331,14 @@ class Scheduler:
                 self._admitted.append(req)
                 out.admit.append(req)
             for r in stepping:
-                if r.updates and r.batch_key is not None and not r.aborted:
-                    out.update.append((r, r.updates))
-                    r.updates = []
+                if r.batch_key is None or r.aborted:
+                    continue
+                payloads, r.updates = r.updates, []
+                if r.held_prompt is not None and r.switch_ready:
+                    payloads.append(r.held_prompt)
+                    r.held_prompt = None
+                if payloads:
+                    out.update.append((r, payloads))
             ready = [r for r in self._admitted if r.decodable and not r.aborted]
             if ready:
                 out.decode = min(ready, key=lambda r: r.seq)
@@ -288,11 +346,14 @@ class Scheduler:
             batch = self._select_batch_locked(stepping)
             if batch:
                 quiet = (not self._waiting and not out.admit and out.decode is None and not out.update
-                         and not any(r.updates for r in stepping)
+                         and not any(r.updates or r.held_prompt for r in stepping)
                          and all(r in batch for r in stepping))
                 steps = 1 if not quiet else max(1, min(self.max_steps_per_job,
                                                        *(r.num_steps - r.steps_done for r in batch)))
                 out.step = StepPlan(batch, steps)
+                self._boundary += 1
+                for r in batch:
+                    r.last_stepped = self._boundary
         return out
 
     def _select_batch_locked(self, candidates: list[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -311,7 +372,9 @@ class Scheduler:
         key = next(k for k in self._key_turns if k in eligible)
         self._key_turns.remove(key)
         self._key_turns.append(key)
-        batch = groups[key][:self.max_batch]
+        # videos oldest first (they end), then sessions least recently stepped first (they take turns)
+        order = sorted(groups[key], key=lambda r: (r.live, r.last_stepped if r.live else 0, r.seq))
+        batch = order[:self.max_batch]
         if self.group_by_model:
             self.resident_model = batch[0].model
             for group in groups.values():

@@ -28,7 +28,7 @@ from longserve.engine.config import WorkerConfig
 from longserve.engine.families import detect_family
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.request import GenerationSpec
-from longserve.engine.results import Admission, DecodedChunk, StepResult
+from longserve.engine.results import Admission, AdmitFailure, DecodedChunk, EncodeRefused, StepResult
 
 
 def setup_worker(ctx, config: WorkerConfig) -> None:
@@ -59,9 +59,16 @@ def set_plan(ctx, plan: ParallelPlan) -> None:
     ctx.state["family"].set_plan(plan)
 
 
-def admit(ctx, spec: GenerationSpec) -> Admission:
-    """Encode the prompt (rank 0), share it, prepare latents and a scheduler for one request."""
-    req = ctx.state["family"].admit(spec)
+def admit(ctx, spec: GenerationSpec) -> Admission | AdmitFailure:
+    """Encode the prompt (rank 0), share it, prepare latents and a scheduler for one request.
+
+    When rank 0 could not encode the request's inputs, every rank knows it after the one broadcast
+    (`EncodeRefused`): the job returns the request's `AdmitFailure` on every rank, and no rank holds its state, so
+    the request fails alone and the pool stays up."""
+    try:
+        req = ctx.state["family"].admit(spec)
+    except EncodeRefused as e:
+        return AdmitFailure(str(e), e.field)
     ctx.state["requests"][spec.request_id] = req
     return Admission(req.num_steps, req.num_frames, req.timings["encode_s"], req.progress())
 

@@ -26,12 +26,14 @@ start), removed whatever happens.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +46,49 @@ FFMPEG_TIMEOUT_S = 120
 ALIGN_SLACK = 64
 #: the name every temporary copy of an uploaded video starts with (a server sweeps its leftovers at start)
 TEMP_PREFIX = "longserve-video-"
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedVideo:
+    """An MP4 a front door checked (`read_mp4` decoded it within the door's bounds), kept as its file: what a queued
+    extension holds instead of its frames (a few MB, not frames x W x H x 3 bytes). The worker that encodes the
+    request's conditions decodes it again, under the same bounds (`decode`); the engine reads it as a video through
+    `shape`, `len()` and `decode()` (`engine.images.video_frames`). `digest`: the sha256 of its bytes."""
+
+    data: bytes
+    frames: int
+    width: int
+    height: int
+    digest: str
+    max_pixels: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.frames, self.height, self.width, 3)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def __len__(self) -> int:
+        return self.frames
+
+    def decode(self) -> np.ndarray:
+        """(T, H, W, 3) uint8, as the door decoded it (at most its frames, its size)."""
+        return read_mp4(self.data, "video", max_frames=self.frames, max_pixels=self.max_pixels)
+
+
+def encoded_video(source, field: str = "video", tmp_dir=None, **limits) -> EncodedVideo:
+    """`read_mp4(source, field, **limits)` as a check (VideoInputError as it raises), then the file kept as an
+    `EncodedVideo` (a path's bytes are read): the frames are let go."""
+    try:
+        data = bytes(source) if isinstance(source, (bytes, bytearray, memoryview)) else Path(source).read_bytes()
+    except OSError:             # a stored video deleted or expired meanwhile
+        raise VideoInputError(field, f"{field} could not be read (it is no longer stored)", "invalid_video") from None
+    frames = read_mp4(data, field, tmp_dir=tmp_dir, **limits)
+    count, height, width = frames.shape[:3]
+    del frames
+    return EncodedVideo(data, count, width, height, hashlib.sha256(data).hexdigest(), limits.get("max_pixels"))
 
 
 class VideoInputError(RequestError):

@@ -43,7 +43,7 @@ import torch
 from longserve.engine import lss
 from longserve.engine.dist import parse_dtype
 from longserve.engine.pool import WorkerPool
-from longserve.engine.request import RequestError
+from longserve.engine.request import RequestError, text_problem
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -209,6 +209,9 @@ class TextScoringPipeline:
             raise ScoringInputError("text", f"text must be a string, got {type(text).__name__}")
         if not text:
             raise ScoringInputError("text", "text is empty; give at least one character to score")
+        problem = text_problem(text)
+        if problem is not None:                  # the tokenizer would raise on the workers' side of the door
+            raise ScoringInputError("text", f"text {problem}")
         # 2. tokenize (BOS convention)
         ids, add_bos = self.tokenize(text)
         # 3. score

@@ -88,7 +88,7 @@ class LiveSession:
 
     def __init__(self, handle, fps: int):
         self.handle, self.fps = handle, fps
-        self.prompts = [handle.spec.prompt[0]]
+        self.prompts = {0: handle.spec.prompt[0]}     # prompt index -> prompt (a replaced switch's left out)
         self.timings: dict = {}
 
     @property
@@ -96,11 +96,15 @@ class LiveSession:
         return self.handle.request_id
 
     def switch(self, prompt: str) -> int:
-        """A new prompt from the next chunk on; returns its prompt index (what its chunks will carry)."""
-        if not self.handle.switch(prompt):
+        """A new prompt from the next chunk on; returns its prompt index (what its chunks will carry). A switch
+        sent before the previous one applied replaces it (that one's index never appears)."""
+        switched = self.handle.switch(prompt)
+        if switched is None:
             raise RuntimeError("the session has ended")
-        self.prompts.append(prompt)
-        return len(self.prompts) - 1
+        self.prompts[switched.prompt_index] = prompt
+        if switched.replaced is not None:
+            self.prompts.pop(switched.replaced, None)
+        return switched.prompt_index
 
     def stop(self) -> None:
         """End after the chunk being made (the iteration delivers it, then ends)."""

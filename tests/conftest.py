@@ -3,8 +3,13 @@
 - The suite runs offline: no model hub is ever asked (`HF_HUB_OFFLINE` and friends are set
   for this process and every worker it starts); the `offline` fixture also refuses any
   network connection during a test, to prove a code path never tries one.
-- `one_thread`: one intra-op torch thread in this process for a test (tiny models on shared
-  cores run faster so; modules ask for it with `pytestmark = pytest.mark.usefixtures(...)`).
+- One intra-op thread per process: `make test` runs two pytest processes on two cores, and each
+  worker pool, server process and diffusers reference beside them; torch's default (a thread per
+  core in every process) oversubscribes the cores, and GNU OpenMP's threads then wait on each
+  other (a diffusers comparison ran 3-4x slower, measured beside the other pytest process).
+  `OMP_NUM_THREADS=1` (unless set) reaches this process's torch and every process it starts; CPU
+  worker pools take their threads from it (`engine/pool.py`). `one_thread` is kept for a test
+  that must pin it whatever the environment.
 - Worker pools and pipelines are expensive to start (a process per worker, each importing
   torch and diffusers and loading a model), so tests that only *read* share them:
   `bare_pool4` (four gloo workers with no model, for forward-level tests that build their own
@@ -26,6 +31,8 @@ import pytest
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DIFFUSERS_OFFLINE": "1"}
 os.environ.update(OFFLINE)          # before anything imports huggingface_hub; inherited by spawned workers
+os.environ.setdefault("OMP_NUM_THREADS", "1")         # before anything imports torch (the docstring)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # idle OpenMP threads sleep: never changes a result
 
 #: how many shared pipelines stay alive at once (each holds `workers` processes)
 PIPELINE_CACHE_SIZE = 3
@@ -125,3 +132,25 @@ def http_client():
     yield make
     for c in clients:
         c.close()
+
+
+#: the longest test files (docs/test_durations.md), run first: `make test` hands whole files to its two pytest
+#: processes in collection order, so a long file collected last leaves one process working alone at the end
+LONGEST_FIRST = (
+    "pipelines/test_content.py", "pipelines/test_compile.py", "pipelines/test_helios_pyramid_pipeline.py",
+    "pipelines/test_long_video.py", "pipelines/test_video_pipeline.py", "server/test_api.py",
+    "pipelines/test_wan_pipeline.py", "engine/test_comm.py", "engine/test_causal_vae.py",
+    "server/test_serve_process.py", "pipelines/test_scoring.py", "pipelines/test_helios_pipeline.py",
+    "pipelines/test_extend_video.py", "server/test_cli.py", "server/bench/test_bench_speed.py",
+    "server/bench/test_bench_long.py", "server/test_drain.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item):
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)          # stable: the other files, and the tests within a file, keep their order

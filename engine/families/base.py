@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,7 @@ from longserve.engine import comm
 from longserve.engine.config import MAX_STEPS, Capabilities, GenerationDefaults, ModelDescription, WorkerConfig
 from longserve.engine.decoding import FramesPolicy, FrameStream
 from longserve.engine.dist import parse_dtype
+from longserve.engine.errors import public_message
 from longserve.engine.lora import step_rows
 from longserve.engine.parallel import ParallelPlan, resolve_plan
 from longserve.engine.request import (
@@ -60,6 +62,9 @@ from longserve.engine.request import (
     complete_request,
     default_request,
 )
+from longserve.engine.results import EncodeRefused
+
+log = logging.getLogger("longserve.engine")
 
 
 @dataclass
@@ -105,7 +110,11 @@ class WorkerRequest:
         from longserve.engine.results import Progress
 
         return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames,
-                        self.model)
+                        self.model, self.switch_ready())
+
+    def switch_ready(self) -> bool:
+        """Would a prompt switch sent now apply at once (`Progress.switch_ready`)? Yes, but for a chunk loop."""
+        return True
 
 
 class VideoFamily:
@@ -416,9 +425,26 @@ class VideoFamily:
     # -- helpers the families share ----------------------------------------------------------
 
     def broadcast_from_first(self, make):
-        """Run `make()` on rank 0 only (e.g. the text encoder, loaded there alone) and share its result."""
-        value = make() if self.pg.rank == 0 else None
-        return comm.broadcast_object(value, self.pg)
+        """Run `make()` on rank 0 only (e.g. the text encoder, loaded there alone) and share its result.
+
+        When `make` fails (a tokenizer that cannot take the text, an image the encoder refuses), rank 0 shares the
+        failure instead, and every rank raises `EncodeRefused` after the broadcast: no rank is left waiting in it,
+        so the failure is the request's alone. Running out of memory is raised as it is (the pool's failure model)."""
+        value = None
+        if self.pg.rank == 0:
+            try:
+                value = make()
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks, raised on all
+                from longserve.engine.pool import classify
+
+                if classify(e) == "out_of_memory":
+                    raise
+                log.warning("rank 0 could not encode a request's inputs", exc_info=True)   # the log keeps it, once
+                value = _Refused(f"{type(e).__name__}: {public_message(str(e))}", getattr(e, "field", None))
+        value = comm.broadcast_object(value, self.pg)
+        if isinstance(value, _Refused):
+            raise EncodeRefused(value.message, value.field)
+        return value
 
     def new_scheduler(self, steps: int, sigmas: list | None = None, timesteps: list | None = None):
         """A fresh copy of the checkpoint's diffusers scheduler, set to `steps` steps, or to a fixed list of `sigmas`
@@ -577,6 +603,14 @@ def check_cache_option(spec: GenerationSpec, kinds: tuple[str, ...] = ("first_bl
         options["cache"] = config
     spec.options = options
     return spec
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """What rank 0 broadcasts in place of a result `broadcast_from_first`'s `make` could not make."""
+
+    message: str
+    field: str | None = None
 
 
 def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:

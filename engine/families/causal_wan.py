@@ -12,8 +12,12 @@ batched forwards (any phase: a row's timestep, prompt and cache are its own):
                   (skipped after the last chunk); then the next chunk starts from fresh noise
 
 Prompts: a request starts with prompt index 0. `options["prompt_schedule"]` ([[chunk, prompt],
-...], the first at chunk 0) switches at the listed chunks; `update(prompt=...)` adds a prompt
-that applies at the next chunk boundary. A switch recomputes the cached frames' K/V under the
+...], the first at chunk 0) switches at the listed chunks; `update(prompt=..., prompt_index=...)`
+(the scheduler numbers and holds switches, one per request, until `switch_ready`: a chunk's start
+with no switch applied in it yet) applies a prompt at once, or at the next chunk boundary when
+it comes mid-chunk (a newer one replaces it then). The texts kept are the current prompt's and
+the schedule's still to come: a session's prompt history is bounded, however many switches it had.
+A switch recomputes the cached frames' K/V under the
 new prompt (LongLive's recache: context passes over the cached clean latents, oldest first)
 and the text K/V. Every decoded chunk says which chunk it is and which prompt made it
 (`DecodedChunk.info`), so a switch is observable exactly. `update(stop=True)` ends a request
@@ -80,11 +84,15 @@ class CausalRequest(WorkerRequest):
     phase: int = 0                                  # its next forward: 0..n-1 denoise, n context pass
     x: torch.Tensor = None                          # the chunk's noisy latents (B, C, fb, h, w), float32
     x0: torch.Tensor = None                         # the chunk once final
-    texts: list = field(default_factory=list)       # per prompt index: (B, L, C_text)
+    texts: dict = field(default_factory=dict)       # prompt index -> (B, L, C_text): the current and scheduled
     prompt_index: int = 0
     schedule: dict = field(default_factory=dict)    # chunk -> prompt index (the request's prompt_schedule)
-    pending_prompt: int | None = None               # a switch asked for, applied at the next chunk boundary
+    pending_prompt: tuple | None = None             # (index, text) asked mid-chunk: applied at the next chunk
+    switched_chunk: int = -1                        # the chunk a switch was last applied at (one per chunk)
     clean: torch.Tensor = None                      # the cached frames' clean latents, by cache slot
+
+    def switch_ready(self) -> bool:
+        return self.phase == 0 and not self.denoised and self.switched_chunk != self.chunk
 
 
 class CausalWanFamily(WanParts, VideoFamily):
@@ -237,11 +245,11 @@ class CausalWanFamily(WanParts, VideoFamily):
         latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
         num_chunks = -(-latent_frames // cfg.frames_per_block)
         B, h, w = spec.batch_size, spec.height // self.vae_spatial, spec.width // self.vae_spatial
-        texts, schedule = [text], {}
+        texts, schedule = {0: text}, {}
         entries = spec.options.get("prompt_schedule") or []
         if len(entries) > 1:
             more = self.encode([p for _, p in entries[1:]])
-            texts += [more[i:i + 1] for i in range(len(entries) - 1)]
+            texts.update({i + 1: more[i:i + 1] for i in range(len(entries) - 1)})
             schedule = {c: i for i, (c, _) in enumerate(entries) if i > 0}
         C = self.pipe.transformer.config.in_channels
         r = CausalRequest(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=(),
@@ -265,9 +273,12 @@ class CausalWanFamily(WanParts, VideoFamily):
 
     def _start_chunk(self, r: CausalRequest) -> None:
         """A new chunk from fresh noise, under the prompt that applies from it (a switch recaches first)."""
-        switch = r.schedule.get(r.chunk, r.pending_prompt)
-        if switch is not None and switch != r.prompt_index:
-            self._switch(r, switch)
+        if r.pending_prompt is not None:
+            index, prompt = r.pending_prompt
+            r.texts[index] = self.encode([prompt])
+            self._switch(r, index)
+        elif r.schedule.get(r.chunk, r.prompt_index) != r.prompt_index:
+            self._switch(r, r.schedule[r.chunk])
         r.pending_prompt = None
         B, C = r.spec.batch_size, self.pipe.transformer.config.in_channels
         h, w = r.spec.height // self.vae_spatial, r.spec.width // self.vae_spatial
@@ -278,8 +289,11 @@ class CausalWanFamily(WanParts, VideoFamily):
 
     def _switch(self, r: CausalRequest, index: int) -> None:
         """Prompt `index` from now: the cached frames' K/V are recomputed under it (oldest first, a chunk's worth
-        of frames per context pass), then its text K/V on the next forward."""
-        r.prompt_index = index
+        of frames per context pass), then its text K/V on the next forward. The texts no prompt to come needs
+        are let go (a session's history stays bounded)."""
+        r.prompt_index, r.switched_chunk = index, r.chunk
+        keep = {index, *(i for c, i in r.schedule.items() if c > r.chunk)}
+        r.texts = {i: t for i, t in r.texts.items() if i in keep}
         order = sorted((f, s) for s, f in enumerate(r.caches[0].slot_frame) if f >= 0)
         if not order:
             return
@@ -358,18 +372,17 @@ class CausalWanFamily(WanParts, VideoFamily):
         yet) or stop (after the chunk being made). Returns the progress and, for a prompt, where it applies."""
         info = {}
         if "prompt" in payload:
-            r.texts.append(self.encode([payload["prompt"]]))
-            index = len(r.texts) - 1
+            index = payload.get("prompt_index", r.prompt_index + 1)    # the scheduler's numbering
             r.schedule = {c: i for c, i in r.schedule.items() if c <= r.chunk}   # a live switch overrides the rest
-            if r.phase == 0 and not r.denoised:
-                if r.chunk > 0:
-                    self._switch(r, index)      # between chunks: this chunk is already the next one
-                else:
-                    r.prompt_index = index
+            if r.switch_ready():
+                # between chunks (this chunk is already the next one): applied now, once per chunk
+                r.texts[index] = self.encode([payload["prompt"]])
                 r.schedule.pop(r.chunk, None)
+                r.pending_prompt = None
+                self._switch(r, index)
                 info = {"prompt_index": index, "chunk": r.chunk}
-            else:
-                r.pending_prompt = index
+            else:                               # mid-chunk: encoded when the next chunk starts (or replaced)
+                r.pending_prompt = (index, payload["prompt"])
                 info = {"prompt_index": index, "chunk": r.chunk + 1}
         if payload.get("stop") and not r.denoised:
             # the chunk being made is the last (at a boundary: the one about to start, so that a chunk always

@@ -48,7 +48,7 @@ from longserve.engine.config import ModelDescription
 from longserve.engine.decoding import FramesPolicy, decoded_frames, to_pixels
 from longserve.engine.families.base import cfg_rows, check_common, check_int, check_number, read_json, seeded_generator
 from longserve.engine.families.wan import WanFacts, WanFamily, WanRequest
-from longserve.engine.images import as_rgb_array, as_video_array, to_pil
+from longserve.engine.images import as_rgb_array, as_video_array, to_pil, video_frames
 from longserve.engine.request import GenerationSpec, RequestError
 
 DF_OPTIONS = ("base_num_frames", "overlap_history", "ar_step", "causal_block_size", "addnoise_condition", "fps",
@@ -252,6 +252,12 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
 
     # -- worker side --------------------------------------------------------------------------------
 
+    def __init__(self, ctx, config):
+        super().__init__(ctx, config)
+        #: rank 0: an extension's video as `encode_conditions` decoded it (a door keeps it as its MP4), until
+        #: `prepare` of the same admission takes it for the lead frames it hands out
+        self._decoded: dict[str, object] = {}
+
     @staticmethod
     def condition_of(spec: GenerationSpec) -> str:
         return "image" if spec.options.get("image") is not None else \
@@ -288,7 +294,8 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
             pipe = self.conditioning_pipeline(V2V)
             overlap = o["overlap_history"]
             # only the frames the VAE encodes: the preprocessing is per frame, so this is the tail of diffusers'
-            tail = pipe.video_processor.preprocess_video([to_pil(f) for f in o["video"][-overlap:]],
+            frames = video_frames(o["video"])              # a door's MP4 is decoded here, on rank 0
+            tail = pipe.video_processor.preprocess_video([to_pil(f) for f in frames[-overlap:]],
                                                          height=spec.height, width=spec.width)  # (1, 3, overlap, H, W)
             # it also draws a first segment's noise: from a throwaway generator (ours is drawn by every rank)
             _, _, prefix, _ = pipe.prepare_latents(
@@ -297,10 +304,15 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                 base_latent_num_frames=(o["base_num_frames"] - 1) // temporal + 1, overlap_history=overlap,
                 causal_block_size=o["causal_block_size"], overlap_history_latent_frames=(overlap - 1) // temporal + 1,
                 long_video_iter=0)
+            if self.pg.rank == 0 and frames is not o["video"]:
+                # its lead frames, handed out by rank 0 (prepare); kept only once the encode has succeeded (a
+                # failure here fails the request in admit, and nothing would ever take them)
+                self._decoded[spec.request_id] = frames
         return {"condition": prefix.expand(B, -1, -1, -1, -1).contiguous()}                # (B, C, k, h, w)
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, condition: torch.Tensor = None) -> DFRequest:
         o, d = spec.options, self.desc.defaults
+        decoded = self._decoded.pop(spec.request_id, None)          # rank 0: the video encode_conditions decoded
         cbs = o["causal_block_size"]
         kind = self.condition_of(spec)
         plan = segment_plan(spec.num_frames, o["base_num_frames"], o.get("overlap_history"), cbs, self.vae_temporal,
@@ -327,7 +339,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                 policy = FramesPolicy(self.vae_temporal, lead=len(video),
                                       skip=decoded_frames(plan["overlap"], self.vae_temporal))
                 if self.pg.rank == 0:                # rank 0 alone hands them out; the others drop theirs
-                    lead_frames = functools.partial(self.input_frames, video, spec)
+                    lead_frames = functools.partial(self.input_frames, video if decoded is None else decoded, spec)
         req = DFRequest(spec=spec, num_steps=sum(len(m[0]) for m in matrices), batch_key=(),
                         num_frames=num_frames, text=text, plan=plan, cbs=cbs, fps_id=0 if fps == 16 else 1,
                         addnoise=float(o.get("addnoise_condition", d.options.get("addnoise_condition", 0))),

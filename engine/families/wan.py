@@ -213,10 +213,10 @@ def read_mag_ratios(model_dir: Path) -> list | None:
     path = Path(model_dir) / "mag_ratios.json"
     if not path.is_file():
         return None
-    from longserve.engine.cache import _mag_ratios
+    from longserve.engine.cache import checked_mag_ratios
 
     try:
-        return _mag_ratios(read_json(path).get("mag_ratios"), "mag_ratios")
+        return checked_mag_ratios(read_json(path).get("mag_ratios"), "mag_ratios")
     except RequestError as e:
         raise ValueError(f"{path}: {e}") from None
 

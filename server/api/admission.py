@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from longserve.engine.images import input_bytes
 from longserve.server.api.errors import APIError
 from longserve.server.api.jobs import LIVE, Job, JobRegistry
 
@@ -28,6 +29,13 @@ def request_cost(limits, num_frames: int, width: int, height: int, steps: int) -
     """Work of one request in default requests (the default request of `limits` costs 1)."""
     default = limits.default_frames * limits.default_width * limits.default_height * limits.default_steps
     return num_frames * width * height * steps / default
+
+
+def input_cost(limits, nbytes: int) -> float:
+    """What a job's inputs (an image's file, a video's frames: `engine.images.input_bytes`) hold in the server's
+    memory while it waits, in default requests: bytes over the default request's video, frames x W x H x 3 (so a
+    queue of inputs is bounded by --max-queued-work like a queue of work)."""
+    return nbytes / (limits.default_frames * limits.default_width * limits.default_height * 3)
 
 
 def most_expensive_cost(limits) -> float:
@@ -56,10 +64,12 @@ class AdmissionGate:
             self.storage.check_room()
 
     def cost(self, spec, kind: str) -> float:
+        """The job's work (`request_cost`) plus what its inputs hold while it waits (`input_cost`)."""
         frames = spec.num_frames
         if kind == LIVE and self.frames_per_chunk:       # a session runs whole chunks
             frames = math.ceil(frames / self.frames_per_chunk) * self.frames_per_chunk
-        return request_cost(self.limits, frames, spec.width, spec.height, spec.num_inference_steps)
+        return request_cost(self.limits, frames, spec.width, spec.height, spec.num_inference_steps) + \
+            input_cost(self.limits, input_bytes(getattr(spec, "options", None) or {}))
 
     def admit(self, job: Job) -> None:
         """Register `job` if its cost fits (429 naming the limit otherwise)."""

@@ -26,17 +26,20 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 def create_app(videos, score=None, *, api_key: str | Sequence[str] | None = None,
+               admin_api_key: str | Sequence[str] | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, poll_after_ms: int = 250) -> FastAPI:
     """videos: a started `server.api.service.VideoService` (its `ServeConfig` gives the edge's settings: allowed
     hosts and origins, the bound address); score: a
-    `server.api.score_service.ScoreService` or None; api_key: one key or several (one per client)."""
+    `server.api.score_service.ScoreService` or None; api_key: one key or several (one per client: each a tenant,
+    `server/api/tenants.py`); admin_api_key: keys that see every tenant's videos (they are valid keys too)."""
     config = videos.config
     app = FastAPI(title="longserve", description="OpenAI-compatible video generation (and text scoring) server",
                   version="0.1.0", docs_url="/docs", redoc_url=None)
     app.state.videos = videos
     app.state.score = score
-    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
-    app.state.api_keys = tuple(k for k in keys if k)
+    keys, admins = ((k,) if isinstance(k, str) else tuple(k or ()) for k in (api_key, admin_api_key))
+    app.state.admin_keys = tuple(k for k in admins if k)
+    app.state.api_keys = tuple(dict.fromkeys(k for k in keys + admins if k))
     app.state.max_body_bytes = max_body_bytes
     app.state.poll_after_ms = poll_after_ms
     app.state.edge_warnings = exposure_warnings(config.host, bool(app.state.api_keys))

@@ -38,8 +38,12 @@ class ServeConfig:
     served_model_name: str | None = option(None, "the model id clients use (default: the model directory's name)",
                                            group="http")
     api_key_file: str | None = option(None, "read the API key(s) from this file, one per line (default: "
-                                            "$LONGSERVE_API_KEY_FILE); keeps them out of the process list",
-                                      group="http", metavar="PATH")
+                                            "$LONGSERVE_API_KEY_FILE); keeps them out of the process list. Each key "
+                                            "is a tenant (sees only its own videos); a line 'admin:KEY' is an "
+                                            "admin key", group="http", metavar="PATH")
+    admin_api_key: str | None = option(None, "an API key that sees and may delete every key's videos (default: "
+                                              "$LONGSERVE_ADMIN_API_KEY); visible in the process list: prefer the "
+                                              "variable or 'admin:KEY' in --api-key-file", group="http")
     allowed_hosts: str | None = option(None, "comma-separated Host names the server answers (400 otherwise; '*' any; "
                                              "default: the bound address, plus localhost, 127.0.0.1 and ::1 when "
                                              "it is loopback; any when bound to 0.0.0.0 or ::)", group="http")

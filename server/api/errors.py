@@ -112,7 +112,7 @@ def install_error_handlers(app: FastAPI) -> None:
         code = storage_error_code(exc)
         if code is not None:          # a full disk or a failing database: the client may retry later
             log.error("storage error on %s %s: %s", request.method, request.url.path, exc)
-            return error_response(507 if code == "storage_full" else 503, f"the server's storage failed: {exc}",
-                                  None, code, {"Retry-After": "30"})
+            return error_response(507 if code == "storage_full" else 503,       # the log has the file's path
+                                  f"the server's storage failed ({code})", None, code, {"Retry-After": "30"})
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, f"internal server error: {type(exc).__name__}", None, "internal_error")

@@ -9,6 +9,8 @@
                        with the init segment), so the binary messages concatenated play as one MP4
                        {"type": "prompt.applied", "prompt_index", "prompt", "chunk"}   before the first chunk
                        made under a new prompt
+                       {"type": "prompt.replaced", "prompt_index", "by"}   a switch that had not applied yet was
+                       replaced by a newer one: it never applies
                        {"type": "error", "code", "message", "param"}   (the API's error codes)
                        {"type": "done", "reason": "stopped" | "max_live_seconds" | "error", "chunks", "frames"}
 
@@ -23,6 +25,11 @@ job registry while it runs, and the job runner follows its engine handle (its fi
 where every job's is). Its KV cache is counted against --live-kv-budget when it starts: past it the
 error event is `live_capacity` (HTTP 503's meaning), close 1013. A disconnect ends the request
 (`abort(id, "disconnected")`): its cache is freed at the next step boundary.
+
+Prompt switches are one pending per session: the engine holds a switch until the session's next chunk
+starts, and a newer one replaces it (`prompt.replaced`), so a flood of switches costs that session one text
+encode and one recache per chunk and the other sessions nothing. The server keeps the texts of the switches
+still pending and the one applied last: a session's prompt history is bounded.
 
 A slow client never slows the others: the engine hands this session's chunks to a queue of
 `--live-buffer-chunks` fragments; when the client has not taken them, a new fragment is dropped
@@ -40,12 +47,14 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from longserve.engine.errors import public_message
 from longserve.engine.outputs import FramesChunk
 from longserve.engine.request import GenerationSpec, RequestError
 from longserve.engine.scheduler import KVBudgetError, QueueFullError
 from longserve.server.api.edge import client_id, matching_key
 from longserve.server.api.errors import APIError
 from longserve.server.api.jobs import DISCONNECTED, LIVE, Job
+from longserve.server.api.json_input import load_object
 
 log = logging.getLogger("longserve.live")
 
@@ -53,6 +62,8 @@ START_TIMEOUT_S = 30.0
 CLOSE_TRY_LATER = 1013
 CLOSE_POLICY = 1008
 CLOSE_SERVICE_RESTART = 1012
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_INVALID_PAYLOAD = 1007
 
 
 def socket_key(ws: WebSocket, keys: tuple[str, ...]) -> str | None:
@@ -91,9 +102,7 @@ class LiveSessions:
                                CLOSE_SERVICE_RESTART)
             return
         try:
-            msg = json.loads(await asyncio.wait_for(ws.receive_text(), START_TIMEOUT_S))
-            if not isinstance(msg, dict):
-                raise APIError(400, "messages must be JSON objects", param="type", code="invalid_value")
+            msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
             spec = service.requests.live(msg, self.max_seconds)
             job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
             service.admission.check_open(writes_files=False)
@@ -106,6 +115,9 @@ class LiveSessions:
         except (asyncio.TimeoutError, WebSocketDisconnect):
             with contextlib.suppress(Exception):
                 await ws.close(CLOSE_POLICY)
+            return
+        except ProtocolError as e:                      # a binary frame, JSON too deep or not an object
+            await self._refuse(ws, e.code, e.message, e.close_code, e.param)
             return
         except (ValueError, KeyError) as e:            # bad JSON, RequestError (a ValueError) included
             param = getattr(e, "field", None)
@@ -123,7 +135,7 @@ class LiveSessions:
 
     async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec) -> None:
         service, handle = self.service, job.handle
-        prompts = [spec.prompt[0]]
+        prompts = {0: spec.prompt[0]}           # prompt index -> text: the pending switch and the last applied
         stopped = asyncio.Event()
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.buffer_chunks)
         job.sink = LiveOutputs(service.runner, spec, queue, prompts, stopped)
@@ -134,16 +146,23 @@ class LiveSessions:
         async def receive() -> None:
             while True:
                 try:
-                    msg = json.loads(await ws.receive_text())
-                except (ValueError, TypeError):
-                    await queue.put(("event", _error_event("invalid_request", "messages must be JSON objects")))
-                    continue
-                kind = msg.get("type") if isinstance(msg, dict) else None
+                    msg = await read_message(ws)
+                except ProtocolError as e:              # told, then the socket closes with its code
+                    with contextlib.suppress(Exception):
+                        await self._send(ws, _error_event(e.code, e.message, e.param))
+                        await ws.close(e.close_code)
+                    return
+                kind = msg.get("type")
                 try:
                     if kind == "prompt":
                         service.requests.check_text("prompt", msg.get("prompt"))
-                        if handle.switch(msg.get("prompt")):
-                            prompts.append(msg["prompt"])
+                        switched = handle.switch(msg.get("prompt"))
+                        if switched is not None:
+                            prompts[switched.prompt_index] = msg["prompt"]
+                            if switched.replaced is not None:
+                                prompts.pop(switched.replaced, None)
+                                await queue.put(("event", {"type": "prompt.replaced", "prompt_index":
+                                                           switched.replaced, "by": switched.prompt_index}))
                     elif kind == "stop":
                         stopped.set()
                         handle.stop()
@@ -153,7 +172,7 @@ class LiveSessions:
                 except APIError as e:
                     await queue.put(("event", _error_event(e.code or "invalid_request", e.message, e.param)))
                 except RequestError as e:
-                    await queue.put(("event", _error_event("invalid_request", str(e), e.field)))
+                    await queue.put(("event", _error_event("invalid_request", public_message(e), e.field)))
 
         async def produce() -> None:
             try:
@@ -195,7 +214,7 @@ class LiveOutputs:
     """What a live session's outputs become (`runner.JobSink`): one fMP4 fragment per chunk for the socket's send
     queue, which drops a chunk rather than wait when the client is behind; and the session's last events."""
 
-    def __init__(self, runner, spec: GenerationSpec, queue: asyncio.Queue, prompts: list[str], stopped):
+    def __init__(self, runner, spec: GenerationSpec, queue: asyncio.Queue, prompts: dict, stopped):
         from longserve.server.live_media import ChunkMuxer
 
         self.runner, self.queue, self.prompts, self.stopped = runner, queue, prompts, stopped
@@ -210,9 +229,10 @@ class LiveOutputs:
         p = out.info.get("prompt_index", 0)
         items = []
         if p != self.last_prompt:
-            items.append(("event", {"type": "prompt.applied", "prompt_index": p,
-                                    "prompt": self.prompts[p] if p < len(self.prompts) else None,
+            items.append(("event", {"type": "prompt.applied", "prompt_index": p, "prompt": self.prompts.get(p),
                                     "chunk": out.info.get("chunk")}))
+            for older in [i for i in self.prompts if i < p]:          # bounded: what applied before goes
+                del self.prompts[older]
             self.last_prompt = p
         items.append(("chunk", {"type": "chunk", "index": out.info.get("chunk", self.chunks), "frames": len(pixels),
                                 "start_frame": out.start, "prompt_index": p, "bytes": len(data),
@@ -238,6 +258,31 @@ class LiveOutputs:
     async def _done(self, reason: str) -> None:
         await self.queue.put(("event", {"type": "done", "reason": reason, "chunks": self.chunks,
                                         "frames": self.frames, "dropped": self.dropped}))
+
+
+class ProtocolError(Exception):
+    """A message the live protocol does not take: the session is told (an error event) and the socket closes with
+    `close_code` (1003: a binary frame; 1007: not a JSON object within the bounds of `json_input.load_object`)."""
+
+    def __init__(self, code: str, message: str, close_code: int, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.close_code, self.param = code, message, close_code, param
+
+
+async def read_message(ws: WebSocket) -> dict:
+    """The client's next message as a JSON object (`json_input.load_object`: its depth and text bounded);
+    ProtocolError for anything else, WebSocketDisconnect when the client left."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    text = message.get("text")
+    if text is None:
+        raise ProtocolError("unsupported_data", "binary messages are not part of the live protocol: send JSON "
+                                                "text", CLOSE_UNSUPPORTED_DATA)
+    try:
+        return load_object(text, "message")
+    except APIError as e:
+        raise ProtocolError(e.code or "invalid_json", e.message, CLOSE_INVALID_PAYLOAD, e.param) from None
 
 
 def _error_event(code: str, message: str, param: str | None = None) -> dict:

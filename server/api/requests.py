@@ -16,8 +16,9 @@ import uuid
 from dataclasses import dataclass
 
 from longserve.engine.config import REQUIRED
+from longserve.engine.errors import public_message
 from longserve.engine.request import OVERLAP_OPTION, GenerationSpec, RequestError, RequestInput, frame_count
-from longserve.pipelines.media import VideoInputError, is_mp4, read_mp4
+from longserve.pipelines.media import VideoInputError, encoded_video, is_mp4
 from longserve.server.api.errors import APIError
 from longserve.server.api.protocol import VideoCreateRequest, VideoExtendRequest, parse_size
 from longserve.server.api.store import VideoRecord
@@ -71,8 +72,9 @@ class Limits:
 class VideoRequests:
     """`engine`: the `VideoEngine` (read at every request: its capabilities decide what an upload may be)."""
 
-    def __init__(self, engine, config, limits: Limits, model_name: str):
+    def __init__(self, engine, config, limits: Limits, model_name: str, tmp_dir=None):
         self.engine, self.config, self.limits = engine, config, limits
+        self.tmp_dir = tmp_dir            # the data dir's temp area (swept at start): an upload's trip to a decoder
         self.model_name = model_name
         self.model_names = {model_name, str(config.model)}
 
@@ -186,7 +188,7 @@ class VideoRequests:
             if params is None:
                 params = {"height": "size", "width": "size", "image": "input_reference", "video": source_field}
             param = params.get(e.field, e.field)
-            raise APIError(400, str(e), param=param, code="invalid_value") from None
+            raise APIError(400, public_message(e), param=param, code="invalid_value") from None
         if video is not None and (content := self.engine.content_frames(spec)) > lim.max_frames:
             self._too_long(spec, request, source_field, video, content)
         return spec
@@ -287,15 +289,16 @@ class VideoRequests:
         return refs
 
     def read_video(self, source, field: str):
-        """An MP4 (bytes or a stored file) -> frames, bounded before decoding: at most --max-frames frames (the
+        """An MP4 (bytes or a stored file) -> the checked file (`EncodedVideo`: a queued job holds it, not its frames;
+        the worker decodes it again), bounded before decoding: at most --max-frames frames (the
         longest video this server makes), --max-image-pixels pixels each, and as many pixels in all as the
         longest video at the largest size holds."""
         lim = self.limits
         try:
-            return read_mp4(source, field, max_frames=lim.max_frames, max_pixels=self.config.max_image_pixels,
-                            max_total_pixels=lim.max_frames * lim.max_size * lim.max_size)
+            return encoded_video(source, field, max_frames=lim.max_frames, max_pixels=self.config.max_image_pixels,
+                                 max_total_pixels=lim.max_frames * lim.max_size * lim.max_size, tmp_dir=self.tmp_dir)
         except VideoInputError as e:
-            raise APIError(400, str(e), param=field, code=e.code) from None
+            raise APIError(400, public_message(e), param=field, code=e.code) from None    # no temp file paths
 
 
 def parse_seconds(text: str) -> float:

@@ -8,7 +8,6 @@ Request and response bodies are the models of `server/api/protocol.py`; the work
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from typing import Literal
 
@@ -20,8 +19,9 @@ from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect
 
 from longserve.server.api import metrics
-from longserve.server.api.edge import client_id, matching_key
+from longserve.server.api.edge import matching_key
 from longserve.server.api.errors import APIError, validation_error
+from longserve.server.api.json_input import load_object
 from longserve.server.api.protocol import (
     Health,
     ModelCard,
@@ -31,6 +31,7 @@ from longserve.server.api.protocol import (
     VideoExtendRequest,
 )
 from longserve.server.api.streaming import TERMINAL_EVENTS, shutdown_envelope, sse_stream, tail_file
+from longserve.server.api.tenants import NO_KEY, Caller
 from longserve.server.api.uploads import Upload
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
@@ -39,8 +40,9 @@ FILE_FIELDS = ("input_reference", "last_image")
 
 
 def require_api_key(request: Request) -> None:
+    """401 without a valid key (when the server has keys); `request.state.caller`: who it is (`tenants.Caller`)."""
     keys = request.app.state.api_keys
-    request.state.client = None
+    request.state.caller = NO_KEY
     if not keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -48,7 +50,13 @@ def require_api_key(request: Request) -> None:
     if key is None:
         raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
-    request.state.client = client_id(key)
+    request.state.caller = Caller.of_key(key, request.app.state.admin_keys)
+
+
+def json_body(model) -> dict:
+    """The OpenAPI `requestBody` of a route that parses its own body (`parse_json_object`): `model`'s JSON schema, so
+    the published schema says what the route takes (clients, and the suite's fuzzer, read it)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 router = APIRouter()                                                     # no auth: probes and scrapers
@@ -92,13 +100,7 @@ def parse_json_object(body: bytes, what: str = "request body") -> dict:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the {what} is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the {what} is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise APIError(400, f"the {what} must be a JSON object, not {type(obj).__name__}", code="invalid_json")
-    return obj
+    return load_object(text, what)            # depth and text checked before any field is read
 
 
 _BRACKETS = re.compile(r"([^\[\]]+)\[\](?:\[([^\[\]]+)\])?|([^\[\]]+)\[([^\[\]]+)\]")
@@ -183,18 +185,18 @@ async def live_video_without_upgrade():
                    code="upgrade_required", headers={"Upgrade": "websocket", "Connection": "Upgrade"})
 
 
-@v1.post("/videos")
+@v1.post("/videos", openapi_extra=json_body(VideoCreateRequest))
 async def create_video(request: Request):
     data = await parse_create_body(request)
     try:
         req = VideoCreateRequest.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    video = await run_in_threadpool(request.app.state.videos.create, req, request.state.client)
+    video = await run_in_threadpool(request.app.state.videos.create, req, request.state.caller)
     return JSONResponse(video.model_dump())
 
 
-@v1.post("/videos/{video_id}/extend")
+@v1.post("/videos/{video_id}/extend", openapi_extra=json_body(VideoExtendRequest))
 async def extend_video(request: Request, video_id: str):
     """Continue a completed video (a diffusion-forcing model): a new video whose content is the whole extended
     video, streamed like any other (`/content?stream=true`)."""
@@ -207,20 +209,21 @@ async def extend_video(request: Request, video_id: str):
         req = VideoExtendRequest.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    video = await run_in_threadpool(request.app.state.videos.extend, video_id, req, request.state.client)
+    video = await run_in_threadpool(request.app.state.videos.extend, video_id, req, request.state.caller)
     return JSONResponse(video.model_dump())
 
 
 @v1.get("/videos")
 async def list_videos(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100),
                       order: Literal["asc", "desc"] = "desc"):
-    page = await run_in_threadpool(request.app.state.videos.list, after, limit, order)
+    page = await run_in_threadpool(request.app.state.videos.list, after, limit, order,
+                                   request.state.caller)
     return JSONResponse(page.model_dump())
 
 
 @v1.get("/videos/{video_id}")
 async def retrieve_video(request: Request, video_id: str):
-    video = await run_in_threadpool(request.app.state.videos.get, video_id)
+    video = await run_in_threadpool(request.app.state.videos.get, video_id, request.state.caller)
     headers = {}
     if video.status in ("queued", "in_progress"):  # the openai client's poll() honours this
         headers["openai-poll-after-ms"] = str(request.app.state.poll_after_ms)
@@ -229,7 +232,7 @@ async def retrieve_video(request: Request, video_id: str):
 
 @v1.delete("/videos/{video_id}")
 async def delete_video(request: Request, video_id: str):
-    deleted = await run_in_threadpool(request.app.state.videos.delete, video_id)
+    deleted = await run_in_threadpool(request.app.state.videos.delete, video_id, request.state.caller)
     return JSONResponse(deleted.model_dump())
 
 
@@ -241,7 +244,7 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
     if variant not in ("video", "thumbnail"):
         raise APIError(400, f"variant must be 'video' or 'thumbnail'; got {variant!r}", param="variant",
                        code="invalid_value")
-    rec = await run_in_threadpool(service.record, video_id)
+    rec = await run_in_threadpool(service.record, video_id, request.state.caller)
     if stream and variant == "video" and rec.status in ("queued", "in_progress"):
         writer = await service.live_writer(video_id, request.is_disconnected)   # wakes when the writer exists
         if writer is not None:
@@ -251,7 +254,7 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
         if service.draining:
             raise APIError(503, f"the server is shutting down before video {video_id!r} is written",
                            param="video_id", code="server_shutdown", headers={"Retry-After": "10"})
-    path = await run_in_threadpool(service.content_path, video_id, variant)
+    path = await run_in_threadpool(service.content_path, video_id, variant, request.state.caller)
     media_type = "video/mp4" if variant == "video" else "image/png"
     return FileResponse(path, media_type=media_type, filename=path.name)
 
@@ -260,10 +263,10 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
 async def video_events(request: Request, video_id: str):
     """Server-Sent Events: queue position, every denoising step, decoding, then completed or failed."""
     service = request.app.state.videos
-    await run_in_threadpool(service.record, video_id)  # 404 before subscribing
+    await run_in_threadpool(service.record, video_id, request.state.caller)  # 404 before subscribing
     sub = service.broker.subscribe(video_id)
     try:
-        first = await run_in_threadpool(service.event_snapshot, video_id)
+        first = await run_in_threadpool(service.event_snapshot, video_id, request.state.caller)
     except APIError:
         service.broker.unsubscribe(sub)
         raise
@@ -288,7 +291,7 @@ async def list_models(request: Request):
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
-@v1.post("/score")
+@v1.post("/score", openapi_extra=json_body(ScoreRequest))
 async def score_text(request: Request):
     score = request.app.state.score
     if score is None:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from longserve.engine.engine import VideoEngine
+from longserve.engine.images import EncodedImage, is_encoded_video
 from longserve.engine.request import GenerationSpec
 from longserve.engine.scheduler import QueueFullError
 from longserve.server.api.admission import AdmissionGate
@@ -47,6 +48,7 @@ from longserve.server.api.runner import JobRunner
 from longserve.server.api.storage import VideoStorage
 from longserve.server.api.store import VideoRecord
 from longserve.server.api.streaming import EventBroker
+from longserve.server.api.tenants import NO_KEY, Caller
 from longserve.server.api.video_jobs import VideoOutputs, event, video_view
 from longserve.server.media import FragmentedMP4Writer
 
@@ -88,7 +90,7 @@ class VideoService:
         self.engine.add_batch_listener(self.monitor.on_batch)
         self.limits = Limits.of(self.engine, cfg)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
-        self.requests = VideoRequests(self.engine, cfg, self.limits, self.model_name)
+        self.requests = VideoRequests(self.engine, cfg, self.limits, self.model_name, self.storage.store.tmp_dir)
         self.admission = AdmissionGate(self.jobs, self.storage, self.shutdown, self.limits, cfg.max_queued_work,
                                        cfg.max_work_per_key, self.engine.info.capabilities.frames_per_chunk)
         self.outputs = VideoOutputs(self.jobs, self.storage, self.broker, self.runner, self.monitor,
@@ -120,7 +122,7 @@ class VideoService:
                                "extends) was held in memory only; create it again"})
                 continue
             spec = GenerationSpec.from_params(rec.id, rec.prompt, rec.params)
-            job = Job(rec.id, VIDEO, self.admission.cost(spec, VIDEO), record=rec, sink=self.outputs)
+            job = Job(rec.id, VIDEO, self.admission.cost(spec, VIDEO), rec.owner, record=rec, sink=self.outputs)
             self.jobs.add(job)                            # counted by admission, never refused
             try:
                 job.handle = self.engine.submit(spec)
@@ -133,33 +135,33 @@ class VideoService:
 
     # -- the API's operations -----------------------------------------------------------------------
 
-    def create(self, req: VideoCreateRequest, owner: str | None = None) -> Video:
-        """`POST /v1/videos` (blocking: run it in a thread). `owner`: the API key's id."""
+    def create(self, req: VideoCreateRequest, caller: Caller = NO_KEY) -> Video:
+        """`POST /v1/videos` (blocking: run it in a thread). `caller`: who asks (the video is its owner's)."""
         self.admission.check_open()
         spec = self.requests.create(req)
-        return self._submit(spec, owner, seeded=req.seed is not None, asked_seconds=req.seconds)
+        return self._submit(spec, caller.owner, seeded=req.seed is not None, asked_seconds=req.seconds)
 
-    def extend(self, video_id: str, req: VideoExtendRequest, owner: str | None = None) -> Video:
+    def extend(self, video_id: str, req: VideoExtendRequest, caller: Caller = NO_KEY) -> Video:
         """`POST /v1/videos/{id}/extend`: a new video whose content is the completed video `video_id` continued.
         400 on a model that cannot extend, 404 for an unknown (or expired) video, 409 for one not completed."""
         self.admission.check_open()
+        source = self.record(video_id, caller)             # 404 first: another key's video is not found
         self.requests.check_extends()
-        source = self.record(video_id)
         if source.status != "completed":
             raise not_ready(source)
-        spec = self.requests.extend(source, self.content_path(video_id, "video"), req)
-        return self._submit(spec, owner, seeded=req.seed is not None, extended_from=video_id)
+        spec = self.requests.extend(source, self.content_path(video_id, "video", caller), req)
+        return self._submit(spec, caller.owner, seeded=req.seed is not None, extended_from=video_id)
 
     def _submit(self, spec: GenerationSpec, owner: str | None, seeded: bool, extended_from: str | None = None,
                 asked_seconds: str | None = None):
         """Admit a complete request, queue it and store its record; with an explicit seed (`seeded`), a repeat of a
-        completed request reuses its content (`--reuse-completed`). The record's `seconds` is the caller's own
-        text where a create gave one (`num_frames` has the count made, by the model's frame rule), else the
-        content's length."""
+        completed request of the same owner reuses its content (`--reuse-completed`). The record's `seconds` is
+        the caller's own text where a create gave one (`num_frames` has the count made, by the model's frame rule),
+        else the content's length."""
         key = None
         if seeded and self.config.reuse_completed == "seeded":
             key = request_key(self._checkpoint, spec, spec.fps)     # an input video counts by its pixels' digest
-            reused = self._reuse(key, spec, extended_from)
+            reused = self._reuse(key, spec, owner, extended_from)
             if reused is not None:
                 return reused
         # an extension's content is the video it continues and the new frames: what seconds and num_frames say
@@ -171,7 +173,7 @@ class VideoService:
         rec = VideoRecord(id=spec.request_id, created_at=int(time.time()), status="queued", model=self.model_name,
                           prompt=spec.prompt[0], seconds=seconds or f"{frames / spec.fps:g}",
                           size=f"{spec.width}x{spec.height}",
-                          params=params, request_key=key, extended_from=extended_from)
+                          params=params, request_key=key, extended_from=extended_from, owner=owner)
         job = Job(spec.request_id, VIDEO, self.admission.cost(spec, VIDEO), owner, record=rec, sink=self.outputs)
         self.admission.admit(job)                                     # 429 past the work limits
         try:
@@ -193,13 +195,13 @@ class VideoService:
         self.runner.start(job)
         return video_view(rec)
 
-    def _reuse(self, key: str, spec: GenerationSpec, extended_from: str | None) -> Video | None:
-        """A repeat of a completed request (same checkpoint, prompt, parameters, input and explicit seed): a new
-        video, completed at once, whose files are the stored video's. None when there is no such video or its
-        files are gone (then the request is generated as usual)."""
+    def _reuse(self, key: str, spec: GenerationSpec, owner: str | None, extended_from: str | None) -> Video | None:
+        """A repeat of a completed request (same checkpoint, prompt, parameters, input and explicit seed) by the
+        same owner: a new video, completed at once, whose files are the stored video's. None when there is no such
+        video or its files are gone (then the request is generated as usual)."""
         now = int(time.time())
         rec = VideoRecord(id=spec.request_id, created_at=now, status="completed", model=self.model_name, prompt="",
-                          seconds="", size="", params={}, request_key=key, extended_from=extended_from)
+                          seconds="", size="", params={}, request_key=key, extended_from=extended_from, owner=owner)
         if self.storage.reuse(key, rec) is None:
             return None
         self.monitor.created.inc()
@@ -211,39 +213,37 @@ class VideoService:
             log.exception("enforcing the storage quota failed")
         return video_view(rec)
 
-    def record(self, video_id: str) -> VideoRecord:
+    def record(self, video_id: str, caller: Caller = NO_KEY) -> VideoRecord:
+        """The video's record, if `caller` may see it (404 otherwise: another key's video is not found)."""
         job = self.jobs.get(video_id, VIDEO)
-        if job is not None:
-            return job.record
-        rec = self.storage.record(video_id) if plausible_id(video_id) else None
-        if rec is None:
+        rec = job.record if job is not None else self.storage.record(video_id) if plausible_id(video_id) else None
+        if rec is None or not caller.sees(rec.owner):
             raise APIError(404, f"no video found with video_id {video_id!r}", param="video_id",
                            code="video_not_found")
         return rec
 
-    def get(self, video_id: str) -> Video:
-        return video_view(self.record(video_id))
+    def get(self, video_id: str, caller: Caller = NO_KEY) -> Video:
+        return video_view(self.record(video_id, caller))
 
-    def list(self, after: str | None, limit: int, order: str) -> VideoList:
+    def list(self, after: str | None, limit: int, order: str, caller: Caller = NO_KEY) -> VideoList:
+        """A page of the videos `caller` sees (its own; every one for an admin key or no key)."""
         after_seq = None
         if after is not None:
             rec = self.storage.store.get(after) if plausible_id(after) else None
-            if rec is None:
+            if rec is None or not caller.sees(rec.owner):
                 raise APIError(404, f"after: no video with id {after!r}", param="after", code="video_not_found")
             after_seq = rec.seq
-        records, has_more = self.storage.page(after_seq, limit, order)
+        records, has_more = self.storage.page(after_seq, limit, order, caller.scope)
         active = {j.id: j.record for j in self.jobs.jobs(VIDEO)}
         data = [video_view(active.get(r.id, r)) for r in records]
         return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
                          has_more=has_more)
 
-    def delete(self, video_id: str) -> VideoDeleted:
-        """Delete a video; a queued or running one is ended (`abort(id, "deleted")`, at the next step boundary)
-        and its runner drops what was written."""
+    def delete(self, video_id: str, caller: Caller = NO_KEY) -> VideoDeleted:
+        """Delete a video `caller` may see; a queued or running one is ended (`abort(id, "deleted")`, at the next
+        step boundary) and its runner drops what was written."""
+        self.record(video_id, caller)                               # 404 for an unknown or another key's video
         job = self.jobs.get(video_id, VIDEO)
-        if job is None and (not plausible_id(video_id) or self.storage.record(video_id) is None):
-            raise APIError(404, f"no video found with video_id {video_id!r}", param="video_id",
-                           code="video_not_found")
         taken = job is not None and self.jobs.remove(job)           # the API sees it gone at once
         try:
             self.storage.delete(video_id)
@@ -259,9 +259,9 @@ class VideoService:
         self.broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted", "deleted": True})
         return VideoDeleted(id=video_id)
 
-    def content_path(self, video_id: str, variant: str) -> Path:
-        """The stored MP4 or PNG of a completed video."""
-        rec = self.record(video_id)
+    def content_path(self, video_id: str, variant: str, caller: Caller = NO_KEY) -> Path:
+        """The stored MP4 or PNG of a completed video `caller` may see."""
+        rec = self.record(video_id, caller)
         if rec.status != "completed":
             raise not_ready(rec)
         if rec.expired:
@@ -288,9 +288,9 @@ class VideoService:
                 return None
             await job.changed.wait_after(version, timeout=1.0)
 
-    def event_snapshot(self, video_id: str) -> tuple[str, dict]:
+    def event_snapshot(self, video_id: str, caller: Caller = NO_KEY) -> tuple[str, dict]:
         """The event that tells a new SSE subscriber where the video stands now."""
-        rec = self.record(video_id)
+        rec = self.record(video_id, caller)
         job = self.jobs.get(video_id, VIDEO)
         if rec.status in ("completed", "failed"):
             return f"video.{rec.status}", video_view(rec).model_dump()
@@ -365,7 +365,9 @@ def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:
     params = spec.params()
     options = params["options"]
     for name, value in list(options.items()):
-        if hasattr(value, "shape") and hasattr(value, "tobytes"):       # an image (numpy array)
+        if isinstance(value, EncodedImage) or is_encoded_video(value):   # an uploaded file: its digest
+            options[name] = f"file:{tuple(value.shape)}:{value.digest}"
+        elif hasattr(value, "shape") and hasattr(value, "tobytes"):     # an image (numpy array)
             options[name] = f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(value.tobytes()).hexdigest()}"
     payload = {"checkpoint": checkpoint, "prompt": spec.prompt, "params": params, "fps": fps}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

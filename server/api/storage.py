@@ -106,8 +106,9 @@ class VideoStorage:
             pending = self._pending.get(video_id)
         return pending[0] if pending is not None else self.store.get(video_id)
 
-    def page(self, after_seq: int | None, limit: int, order: str) -> tuple[list[VideoRecord], bool]:
-        records, has_more = self.store.page(after_seq, limit, order)
+    def page(self, after_seq: int | None, limit: int, order: str,
+             owner: str | None = None) -> tuple[list[VideoRecord], bool]:
+        records, has_more = self.store.page(after_seq, limit, order, owner)
         with self._lock:
             return [self._pending[r.id][0] if r.id in self._pending else r for r in records], has_more
 
@@ -171,6 +172,7 @@ class VideoStorage:
                            "worker memory); create it again"})
         for path in self.store.video_dir.glob("*.part"):
             path.unlink(missing_ok=True)
+        self.store.sweep_tmp()                            # uploads a killed process was decoding
         for video_id in self.store.unmeasured():          # kept from before sizes were recorded (the quota's)
             self.store.update(video_id, bytes=self.store.files_bytes(video_id))
         return self.store.by_status("queued")
@@ -181,8 +183,9 @@ class VideoStorage:
 
     def reuse(self, key: str, rec: VideoRecord) -> VideoRecord | None:
         """`rec` completed at once with the files of the newest completed video made by a request with `key` (hard
-        links); None when there is none or its files are gone. The record is stored (507/503 on a fault)."""
-        source = self.store.completed_with_key(key)
+        links), of `rec.owner`'s videos only; None when there is none or its files are gone. The record is stored
+        (507/503 on a fault)."""
+        source = self.store.completed_with_key(key, rec.owner)
         if source is None:
             return None
         try:

@@ -13,6 +13,11 @@ is failed on the next start anyway. `expires_at` is set when a job finishes: whe
 expire (`--retention`), or sooner when the storage quota (`--max-storage-bytes`) evicts it,
 the files are deleted and the row is kept, marked `expired` (its GET still answers; its
 content is gone). `bytes` is the size of a completed video's files (the quota's measure).
+
+`owner` is the id of the API key that created the job (`server.api.edge.client_id`: a digest, never the key);
+NULL for a job made with no key, and for every row written before the column existed (a data dir from an older
+release: such rows are seen only by an admin key or a server without keys, `server/api/tenants.py`). It is a
+plain column so that any store of these rows (the replicas' PostgreSQL) carries it as it is.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from longserve.engine.request import text_problem
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS videos (
@@ -43,17 +50,18 @@ CREATE TABLE IF NOT EXISTS videos (
     expired      INTEGER NOT NULL DEFAULT 0,
     bytes        INTEGER,
     request_key  TEXT,
-    extended_from TEXT
+    extended_from TEXT,
+    owner        TEXT
 );
 CREATE INDEX IF NOT EXISTS videos_status ON videos(status);
 """
 
 _COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
             "params", "error", "expires_at", "expired", "bytes", "request_key",
-            "extended_from")
+            "extended_from", "owner")
 #: columns added after the first release, with their declarations (a data dir written before gets them)
 _ADDED = {"expires_at": "INTEGER", "expired": "INTEGER NOT NULL DEFAULT 0", "bytes": "INTEGER",
-          "request_key": "TEXT", "extended_from": "TEXT"}
+          "request_key": "TEXT", "extended_from": "TEXT", "owner": "TEXT"}
 
 
 def disk_free_bytes(path: str | Path) -> int:
@@ -83,6 +91,7 @@ class VideoRecord:
     bytes: int | None = None       # a completed video's MP4 + thumbnail, in bytes
     request_key: str | None = None  # what an identical request has in common with it (service.request_key)
     extended_from: str | None = None   # the video an extension continues (its content starts with that video's)
+    owner: str | None = None       # the creating API key's id (None: no key, or a row from before owners)
 
 
 class JobStore:
@@ -95,6 +104,8 @@ class JobStore:
         # directories it creates; one that exists keeps its mode, the operator's choice)
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.video_dir.mkdir(mode=0o700, exist_ok=True)
+        self.tmp_dir = self.data_dir / "tmp"           # uploads on their way through a decoder (`sweep_tmp`)
+        self.tmp_dir.mkdir(mode=0o700, exist_ok=True)
         self.db_path = self.data_dir / "longserve.db"
         # created 0600 before SQLite opens it: its -wal and -shm files take the database's mode
         os.close(os.open(self.db_path, os.O_RDWR | os.O_CREAT, 0o600))
@@ -109,6 +120,7 @@ class JobStore:
             if name not in columns:
                 self._db.execute(f"ALTER TABLE videos ADD COLUMN {name} {declaration}")
         self._db.execute("CREATE INDEX IF NOT EXISTS videos_request_key ON videos(request_key)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS videos_owner ON videos(owner, seq)")
 
     def free_bytes(self) -> int:
         return disk_free_bytes(self.data_dir)
@@ -118,6 +130,16 @@ class JobStore:
             self._db.close()
 
     # -- files ----------------------------------------------------------------------------------
+
+    def sweep_tmp(self) -> int:
+        """Remove what a previous run left in the temp area (a process killed while it decoded an upload: each is
+        removed when its decode ends otherwise); at start, before any request. Returns how many were removed."""
+        removed = 0
+        for path in self.tmp_dir.iterdir():
+            if path.is_file() or path.is_symlink():
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def video_path(self, video_id: str) -> Path:
         return self.video_dir / f"{video_id}.mp4"
@@ -135,12 +157,17 @@ class JobStore:
     # -- rows -----------------------------------------------------------------------------------
 
     def insert(self, rec: VideoRecord) -> int:
+        for name, text in (("prompt", rec.prompt or ""), ("params", json.dumps(rec.params, ensure_ascii=False))):
+            problem = text_problem(text)      # the doors refuse such text; a record that holds it is never stored
+            if problem is not None:
+                raise ValueError(f"video {rec.id}: its {name} {problem}")
         with self._lock:
             cur = self._db.execute(
                 "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size,"
-                " params, error, request_key, extended_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " params, error, request_key, extended_from, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt,
-                 rec.seconds, rec.size, json.dumps(rec.params), _dump(rec.error), rec.request_key, rec.extended_from))
+                 rec.seconds, rec.size, json.dumps(rec.params), _dump(rec.error), rec.request_key, rec.extended_from,
+                 rec.owner))
             rec.seq = cur.lastrowid
             return rec.seq
 
@@ -159,11 +186,13 @@ class JobStore:
         with self._lock:
             return self._db.execute("DELETE FROM videos WHERE id = ?", (video_id,)).rowcount > 0
 
-    def completed_with_key(self, request_key: str) -> VideoRecord | None:
-        """The newest completed video whose files are kept, made by a request with this key."""
+    def completed_with_key(self, request_key: str, owner: str | None) -> VideoRecord | None:
+        """The newest completed video whose files are kept, made by a request with this key, of this owner (None:
+        the rows without one): reuse never crosses owners."""
         with self._lock:
-            row = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos WHERE request_key = ? AND status = "
-                                   f"'completed' AND expired = 0 ORDER BY seq DESC LIMIT 1", (request_key,)).fetchone()
+            row = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos WHERE request_key = ? AND owner IS ? "
+                                   f"AND status = 'completed' AND expired = 0 ORDER BY seq DESC LIMIT 1",
+                                   (request_key, owner)).fetchone()
         return _record(row) if row else None
 
     def link_files(self, source_id: str, video_id: str) -> None:
@@ -184,11 +213,19 @@ class JobStore:
             row = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos WHERE id = ?", (video_id,)).fetchone()
         return _record(row) if row else None
 
-    def page(self, after_seq: int | None, limit: int, order: str) -> tuple[list[VideoRecord], bool]:
-        """Up to `limit` records after `after_seq` in creation order (`asc` or `desc`), and whether more follow."""
+    def page(self, after_seq: int | None, limit: int, order: str,
+             owner: str | None = None) -> tuple[list[VideoRecord], bool]:
+        """Up to `limit` records after `after_seq` in creation order (`asc` or `desc`), and whether more follow;
+        only `owner`'s when given (None: every record)."""
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        where = f"WHERE seq {op} ?" if after_seq is not None else ""
-        args = (after_seq,) if after_seq is not None else ()
+        conditions, args = [], []
+        if after_seq is not None:
+            conditions.append(f"seq {op} ?")
+            args.append(after_seq)
+        if owner is not None:
+            conditions.append("owner = ?")
+            args.append(owner)
+        where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
         with self._lock:
             rows = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos {where} ORDER BY seq {direction} "
                                     f"LIMIT ?", (*args, limit + 1)).fetchall()
@@ -240,9 +277,24 @@ def _dump(value) -> str | None:
     return None if value is None else json.dumps(value)
 
 
+def _loads(text: str):
+    """A stored JSON column. A row written by an older release may hold a lone surrogate (`"\\ud800"`, which
+    `json.loads` turns into one): it comes back as its escape, so an answer holding it can be encoded."""
+    def clean(value):
+        if isinstance(value, str):
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, dict):
+            return {clean(k): clean(v) for k, v in value.items()}
+        return value
+
+    return clean(json.loads(text))
+
+
 def _record(row) -> VideoRecord:
     d = dict(zip(_COLUMNS, row))
-    d["params"] = json.loads(d["params"])
-    d["error"] = json.loads(d["error"]) if d["error"] else None
+    d["params"] = _loads(d["params"])
+    d["error"] = _loads(d["error"]) if d["error"] else None
     d["expired"] = bool(d["expired"])
     return VideoRecord(**d)

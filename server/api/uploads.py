@@ -12,22 +12,27 @@ The order of the checks is the point (every refusal is a 400 naming the field, n
 2. the header gives the pixel count, checked against `max_pixels` BEFORE any pixel is decoded
    (`PIL.Image.open` is lazy: it reads the header only), so a small file that would decompress to a huge
    frame (a decompression bomb) costs nothing;
-3. `load()` decodes: a truncated or damaged file fails here (Pillow's LOAD_TRUNCATED_IMAGES stays off);
-4. the first frame of an animated file is taken, converted to RGB (`diffusers.utils.load_image`'s rule).
+3. a truncated or damaged file fails here: a PNG's chunks are read and their CRCs checked (`verify()`, no pixel
+   decoded), a JPEG or WebP is decoded (`load()`; Pillow's LOAD_TRUNCATED_IMAGES stays off). A PNG whose
+   compressed pixels are damaged behind right CRCs (a crafted file) fails where it is decoded, on the worker that
+   admits it: that request fails alone (`engine/worker.py`'s admit), the pool stays up;
+4. the file itself is kept (`engine.images.EncodedImage`: its bytes, size and digest), not its pixels: a queued job
+   holds a 49 KB PNG, not the 48 MiB it decodes to; the worker that admits the job decodes it again, takes its
+   first frame and converts it to RGB (`diffusers.utils.load_image`'s rule).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 from dataclasses import dataclass
 
-import numpy as np
-
+from longserve.engine.images import IMAGE_FORMATS, EncodedImage
 from longserve.server.api.errors import APIError
 
-FORMATS = ("PNG", "JPEG", "WEBP")
+FORMATS = IMAGE_FORMATS
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,9 @@ def image_bytes(value, field: str) -> bytes:
                         f"{field}), not {type(value).__name__}", param=field, code="invalid_value")
 
 
-def decode_image(data: bytes, field: str, max_pixels: int) -> np.ndarray:
-    """A PNG, JPEG or WebP file -> (H, W, 3) uint8 RGB; APIError 400 naming `field` otherwise (see module doc)."""
+def decode_image(data: bytes, field: str, max_pixels: int) -> EncodedImage:
+    """A PNG, JPEG or WebP file, checked and decoded once -> the file itself as an `EncodedImage` (what a queued
+    job keeps: its bytes, not its pixels); APIError 400 naming `field` otherwise (see module doc)."""
     import PIL.Image
 
     if not data:
@@ -82,12 +88,15 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> np.ndarray:
         if width * height == 0:
             raise APIError(400, f"{field} has no pixels ({width}x{height})", param=field, code="invalid_image")
         try:
-            image.load()                                                    # decodes: truncated files fail here
-            rgb = image.convert("RGB")
+            if image.format == "PNG":
+                image.verify()    # every chunk there and its CRC right, no pixel decoded (the worker decodes it)
+            else:
+                image.load()                                                # decodes: truncated files fail here
         except PIL.Image.DecompressionBombError as e:
             raise APIError(400, f"{field} is too large to decode: {e}", param=field,
                            code="image_too_large") from None
         except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise APIError(400, f"{field} could not be decoded (truncated or damaged {image.format} file: {e})",
                            param=field, code="invalid_image") from None
-    return np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8))          # (H, W, 3)
+    # kept as its file (a queued job holds its bytes, not its pixels); decoded again on the worker at admission
+    return EncodedImage(data, width, height, hashlib.sha256(data).hexdigest())

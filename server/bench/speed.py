@@ -62,9 +62,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile", dest="compile_rows", choices=["none", "blocks"], default="none",
                         help="blocks: add a 'compile' row (the transformer's blocks compiled, engine/compile.py) and "
                              "a 'stack' row (compiled, with the first --cache), on a second engine")
-    parser.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"],
-                        help="torch.compile backend of the compile rows (aot_eager: the mechanism without code "
-                             "generation, for tests)")
+    parser.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                        help="torch.compile backend of the compile rows (aot_eager, eager: the mechanism without "
+                             "code generation, for tests)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     parser.add_argument("--frames", type=int, default=None, help="frames per video (default: the model's)")
     parser.add_argument("--repeats", type=int, default=1,

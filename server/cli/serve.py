@@ -72,23 +72,42 @@ def config_file_defaults(path: str, parser) -> dict:
 
 
 def api_keys(args) -> tuple[str, ...]:
-    """The keys the server requires, from the first of: --api-key (logged as visible to every local user),
-    --api-key-file (one key per line; blank lines and # comments skipped), $LONGSERVE_API_KEY. None: open."""
+    """The keys the server requires (every one, admin keys included): `key_sets(args)[0]`."""
+    return key_sets(args)[0]
+
+
+def key_sets(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the keys the server requires, the admin keys among them). The keys come from the first of: --api-key
+    (logged as visible to every local user), --api-key-file (one key per line; blank lines and # comments
+    skipped; `admin:KEY` is an admin key), $LONGSERVE_API_KEY; an admin key also from --admin-api-key or
+    $LONGSERVE_ADMIN_API_KEY. None at all: open (server/api/tenants.py)."""
+    from longserve.server.api.tenants import split_admin_keys
+
+    keys, admins = (), ()
     if args.api_key:
         log.warning("--api-key given on the command line: every local user can read it in the process list "
                     "(ps, /proc/<pid>/cmdline); use $LONGSERVE_API_KEY or --api-key-file instead")
-        return (args.api_key,)
-    if args.api_key_file:
+        keys = (args.api_key,)
+    elif args.api_key_file:
         try:
             text = Path(args.api_key_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise SystemExit(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
-        keys = tuple(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+        keys, admins = split_admin_keys(tuple(line.strip() for line in text.splitlines()
+                                              if line.strip() and not line.lstrip().startswith("#")))
         if not keys:
             raise SystemExit(f"--api-key-file {args.api_key_file}: no key in it (one key per line)")
-        return keys
-    env = os.environ.get("LONGSERVE_API_KEY", "").strip()
-    return (env,) if env else ()
+    else:
+        env = os.environ.get("LONGSERVE_API_KEY", "").strip()
+        keys = (env,) if env else ()
+    admin = getattr(args, "admin_api_key", None)
+    if admin:
+        log.warning("--admin-api-key given on the command line: every local user can read it in the process list; "
+                    "use $LONGSERVE_ADMIN_API_KEY or 'admin:KEY' in --api-key-file instead")
+    admin = admin or os.environ.get("LONGSERVE_ADMIN_API_KEY", "").strip()
+    if admin:
+        admins += (admin,)
+    return tuple(dict.fromkeys(keys + admins)), tuple(dict.fromkeys(admins))
 
 
 def config_from_args(args):
@@ -105,7 +124,7 @@ def build(args):
     from longserve.server.api.service import VideoService
 
     config = config_from_args(args)
-    keys = api_keys(args)                     # a bad key file stops the start before the workers load
+    keys, admins = key_sets(args)             # a bad key file stops the start before the workers load
     videos = VideoService(config).start()
     score = None
     if config.score_model and config.score_model.lower() != "none":
@@ -114,7 +133,7 @@ def build(args):
                              max_queue=config.score_max_queue, max_bytes=config.score_max_bytes)
         if config.score_preload:
             score.load()
-    app = create_app(videos, score, api_key=keys, max_body_bytes=config.max_body_bytes)
+    app = create_app(videos, score, api_key=keys, admin_api_key=admins, max_body_bytes=config.max_body_bytes)
     for warning in app.state.edge_warnings:
         log.warning("%s", warning)
     return videos, score, app

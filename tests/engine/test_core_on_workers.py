@@ -3,6 +3,7 @@ batching requests at different timesteps, guidance scales and prompt lengths giv
 request gets alone; chunked decoding gives the frames of a whole-video decode; a killed worker fails
 the running batch only."""
 
+import dataclasses
 import os
 import signal
 
@@ -13,7 +14,7 @@ from longserve.engine import worker as jobs
 from longserve.engine.config import EngineConfig, WorkerConfig
 from longserve.engine.core import EngineCore
 from longserve.engine.engine import resolve_checkpoint
-from longserve.engine.outputs import Failed, FramesChunk, Requeued, StepProgress
+from longserve.engine.outputs import Failed, Finished, FramesChunk, Requeued, StepProgress
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.pool import WorkerPool
 from longserve.engine.request import GenerationSpec
@@ -106,6 +107,33 @@ def test_chunked_decode_matches_the_whole_video_decode(pool):
     got = np.concatenate(parts, axis=1).astype(np.int16)
     assert got.shape == (1, 11, 32, 32, 3)
     assert np.abs(got - quantize(video.frames)).max() <= 1
+
+
+def test_a_request_whose_prompt_fails_to_encode_in_admit_fails_alone_and_the_pool_stays_up(pool):
+    """A request that gets past every check but fails in the workers' admit (here a lone surrogate, which the
+    completion refuses, handed to the core unchecked): rank 0 shares the failure in its broadcast, that request
+    fails, the pool is not restarted and the running request keeps its progress."""
+    core = EngineCore(pool, EngineConfig(max_batch=2, max_steps_per_job=1))
+    running = core.add_request(spec("run", "a red ball bouncing", steps=6, guidance=1.0, seed=1, frames=2, size=16))
+    for _ in range(3):
+        core.step()
+    restarts, done = pool.restarts, running.steps_done
+    assert done >= 1 and outputs([running])          # read what it told so far
+    bad = [core.add_request(spec("bad", "a\ud800", steps=2, guidance=4.5, seed=2, frames=2, size=16)),
+           core.add_request(dataclasses.replace(spec("bad-neg", "fine", steps=2, guidance=4.5, seed=2, frames=2,
+                                                     size=16), negative_prompt="\udfff"))]
+    while core.step():
+        pass
+    got = outputs([running, *bad])
+    for b in bad:
+        failed = got[b.id][-1]
+        assert isinstance(failed, Failed) and failed.error.code == "invalid_request", got[b.id]
+        assert "could not take this request" in failed.error.message and "Traceback" not in failed.error.message
+    assert pool.restarts == restarts, "an admit failure restarted the pool"
+    assert not any(isinstance(o, Requeued) for o in got["run"])
+    steps = [o.step for o in got["run"] if isinstance(o, StepProgress)]
+    assert steps == list(range(done + 1, 7)), f"its progress went on from step {done}, never back: {steps}"
+    assert isinstance(got["run"][-1], Finished)
 
 
 def test_a_killed_worker_fails_the_running_batch_and_the_other_admitted_request_is_readmitted(pool, reference):

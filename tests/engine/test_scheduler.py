@@ -7,6 +7,7 @@ crash wipes it), so a core that steps a request whose worker state is gone fails
 the real pool.
 """
 
+import os
 import threading
 
 import numpy as np
@@ -624,3 +625,81 @@ def test_expert_offload_serves_a_request_waiting_for_the_other_expert_within_its
     assert longest <= PATIENCE, longest
     with pytest.raises(ValueError, match="offload"):
         EngineConfig(offload="disk")
+
+
+# -- live sessions (issue 32) ------------------------------------------------------------------------------
+
+
+def live(rid, steps=400):
+    s = spec(rid, steps=steps)
+    s.options = {"live": True}
+    return s
+
+
+def test_live_sessions_take_no_running_slot_and_a_video_of_their_shape_steps_at_the_next_boundary():
+    h = Harness(max_batch=2, max_running=2)
+    for rid in ("s1", "s2", "s3"):             # more sessions than slots and than a batch holds
+        h.submit(live(rid))
+    h.step()
+    assert h.pool.admitted() == ["s1", "s2", "s3"]
+    h.step()
+    h.submit(spec("video", steps=2))
+    h.step()                                   # admitted at once: the sessions hold no slot
+    h.step()                                   # and stepped at the next boundary, ahead of the sessions
+    assert h.pool.admitted()[-1] == "video" and "video" in h.pool.batches()[-1]
+    h.step()
+    assert "video" in h.pool.batches()[-1], "a video goes first in its shape's batch until it is done"
+    # the sessions take turns for the room left: none is left out two boundaries in a row
+    batches = h.pool.batches()[-3:]
+    assert all(any(s in b for b in batches) for s in ("s1", "s2", "s3")), batches
+
+
+def test_a_burst_of_prompt_switches_is_held_as_one_and_sent_once_a_chunk_starts():
+    from longserve.engine.results import Admission
+    from longserve.engine.scheduler import PromptSwitch
+
+    sched = Scheduler(EngineConfig())
+    req = sched.submit(live("s"))
+    assert sched.schedule().admit == [req]
+    mid_chunk = Progress(1, ("k",), False, switch_ready=False)
+    sched.admitted(req, Admission(400, 4, 0.0, mid_chunk))
+    results = [sched.switch("s", {"prompt": f"p{i}"}) for i in range(5000)]
+    assert results[0] == PromptSwitch(1, None) and results[-1] == PromptSwitch(5000, 4999)
+    assert [r.replaced for r in results[1:]] == [r.prompt_index - 1 for r in results[1:]]
+    out = sched.schedule()
+    assert out.update == [] and out.step.num_steps == 1, "held mid-chunk; one step at a time until it is sent"
+    sched.stepped(req, Progress(2, ("k",), False, switch_ready=True))     # the next chunk starts
+    assert sched.schedule().update == [(req, [{"prompt": "p4999", "prompt_index": 5000}])]
+    assert sched.schedule().update == [], "nothing more to send: 5,000 switches made one worker job"
+    assert sched.switch("nope", {"prompt": "x"}) is None
+
+
+def test_the_live_kv_budget_defaults_to_a_quarter_of_a_workers_memory():
+    from longserve.engine.memory import system_memory_bytes
+
+    ram = system_memory_bytes()
+    assert 0 < ram <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert Scheduler(EngineConfig(device="cpu", workers=2)).kv_budget == int(ram * 0.25 / 2)   # shared RAM
+    assert Scheduler(EngineConfig(device="cpu", live_kv_budget=3)).kv_budget == 3 << 20       # as given
+
+
+def test_a_failed_requests_message_carries_no_traceback_and_no_server_path():
+    """Issue 32: a failed video's `error.message` is what a client reads; the worker's traceback stays in the log."""
+    from longserve.engine.core import failure_for
+    from longserve.engine.pool import _job_error, describe_failure
+
+    def broken_forward():
+        open("/srv/longserve/weights/missing-shard.safetensors").read()
+
+    try:
+        broken_forward()
+    except OSError as e:
+        failure = describe_failure(e, collectives_entered=True)
+    error = _job_error(jobs.step, 1, failure, restarted=True)
+    assert "Traceback" in str(error) and __file__ in str(error)         # what the log gets
+    for kind in ("internal", "worker_died", "out_of_memory", "timeout", "setup"):
+        error.kind = kind
+        message = failure_for(error, "step", str(error)).message
+        assert "Traceback" not in message and "\n" not in message, message
+        assert __file__ not in message and "/srv/longserve" not in message, message
+        assert "FileNotFoundError" in message and "missing-shard.safetensors" in message, message

@@ -284,9 +284,11 @@ def test_other_transformers_architectures_load_and_match(arch, tmp_path, text):
 
 def test_bad_input_raises_value_errors_naming_the_field(scorer_for):
     scorer = scorer_for(1)
+    restarts = scorer.pool.restarts
     cases = [
         (dict(text=""), "text"),
         (dict(text=None), "text"),
+        (dict(text="a lone surrogate \ud800"), "text"),     # no tokenizer encodes it (issue 32)
         (dict(text="abc", strategy="megatron"), "strategy"),
         (dict(text="abc", zigzag="yes"), "zigzag"),
         (dict(text="abc", window=8000, stride=10), "window"),
@@ -307,6 +309,7 @@ def test_bad_input_raises_value_errors_naming_the_field(scorer_for):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         TextScoringPipeline.from_pretrained("/no/such/model")
     assert scorer.score("abc").num_tokens > 0  # the pool is still fine
+    assert scorer.pool.restarts == restarts
 
 
 # -- the CLI --------------------------------------------------------------------------------------

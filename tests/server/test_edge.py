@@ -135,10 +135,10 @@ def test_an_open_server_on_a_reachable_address_says_so_in_health():
 
 def test_keys_come_from_a_file_and_a_key_on_the_command_line_is_warned_about(tmp_path, caplog, monkeypatch):
     from longserve.server.cli import build_parser
-    from longserve.server.cli.serve import api_keys
+    from longserve.server.cli.serve import api_keys, key_sets
 
-    monkeypatch.delenv("LONGSERVE_API_KEY", raising=False)
-    monkeypatch.delenv("LONGSERVE_API_KEY_FILE", raising=False)
+    for name in ("LONGSERVE_API_KEY", "LONGSERVE_API_KEY_FILE", "LONGSERVE_ADMIN_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
     keyfile = tmp_path / "keys"
     keyfile.write_text("# one key per client\nsk-alice\n\n  sk-bob  \n")
     parse = lambda *argv: build_parser().parse_args(["serve", *argv])  # noqa: E731
@@ -153,6 +153,11 @@ def test_keys_come_from_a_file_and_a_key_on_the_command_line_is_warned_about(tmp
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(SystemExit, match="no key"):
         api_keys(parse("--api-key-file", str(tmp_path / "empty")))
+    # an admin key: marked in the file, or from its flag or variable; it is a valid key too
+    (tmp_path / "admin").write_text("sk-alice\nadmin: sk-root\n")
+    assert key_sets(parse("--api-key-file", str(tmp_path / "admin"))) == (("sk-alice", "sk-root"), ("sk-root",))
+    monkeypatch.setenv("LONGSERVE_ADMIN_API_KEY", "sk-boss")
+    assert key_sets(parse("--api-key-file", str(keyfile))) == (("sk-alice", "sk-bob", "sk-boss"), ("sk-boss",))
 
     app = create_app(StandInVideos(), api_key=api_keys(parse("--api-key-file", str(keyfile))))
     with TestClient(app, base_url="http://127.0.0.1") as c:
@@ -162,6 +167,59 @@ def test_keys_come_from_a_file_and_a_key_on_the_command_line_is_warned_about(tmp
         assert c.get("/v1/models", headers={"Authorization": "Bearer sk-env"}).status_code == 401
         # with a key, a cross-origin request is the key's business: without it, 401, not 403
         assert c.post("/v1/videos", json={"prompt": "x"}, headers={"Origin": "http://a.example"}).status_code == 401
+
+
+def test_keys_are_tenants_another_key_gets_404_on_every_route_and_its_repeat_is_generated_anew(server):
+    """Issue 32, finding 3: with keys A and B, B can neither list, read, download, follow, extend nor delete A's
+    video (the same 404 as an unknown one), and B's identical seeded request is generated, not A's handed over.
+    An admin key sees everything, the rows without an owner included."""
+    service, http = server["service"], server["http"]
+    app = create_app(service, api_key=("sk-a", "sk-b"), admin_api_key="sk-root")
+    A, B, ROOT = ({"Authorization": f"Bearer {k}"} for k in ("sk-a", "sk-b", "sk-root"))
+    body = {"prompt": "a secret red ball", "size": "32x32", "seconds": "0.25", "seed": 4321}
+    unowned = http.post("/v1/videos", json=dict(body, seed=1)).json()["id"]   # no key: no owner, as old rows
+    made = [unowned]
+    with TestClient(app, base_url="http://127.0.0.1:8000") as c:
+        def finished(vid, key):
+            deadline = time.monotonic() + 60
+            while (v := c.get(f"/v1/videos/{vid}", headers=key).json())["status"] not in ("completed", "failed"):
+                assert time.monotonic() < deadline, v
+                time.sleep(0.05)
+            return v
+
+        vid = c.post("/v1/videos", json=body, headers=A).json()["id"]
+        made.append(vid)
+        assert finished(vid, A)["status"] == "completed"
+        more = {"json": {"prompt": "on", "seconds": "1"}}
+        try:
+            for method, path, extra in (("GET", f"/v1/videos/{vid}", {}), ("GET", f"/v1/videos/{vid}/content", {}),
+                                        ("GET", f"/v1/videos/{vid}/content?variant=thumbnail", {}),
+                                        ("GET", f"/v1/videos/{vid}/content?stream=true", {}),
+                                        ("GET", f"/v1/videos/{vid}/events", {}),
+                                        ("POST", f"/v1/videos/{vid}/extend", more),
+                                        ("DELETE", f"/v1/videos/{vid}", {}), ("GET", f"/v1/videos?after={vid}", {})):
+                r = c.request(method, path, headers=B, **extra)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "video_not_found", (method, path, r.text)
+            ids = lambda key: {v["id"] for v in c.get("/v1/videos?limit=100", headers=key).json()["data"]}  # noqa
+            assert vid not in ids(B) and unowned not in ids(B)
+            assert vid in ids(A) and unowned not in ids(A)
+            assert {vid, unowned} <= ids(ROOT) and c.get(f"/v1/videos/{unowned}", headers=ROOT).status_code == 200
+            # A's own video: found (the model cannot extend: 400 for its owner, where B got 404)
+            assert c.post(f"/v1/videos/{vid}/extend", json={"prompt": "on", "seconds": "1"},
+                          headers=A).status_code == 400
+            # reuse stays within an owner: B's identical seeded request is generated; A's repeat is reused
+            steps = service.engine.stats().steps_run
+            b = c.post("/v1/videos", json=body, headers=B).json()
+            made.append(b["id"])
+            assert b["status"] == "queued" and finished(b["id"], B)["status"] == "completed"
+            assert service.engine.stats().steps_run > steps, "B's video was generated"
+            again = c.post("/v1/videos", json=body, headers=A).json()
+            made.append(again["id"])
+            assert again["status"] == "completed", "A's own repeat is still reused"
+            assert c.delete(f"/v1/videos/{vid}", headers=A).json()["deleted"] is True
+        finally:
+            for v in made:
+                c.delete(f"/v1/videos/{v}", headers=ROOT)
 
 
 # -- the worker group -----------------------------------------------------------------------------------------
@@ -308,6 +366,7 @@ def test_slowloris_connections_are_closed_within_the_read_timeout(server):
 def test_the_queue_is_bounded_by_work_and_the_most_expensive_request_counts_in_full(server):
     from longserve.server.api.errors import APIError
     from longserve.server.api.protocol import VideoCreateRequest
+    from longserve.server.api.tenants import Caller
 
     http, service = server["http"], server["service"]
     admission, lim = service.admission, service.limits
@@ -332,11 +391,11 @@ def test_the_queue_is_bounded_by_work_and_the_most_expensive_request_counts_in_f
 
         # per key: a key's own work is bounded; another key's is not touched by it
         admission.max_work, admission.max_work_per_key = None, 3
-        made.append(service.create(VideoCreateRequest(**two), owner="key-a").id)
+        made.append(service.create(VideoCreateRequest(**two), Caller("key-a", admin=False)).id)
         with pytest.raises(APIError) as refused:
-            service.create(VideoCreateRequest(**two), owner="key-a")
+            service.create(VideoCreateRequest(**two), Caller("key-a", admin=False))
         assert refused.value.status == 429 and refused.value.code == "key_work_limit"
-        made.append(service.create(VideoCreateRequest(**two), owner="key-b").id)
+        made.append(service.create(VideoCreateRequest(**two), Caller("key-b", admin=False)).id)
         assert service.jobs.work("key-a") == service.jobs.work("key-b") == pytest.approx(2)
     finally:
         admission.max_work, admission.max_work_per_key = saved

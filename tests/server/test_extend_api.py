@@ -5,17 +5,22 @@ made; every bad upload or extend request gets the error envelope naming the fiel
 
 import dataclasses
 import io
+import os
+import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import imageio.v3 as iio
+import imageio_ffmpeg
 import numpy as np
 import pytest
 from servers import serving
 
 from longserve.engine.outputs import FramesChunk, StepProgress
+from longserve.pipelines import media
 from longserve.pipelines.media import read_mp4
 from longserve.pipelines.video import save_video
 
@@ -177,6 +182,83 @@ def test_bad_uploads_get_400_naming_input_reference_and_leave_nothing_behind(ser
     assert sorted(p.name for p in (data_dir / "videos").iterdir()) == files_before, "no file left behind"
     assert len(http.get("/v1/videos", params={"limit": 100}).json()["data"]) == jobs_before, "no job made"
     assert set(Path(tempfile.gettempdir()).glob("longserve-video-*")) == temps_before, "no temporary file left"
+    assert list((data_dir / "tmp").iterdir()) == [], "nor in the data dir's temp area"
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_forged_header_mp4_is_refused_with_400_and_the_server_holds_no_more_memory(server, http, monkeypatch):
+    """Issue 32: a small MP4 of many 1280x720 frames whose title imitates ffmpeg's stream line ("16x16", 0.5 s).
+    The server (in this process) reads the stream's own header and refuses it before decoding; its RSS, sampled
+    while the request runs, grows by less than 100 MiB. Uploads go through the data dir's temp area."""
+    title = "x\n  Stream #0:0: Video: h264, 16x16, 1 fps\n  Duration: 00:00:00.50, start: 0.000000, bitrate: 1 kb/s"
+    path = server["data_dir"] / "forged.mp4"
+    subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-y", "-f", "lavfi", "-i",
+                    "color=black:size=1280x720:rate=8", "-frames:v", "120", "-c:v", "libx264", "-preset", "ultrafast",
+                    "-tune", "stillimage", "-pix_fmt", "yuv420p", "-metadata", f"title={title}", str(path)], check=True)
+    data = path.read_bytes()
+    assert len(data) < 64 << 10            # a small file that would decode to 330 MB
+    seen = []                              # where the server put the upload on its way to the probe
+    probe = media.probe
+    monkeypatch.setattr(media, "probe", lambda p, field: seen.append(Path(p).parent) or probe(p, field))
+    before, peak, done = _rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        r = http.post("/v1/videos", data={"prompt": "a", **FAST}, files={"input_reference": ("f.mp4", data)})
+    finally:
+        done.set()
+        sampler.join()
+    _refused(r, 400, "input_reference", "video_too_large")
+    assert "1280x720" in r.json()["error"]["message"]
+    assert max(peak[0], _rss()) - before < 100 << 20, f"RSS grew by {(max(peak[0], _rss()) - before) >> 20} MiB"
+    assert seen == [server["data_dir"] / "tmp"] and list(seen[0].iterdir()) == []
+
+
+def test_what_a_killed_server_left_in_its_temp_area_is_swept_at_start(tmp_path):
+    from longserve.server.api.service import ServeConfig
+    from longserve.server.api.storage import VideoStorage
+
+    stale = tmp_path / "tmp" / "longserve-video-k1ll3d.mp4"
+    stale.parent.mkdir()
+    stale.write_bytes(b"\0" * 4096)
+    storage = VideoStorage(ServeConfig.from_options(model="tiny-latte", data_dir=str(tmp_path)), None, lambda v: False)
+    try:
+        assert storage.recover() == [] and list(stale.parent.iterdir()) == []
+    finally:
+        storage.close()
+
+
+def test_a_queued_extension_holds_its_mp4_not_its_frames_and_admission_counts_its_bytes(server, http, monkeypatch):
+    """Issue 32: a queued job keeps the uploaded MP4 as its file (decoded again by the worker that admits it), and
+    its admission cost counts the file's bytes."""
+    service = server["service"]
+    monkeypatch.setattr(service.engine.core.scheduler, "max_running", 0)     # held: it waits in the queue
+    data = ball_mp4(frames=12)
+    r = http.post("/v1/videos", data={"prompt": "a", "seconds": "1", **FAST},
+                  files={"input_reference": ("ball.mp4", data, "video/mp4")})
+    assert r.status_code == 200, r.text
+    job = service.jobs.get(r.json()["id"])
+    try:
+        video = job.handle.spec.options["video"]
+        assert video.nbytes == len(data) < 12 * 64 * 64 * 3, "the file, not its frames"
+        assert len(video) == 12 and video.shape == (12, 64, 64, 3)
+        plain = service.admission.cost(dataclasses.replace(job.handle.spec, options={}), "video")
+        lim = service.limits
+        assert job.cost - plain == pytest.approx(len(data) / (lim.default_frames * lim.default_width *
+                                                              lim.default_height * 3))
+        assert r.json()["options"]["video"] == "12 frames 64x64"
+    finally:
+        http.delete(f"/v1/videos/{job.id}")
 
 
 def test_a_create_answers_with_the_seconds_asked_and_the_frames_made(http):

@@ -3,7 +3,9 @@
 answered in the error envelope naming `input_reference`, leaving no file and no job behind; `longserve
 generate --image`."""
 
+import dataclasses
 import io
+import os
 import struct
 import time
 import warnings
@@ -171,3 +173,44 @@ def test_wan22_ti2v_serves_videos_with_and_without_an_input_reference_and_genera
     assert main(["generate", "the cat walks away", "--model", "tiny-wan22-ti2v", "--workers", "1", "--device", "cpu",
                  "--image", str(cat), "--frames", "5", "--size", "64x32", "--steps", "2", "-o", str(out)]) == 0
     assert iio.imread(out, extension=".mp4").shape == (5, 32, 64, 3)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_queued_image_jobs_hold_their_files_not_their_pixels_and_admission_counts_them(server, monkeypatch):
+    """Issue 32: 80 image-to-video jobs, each a 4096x4096 all-black PNG (a small file, 48 MiB of pixels), held in
+    the queue (the scheduler admits none meanwhile): the server (this process) holds their files, so its RSS grows
+    by less than 500 MiB (80 decoded images would be 3.8 GiB), and each job's admission cost counts its input's
+    bytes."""
+    service = server["service"]
+    monkeypatch.setattr(service.requests, "config", dataclasses.replace(service.config,
+                                                                        max_image_pixels=4096 * 4096))
+    monkeypatch.setattr(service.engine.core.scheduler, "max_running", 0)     # held: every job waits in the queue
+    buf = io.BytesIO()
+    PIL.Image.new("RGB", (4096, 4096)).save(buf, format="PNG")
+    black = buf.getvalue()
+    assert len(black) < MAX_BODY
+    http = httpx.Client(base_url=server["url"], timeout=60)
+    body = {"prompt": "a cat", "size": "32x32", "num_frames": "1", "num_inference_steps": "2"}
+    ids, before = [], _rss()
+    try:
+        for _ in range(80):
+            r = http.post("/v1/videos", data=body, files={"input_reference": ("black.png", black, "image/png")})
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["id"])
+        grown = _rss() - before
+        stats = service.engine.stats()
+        assert stats.running == 0 and stats.waiting == 80, stats
+        assert grown < 500 << 20, f"RSS grew by {grown >> 20} MiB for 80 queued jobs"
+        job = service.jobs.get(ids[-1])
+        plain = service.admission.cost(dataclasses.replace(job.handle.spec, options={}), "video")
+        lim = service.limits                   # bytes over the default request's video (admission.input_cost)
+        assert job.cost - plain == pytest.approx(len(black) / (lim.default_frames * lim.default_width *
+                                                               lim.default_height * 3))
+    finally:
+        for vid in ids:
+            http.delete(f"/v1/videos/{vid}")
+        http.close()

@@ -93,7 +93,8 @@ def test_a_session_plays_as_one_mp4_switches_its_prompt_and_stops(server, tmp_pa
         if e["index"] == 3:
             ws.send(json.dumps({"type": "stop"}))
     ws.close()
-    assert e["reason"] == "stopped" and e["chunks"] == len(chunks) and 4 <= len(chunks) <= 5
+    # (the chunks made while the stop was on its way depend on the machine's load; "stopped" is the stop's answer)
+    assert e["reason"] == "stopped" and e["chunks"] == len(chunks) >= 4
     assert [c["index"] for c in chunks] == list(range(len(chunks)))
     # the switch sent while chunk 2 was made applies at chunk 2 or 3, and prompt.applied names it
     assert len(applied) == 1 and applied[0]["prompt_index"] == 1 and applied[0]["prompt"] == "a blue ball bouncing"
@@ -176,3 +177,39 @@ def test_a_finite_job_on_a_causal_model_runs_through_post_videos(server):
         assert v["status"] == "completed", v
         data = http.get(f"/v1/videos/{v['id']}/content").content
     assert data[4:8] == b"ftyp"
+
+
+def closed_with(ws) -> tuple[dict, int]:
+    """The error event a session ends with (after any chunks still under way), and the socket's close code."""
+    while True:
+        try:
+            msg = ws.recv(timeout=60)
+        except ConnectionClosed as e:
+            raise AssertionError(f"closed ({e.rcvd.code if e.rcvd else None}) without an error event") from None
+        if isinstance(msg, str) and json.loads(msg)["type"] == "error":
+            break
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            ws.recv(timeout=10)
+    return json.loads(msg), closed.value.rcvd.code
+
+
+def test_protocol_errors_close_the_socket_with_a_code_and_an_error_event(server):
+    """Issue 32: a binary frame, JSON nested past the bound, a lone surrogate -- at the start or in a session."""
+    deep = "[" * 5000 + "]" * 5000
+    for first, code, close, param in ((b"\x00\x01binary", "unsupported_data", 1003, None),
+                                      (deep, "invalid_json", 1007, None),
+                                      ('{"type": "start", "prompt": "a\\ud800"}', "invalid_value", 1007, "prompt")):
+        ws = connect(server["ws"], additional_headers=AUTH, open_timeout=30)
+        ws.send(first)
+        e, got = closed_with(ws)
+        assert (e["code"], got, e["param"]) == (code, close, param), e
+    nested = "[" * 100 + "]" * 100                  # parses, but deeper than any field takes
+    for later, code, close in ((b"\xff", "unsupported_data", 1003),
+                               ('{"type": "prompt", "prompt": ' + nested + "}", "invalid_value", 1007)):
+        ws = start(server)
+        assert event(ws)["type"] == "session.created"
+        ws.send(later)
+        e, got = closed_with(ws)
+        assert (e["code"], got) == (code, close), e
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"

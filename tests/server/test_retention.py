@@ -1,6 +1,7 @@
 """`--retention` and `--max-storage-bytes` (ServeConfig): the values they take, and a data dir written before their
 columns existed (migrated on open). What they do to videos is in tests/server/test_storage.py."""
 
+import json
 import sqlite3
 
 import pytest
@@ -40,12 +41,23 @@ def test_a_data_dir_from_before_retention_gets_the_new_columns(tmp_path):
                 "params TEXT NOT NULL, error TEXT)")
     old.execute("INSERT INTO videos (id, created_at, completed_at, status, model, prompt, seconds, size, params) "
                 "VALUES ('video_old', 1, 1, 'completed', 'm', 'p', '1', '32x32', '{}')")
+    # an older release stored a lone surrogate in a negative prompt (issue 32): it comes back encodable
+    old.execute("INSERT INTO videos (id, created_at, completed_at, status, model, prompt, seconds, size, params) "
+                "VALUES ('video_odd', 2, 2, 'completed', 'm', 'p', '1', '32x32', ?)",
+                ['{"negative_prompt": "a\\ud800"}'])
     old.commit()
     old.close()
     store = JobStore(tmp_path)
     try:
         rec = store.get("video_old")
         assert rec is not None and rec.expires_at is None and rec.expired is False and rec.bytes is None
+        # keys are tenants: a row from before owners has none; only a view of every owner lists it
+        odd = store.get("video_odd").params["negative_prompt"]
+        assert odd == "a\\ud800" and json.dumps(odd, ensure_ascii=False).encode()
+        store.delete("video_odd")
+        assert rec.owner is None and store.page(None, 10, "desc")[0] == [rec]
+        assert store.page(None, 10, "desc", owner="key-a") == ([], False)
+        assert store.completed_with_key("k", None) is None
         assert store.unmeasured() == ["video_old"]
         store.update("video_old", expires_at=5, bytes=10)
         assert store.expired(now=5) == ["video_old"] and store.expired(now=4) == []

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from servers import ROOT, SERVE_KEY, serve_command, sse_events, wait_until_healthy
+from servers import ROOT, SERVE_KEY, faults_env, serve_command, sse_events, wait_until_healthy
 
 from longserve.server.api.app import free_port
 
@@ -22,14 +22,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 PAUSED = "pause before commit"       # the prompt of the video that stops between its file and its record
-FAULTS = ROOT / "tests" / "support" / "faults"      # its sitecustomize.py makes that video stop there
 
 
 class Server:
     def __init__(self, data_dir, env=None):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(serve_command(port, data_dir), cwd=ROOT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(serve_command(port, data_dir), cwd=ROOT, env=env or dict(os.environ))
         wait_until_healthy(self.proc, self.url)
         self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
 
@@ -82,8 +81,7 @@ def servers():
 
 def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the_queued(tmp_path, servers):
     data = tmp_path / "data"
-    path = os.pathsep.join([str(FAULTS), *filter(None, [os.environ.get("PYTHONPATH")])])
-    first = Server(data, env={"PYTHONPATH": path, "LONGSERVE_TEST_PAUSE_BEFORE_COMMIT": PAUSED})
+    first = Server(data, env=faults_env(LONGSERVE_TEST_PAUSE_BEFORE_COMMIT=PAUSED))
     servers.append(first)
     assert stat.S_IMODE(data.stat().st_mode) == 0o700 and stat.S_IMODE((data / "longserve.db").stat().st_mode) == 0o600
 

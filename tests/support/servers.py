@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_KEY = "sk-test-longserve"
+
+
+FAULTS = ROOT / "tests" / "support" / "faults"      # its sitecustomize.py injects faults into a serve process
+
+
+def faults_env(**variables) -> dict:
+    """The environment of a `longserve serve` process that loads tests/support/faults/sitecustomize.py with these
+    LONGSERVE_TEST_* variables."""
+    path = os.pathsep.join([str(FAULTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, **variables}
 
 
 def serve_command(port, data_dir, workers: int = 2, max_batch: int = 1):

@@ -1,10 +1,14 @@
-"""Fault injection for tests/server/test_serve_process.py, kept out of the installed package: the test puts this
-folder first on a `longserve serve` process's PYTHONPATH, so Python runs this file at start-up.
+"""Fault injection for `longserve serve` processes in tests, kept out of the installed package: a test puts this
+folder first on the process's PYTHONPATH, so Python runs this file at start-up.
 
 With LONGSERVE_TEST_PAUSE_BEFORE_COMMIT set, a video whose prompt is its value stops between its complete MP4 and
 the record that says so: measuring the finished files (`JobStore.files_bytes`, the last step before the record is
 written) blocks until the process is killed, a crash at the worst moment for the store. The variable is taken
 out of the environment here, so the server's workers start without the patch.
+
+With LONGSERVE_TEST_HOLD_FILE set to a path, the engine core waits before each denoising step for as long as that
+file exists (tests/server/test_drain.py: a running video stays running, and the one behind it queued, until the
+test has sent SIGTERM, on a machine of any speed).
 """
 
 import os
@@ -25,3 +29,19 @@ if _PROMPT:
         return _measure(self, video_id)
 
     JobStore.files_bytes = _files_bytes
+
+_HOLD = os.environ.pop("LONGSERVE_TEST_HOLD_FILE", None)
+
+if _HOLD:
+    import time
+
+    from longserve.engine.core import EngineCore
+
+    _denoise = EngineCore._denoise
+
+    def _held_denoise(self, batch, num_steps):
+        while os.path.exists(_HOLD):
+            time.sleep(0.02)
+        return _denoise(self, batch, num_steps)
+
+    EngineCore._denoise = _held_denoise
