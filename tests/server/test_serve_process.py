@@ -28,7 +28,8 @@ class Server:
     def __init__(self, data_dir, env=None):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(serve_command(port, data_dir), cwd=ROOT, env=env or dict(os.environ))
+        # one worker: what is tested is the queue and the store across a restart, not the sharding
+        self.proc = subprocess.Popen(serve_command(port, data_dir, workers=1), cwd=ROOT, env=env or dict(os.environ))
         wait_until_healthy(self.proc, self.url)
         self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
 
@@ -81,7 +82,8 @@ def servers():
 
 def test_a_restart_keeps_completed_videos_fails_the_interrupted_one_and_runs_the_queued(tmp_path, servers):
     data = tmp_path / "data"
-    first = Server(data, env=faults_env(LONGSERVE_TEST_PAUSE_BEFORE_COMMIT=PAUSED))
+    # each step waits 0.1 s first: the 1000-step video below holds its slot without keeping a core busy
+    first = Server(data, env=faults_env(LONGSERVE_TEST_PAUSE_BEFORE_COMMIT=PAUSED, LONGSERVE_TEST_STEP_SLEEP_S="0.1"))
     servers.append(first)
     assert stat.S_IMODE(data.stat().st_mode) == 0o700 and stat.S_IMODE((data / "longserve.db").stat().st_mode) == 0o600
 

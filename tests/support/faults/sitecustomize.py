@@ -8,7 +8,9 @@ out of the environment here, so the server's workers start without the patch.
 
 With LONGSERVE_TEST_HOLD_FILE set to a path, the engine core waits before each denoising step for as long as that
 file exists (tests/server/test_drain.py: a running video stays running, and the one behind it queued, until the
-test has sent SIGTERM, on a machine of any speed).
+test has sent SIGTERM, on a machine of any speed). With LONGSERVE_TEST_STEP_SLEEP_S set, it sleeps that long
+before each denoising step: a long video stays running without keeping the CPU busy (the queue, positions and
+deletes still move at every step boundary).
 """
 
 import os
@@ -31,8 +33,9 @@ if _PROMPT:
     JobStore.files_bytes = _files_bytes
 
 _HOLD = os.environ.pop("LONGSERVE_TEST_HOLD_FILE", None)
+_SLEEP_S = float(os.environ.pop("LONGSERVE_TEST_STEP_SLEEP_S", "0"))
 
-if _HOLD:
+if _HOLD or _SLEEP_S:
     import time
 
     from longserve.engine.core import EngineCore
@@ -40,8 +43,9 @@ if _HOLD:
     _denoise = EngineCore._denoise
 
     def _held_denoise(self, batch, num_steps):
-        while os.path.exists(_HOLD):
+        while _HOLD and os.path.exists(_HOLD):
             time.sleep(0.02)
+        time.sleep(_SLEEP_S)
         return _denoise(self, batch, num_steps)
 
     EngineCore._denoise = _held_denoise
