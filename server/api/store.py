@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longserve.engine.request import text_problem
+from longserve.server.api.json_input import safe_text
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS videos (
@@ -282,7 +283,7 @@ def _loads(text: str):
     `json.loads` turns into one): it comes back as its escape, so an answer holding it can be encoded."""
     def clean(value):
         if isinstance(value, str):
-            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+            return safe_text(value)
         if isinstance(value, list):
             return [clean(v) for v in value]
         if isinstance(value, dict):
