@@ -98,14 +98,14 @@ def test_one_worker_equals_diffusers_tiled_decode_on_an_uneven_tile_grid():
     assert (want - diffusers_decode(z, None)).abs().max() > 0.1  # tiling changes the pixels: the test sees it
     assert 0.1 < want.std() and (want.abs() == 1).float().mean() < 0.01  # unit-scale, barely clamped
     vae = random_wan_vae()
+    shapes = {}
     for chunk in (1, 3, 4):
-        got, shapes = stream(vae, single_rank(), z, chunk, TILING)
+        got, shapes[chunk] = stream(vae, single_rank(), z, chunk, TILING)
         assert got.shape == want.shape == (2, 3, 13, 56, 40)
         assert torch.equal(got, per_video), chunk
         assert (got - want).abs().max().item() <= ATOL, chunk
-    assert shapes == [(2, 3, 13, 56, 40)]  # one-shot: 1 + 4 + 4 + 4 pixel frames
-    _, shapes = stream(vae, single_rank(), z, 3, TILING)
-    assert [s[2] for s in shapes] == [9, 4]  # latent frame 0 gives 1 pixel frame, the others 4
+    assert shapes[4] == [(2, 3, 13, 56, 40)]  # one-shot: 1 + 4 + 4 + 4 pixel frames
+    assert [s[2] for s in shapes[3]] == [9, 4]  # latent frame 0 gives 1 pixel frame, the others 4
 
 
 def test_one_worker_equals_diffusers_on_a_patchified_wan22_vae():

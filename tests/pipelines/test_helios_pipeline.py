@@ -66,8 +66,10 @@ def test_latent_output_is_every_chunks_latents_as_diffusers(pipe1, diffusers_pip
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_n_workers_match_one_worker_with_ulysses_ring_and_cfg_parallel(want, workers):
+    """2 workers: Ulysses splits the 3 heads unevenly, then two CFG groups; 3 workers: Ring splits the tokens
+    unevenly."""
     with VideoPipeline.from_pretrained("tiny-helios", workers=workers, device="cpu") as pipe:
-        plans = [("ulysses", False), ("ring", False)] + ([("ulysses", True)] if workers == 2 else [])
+        plans = [("ulysses", False), ("ulysses", True)] if workers == 2 else [("ring", False)]
         for parallel, cfg_parallel in plans:
             pipe.engine.set_plan(parallel, None, cfg_parallel=cfg_parallel)
             got = pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, num_frames=FRAMES, **CASE).frames

@@ -20,6 +20,7 @@ PROMPT, NEGATIVE = "a red ball bouncing", "blurry"
 # frames (9 frames), 3 chunks = 27 frames, cut to 25 as diffusers cuts
 CASE = dict(height=64, width=128, num_latent_frames_per_chunk=3)
 FRAMES = 27
+PYRAMID = dict(guidance_scale=5.0, pyramid_num_inference_steps_list=[2, 1, 2])
 
 
 def diffusers_frames(model_dir, **kw):
@@ -73,16 +74,18 @@ def test_one_worker_matches_diffusers_cfg_zero_star_pyramid(mid_checkpoint):
     assert float(np.abs(plain - want).max()) > 0.01
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_n_workers_match_one_worker_on_every_stage(mid_checkpoint, workers):
-    kw = dict(guidance_scale=5.0, pyramid_num_inference_steps_list=[2, 1, 2])
+@pytest.fixture(scope="module")
+def pyramid_one_worker(mid_checkpoint):
     with VideoPipeline.from_pretrained(str(mid_checkpoint), workers=1, device="cpu") as pipe:
-        want = pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, num_frames=FRAMES, **CASE, **kw).frames
-    with VideoPipeline.from_pretrained(str(mid_checkpoint), workers=workers, device="cpu") as pipe:
-        for parallel in ("ulysses", "ring"):
-            pipe.set_parallel(parallel)
-            got = pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, num_frames=FRAMES, **CASE, **kw).frames
-            assert float(np.abs(got - want).max()) <= ATOL, (parallel, workers)
+        return pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, num_frames=FRAMES, **CASE, **PYRAMID).frames
+
+
+@pytest.mark.parametrize("workers, parallel", [(2, "ulysses"), (3, "ring")])
+def test_n_workers_match_one_worker_on_every_stage(mid_checkpoint, pyramid_one_worker, workers, parallel):
+    """2 workers on Ulysses split the 3 heads unevenly; 3 on Ring split every stage's tokens unevenly."""
+    with VideoPipeline.from_pretrained(str(mid_checkpoint), workers=workers, parallel=parallel, device="cpu") as pipe:
+        got = pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, num_frames=FRAMES, **CASE, **PYRAMID).frames
+    assert float(np.abs(got - pyramid_one_worker).max()) <= ATOL, (parallel, workers)
 
 
 def test_pyramid_options_are_checked_naming_the_field(mid_checkpoint):
