@@ -47,6 +47,7 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-helios": _HERE / "tiny-helios",
     "tiny-helios-distilled": _HERE / "tiny-helios-distilled",
     "tiny-hunyuan15": _HERE / "tiny-hunyuan15",
+    "tiny-hunyuan15-i2v": _HERE / "tiny-hunyuan15-i2v",
 }
 
 #: Shipped LoRA adapters for tiny-wan (tools/weights/build_tiny_lora.py): a short name -> its file, usable wherever a
@@ -71,7 +72,8 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-skyreels-df-v2v": "python -m tools.weights.build_tiny_skyreels_df_variants --kind v2v",
     "tiny-helios": "python -m tools.weights.build_tiny_helios --kind helios",
     "tiny-helios-distilled": "python -m tools.weights.build_tiny_helios --kind distilled",
-    "tiny-hunyuan15": "python -m tools.weights.build_tiny_hunyuan15",
+    "tiny-hunyuan15": "python -m tools.weights.build_tiny_hunyuan15 --kind t2v",
+    "tiny-hunyuan15-i2v": "python -m tools.weights.build_tiny_hunyuan15 --kind i2v",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

@@ -1,6 +1,7 @@
-"""HunyuanVideo-1.5 (tiny-hunyuan15, a `HunyuanVideo15Pipeline` checkpoint): 1 worker equals diffusers' pipeline, 2
-and 3 workers equal 1 under the family's Ulysses plan (and CFG-parallel) on token counts no worker count divides,
-two requests batched equal their runs alone, and what the family refuses is refused naming the field."""
+"""HunyuanVideo-1.5 (tiny-hunyuan15, a `HunyuanVideo15Pipeline` checkpoint, and tiny-hunyuan15-i2v, its
+`HunyuanVideo15ImageToVideoPipeline` sibling): 1 worker equals diffusers' pipelines, 2 and 3 workers equal 1 under
+the family's Ulysses plan (and CFG-parallel) on token counts no worker count divides, two requests batched equal
+their runs alone, and what the family refuses is refused naming the field."""
 
 import numpy as np
 import pytest
@@ -29,6 +30,12 @@ def pipe1():
 @pytest.fixture(scope="module")
 def want_latents(pipe1):
     return pipe1(PROMPT, negative_prompt=NEGATIVE, seed=0, **ODD).frames
+
+
+def image(seed=0, size=(130, 90)):
+    import PIL.Image
+
+    return PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
 
 
 def assert_close(got, want, atol):
@@ -73,7 +80,35 @@ def test_two_requests_batched_each_equal_their_run_alone(pipe1):
     assert np.abs(alone[0] - alone[1]).max() > 0.01
 
 
+def test_image_to_video_matches_diffusers_at_one_and_two_workers():
+    """diffusers picks the size (the bucket of target_size nearest the image's aspect): the request asks for it."""
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15ImageToVideoPipeline
+
+    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(str(resolve_model("tiny-hunyuan15-i2v")))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=CASE["guidance_scale"])
+    img = image()
+    height, width = pipe.video_processor.calculate_default_height_width(img.height, img.width, pipe.target_size)
+    want = pipe(image=img, prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=9, num_inference_steps=2,
+                generator=torch.Generator("cpu").manual_seed(0), output_type="np").frames
+    assert want.shape == (1, 9, 80, 112, 3) and want.std() > 0.05
+    kw = dict(CASE, height=height, width=width, image=img)
+    with VideoPipeline.from_pretrained("tiny-hunyuan15-i2v", workers=1, device="cpu") as p1:
+        assert p1.info.description.capabilities.image == "required"
+        assert_close(p1(PROMPT, negative_prompt=NEGATIVE, seed=0, **kw).frames, want, ATOL)
+        other = p1(PROMPT, negative_prompt=NEGATIVE, seed=0, **dict(kw, image=image(1))).frames
+        assert np.abs(other - want).max() > 0.01, "the image should change the video"
+        with pytest.raises(RequestError) as e:
+            p1(PROMPT, seed=0, **CASE)
+        assert e.value.field == "image"
+    with VideoPipeline.from_pretrained("tiny-hunyuan15-i2v", workers=2, device="cpu") as p2:
+        for cfg_parallel in (False, True):
+            p2.engine.set_plan("ulysses", None, cfg_parallel=cfg_parallel)
+            assert_close(p2(PROMPT, negative_prompt=NEGATIVE, seed=0, **kw).frames, want, ATOL)
+
+
 @pytest.mark.parametrize("options, field", [
+    (dict(image=image()), "image"),
     (dict(height=72), "height"),
     (dict(num_frames=8), "num_frames"),
     (dict(sigmas=[0.9, 0.5]), "sigmas"),

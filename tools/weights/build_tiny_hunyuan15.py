@@ -1,9 +1,10 @@
-"""Build the tiny, randomly initialised HunyuanVideo-1.5 checkpoint shipped as ``weights/tiny-hunyuan15``.
+"""Build the tiny, randomly initialised HunyuanVideo-1.5 checkpoints shipped as ``weights/tiny-hunyuan15`` (text to
+video) and ``weights/tiny-hunyuan15-i2v`` (image to video).
 
 Usage::
 
-    python -m tools.weights.build_tiny_hunyuan15              # (re)writes weights/tiny-hunyuan15/
-    python -m tools.weights.build_tiny_hunyuan15 --out DIR
+    python -m tools.weights.build_tiny_hunyuan15                      # (re)writes both
+    python -m tools.weights.build_tiny_hunyuan15 --kind i2v --out DIR
 
 A complete diffusers ``HunyuanVideo15Pipeline`` directory, loadable by diffusers' own ``HunyuanVideo15Pipeline``
 and ``HunyuanVideo15ImageToVideoPipeline`` (its transformer has the image projection both read). model_index.json
@@ -26,6 +27,9 @@ names the published components (``Qwen2_5_VLTextModel`` + ``Qwen2Tokenizer``, ``
   vocabulary 384 (= ``ByT5Tokenizer``'s: bytes + 3 specials + 125 extra ids; ByT5's tokenizer has no file).
 * scheduler: ``FlowMatchEulerDiscreteScheduler(shift=5.0)`` (the 480p T2V setting); guider:
   ``ClassifierFreeGuidance(guidance_scale=6.0)``.
+* tiny-hunyuan15-i2v: a ``HunyuanVideo15ImageToVideoPipeline`` directory with the same components (the
+  transformer's task_type "i2v") plus ``SiglipVisionModel`` (hidden 8 = the transformer's image_embed_dim, 2
+  heads, 1 layer, 28 x 28 images in patches of 4: 49 tokens) and its ``SiglipImageProcessor`` (28 x 28).
 * generation_defaults.json: 80 x 112, 9 frames (105 tokens: odd, and not a multiple of 2 or 4), 4 steps.
 
 Every tensor is drawn from generators seeded per component, so the same library versions give byte-identical
@@ -138,13 +142,14 @@ def build_vae(seed: int = SEED + 4):
     return redraw_(AutoencoderKLHunyuanVideo15(**VAE).eval(), seed)
 
 
-def build_pipeline():
+def build_pipeline(**transformer_overrides):
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
     from transformers import ByT5Tokenizer
 
     torch.manual_seed(SEED)
     return HunyuanVideo15Pipeline(
-        text_encoder=build_text_encoder(), tokenizer=build_tokenizer(), transformer=build_transformer(),
+        text_encoder=build_text_encoder(), tokenizer=build_tokenizer(),
+        transformer=build_transformer(**transformer_overrides),
         vae=build_vae(), scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         text_encoder_2=build_text_encoder_2(), tokenizer_2=ByT5Tokenizer(),
         guider=ClassifierFreeGuidance(guidance_scale=GUIDANCE_SCALE))
@@ -154,17 +159,50 @@ def write_tiny_hunyuan15(out_dir: Path) -> None:
     save_pipeline(build_pipeline(), out_dir, MODEL_INDEX, generation_defaults=GENERATION_DEFAULTS)
 
 
-def build(out: str | Path | None = None) -> Path:
-    return write_whole(TINY_MODELS["tiny-hunyuan15"] if out is None else out, write_tiny_hunyuan15)
+I2V_MODEL_INDEX = {**MODEL_INDEX, "_class_name": "HunyuanVideo15ImageToVideoPipeline",
+                   "image_encoder": ["transformers", "SiglipVisionModel"],
+                   "feature_extractor": ["transformers", "SiglipImageProcessor"]}
+SIGLIP_CONFIG = dict(hidden_size=TRANSFORMER["image_embed_dim"], intermediate_size=16, num_hidden_layers=1,
+                     num_attention_heads=2, num_channels=3, image_size=28, patch_size=4)
+
+
+def build_image_encoder(seed: int = SEED + 5):
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    return redraw_(SiglipVisionModel(SiglipVisionConfig(**SIGLIP_CONFIG)).eval(), seed)
+
+
+def write_tiny_hunyuan15_i2v(out_dir: Path) -> None:
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessorPil
+
+    t2v = build_pipeline(task_type="i2v")
+    size = SIGLIP_CONFIG["image_size"]
+    pipe = HunyuanVideo15ImageToVideoPipeline(
+        **{k: v for k, v in t2v.components.items()}, image_encoder=build_image_encoder(),
+        feature_extractor=SiglipImageProcessorPil(size={"height": size, "width": size}))
+    save_pipeline(pipe, out_dir, I2V_MODEL_INDEX, generation_defaults=GENERATION_DEFAULTS)
+
+
+WRITERS = {"t2v": ("tiny-hunyuan15", write_tiny_hunyuan15), "i2v": ("tiny-hunyuan15-i2v", write_tiny_hunyuan15_i2v)}
+
+
+def build(kind: str = "t2v", out: str | Path | None = None) -> Path:
+    name, write = WRITERS[kind]
+    return write_whole(TINY_MODELS[name] if out is None else out, write)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_hunyuan15",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None, help="output directory (default: the shipped one)")
+    ap.add_argument("--kind", choices=sorted(WRITERS), default=None, help="one checkpoint (default: both)")
+    ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs --kind)")
     args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    report(build(args.out), time.perf_counter() - t0, kind="hunyuan15")
+    if args.out is not None and args.kind is None:
+        ap.error("--out needs --kind")
+    for kind in [args.kind] if args.kind else sorted(WRITERS, reverse=True):
+        t0 = time.perf_counter()
+        report(build(kind, args.out), time.perf_counter() - t0, kind=kind)
     return 0
 
 
