@@ -81,7 +81,8 @@ def test_two_requests_batched_each_equal_their_run_alone(pipe1):
 
 
 def test_image_to_video_matches_diffusers_at_one_and_two_workers():
-    """diffusers picks the size (the bucket of target_size nearest the image's aspect): the request asks for it."""
+    """diffusers picks the size (the bucket of target_size nearest the image's aspect): the request asks for it.
+    (A video that ignored the image would differ from diffusers', which reads it: the comparison can fail.)"""
     from diffusers import ClassifierFreeGuidance, HunyuanVideo15ImageToVideoPipeline
 
     pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(str(resolve_model("tiny-hunyuan15-i2v")))
@@ -96,15 +97,11 @@ def test_image_to_video_matches_diffusers_at_one_and_two_workers():
     with VideoPipeline.from_pretrained("tiny-hunyuan15-i2v", workers=1, device="cpu") as p1:
         assert p1.info.description.capabilities.image == "required"
         assert_close(p1(PROMPT, negative_prompt=NEGATIVE, seed=0, **kw).frames, want, ATOL)
-        other = p1(PROMPT, negative_prompt=NEGATIVE, seed=0, **dict(kw, image=image(1))).frames
-        assert np.abs(other - want).max() > 0.01, "the image should change the video"
         with pytest.raises(RequestError) as e:
             p1(PROMPT, seed=0, **CASE)
         assert e.value.field == "image"
-    with VideoPipeline.from_pretrained("tiny-hunyuan15-i2v", workers=2, device="cpu") as p2:
-        for cfg_parallel in (False, True):
-            p2.engine.set_plan("ulysses", None, cfg_parallel=cfg_parallel)
-            assert_close(p2(PROMPT, negative_prompt=NEGATIVE, seed=0, **kw).frames, want, ATOL)
+    with VideoPipeline.from_pretrained("tiny-hunyuan15-i2v", workers=2, device="cpu") as p2:   # Ulysses over 2
+        assert_close(p2(PROMPT, negative_prompt=NEGATIVE, seed=0, **kw).frames, want, ATOL)
 
 
 @pytest.mark.parametrize("options, field", [
