@@ -78,6 +78,14 @@ class Hunyuan15Family(VideoFamily):
             capabilities=cls.capabilities((), image=REQUIRED) if i2v else cls.capabilities(()))
 
     @classmethod
+    def resolve_plan(cls, desc: ModelDescription, parallel: str, workers: int, ulysses_degree: int | None = None,
+                     cfg_parallel: bool = False):
+        """"auto" is Ulysses at every worker count: heads fewer than the group are zero-padded (the generic rule
+        would pick USP, which this family's joint attention does not run)."""
+        return super().resolve_plan(desc, "ulysses" if parallel == "auto" else parallel, workers, ulysses_degree,
+                                    cfg_parallel)
+
+    @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
         if desc.capabilities.image == REQUIRED:
             if spec.options.get("image") is None:

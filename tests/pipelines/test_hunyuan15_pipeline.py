@@ -116,6 +116,12 @@ def test_bad_hunyuan15_options_are_refused_naming_the_field(pipe1, options, fiel
     assert e.value.field == field
 
 
-def test_plans_other_than_ulysses_are_refused_at_start_naming_the_field():
+def test_auto_is_ulysses_at_any_worker_count_and_other_plans_are_refused_naming_the_field():
+    from longserve.engine.families.hunyuan15 import Hunyuan15Family
+
+    desc = Hunyuan15Family.describe(resolve_model("tiny-hunyuan15"))
+    assert desc.heads == 3
+    for workers in (1, 2, 3, 4, 8):                   # more workers than heads too: the heads are padded
+        assert Hunyuan15Family.resolve_plan(desc, "auto", workers).name == "ulysses"
     with pytest.raises(ValueError, match="parallel"):
         VideoPipeline.from_pretrained("tiny-hunyuan15", workers=2, device="cpu", parallel="ring")
