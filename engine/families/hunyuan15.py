@@ -92,6 +92,9 @@ class Hunyuan15Family(VideoFamily):
                 raise RequestError("image", "image is required: this is an image-to-video model (a "
                                             "HunyuanVideo15ImageToVideoPipeline checkpoint)")
             spec.options = dict(spec.options, image=as_rgb_array(spec.options["image"], "image"))
+        elif spec.options.get("image") is not None:
+            raise RequestError("image", "image is not supported: this checkpoint generates video from text only "
+                                        "(image-to-video needs a HunyuanVideo15ImageToVideoPipeline checkpoint)")
         check_common(desc, spec)
         return spec
 

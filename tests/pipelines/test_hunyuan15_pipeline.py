@@ -114,6 +114,8 @@ def test_bad_hunyuan15_options_are_refused_naming_the_field(pipe1, options, fiel
     with pytest.raises(RequestError) as e:
         pipe1(PROMPT, seed=0, **{**CASE, **options})
     assert e.value.field == field
+    if field == "image":
+        assert "HunyuanVideo15ImageToVideoPipeline" in str(e.value)
 
 
 def test_auto_is_ulysses_at_any_worker_count_and_other_plans_are_refused_naming_the_field():
