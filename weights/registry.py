@@ -46,6 +46,8 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-skyreels-df-v2v": _HERE / "tiny-skyreels-df-v2v",
     "tiny-helios": _HERE / "tiny-helios",
     "tiny-helios-distilled": _HERE / "tiny-helios-distilled",
+    "tiny-hunyuan15": _HERE / "tiny-hunyuan15",
+    "tiny-hunyuan15-i2v": _HERE / "tiny-hunyuan15-i2v",
 }
 
 #: Shipped LoRA adapters for tiny-wan (tools/weights/build_tiny_lora.py): a short name -> its file, usable wherever a
@@ -70,6 +72,8 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-skyreels-df-v2v": "python -m tools.weights.build_tiny_skyreels_df_variants --kind v2v",
     "tiny-helios": "python -m tools.weights.build_tiny_helios --kind helios",
     "tiny-helios-distilled": "python -m tools.weights.build_tiny_helios --kind distilled",
+    "tiny-hunyuan15": "python -m tools.weights.build_tiny_hunyuan15 --kind t2v",
+    "tiny-hunyuan15-i2v": "python -m tools.weights.build_tiny_hunyuan15 --kind i2v",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,
@@ -80,6 +84,8 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 SHARD_INDEX_PATTERN = "*.index.json"
 #: A tokenizer folder needs a vocabulary: tokenizer_config.json alone cannot be loaded offline.
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "spiece.model", "tokenizer.model", "vocab.json", "vocab.txt")
+#: Tokenizers whose vocabulary is the bytes themselves: no vocabulary file (HunyuanVideo-1.5's ByT5)
+BYTE_TOKENIZERS = ("ByT5Tokenizer",)
 
 # "owner/name" with Hub-legal characters: what a Hugging Face model id looks like.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -184,7 +190,8 @@ def components(index: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 def component_kind(cls: str) -> str:
-    """``"tokenizer"``, ``"scheduler"``, ``"processor"`` or ``"model"`` (has config.json and weights)."""
+    """``"tokenizer"``, ``"scheduler"``, ``"processor"``, ``"guider"`` or ``"model"`` (has config.json and
+    weights)."""
     if "Tokenizer" in cls:
         return "tokenizer"
     if cls.endswith("Scheduler"):
@@ -193,6 +200,9 @@ def component_kind(cls: str) -> str:
     # pipelines) carry a preprocessor_config.json and no weights.
     if cls.endswith(("Processor", "FeatureExtractor")):
         return "processor"
+    # diffusers' guiders (HunyuanVideo-1.5's ClassifierFreeGuidance): a guider_config.json, no weights
+    if cls.endswith("Guidance"):
+        return "guider"
     return "model"
 
 
@@ -221,12 +231,14 @@ def _check_component(root: Path, comp: str, library: str, cls: str) -> None:
         raise FileNotFoundError(f"component folder {comp}/ is missing: {sub} (model_index.json lists {cls})")
     kind = component_kind(cls)
     if kind == "tokenizer":
+        if cls in BYTE_TOKENIZERS:
+            return
         if not any((sub / f).is_file() for f in TOKENIZER_VOCAB_FILES):
             raise FileNotFoundError(
                 f"{comp} vocabulary is missing: none of {', '.join(TOKENIZER_VOCAB_FILES)} in {sub}"
             )
         return
-    config_name = {"scheduler": "scheduler_config.json",
+    config_name = {"scheduler": "scheduler_config.json", "guider": "guider_config.json",
                    "processor": "preprocessor_config.json"}.get(kind, "config.json")
     cfg_path = sub / config_name
     if not cfg_path.is_file():

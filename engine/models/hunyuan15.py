@@ -1,0 +1,144 @@
+"""Sequence parallelism for diffusers' HunyuanVideo-1.5 transformer: longserve's shard plan (diffusers declares no
+`_cp_plan` for `HunyuanVideo15Transformer3DModel`).
+
+The model is a dual-stream (MMDiT) DiT: every block keeps two streams, the video tokens (S = F x H x W after a
+1x1x1 patch embedding) and the condition tokens (L = image + ByT5 + Qwen tokens, built by its refiner and
+projections, with a validity mask), and its attention runs over both joined. Rank r of N keeps video tokens
+[r*Sl, (r+1)*Sl), Sl = ceil(S/N), zero-padded; the condition stream is short (L ~ 2k at the published sizes,
+against S ~ 30k-100k) and stays replicated: every rank computes it whole, and every rank's copy stays equal
+because the attention gives each rank the whole condition output. Then diffusers' `forward` runs, unchanged:
+
+    where (module)                rule
+    rope (output)                 cos/sin rows of my tokens' *global* positions: (S, hd) -> (Sl, hd)
+    x_embedder (output)           my tokens: (B, S, D) -> (B, Sl, D)
+    transformer_blocks.*.attn     joint attention (`HunyuanJointAttention`): Ulysses over the video stream, the
+                                  condition stream's heads cut locally, its output gathered over heads
+    proj_out (output)             all-gather of the output tokens, trimmed: (B, S, C_out) on every rank
+
+Everything else (the refiner, the condition projections, the time embedding, the per-token modulation, the
+FFNs and norm_out) is per token or replicated and runs as diffusers wrote it.
+
+The joint attention, per rank of a Ulysses group of N (shapes per rank):
+
+    video q, k, v (B, Sl, H, hd) --all-to-all--> (B, S, Hl, hd)        Hl = ceil(H/N), heads zero-padded
+    condition q, k, v (B, L, H, hd) --my heads--> (B, L, Hl, hd)        no communication (replicated)
+    SDPA over the S + L keys, condition keys masked as diffusers masks them -> (B, S + L, Hl, hd)
+    video part --all-to-all--> (B, Sl, H, hd);  condition part --all-gather over heads--> (B, L, H, hd)
+
+A condition query whose token is padding sees no key: diffusers' mask (query valid and key valid) gives it
+zeros from PyTorch's SDPA; here the key mask alone is applied and those rows are zeroed, the same values
+without an (S + L)^2 mask. Ring and USP are not offered: their log-sum-exp merge would have to take the
+replicated condition keys as an extra block, which `engine.parallel.ring_attention` does not; Ulysses covers
+any head count (heads fewer than N are padded), so every worker count runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from longserve.engine import comm
+from longserve.engine.parallel import CfgGroups, SequenceParallel, cfg_parallel
+from longserve.engine.sharding import At, Gather, ShardedModel, ShardPlan, Split, TokenShard, shard_model
+
+
+@dataclass(frozen=True)
+class HunyuanShard(TokenShard):
+    """One forward's geometry: my video tokens of S (the condition stream is not sharded)."""
+
+    @classmethod
+    def of(cls, model, x: torch.Tensor, sp: SequenceParallel) -> "HunyuanShard":
+        _, _, frames, height, width = x.shape
+        p, p_t = model.config.patch_size, model.config.patch_size_t
+        S = (frames // p_t) * (height // p) * (width // p)
+        return cls(sp, S, *cls.token_range(S, sp))
+
+
+@torch.compiler.disable
+def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: torch.Tensor, ck: torch.Tensor,
+                    cv: torch.Tensor, cond_mask: torch.Tensor, sp: SequenceParallel, seq_len: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of [video; condition] tokens over both, the video sharded over `sp` (Ulysses).
+
+    q, k, v: (B, Sl, H, hd), my padded shard of `seq_len` video tokens; cq, ck, cv: (B, L, H, hd), the condition
+    tokens (the same on every rank); cond_mask: (B, L) bool, True where a condition token is real.
+    -> (B, Sl, H, hd) my video tokens' output, (B, L, H, hd) the condition tokens' output (on every rank).
+    """
+    if sp.ring.world_size != 1:
+        raise ValueError("HunyuanVideo-1.5's joint attention runs under the Ulysses plan only")
+    u = sp.ulysses
+    H = q.shape[2]
+    qkv = comm.all_to_all_switch(torch.stack([q, k, v]), scatter_dim=3, gather_dim=2, gather_size=seq_len,
+                                 pg=u)                                                  # (3, B, S, Hl, hd)
+    Hl = qkv.shape[3]
+    cond = comm.pad_dim(torch.stack([cq, ck, cv]), 3, Hl * u.world_size).narrow(3, u.rank * Hl, Hl)  # (3, B, L, Hl, hd)
+    q, k, v = (torch.cat([a, c], dim=1).transpose(1, 2) for a, c in zip(qkv, cond))   # (B, Hl, S + L, hd)
+    keys = F.pad(cond_mask, (seq_len, 0), value=True)[:, None, None, :]                 # (B, 1, 1, S + L)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys).transpose(1, 2)      # (B, S + L, Hl, hd)
+    video = comm.all_to_all_switch(out[:, :seq_len], scatter_dim=1, gather_dim=2, gather_size=H, pg=u)  # (B, Sl, H, hd)
+    cond_out = comm.all_gather(out[:, seq_len:].contiguous(), 2, u, size=H)             # (B, L, H, hd)
+    return video, cond_out * cond_mask[:, :, None, None]
+
+
+class HunyuanJointAttention:
+    """A dual-stream block's attention with the video stream sharded; diffusers' own processor when no sharded
+    forward runs."""
+
+    def __init__(self, owner: ShardedModel, layer: int | None, original):
+        self.owner, self.layer, self.original = owner, layer, original
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        shard = self.owner.shard
+        if shard is None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        q, k, v = (proj(hidden_states).unflatten(2, (attn.heads, -1))
+                   for proj in (attn.to_q, attn.to_k, attn.to_v))                     # (B, Sl, H, hd)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+        k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        cq, ck, cv = (proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                      for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))  # (B, L, H, hd)
+        if attn.norm_added_q is not None:
+            cq = attn.norm_added_q(cq)
+        if attn.norm_added_k is not None:
+            ck = attn.norm_added_k(ck)
+        video, cond = joint_attention(q, k, v, cq, ck, cv, attention_mask.bool(), shard.sp, shard.S)
+        video = attn.to_out[1](attn.to_out[0](video.flatten(2, 3).to(q.dtype)))          # (B, Sl, D)
+        return video, attn.to_add_out(cond.flatten(2, 3).to(q.dtype))                    # (B, L, D)
+
+
+HUNYUAN15_PLAN = ShardPlan(HunyuanShard, {
+    "rope": At(outputs={0: Split(0), 1: Split(0)}),                # (S, hd) -> (Sl, hd), global positions
+    "x_embedder": At(outputs={0: Split(1)}),                       # (B, S, D) -> (B, Sl, D)
+    "proj_out": At(outputs={0: Gather(1)}),                        # (B, Sl, C) -> (B, S, C)
+}, attention={"transformer_blocks.*.attn": HunyuanJointAttention})
+
+
+class Hunyuan15SequenceParallel:
+    """Makes a `HunyuanVideo15Transformer3DModel` run sequence-parallel.
+
+        sp_model = Hunyuan15SequenceParallel(model)     # once: the plan's hooks
+        out = sp_model(x, t, cond, sp)                  # diffusers' forward, sharded over `sp`
+
+    Every rank of `sp` calls it with the same replicated inputs and gets the same output.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.sharded = shard_model(model, HUNYUAN15_PLAN)
+
+    def __call__(self, x: torch.Tensor, timestep: torch.Tensor, cond: dict, sp: SequenceParallel,
+                 cfg: CfgGroups | None = None) -> torch.Tensor:
+        """x (B, C_in, F, H, W) (latents, condition latents and mask joined on channels); timestep (B,); cond:
+        the forward's condition tensors by diffusers' argument names (`encoder_hidden_states` (B, L1, C1),
+        `encoder_attention_mask` (B, L1), `encoder_hidden_states_2` (B, L2, C2), `encoder_attention_mask_2`
+        (B, L2), `image_embeds` (B, L3, C3)) -> (B, C_out, F, H, W) on every rank. `cfg`: the unconditional and
+        conditional rows on two halves of the workers (`engine.parallel.cfg_parallel`)."""
+        if cfg is not None:
+            return cfg_parallel(self, cfg, x, timestep, cond, sp)
+        shard = HunyuanShard.of(self.model, x, sp)
+        return self.sharded(shard, hidden_states=x, timestep=timestep, return_dict=False, **cond)[0]
