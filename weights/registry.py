@@ -46,6 +46,7 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-skyreels-df-v2v": _HERE / "tiny-skyreels-df-v2v",
     "tiny-helios": _HERE / "tiny-helios",
     "tiny-helios-distilled": _HERE / "tiny-helios-distilled",
+    "tiny-ltx2": _HERE / "tiny-ltx2",
 }
 
 #: Shipped LoRA adapters for tiny-wan (tools/weights/build_tiny_lora.py): a short name -> its file, usable wherever a
@@ -70,6 +71,7 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-skyreels-df-v2v": "python -m tools.weights.build_tiny_skyreels_df_variants --kind v2v",
     "tiny-helios": "python -m tools.weights.build_tiny_helios --kind helios",
     "tiny-helios-distilled": "python -m tools.weights.build_tiny_helios --kind distilled",
+    "tiny-ltx2": "python -m tools.weights.build_tiny_ltx2",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,
