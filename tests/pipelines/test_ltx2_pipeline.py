@@ -11,6 +11,7 @@ from longserve.engine.outputs import FramesChunk, StepProgress
 from longserve.engine.request import RequestError
 from longserve.pipelines import VideoPipeline
 from longserve.weights import resolve_model
+from tests.support.sound import tracks
 
 ATOL = 1e-4          # against diffusers (pixels and samples)
 ATOL_WORKERS = 1e-5  # N workers against 1 (latents)
@@ -139,3 +140,39 @@ def test_bad_options_are_refused_naming_the_field(pipe1, options, field):
     with pytest.raises(RequestError) as e:
         pipe1.make_spec(PROMPT, NEGATIVE, seed=0, **{**CASE, **options})
     assert e.value.field == field
+
+
+def test_python_save_writes_an_mp4_with_an_aac_track_as_long_as_the_sound(pipe1, tmp_path):
+    out = pipe1(PROMPT, negative_prompt=NEGATIVE, seed=0, **CASE, **PLAIN)
+    assert out.audio.shape[:2] == (1, 2) and out.audio_rate == 24000
+    got = tracks(out.save(tmp_path / "ball.mp4", fps=24))
+    assert got["video"] == (17, 160, 96)
+    codec, channels, rate, seconds = got["audio"]
+    assert (codec, channels, rate) == ("aac", 2, 24000)
+    assert abs(seconds - out.audio.shape[2] / 24000) < 0.05, seconds
+    quiet = pipe1(PROMPT, negative_prompt=NEGATIVE, seed=0, audio=False, **CASE, **PLAIN)
+    assert quiet.audio is None and tracks(quiet.save(tmp_path / "quiet.mp4", fps=24))["audio"] is None
+
+
+def test_the_cli_writes_the_sound(tmp_path, capfd):
+    from longserve.server.cli import main
+
+    out = tmp_path / "cli.mp4"
+    assert main(["generate", PROMPT, "--model", "tiny-ltx2", "--workers", "1", "--device", "cpu", "--frames", "17",
+                 "--size", "160x96", "--steps", "2", "--opt", "stg_scale=0", "--opt", "audio_stg_scale=0",
+                 "--opt", "modality_scale=1", "--opt", "audio_modality_scale=1", "-o", str(out)]) == 0
+    got = tracks(str(out))
+    assert got["video"] == (17, 160, 96) and got["audio"][:3] == ("aac", 2, 24000)
+
+
+def test_audio_of_a_model_without_sound_is_refused_naming_the_field():
+    from longserve.engine.config import EngineConfig
+    from longserve.engine.families import detect_family
+    from longserve.engine.request import RequestInput, complete_request
+
+    root = resolve_model("tiny-wan")
+    family = detect_family(root)
+    with pytest.raises(RequestError) as e:
+        complete_request(RequestInput(prompt="x", options={"audio": True}), family, family.describe(root),
+                         EngineConfig(model="tiny-wan"))
+    assert e.value.field == "audio"
