@@ -16,15 +16,17 @@ N keeps video tokens [r*Sl, (r+1)*Sl), Sl = ceil(S/N), zero-padded; then diffuse
     every block's attn1                video self-attention: Ulysses / Ring / USP       longserve
     every block's audio_to_video_attn  video queries (mine) against all audio keys:     longserve
                                        the processor cuts the cross-modal rope to mine
-    every block's video_to_audio_attn  audio queries against all video keys: the        longserve
-                                       processor all-gathers the video tokens (keys)
+    every block's video_to_audio_attn  audio queries against all video keys: each rank   longserve
+                                       attends to its own video keys, one all-gather of
+                                       the (A-sized) partial outputs and a log-sum-exp
+                                       merge join them
     proj_out (output)                  all-gather of the video tokens, trimmed          diffusers' _cp_plan
 
 diffusers' own `_cp_plan` also splits the prompt's tokens (its ring attention joins them again); here the prompt
 is replicated, as the Wan plan keeps it, so cross-attention to it is local. The audio stream, its self-attention,
 its prompt cross-attention and its FFN are replicated (identical inputs on every rank give identical outputs);
-the one exchange the audio adds is the video keys of the video -> audio attention, an all-gather of one
-(B, S, D) tensor per block.
+the one exchange the audio adds is the video -> audio attention's merge, an all-gather of (B, H, A, hd + 1) per
+rank and block: the size of the audio, not of the video.
 """
 
 from __future__ import annotations
@@ -130,19 +132,48 @@ class LTX2AudioToVideoAttention(_Processor):
 
 
 class LTX2VideoToAudioAttention(_Processor):
-    """Audio queries (all of them, on every rank) attend to every video token: the video keys are all-gathered
-    (padding trimmed) and diffusers' processor runs as it would on one worker; the cross-modal rope of the keys is
-    already built for all S tokens."""
+    """Audio queries (all of them, on every rank) attend to every video token. Each rank attends to its own video
+    tokens (their keys rotated by their rows of the cross-modal rope) and keeps each query's log-sum-exp; one
+    all-gather of the partial outputs, (B, H, A, hd + 1) per rank, and a log-sum-exp merge give every rank the
+    attention over all S keys. The exchange is the size of the audio (A tokens), not of the video (S): gathering the
+    video keys instead would move (N - 1)/N x S x D per rank and block."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None, *args, **kwargs):
         shard = self.owner.shard
-        if shard is not None:
-            if attention_mask is not None:
-                raise ValueError("the sequence-parallel LTX-2 video-to-audio attention takes no mask")
-            encoder_hidden_states = shard.gather(encoder_hidden_states, 1)                 # (B, S, D)
-        return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
-                             key_rotary_emb, *args, **kwargs)
+        if shard is None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
+                                 key_rotary_emb, *args, **kwargs)
+        if attention_mask is not None:
+            raise ValueError("the sequence-parallel LTX-2 video-to-audio attention takes no mask")
+        from longserve.engine import comm
+
+        n = shard.real_tokens                                        # my video tokens (no padding)
+        video = encoder_hidden_states[:, :n]
+        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
+        q, k, v = attn.norm_q(attn.to_q(hidden_states)), attn.norm_k(attn.to_k(video)), attn.to_v(video)
+        if query_rotary_emb is not None:
+            q = _rotate(attn, q, query_rotary_emb)
+            keys_rope = key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
+            k = _rotate(attn, k, tuple(t[:, :, :n] if t.ndim == 4 else t[:, :n] for t in shard.rope_mine(keys_rope)))
+        q, k, v = (t.unflatten(2, (attn.heads, -1)).transpose(1, 2).float() for t in (q, k, v))   # (B, H, L, hd)
+        B, H, A, hd = q.shape
+        if n:
+            scores = (q @ k.transpose(-1, -2)) / hd ** 0.5                                         # (B, H, A, n)
+            lse = torch.logsumexp(scores, dim=-1, keepdim=True)                                    # (B, H, A, 1)
+            part = torch.softmax(scores, dim=-1) @ v                                               # (B, H, A, hd)
+        else:
+            lse = torch.full((B, H, A, 1), float("-inf"), device=q.device)
+            part = q.new_zeros(B, H, A, hd)
+        both = comm.all_gather(torch.cat([part, lse], dim=-1)[None], 0, shard.sp.pg)            # (N, B, H, A, hd+1)
+        parts, lses = both[..., :hd], both[..., hd:]
+        weights = torch.exp(lses - lses.max(dim=0, keepdim=True).values)                         # 0 for no tokens
+        out = (weights * parts).sum(0) / weights.sum(0)                                          # (B, H, A, hd)
+        out = out.transpose(1, 2).flatten(2, 3).to(hidden_states.dtype)                          # (B, A, H*hd)
+        if gate_logits is not None:
+            gates = 2.0 * torch.sigmoid(gate_logits)
+            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
 
 
 #: video tokens split, audio replicated (see the module docstring)
