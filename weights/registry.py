@@ -47,6 +47,7 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-helios": _HERE / "tiny-helios",
     "tiny-helios-distilled": _HERE / "tiny-helios-distilled",
     "tiny-ltx2": _HERE / "tiny-ltx2",
+    "tiny-ltx2-i2v": _HERE / "tiny-ltx2-i2v",
 }
 
 #: Shipped LoRA adapters for tiny-wan (tools/weights/build_tiny_lora.py): a short name -> its file, usable wherever a
@@ -72,6 +73,7 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-helios": "python -m tools.weights.build_tiny_helios --kind helios",
     "tiny-helios-distilled": "python -m tools.weights.build_tiny_helios --kind distilled",
     "tiny-ltx2": "python -m tools.weights.build_tiny_ltx2",
+    "tiny-ltx2-i2v": "python -m tools.weights.build_tiny_ltx2 --kind i2v",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

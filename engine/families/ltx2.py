@@ -35,13 +35,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longserve.engine.config import FamilyFacts, ModelDescription
+from longserve.engine.config import REFUSED, REQUIRED, FamilyFacts, ModelDescription
 from longserve.engine.decoding import FramesPolicy, FrameStream
 from longserve.engine.families.base import (
     Denoisers,
     VideoFamily,
     WorkerRequest,
     check_common,
+    check_int,
     check_number,
     generation_defaults,
     order_rows,
@@ -61,6 +62,10 @@ GUIDANCE_DEFAULTS = {"guidance_rescale": 0.7, "stg_scale": 1.0, "modality_scale"
                      "audio_guidance_scale": 7.0, "audio_guidance_rescale": 0.7, "audio_stg_scale": 1.0,
                      "audio_modality_scale": 3.0, "spatio_temporal_guidance_blocks": [28]}
 OPTIONS = (*GUIDANCE_DEFAULTS, "sigmas", "distilled", "motion_speed", "audio", "fps")
+#: image-to-video (`LTX2ImageToVideoPipeline` checkpoints): the first frame, and the H.264 CRF it is re-compressed at
+#: before its VAE encode (diffusers' `image_crf`; None: the model's, 33 for the Gemma 3 generations; 0: none)
+I2V_OPTIONS = ("image", "image_crf")
+IMAGE_PIPELINES = frozenset({"LTX2ImageToVideoPipeline"})
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class LTX2Request(WorkerRequest):
     video_coords: torch.Tensor = None   # (B, 3, S, 2)
     audio_coords: torch.Tensor = None
     guidance: dict = None               # the request's resolved guidance settings (see `guidance_settings`)
+    mask: torch.Tensor = None           # image-to-video: (B, S) 1 on the conditioned (first-frame) tokens, else None
 
 
 def guidance_settings(spec: GenerationSpec) -> dict:
@@ -102,7 +108,9 @@ class LTX2Family(VideoFamily):
     plans = ("ulysses", "ring", "usp")
     auto_plan = "sequence"
     pipeline_defaults = {"LTX2Pipeline": {"height": 512, "width": 768, "num_frames": 121, "num_inference_steps": 30,
-                                          "guidance_scale": 3.0, "fps": 24}}
+                                          "guidance_scale": 3.0, "fps": 24},
+                         "LTX2ImageToVideoPipeline": {"height": 512, "width": 768, "num_frames": 121,
+                                                      "num_inference_steps": 30, "guidance_scale": 3.0, "fps": 24}}
     pipeline_classes = frozenset(pipeline_defaults)
     rank0_components = ("text_encoder", "tokenizer", "connectors")
 
@@ -115,11 +123,13 @@ class LTX2Family(VideoFamily):
         vocoder = read_json(model_dir / "vocoder" / "config.json")
         spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 8
         temporal = vae.get("temporal_compression_ratio") or 8
+        i2v = index["_class_name"] in IMAGE_PIPELINES
+        options = (*OPTIONS, *I2V_OPTIONS) if i2v else OPTIONS
         return ModelDescription(
             family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
             size_multiple=spatial * cfg.get("patch_size", 1), frame_multiple=temporal * cfg.get("patch_size_t", 1),
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
-            options=OPTIONS, capabilities=cls.capabilities(OPTIONS),
+            options=options, capabilities=cls.capabilities(options, image=REQUIRED if i2v else REFUSED),
             facts=LTX2Facts(layers=cfg["num_layers"], audio_rate=vocoder.get("output_sampling_rate", 24000)))
 
     @classmethod
@@ -165,6 +175,17 @@ class LTX2Family(VideoFamily):
         if g["audio_guidance_scale"] > 1 and not spec.use_cfg:
             raise RequestError("audio_guidance_scale", "audio_guidance_scale > 1 needs guidance_scale > 1 (the "
                                                        "unconditional rows are the video's and the sound's)")
+        if desc.capabilities.image == REQUIRED:
+            from longserve.engine.images import as_rgb_array
+
+            if o.get("image") is None:
+                raise RequestError("image", "image is required: this is an image-to-video model (pass a PIL image or "
+                                            "an (H, W, 3) array; HTTP: the input_reference file)")
+            o["image"] = as_rgb_array(o["image"], "image")
+            if o.get("image_crf") is not None:
+                check_int("image_crf", o["image_crf"], 0, 51)
+            if spec.batch_size != 1:
+                raise RequestError("prompt", "image-to-video takes one prompt (its image is the first frame)")
         sigmas = o.get("sigmas")
         if sigmas is not None:
             if not isinstance(sigmas, (list, tuple)) or not 1 <= len(sigmas) <= 1000 or any(
@@ -227,6 +248,28 @@ class LTX2Family(VideoFamily):
         negative = encoded(spec.negative_prompts()) if spec.use_cfg else None
         return positive, negative
 
+    def encode_conditions(self, spec: GenerationSpec) -> dict[str, torch.Tensor]:
+        """Image-to-video (rank 0): the first frame as `LTX2ImageToVideoPipeline` takes it: re-compressed at the
+        model's H.264 CRF, resized, VAE-encoded (the latent distribution's mode) and normalised -> (1, C, 1, h, w)."""
+        if "image" not in spec.options:
+            return {}
+        import PIL.Image
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, resolve_default_image_crf
+
+        from longserve.engine.images import to_pil
+
+        pipe = self.pipe
+        image = to_pil(spec.options["image"])
+        crf = spec.options.get("image_crf")
+        crf = resolve_default_image_crf(pipe.text_encoder) if crf is None else crf
+        if crf != 0:
+            image = PIL.Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
+        pixels = pipe.video_processor.preprocess(image, height=spec.height, width=spec.width)
+        pixels = pixels.to(self.pg.device, dtype=self.dtype).to(pipe.vae.dtype)
+        latents = pipe.vae.encode(pixels[:, :, None]).latent_dist.mode()
+        latents = pipe._normalize_latents(latents.to(self.dtype), pipe.vae.latents_mean, pipe.vae.latents_std)
+        return {"image_latents": latents}
+
     def _text_parts(self, text: torch.Tensor):
         """The packed context -> (video context, audio context, mask)."""
         da = self._audio_context_dim
@@ -245,7 +288,7 @@ class LTX2Family(VideoFamily):
         return ("ltx2", *r.latents.shape[1:], *r.audio_latents.shape[1:], r.latent_frames, r.latent_height,
                 r.latent_width, tuple(g["spatio_temporal_guidance_blocks"]) if g["stg"] else None, g["modality"])
 
-    def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> LTX2Request:
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor, image_latents: torch.Tensor = None) -> LTX2Request:
         from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
         from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
 
@@ -256,6 +299,14 @@ class LTX2Family(VideoFamily):
         F, h, w = (spec.num_frames - 1) // vae_t + 1, spec.height // vae_s, spec.width // vae_s
         noise = torch.randn((B, pipe.transformer.config.in_channels, F, h, w), generator=generator,
                             dtype=torch.float32)                                          # prepare_latents
+        mask = None
+        if image_latents is not None:                       # the first latent frame is the image's, kept clean
+            cond = torch.zeros((B, 1, F, h, w))
+            cond[:, :, 0] = 1.0
+            image_latents = image_latents.float().cpu().repeat(B, 1, F, 1, 1)
+            noise = image_latents * cond + noise * (1 - cond)
+            mask = pipe._pack_latents(cond, pipe.transformer_spatial_patch_size,
+                                      pipe.transformer_temporal_patch_size).squeeze(-1).to(device)   # (B, S)
         latents = pipe._pack_latents(noise, pipe.transformer_spatial_patch_size,
                                      pipe.transformer_temporal_patch_size).to(device)
         fps = float(spec.fps)
@@ -283,7 +334,7 @@ class LTX2Family(VideoFamily):
                           text=text, scheduler=scheduler, latents=latents, audio_latents=audio_latents,
                           audio_scheduler=audio_scheduler, latent_frames=F, latent_height=h, latent_width=w,
                           audio_frames=A, video_coords=video_coords, audio_coords=audio_coords,
-                          guidance=guidance_settings(spec))
+                          guidance=guidance_settings(spec), mask=mask)
         # the whole clip is pushed once and decoded once (with its sound), by this request's decoder
         req.frames = FrameStream(FramesPolicy(vae_t, whole=True), lambda _: LTX2Decoder(self, req), spec.output,
                                  self.pg.rank, spec.num_frames)
@@ -295,6 +346,8 @@ class LTX2Family(VideoFamily):
         text = r.text[-r.spec.batch_size:] if cond_only and r.spec.use_cfg else r.text
         video_ctx, audio_ctx, mask = self._text_parts(text)
         t = r.scheduler.timesteps[r.steps_done].reshape(1).expand(rows * r.spec.batch_size)
+        # image-to-video: a timestep per video token, 0 on the conditioned first frame (the sound's stays per row)
+        video_t = t if r.mask is None else t.unsqueeze(-1) * (1 - torch.cat([r.mask] * rows))
 
         def rep(x):
             return torch.cat([x] * rows) if rows > 1 else x
@@ -302,13 +355,15 @@ class LTX2Family(VideoFamily):
         return {"hidden_states": rep(r.latents).to(self.dtype),
                 "audio_hidden_states": rep(r.audio_latents).to(self.dtype),
                 "encoder_hidden_states": video_ctx, "audio_encoder_hidden_states": audio_ctx,
-                "timestep": t, "encoder_attention_mask": mask, "video_coords": rep(r.video_coords),
+                "timestep": video_t, "audio_timestep": t, "encoder_attention_mask": mask,
+                "video_coords": rep(r.video_coords),
                 "audio_coords": rep(r.audio_coords)}
 
     def forward(self, model, inputs: dict, cfg_parallel: bool, r: LTX2Request = None, **flags):
         kw = {k: torch.cat(v) for k, v in inputs.items()}
         kw["timestep"] = kw["timestep"].to(self.pg.device)
-        kw.update(sigma=kw["timestep"], audio_encoder_attention_mask=kw["encoder_attention_mask"],
+        kw["audio_timestep"] = kw["audio_timestep"].to(self.pg.device)
+        kw.update(sigma=kw["audio_timestep"], audio_encoder_attention_mask=kw["encoder_attention_mask"],
                   num_frames=r.latent_frames, height=r.latent_height, width=r.latent_width,
                   audio_num_frames=r.audio_frames, use_cross_timestep=True, **flags)
         video, audio = model(self.sp_cfg if cfg_parallel else self.sp,
@@ -380,7 +435,10 @@ class LTX2Family(VideoFamily):
             if g[f"{prefix}guidance_rescale"] > 0:
                 guided = rescale_noise_cfg(guided, cond, guidance_rescale=g[f"{prefix}guidance_rescale"])
             velocity = (x - guided) / sigma
-            new.append(sched.step(velocity, sched.timesteps[i], x, return_dict=False)[0])
+            stepped = sched.step(velocity, sched.timesteps[i], x, return_dict=False)[0]
+            if s == 0 and r.mask is not None:     # image-to-video: the conditioned tokens stay as they are
+                stepped = torch.where(r.mask[..., None].bool(), x, stepped)
+            new.append(stepped)
         r.latents, r.audio_latents = new
         r.steps_done += 1
         if r.denoised:

@@ -176,3 +176,27 @@ def test_audio_of_a_model_without_sound_is_refused_naming_the_field():
         complete_request(RequestInput(prompt="x", options={"audio": True}), family, family.describe(root),
                          EngineConfig(model="tiny-wan"))
     assert e.value.field == "audio"
+
+
+@pytest.fixture(scope="module")
+def first_frame():
+    import PIL.Image
+
+    rng = np.random.default_rng(0)
+    return PIL.Image.fromarray((rng.random((96, 160, 3)) * 255).astype(np.uint8))
+
+
+def test_image_to_video_matches_diffusers_at_one_worker_and_two(first_frame):
+    from diffusers import LTX2ImageToVideoPipeline
+
+    ref = LTX2ImageToVideoPipeline.from_pretrained(str(resolve_model("tiny-ltx2-i2v")))
+    ref.set_progress_bar_config(disable=True)
+    want = reference(ref, image=first_frame, **CASE, **GUIDANCE)
+    for workers in (1, 2):
+        with VideoPipeline.from_pretrained("tiny-ltx2-i2v", workers=workers, device="cpu") as pipe:
+            out = pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, image=first_frame, **CASE, **GUIDANCE)
+            assert_close(out.frames, want.frames)
+            assert_close(out.audio, want.audio.numpy())
+            with pytest.raises(RequestError) as e:                      # an image-to-video checkpoint needs one
+                pipe.make_spec(PROMPT, NEGATIVE, seed=0, **CASE)
+            assert e.value.field == "image"

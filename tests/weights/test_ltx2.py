@@ -4,6 +4,7 @@ the published components (sound included: the audio VAE and the vocoder), with o
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -20,6 +21,15 @@ def test_the_build_equals_the_committed_checkpoint_byte_for_byte(tmp_path):
     built = build_tiny_ltx2.build(tmp_path / "tiny-ltx2")
     assert len(digests(built)) == 18
     assert_rebuilt(built, resolve_model("tiny-ltx2"))
+
+
+def test_the_image_to_video_directory_is_rebuilt_as_links_to_the_text_to_video_components(tmp_path):
+    (tmp_path / "tiny-ltx2").symlink_to(resolve_model("tiny-ltx2"), target_is_directory=True)
+    built = build_tiny_ltx2.build(tmp_path / "tiny-ltx2-i2v", kind="i2v")
+    shipped = resolve_model("tiny-ltx2-i2v")
+    assert {p.name: os.readlink(p) if p.is_symlink() else p.read_text() for p in sorted(built.iterdir())} == \
+           {p.name: os.readlink(p) if p.is_symlink() else p.read_text() for p in sorted(shipped.iterdir())}
+    assert read_model_index("tiny-ltx2-i2v")["_class_name"] == "LTX2ImageToVideoPipeline"
 
 
 def test_the_checkpoint_is_small_and_has_the_published_structure():

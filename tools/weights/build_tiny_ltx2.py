@@ -4,6 +4,8 @@ Usage::
 
     python -m tools.weights.build_tiny_ltx2              # (re)writes weights/tiny-ltx2/
     python -m tools.weights.build_tiny_ltx2 --out DIR
+    python -m tools.weights.build_tiny_ltx2 --kind i2v   # weights/tiny-ltx2-i2v: an LTX2ImageToVideoPipeline index
+                                                          # over links to tiny-ltx2's components
 
 A complete diffusers ``LTX2Pipeline`` directory: model_index.json names the published component classes
 (``GemmaTokenizerFast``, ``Gemma3ForConditionalGeneration``, ``LTX2TextConnectors``,
@@ -196,16 +198,41 @@ def write_tiny_ltx2(out_dir: Path) -> None:
     (out_dir / GENERATION_DEFAULTS_FILE).write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
 
 
-def build(out: str | Path | None = None) -> Path:
+#: tiny-ltx2-i2v: the same components (links to tiny-ltx2's) under an `LTX2ImageToVideoPipeline` index
+I2V_SOURCE = "tiny-ltx2"
+I2V_LINKED = ("audio_vae", "connectors", "scheduler", "text_encoder", "tokenizer", "transformer", "vae", "vocoder")
+
+
+def write_tiny_ltx2_i2v(out_dir: Path) -> None:
+    import os
+
+    source = TINY_MODELS[I2V_SOURCE]
+    index = json.loads((source / "model_index.json").read_text())
+    index["_class_name"] = "LTX2ImageToVideoPipeline"
+    (out_dir / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out_dir / GENERATION_DEFAULTS_FILE).write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
+    for name in I2V_LINKED:
+        os.symlink(f"../{I2V_SOURCE}/{name}", out_dir / name, target_is_directory=True)
+    for path in (out_dir / "model_index.json", out_dir / GENERATION_DEFAULTS_FILE):
+        path.chmod(0o644)
+    out_dir.chmod(0o755)
+
+
+def build(out: str | Path | None = None, kind: str = "t2v") -> Path:
+    if kind == "i2v":
+        return write_whole(TINY_MODELS["tiny-ltx2-i2v"] if out is None else out, write_tiny_ltx2_i2v,
+                           resolve=False, normalise=False)
     return write_whole(TINY_MODELS["tiny-ltx2"] if out is None else out, write_tiny_ltx2)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_ltx2", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None, help="output directory (default: weights/tiny-ltx2)")
+    ap.add_argument("--kind", choices=("t2v", "i2v"), default="t2v",
+                    help="t2v: weights/tiny-ltx2; i2v: weights/tiny-ltx2-i2v (links to tiny-ltx2's components)")
+    ap.add_argument("--out", default=None, help="output directory (default: the shipped one)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    report(build(args.out), time.perf_counter() - t0, kind="ltx2")
+    report(build(args.out, args.kind), time.perf_counter() - t0, kind=f"ltx2-{args.kind}")
     return 0
 
 
