@@ -151,6 +151,8 @@ class LTX2Family(VideoFamily):
         for k, v in desc.defaults.options.items():           # the checkpoint's guidance defaults
             if k in GUIDANCE_DEFAULTS:
                 o.setdefault(k, v)
+        if spec.guidance_scale <= 1 and "audio_guidance_scale" not in o:
+            o["audio_guidance_scale"] = 1.0       # no CFG asked: none for the sound either (diffusers' default is 7)
         spec.options = o
         check_common(desc, spec)
         for name in ("guidance_rescale", "audio_guidance_rescale"):

@@ -81,6 +81,8 @@ def test_distilled_schedule_without_cfg_matches_diffusers(pipe1, diffusers_pipe)
                      guidance_rescale=0.0, audio_guidance_rescale=0.0, **PLAIN)
     spec = pipe1.make_spec(PROMPT, NEGATIVE, seed=0, height=96, width=160, num_frames=17, distilled=True)
     assert (spec.num_inference_steps, spec.guidance_scale, spec.use_cfg) == (8, 1.0, False)
+    # no CFG asked: none for the sound either, unless its own scale is given (then refused: the rows are shared)
+    assert pipe1.make_spec(PROMPT, seed=0, **dict(CASE, guidance_scale=1.0)).options["audio_guidance_scale"] == 1.0
     frames, info = run(pipe1, height=96, width=160, num_frames=17, distilled=True)
     assert_close(frames, want.frames)
     assert_close(info["audio"], want.audio.numpy())
