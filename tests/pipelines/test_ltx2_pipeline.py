@@ -101,7 +101,8 @@ def test_n_workers_match_one_worker_under_each_plan(pipe1, workers):
     kw = dict(CASE, **GUIDANCE, output_type="latent")
     want, want_info = run(pipe1, **kw)
     with VideoPipeline.from_pretrained("tiny-ltx2", workers=workers, device="cpu") as pipe:
-        plans = [("ulysses", False), ("ring", False), ("ulysses", True)] if workers == 2 else [("ring", False)]
+        plans = [("ulysses", False), ("ring", False), ("ulysses", True)] if workers == 2 else \
+            [("ring", False), ("ulysses", False)]
         for parallel, cfg_parallel in plans:
             pipe.engine.set_plan(parallel, None, cfg_parallel=cfg_parallel)
             got, info = run(pipe, **kw)
