@@ -48,6 +48,7 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-helios-distilled": _HERE / "tiny-helios-distilled",
     "tiny-ltx2": _HERE / "tiny-ltx2",
     "tiny-ltx2-i2v": _HERE / "tiny-ltx2-i2v",
+    "tiny-ltx2-upsample": _HERE / "tiny-ltx2-upsample",
 }
 
 #: Shipped LoRA adapters for tiny-wan (tools/weights/build_tiny_lora.py): a short name -> its file, usable wherever a
@@ -74,6 +75,7 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-helios-distilled": "python -m tools.weights.build_tiny_helios --kind distilled",
     "tiny-ltx2": "python -m tools.weights.build_tiny_ltx2",
     "tiny-ltx2-i2v": "python -m tools.weights.build_tiny_ltx2 --kind i2v",
+    "tiny-ltx2-upsample": "python -m tools.weights.build_tiny_ltx2 --kind upsample",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

@@ -66,12 +66,15 @@ OPTIONS = (*GUIDANCE_DEFAULTS, "sigmas", "distilled", "motion_speed", "audio", "
 #: before its VAE encode (diffusers' `image_crf`; None: the model's, 33 for the Gemma 3 generations; 0: none)
 I2V_OPTIONS = ("image", "image_crf")
 IMAGE_PIPELINES = frozenset({"LTX2ImageToVideoPipeline"})
+#: the second stage's schedule (diffusers' `STAGE_2_DISTILLED_SIGMA_VALUES`), for `upsample`
+STAGE_2_SIGMAS = (0.909375, 0.725, 0.421875)
 
 
 @dataclass(frozen=True)
 class LTX2Facts(FamilyFacts):
     layers: int                         # transformer blocks (STG's block indices are checked against it)
     audio_rate: int                     # the vocoder's output sampling rate (Hz)
+    upsampler: bool = False             # the checkpoint ships a latent upsampler (`latent_upsampler/`): `upsample`
 
 
 @dataclass
@@ -86,6 +89,11 @@ class LTX2Request(WorkerRequest):
     audio_coords: torch.Tensor = None
     guidance: dict = None               # the request's resolved guidance settings (see `guidance_settings`)
     mask: torch.Tensor = None           # image-to-video: (B, S) 1 on the conditioned (first-frame) tokens, else None
+    cfg: bool = False                   # this stage's forward has [uncond; cond] rows (the second stage has none)
+    upsample: bool = False              # two stages: half the size, the latent upsampler, the distilled second stage
+    stage: int = 0
+    stage_start: int = 0                # steps done before this stage (its scheduler counts from there)
+    fps_rate: float = 24.0              # the frame rate the positions are conditioned on
 
 
 def guidance_settings(spec: GenerationSpec) -> dict:
@@ -124,13 +132,15 @@ class LTX2Family(VideoFamily):
         spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 8
         temporal = vae.get("temporal_compression_ratio") or 8
         i2v = index["_class_name"] in IMAGE_PIPELINES
-        options = (*OPTIONS, *I2V_OPTIONS) if i2v else OPTIONS
+        upsampler = (model_dir / "latent_upsampler" / "config.json").is_file()
+        options = (*OPTIONS, *(I2V_OPTIONS if i2v else ()), *(("upsample",) if upsampler else ()))
         return ModelDescription(
             family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
             size_multiple=spatial * cfg.get("patch_size", 1), frame_multiple=temporal * cfg.get("patch_size_t", 1),
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
             options=options, capabilities=cls.capabilities(options, image=REQUIRED if i2v else REFUSED),
-            facts=LTX2Facts(layers=cfg["num_layers"], audio_rate=vocoder.get("output_sampling_rate", 24000)))
+            facts=LTX2Facts(layers=cfg["num_layers"], audio_rate=vocoder.get("output_sampling_rate", 24000),
+                            upsampler=upsampler))
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
@@ -163,6 +173,14 @@ class LTX2Family(VideoFamily):
                 check_number(name, o[name], 0, 100)
         if "motion_speed" in o:
             check_number("motion_speed", o["motion_speed"], 0.01, 100)
+        if o.get("upsample") is not None:
+            if not isinstance(o["upsample"], bool):
+                raise RequestError("upsample", f"upsample must be true or false; got {o['upsample']!r}")
+            m = 2 * desc.size_multiple
+            for name in ("height", "width"):
+                if o["upsample"] and getattr(spec, name) % m:
+                    raise RequestError(name, f"{name} must be a multiple of {m} with upsample (the first stage "
+                                             f"makes half the size); got {getattr(spec, name)}")
         if "audio" in o and not isinstance(o["audio"], bool):
             raise RequestError("audio", f"audio must be true or false; got {o['audio']!r}")
         blocks = o.get("spatio_temporal_guidance_blocks", GUIDANCE_DEFAULTS["spatio_temporal_guidance_blocks"])
@@ -211,6 +229,12 @@ class LTX2Family(VideoFamily):
                                        {"default": self.dtype, "vae": torch.float32, "audio_vae": torch.float32,
                                         "vocoder": torch.float32})
         self.experts = self.load_denoisers(Denoisers((self.pipe.transformer,)))
+        self.upsampler = None
+        if self.desc.facts.upsampler:                   # every rank runs it (identical inputs, identical outputs)
+            from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel
+
+            self.upsampler = LTX2LatentUpsamplerModel.from_pretrained(
+                Path(config.model_dir) / "latent_upsampler", dtype=self.dtype).to(self.pg.device).eval()
         self.set_plan(config.plan)
 
     def shard(self, denoiser):
@@ -298,7 +322,9 @@ class LTX2Family(VideoFamily):
         generator = seeded_generator(spec.seed)
         B, device = spec.batch_size, self.pg.device
         vae_s, vae_t = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
-        F, h, w = (spec.num_frames - 1) // vae_t + 1, spec.height // vae_s, spec.width // vae_s
+        upsample = bool(o.get("upsample", False))
+        scale = 2 if upsample else 1                        # the first stage at half the size
+        F, h, w = (spec.num_frames - 1) // vae_t + 1, spec.height // vae_s // scale, spec.width // vae_s // scale
         noise = torch.randn((B, pipe.transformer.config.in_channels, F, h, w), generator=generator,
                             dtype=torch.float32)                                          # prepare_latents
         mask = None
@@ -336,7 +362,10 @@ class LTX2Family(VideoFamily):
                           text=text, scheduler=scheduler, latents=latents, audio_latents=audio_latents,
                           audio_scheduler=audio_scheduler, latent_frames=F, latent_height=h, latent_width=w,
                           audio_frames=A, video_coords=video_coords, audio_coords=audio_coords,
-                          guidance=guidance_settings(spec), mask=mask)
+                          guidance=guidance_settings(spec), mask=mask, cfg=spec.use_cfg, upsample=upsample,
+                          fps_rate=rate)
+        if upsample:
+            req.num_steps += len(STAGE_2_SIGMAS)
         # the whole clip is pushed once and decoded once (with its sound), by this request's decoder
         req.frames = FrameStream(FramesPolicy(vae_t, whole=True), lambda _: LTX2Decoder(self, req), spec.output,
                                  self.pg.rank, spec.num_frames)
@@ -344,10 +373,10 @@ class LTX2Family(VideoFamily):
         return req
 
     def inputs(self, r: LTX2Request, cond_only: bool = False) -> dict:
-        rows = 2 if r.spec.use_cfg and not cond_only else 1
-        text = r.text[-r.spec.batch_size:] if cond_only and r.spec.use_cfg else r.text
+        rows = 2 if r.cfg and not cond_only else 1
+        text = r.text[-r.spec.batch_size:] if cond_only and r.cfg else r.text
         video_ctx, audio_ctx, mask = self._text_parts(text)
-        t = r.scheduler.timesteps[r.steps_done].reshape(1).expand(rows * r.spec.batch_size)
+        t = r.scheduler.timesteps[r.steps_done - r.stage_start].reshape(1).expand(rows * r.spec.batch_size)
         # image-to-video: a timestep per video token, 0 on the conditioned first frame (the sound's stays per row)
         video_t = t if r.mask is None else t.unsqueeze(-1) * (1 - torch.cat([r.mask] * rows))
 
@@ -377,7 +406,7 @@ class LTX2Family(VideoFamily):
         then, when the batch's guidance asks for them, the STG and the modality forwards of the conditional rows."""
         t0 = time.perf_counter()
         model, first = self.experts[0], reqs[0]
-        cfg_parallel = self.cfg_groups is not None and all(r.spec.use_cfg for r in reqs)
+        cfg_parallel = self.cfg_groups is not None and all(r.cfg for r in reqs)
         g = first.guidance
         passes = {}
         with torch.no_grad():
@@ -406,7 +435,7 @@ class LTX2Family(VideoFamily):
         """LTX-2's guidance in x0 space for both streams, then each stream's scheduler step."""
         from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
-        g, B, i = r.guidance, r.spec.batch_size, r.steps_done
+        g, B, i = r.guidance, r.spec.batch_size, r.steps_done - r.stage_start
         S, A = r.latents.shape[1], r.audio_latents.shape[1]
 
         def streams(o):                     # (rows, S*C + A*Ca) -> video (rows, S, C), audio (rows, A, Ca)
@@ -424,7 +453,7 @@ class LTX2Family(VideoFamily):
                 return x - v * sigma
 
             pred = main[s]
-            if r.spec.use_cfg:
+            if r.cfg:
                 uncond, cond = x0(pred[:B]), x0(pred[B:])
                 delta = (g[f"{prefix}guidance_scale"] - 1) * (cond - uncond)
             else:
@@ -443,9 +472,50 @@ class LTX2Family(VideoFamily):
             new.append(stepped)
         r.latents, r.audio_latents = new
         r.steps_done += 1
+        if r.upsample and r.stage == 0 and r.steps_done == r.num_steps - len(STAGE_2_SIGMAS):
+            self._start_stage_2(r)
         if r.denoised:
             info = {"audio_latents": self.final_audio_latents(r).cpu()} if r.spec.output == "latent" else {}
             r.frames.push(self.final_latents(r), info=info, last=True)
+
+    def _start_stage_2(self, r: LTX2Request) -> None:
+        """The latent upsampler's second stage, as diffusers' two-stage recipe runs it: the first stage's latents
+        (de-normalised) through `LTX2LatentUpsamplerModel`, then `LTX2Pipeline` again at the full size from those
+        latents and the first stage's sound, re-noised to `STAGE_2_DISTILLED_SIGMA_VALUES[0]` by a generator seeded
+        with the request's seed, over those sigmas, without CFG, STG or modality guidance."""
+        from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
+
+        pipe, device = self.pipe, self.pg.device
+        video = self.final_latents(r)                                               # (B, C, F, h, w) de-normalised
+        audio = self.final_audio_latents(r)                                         # (B, C, L, M) de-normalised
+        up = self.upsampler(video.to(self.upsampler.dtype)).float()                 # (B, C, F, 2h, 2w)
+        generator, scale = seeded_generator(r.spec.seed), STAGE_2_SIGMAS[0]
+        r.latent_height, r.latent_width = up.shape[3], up.shape[4]
+        up = pipe._normalize_latents(up, pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor)
+        up = pipe._pack_latents(up, pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+        noise = torch.randn(up.shape, generator=generator, dtype=torch.float32).to(device)     # on the tokens
+        r.latents = scale * noise + (1 - scale) * up
+        audio = pipe._normalize_audio_latents(pipe._pack_audio_latents(audio), pipe.audio_vae.latents_mean,
+                                              pipe.audio_vae.latents_std)
+        noise = torch.randn(audio.shape, generator=generator, dtype=torch.float32).to(device)
+        r.audio_latents = scale * noise + (1 - scale) * audio
+        c = pipe.scheduler.config
+        mu = calculate_shift(r.latents.shape[1], c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.95), c.get("max_shift", 2.05))
+        r.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        r.audio_scheduler = copy.deepcopy(r.scheduler)
+        for s in (r.audio_scheduler, r.scheduler):
+            retrieve_timesteps(s, len(STAGE_2_SIGMAS), device, None, sigmas=np.asarray(STAGE_2_SIGMAS), mu=mu)
+            s.set_begin_index(0)
+        B = r.spec.batch_size
+        r.video_coords = pipe.transformer.rope.prepare_video_coords(B, r.latent_frames, r.latent_height,
+                                                                    r.latent_width, device, fps=r.fps_rate)
+        r.text = r.text[-B:]                                                         # the conditional rows only
+        r.cfg, r.stage, r.stage_start = False, 1, r.steps_done
+        r.guidance = {**r.guidance, "guidance_scale": 1.0, "audio_guidance_scale": 1.0, "stg_scale": 0.0,
+                      "audio_stg_scale": 0.0, "modality_scale": 1.0, "audio_modality_scale": 1.0, "stg": False,
+                      "modality": False}
+        r.batch_key = self.batch_key(r)
 
     def final_latents(self, r: LTX2Request) -> torch.Tensor:
         """The denoised video latents unpacked and de-normalised (B, C, F, h, w): what diffusers decodes (and returns

@@ -203,3 +203,34 @@ def test_image_to_video_matches_diffusers_at_one_worker_and_two(first_frame):
             with pytest.raises(RequestError) as e:                      # an image-to-video checkpoint needs one
                 pipe.make_spec(PROMPT, NEGATIVE, seed=0, **CASE)
             assert e.value.field == "image"
+
+
+def test_the_latent_upsamplers_second_stage_matches_diffusers_two_stage_recipe_on_two_workers():
+    """`upsample=True` on a checkpoint that ships `latent_upsampler/`: the first stage at half the size, the
+    upsampler, the distilled second stage at the full size, as diffusers' recipe chains LTX2Pipeline ->
+    LTX2LatentUpsamplePipeline -> LTX2Pipeline (same seed for both stages)."""
+    from diffusers import LTX2Pipeline
+    from diffusers.pipelines.ltx2 import LTX2LatentUpsamplePipeline, LTX2LatentUpsamplerModel
+    from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES as STAGE_2
+
+    root = resolve_model("tiny-ltx2-upsample")
+    ref = LTX2Pipeline.from_pretrained(str(root))
+    ref.set_progress_bar_config(disable=True)
+    upsampler = LTX2LatentUpsamplePipeline(vae=ref.vae, latent_upsampler=LTX2LatentUpsamplerModel.from_pretrained(
+        str(root / "latent_upsampler")))
+    kw = dict(num_frames=17, **GUIDANCE)
+    video, audio = reference(ref, height=64, width=96, num_inference_steps=3, guidance_scale=3.0,
+                             output_type="latent", return_dict=False, **kw)
+    video = upsampler(latents=video, height=64, width=96, num_frames=17, output_type="latent", return_dict=False)[0]
+    want = reference(ref, height=128, width=192, latents=video, audio_latents=audio, sigmas=STAGE_2,
+                     noise_scale=STAGE_2[0], num_inference_steps=len(STAGE_2), guidance_scale=1.0,
+                     **dict(kw, audio_guidance_scale=1.0, **PLAIN))
+    with VideoPipeline.from_pretrained("tiny-ltx2-upsample", workers=2, device="cpu") as pipe:
+        out = pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, height=128, width=192, num_inference_steps=3,
+                   guidance_scale=3.0, upsample=True, **kw)
+        assert out.frames.shape == (1, 17, 128, 192, 3)
+        assert_close(out.frames, want.frames)
+        assert_close(out.audio, want.audio.numpy())
+        with pytest.raises(RequestError) as e:                    # the first stage is half the size: 64k pixels
+            pipe.make_spec(PROMPT, seed=0, height=96, width=192, upsample=True)
+        assert e.value.field == "height"

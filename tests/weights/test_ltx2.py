@@ -32,6 +32,15 @@ def test_the_image_to_video_directory_is_rebuilt_as_links_to_the_text_to_video_c
     assert read_model_index("tiny-ltx2-i2v")["_class_name"] == "LTX2ImageToVideoPipeline"
 
 
+def test_the_upsampler_directory_is_rebuilt_byte_for_byte_beside_links(tmp_path):
+    (tmp_path / "tiny-ltx2").symlink_to(resolve_model("tiny-ltx2"), target_is_directory=True)
+    built = build_tiny_ltx2.build(tmp_path / "tiny-ltx2-upsample", kind="upsample")
+    shipped = resolve_model("tiny-ltx2-upsample")
+    assert sorted(p.name for p in built.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    assert all(os.readlink(built / n) == os.readlink(shipped / n) for n in build_tiny_ltx2.I2V_LINKED)
+    assert_rebuilt(built / "latent_upsampler", shipped / "latent_upsampler")
+
+
 def test_the_checkpoint_is_small_and_has_the_published_structure():
     root = resolve_model("tiny-ltx2")
     assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) < 3 * 2**20

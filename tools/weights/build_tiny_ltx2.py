@@ -6,6 +6,8 @@ Usage::
     python -m tools.weights.build_tiny_ltx2 --out DIR
     python -m tools.weights.build_tiny_ltx2 --kind i2v   # weights/tiny-ltx2-i2v: an LTX2ImageToVideoPipeline index
                                                           # over links to tiny-ltx2's components
+    python -m tools.weights.build_tiny_ltx2 --kind upsample  # weights/tiny-ltx2-upsample: the same links and a
+                                                              # latent upsampler (LTX2LatentUpsamplerModel)
 
 A complete diffusers ``LTX2Pipeline`` directory: model_index.json names the published component classes
 (``GemmaTokenizerFast``, ``Gemma3ForConditionalGeneration``, ``LTX2TextConnectors``,
@@ -218,17 +220,45 @@ def write_tiny_ltx2_i2v(out_dir: Path) -> None:
     out_dir.chmod(0o755)
 
 
+#: tiny-ltx2-upsample: tiny-ltx2's components (links) and a latent upsampler of its own (2x spatial)
+UPSAMPLER_CONFIG = dict(in_channels=VIDEO_LATENT_CHANNELS, mid_channels=32, num_blocks_per_stage=1, dims=3,
+                        spatial_upsample=True, temporal_upsample=False)
+
+
+def write_tiny_ltx2_upsample(out_dir: Path) -> None:
+    import os
+
+    from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel
+
+    source = TINY_MODELS[I2V_SOURCE]
+    (out_dir / "model_index.json").write_text((source / "model_index.json").read_text())
+    (out_dir / GENERATION_DEFAULTS_FILE).write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
+    for name in I2V_LINKED:
+        os.symlink(f"../{I2V_SOURCE}/{name}", out_dir / name, target_is_directory=True)
+    torch.manual_seed(SEED)
+    upsampler = reinit_(LTX2LatentUpsamplerModel(**UPSAMPLER_CONFIG).eval(), SEED + 7)
+    upsampler.save_pretrained(str(out_dir / "latent_upsampler"), safe_serialization=True)
+    for path in out_dir.rglob("*"):
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    out_dir.chmod(0o755)
+
+
 def build(out: str | Path | None = None, kind: str = "t2v") -> Path:
     if kind == "i2v":
         return write_whole(TINY_MODELS["tiny-ltx2-i2v"] if out is None else out, write_tiny_ltx2_i2v,
+                           resolve=False, normalise=False)
+    if kind == "upsample":
+        return write_whole(TINY_MODELS["tiny-ltx2-upsample"] if out is None else out, write_tiny_ltx2_upsample,
                            resolve=False, normalise=False)
     return write_whole(TINY_MODELS["tiny-ltx2"] if out is None else out, write_tiny_ltx2)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_ltx2", description=__doc__.split("\n")[0])
-    ap.add_argument("--kind", choices=("t2v", "i2v"), default="t2v",
-                    help="t2v: weights/tiny-ltx2; i2v: weights/tiny-ltx2-i2v (links to tiny-ltx2's components)")
+    ap.add_argument("--kind", choices=("t2v", "i2v", "upsample"), default="t2v",
+                    help="t2v: weights/tiny-ltx2; i2v: weights/tiny-ltx2-i2v (links to tiny-ltx2's components); "
+                         "upsample: weights/tiny-ltx2-upsample (the links and a latent upsampler)")
     ap.add_argument("--out", default=None, help="output directory (default: the shipped one)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
