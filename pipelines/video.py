@@ -38,16 +38,35 @@ PIPELINE_DEFAULTS = {"decode_chunk_frames": WHOLE_VIDEO, "max_steps_per_job": 8}
 @dataclass
 class VideoOutput:
     """`frames`: float32 (B, T, H, W, 3) in [0, 1] for output_type "np"; latents (B, C, T, h, w) for "latent".
-    `lora`: the LoRA adapters the video was made with, [{"name", "scale"}, ...]."""
+    `lora`: the LoRA adapters the video was made with, [{"name", "scale"}, ...]. `audio`: a model with sound
+    (LTX-2): float32 samples (B, channels, n) in [-1, 1] at `audio_rate` Hz (for output_type "latent": the audio
+    latents); None for a model without sound, or a request with `audio=False`."""
 
     frames: object
     timings: dict = field(default_factory=dict)
     lora: list = field(default_factory=list)
+    audio: object = None
+    audio_rate: int | None = None
 
     def save(self, path, fps: int = 8, index: int = 0) -> str:
-        """Write video `index` of the batch as MP4 (H.264 through imageio-ffmpeg)."""
+        """Write video `index` of the batch as MP4 (H.264 through imageio-ffmpeg), with its sound as an AAC track
+        when it has one."""
         save_video(self.frames[index], path, fps)
+        if self.audio is not None and self.audio_rate:
+            from longserve.pipelines.sound import as_sound, mux_audio
+
+            mux_audio(path, path, as_sound(self.audio[index], self.audio_rate))
         return str(path)
+
+
+def sound_of(out: FramesChunk) -> dict:
+    """The sound a chunk carries (a model with sound hands it out with its last frames): {"samples", "rate"}, the
+    audio latents for output "latent", or {}."""
+    if out.info.get("audio") is not None:
+        return {"samples": out.info["audio"], "rate": out.info.get("audio_rate")}
+    if out.info.get("audio_latents") is not None:
+        return {"samples": out.info["audio_latents"]}
+    return {}
 
 
 def save_video(frames: np.ndarray, path, fps: int = 8) -> None:
@@ -254,13 +273,15 @@ class VideoPipeline:
                               guidance_scale, seed, output_type, decode_chunk_size, seconds=seconds, fps=fps,
                               **options)
         t_start = time.perf_counter()
-        chunks, timings = [], {}
+        chunks, timings, sound = [], {}, {}
         checked: list = []
         for out in self._outputs(spec, callback, checked):
             if isinstance(out, FramesChunk):
                 chunks.append(out.frames)
+                sound.update(sound_of(out))
             elif isinstance(out, Requeued):
                 chunks.clear()      # the workers restarted under it: it is made again, from the first frame
+                sound.clear()
             elif isinstance(out, Finished):
                 timings = out.timings
         if output_type == "latent":      # one piece, or a causal model's chunks (B, C, k, h, w) in order
@@ -272,15 +293,18 @@ class VideoPipeline:
         wall = time.perf_counter() - t_start
         timings = dict(timings, wall_s=wall)
         timings["overhead_s"] = wall - timings["encode_s"] - timings["transformer_s"] - timings["vae_s"]
-        return VideoOutput(frames=video, timings=timings, lora=[dict(e) for e in checked[0].lora or []])
+        return VideoOutput(frames=video, timings=timings, lora=[dict(e) for e in checked[0].lora or []],
+                           audio=sound.get("samples"), audio_rate=sound.get("rate"))
 
     def stream(self, prompt: str | list, negative_prompt: str = "", num_frames: int | None = None,
                height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
                guidance_scale: float | None = None,
                seed: int | None = None, callback: Callable[[int, int], None] | None = None,
                decode_chunk_size: int = 8, timings: dict | None = None, seconds: float | None = None,
-               fps: int | None = None, **options) -> Iterator[np.ndarray]:
+               fps: int | None = None, sound: dict | None = None, **options) -> Iterator[np.ndarray]:
         """Generate one video and yield its frames as soon as they are final: float32 (T_i, H, W, 3) in [0, 1].
+        Pass a dict as `sound` to receive a model's sound ({"samples": (channels, n) float32, "rate": Hz}) with the
+        last frames.
 
         The chunks concatenate to what `__call__` returns for the same arguments. A long
         video (diffusion forcing) yields each segment's frames while later segments are
@@ -303,6 +327,8 @@ class VideoPipeline:
             if isinstance(out, FramesChunk) and out.stop > yielded:
                 frames = out.frames[0][max(0, yielded - out.start):]
                 yielded = out.stop
+                if sound is not None and sound_of(out):
+                    sound.update(samples=sound_of(out)["samples"][0], rate=sound_of(out)["rate"])
                 yield frames
             elif isinstance(out, Finished) and timings is not None:
                 timings.update(out.timings)

@@ -90,6 +90,7 @@ class FragmentedMP4Writer:
         self.bytes_written = 0
         self.frames_written = 0
         self._aborted = False
+        self.sound = None                   # pipelines.sound.Sound, muxed in as an AAC track when the picture is done
         self._on_done: Callable[[bool, str | None], None] | None = None
         self._done_lock = threading.Lock()
         # the hand-off: chunks of (bytes, frames) for the feeder, at most HANDOFF_CHUNKS; `_input_closed` once
@@ -167,6 +168,15 @@ class FragmentedMP4Writer:
 
     def _stalled(self) -> None:
         self._fail("encoding_failed", f"the encoder took no frames for {self.stall_timeout_s:g} s")
+
+    def add_audio(self, samples, rate: int) -> None:
+        """The video's sound, (channels, n) float32 at `rate` Hz (before `finish`): once the picture is complete, the
+        final file is the picture with the sound as an AAC track (`pipelines.sound.mux_audio`). The part file that
+        readers tail while the video is made holds the picture alone (its fragments are written before the sound
+        exists)."""
+        from longserve.pipelines.sound import as_sound
+
+        self.sound = as_sound(samples, rate)
 
     def finish(self, on_done: Callable[[bool, str | None], None] | None = None) -> None:
         """No more frames. Returns at once; `on_done(ok, error)` runs once the file is complete (or the writer
@@ -286,6 +296,14 @@ class FragmentedMP4Writer:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+            if self.sound is not None:
+                from longserve.pipelines.sound import mux_audio
+
+                try:
+                    mux_audio(self.part_path, self.part_path, self.sound)
+                except (RuntimeError, subprocess.SubprocessError) as e:
+                    self._fail("encoding_failed", str(e))
+                    return
             if self.part_path != self.final_path:
                 os.replace(self.part_path, self.final_path)
             fsync_dir(self.final_path.parent)

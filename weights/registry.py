@@ -48,6 +48,9 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-helios-distilled": _HERE / "tiny-helios-distilled",
     "tiny-hunyuan15": _HERE / "tiny-hunyuan15",
     "tiny-hunyuan15-i2v": _HERE / "tiny-hunyuan15-i2v",
+    "tiny-ltx2": _HERE / "tiny-ltx2",
+    "tiny-ltx2-i2v": _HERE / "tiny-ltx2-i2v",
+    "tiny-ltx2-upsample": _HERE / "tiny-ltx2-upsample",
 }
 
 #: Shipped LoRA adapters for tiny-wan (tools/weights/build_tiny_lora.py): a short name -> its file, usable wherever a
@@ -74,6 +77,9 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-helios-distilled": "python -m tools.weights.build_tiny_helios --kind distilled",
     "tiny-hunyuan15": "python -m tools.weights.build_tiny_hunyuan15 --kind t2v",
     "tiny-hunyuan15-i2v": "python -m tools.weights.build_tiny_hunyuan15 --kind i2v",
+    "tiny-ltx2": "python -m tools.weights.build_tiny_ltx2",
+    "tiny-ltx2-i2v": "python -m tools.weights.build_tiny_ltx2 --kind i2v",
+    "tiny-ltx2-upsample": "python -m tools.weights.build_tiny_ltx2 --kind upsample",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

@@ -67,6 +67,8 @@ class VideoOutputs:
             try:
                 await self.runner.run_io(self.write_frames, job, out)
                 await job.writer.write_async(out.frames[0])     # (n, H, W, 3) uint8: this job's own hand-off
+                if out.info.get("audio") is not None:             # a model's sound: muxed in when the picture is done
+                    job.writer.add_audio(out.info["audio"][0], out.info["audio_rate"])
             except OSError as e:                                  # the thumbnail, or the writer's part file
                 return self._write_failed(storage_error_code(e), f"writing the video failed: {e}")
             if job.writer.failed:

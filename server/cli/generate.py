@@ -180,12 +180,12 @@ def run(args) -> int:
             bar.total = total
             bar.update(step - bar.n)
 
-        writer, frames, timings = None, 0, {}
+        writer, frames, timings, sound = None, 0, {}, {}
         try:
             for chunk in pipe.stream(args.prompt, negative_prompt=args.negative_prompt, num_frames=args.frames,
                                      height=height, width=width, num_inference_steps=args.steps,
                                      guidance_scale=args.guidance_scale, seed=args.seed, callback=on_step,
-                                     timings=timings, seconds=args.seconds, fps=args.fps, **options):
+                                     timings=timings, seconds=args.seconds, fps=args.fps, sound=sound, **options):
                 pixels = (np.clip(chunk, 0, 1) * 255).round().astype(np.uint8)        # (n, H, W, 3)
                 if writer is None:
                     # one file, grown in place: every keyframe starts a fragment a player can show
@@ -197,6 +197,8 @@ def run(args) -> int:
             if bar is not None:
                 bar.close()
             if writer is not None:
+                if sound:                                # a model with sound: an AAC track beside the picture
+                    writer.add_audio(sound["samples"], sound["rate"])
                 writer.finish()
                 writer.done.wait(120)
         if writer is None or not writer.ok:

@@ -101,7 +101,9 @@ def test_resolve_model_finds_every_shipped_name_from_any_cwd(tmp_path, monkeypat
                "tiny-skyreels-df-i2v": "SkyReelsV2DiffusionForcingImageToVideoPipeline",
                "tiny-skyreels-df-v2v": "SkyReelsV2DiffusionForcingVideoToVideoPipeline",
                "tiny-helios": "HeliosPipeline", "tiny-helios-distilled": "HeliosPyramidPipeline",
-               "tiny-hunyuan15": "HunyuanVideo15Pipeline", "tiny-hunyuan15-i2v": "HunyuanVideo15ImageToVideoPipeline"}
+               "tiny-hunyuan15": "HunyuanVideo15Pipeline", "tiny-hunyuan15-i2v": "HunyuanVideo15ImageToVideoPipeline",
+               "tiny-ltx2": "LTX2Pipeline", "tiny-ltx2-i2v": "LTX2ImageToVideoPipeline",
+               "tiny-ltx2-upsample": "LTX2Pipeline"}
     assert sorted(TINY_MODELS) == sorted(classes)
     for name, cls in classes.items():
         root = resolve_model(name)

@@ -1,0 +1,81 @@
+"""LTX-2's sound over HTTP (tiny-ltx2 on 1 worker): the official openai client's `download_content` carries an AAC
+track as long as the sound the model made; `audio: false` gives a video-only file; a streamed download
+(`?stream=true`) is the picture's fragments as they are final, the completed file has the sound (docs/serving.md)."""
+
+import threading
+import time
+import warnings
+
+import httpx
+import pytest
+
+from longserve.server.api.app import create_app, serve_in_thread
+from longserve.server.api.service import ServeConfig, VideoService
+from tests.support.sound import tracks
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
+
+# 17 frames at 24 fps (0.71 s), 96x160, two steps, CFG only (STG and modality guidance off: cheap)
+LTX2 = {"num_frames": 17, "num_inference_steps": 2, "seed": 1, "stg_scale": 0, "audio_stg_scale": 0,
+        "modality_scale": 1, "audio_modality_scale": 1}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    config = ServeConfig.from_options(warm_up=False, model="tiny-ltx2", workers=1, device="cpu", max_seconds=10,
+                                      data_dir=str(tmp_path_factory.mktemp("serve-ltx2")))
+    service = VideoService(config).start()
+    try:
+        with serve_in_thread(create_app(service, None, poll_after_ms=50)) as url:
+            yield url
+    finally:
+        service.close()
+
+
+def test_the_openai_clients_download_carries_the_sound(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    video = client.videos.create_and_poll(prompt="a red ball bouncing", size="160x96", seconds="1",
+                                          poll_interval_ms=50,
+                                          extra_body={k: v for k, v in LTX2.items() if k != "num_frames"})
+    assert video.status == "completed", video.error
+    got = tracks(client.videos.download_content(video.id).read())
+    assert got["video"] == (25, 160, 96)                   # 1 s at 24 fps: 25 frames (8k+1)
+    codec, channels, rate, seconds = got["audio"]
+    assert (codec, channels, rate) == ("aac", 2, 24000)
+    # the model's sound for 25 frames: 26 audio latent frames -> 104 mel frames less the causal VAE's 3 -> 101 x 240
+    # samples (1.01 s: as long as the picture, 1.04 s, to a mel frame)
+    assert abs(seconds - 101 * 240 / 24000) < 0.05, seconds
+
+
+def test_audio_false_gives_a_video_only_file_and_a_stream_carries_the_picture(server):
+    with httpx.Client(base_url=server, timeout=120) as http:
+        quiet = http.post("/v1/videos", json={"prompt": "a quiet sea", "size": "160x96", "audio": False, **LTX2})
+        assert quiet.status_code == 200, quiet.text
+        loud = http.post("/v1/videos", json={"prompt": "a loud sea", "size": "160x96", **LTX2}).json()
+        streamed = bytearray()
+
+        def read_stream():
+            with http.stream("GET", f"/v1/videos/{loud['id']}/content", params={"stream": "true"}) as r:
+                assert r.status_code == 200
+                for chunk in r.iter_bytes():
+                    streamed.extend(chunk)
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        for v in (quiet.json(), loud):
+            while (cur := http.get(f"/v1/videos/{v['id']}").json())["status"] not in ("completed", "failed"):
+                time.sleep(0.02)
+            assert cur["status"] == "completed", cur
+        reader.join(60)
+        silent = tracks(http.get(f"/v1/videos/{quiet.json()['id']}/content").content)
+        assert silent["video"] == (17, 160, 96) and silent["audio"] is None
+        assert tracks(bytes(streamed))["video"] == (17, 160, 96)
+        assert tracks(http.get(f"/v1/videos/{loud['id']}/content").content)["audio"][0] == "aac"
+
+
+def test_audio_is_refused_naming_the_field_where_it_is_not_an_option(server):
+    with httpx.Client(base_url=server, timeout=30) as http:
+        r = http.post("/v1/videos", json={"prompt": "x", "size": "160x96", "audio": "loud", **LTX2})
+        assert r.status_code == 400 and "audio" in r.text, r.text
