@@ -1,0 +1,87 @@
+"""The page's live session in a real headless Chromium against a server on the trained tiny-live: frames are painted
+(through MediaSource, from the WebSocket's fMP4 fragments) and are red for "a red ball bouncing"; a switch to "a blue
+ball bouncing" applies within two chunks of being sent and the painted frames turn blue; stop ends the stream and
+the server's live-session gauge returns to 0; the page shows time to first frame and frames per second; no console
+errors. One browser and one in-process server for the module (tests/support/browser.py)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+from browser import Tab, chromium, mostly
+
+from longserve.server.api.app import create_app, serve_in_thread
+
+KEY = "sk-ui-live"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with chromium() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def server(browser, tmp_path_factory):
+    from longserve.server.api.service import ServeConfig, VideoService
+
+    service = VideoService(ServeConfig.from_options(model="tiny-live", workers=1, device="cpu", warm_up=False,
+                                                    max_live_seconds=30,
+                                                    data_dir=str(tmp_path_factory.mktemp("data")))).start()
+    try:
+        with serve_in_thread(create_app(service, api_key=KEY)) as url:
+            yield url
+    finally:
+        service.close()
+
+
+def live_sessions(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    m = re.search(r"^longserve_live_sessions ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_for_colour(tab: Tab, colour: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if mostly(tab.frame("live-video"), colour):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(browser, server, tmp_path):
+    tab = Tab(browser, server + "/ui/", KEY)
+    page = tab.page
+    try:
+        tab.ready()
+        assert page.is_visible("#live") and page.is_hidden("#live [name=image]")
+        page.fill("#live-form [name=prompt]", "a red ball bouncing")
+        page.click("#live-start")
+        page.wait_for_function("window.longserve.live.stats.frames >= 3", timeout=60_000)
+        assert live_sessions(server) == 1
+        assert wait_for_colour(tab, "red", 20), "the painted frames are not red"
+        page.fill("#switch-form [name=prompt]", "a blue ball bouncing")
+        page.click("#live-switch")
+        sent_after = page.evaluate("window.longserve.live.stats.switchSentAtChunk")
+        page.wait_for_function("window.longserve.live.appliedChunk !== null", timeout=30_000)
+        applied = page.evaluate("window.longserve.live.appliedChunk")
+        assert applied <= sent_after + 2, (sent_after, applied)
+        assert wait_for_colour(tab, "blue", 30), "the painted frames did not turn blue"
+        assert page.locator("#live-log .switch").first.text_content().startswith(f"chunk {applied}:")
+        assert re.fullmatch(r"\d+\.\d\d s", page.text_content("#live-ttff"))
+        assert int(page.text_content("#live-fps")) >= 1
+        tab.screenshot("ui_live.png", tmp_path)
+        page.click("#live-stop")
+        page.wait_for_function("String(window.longserve.live.state).startsWith('ended')", timeout=30_000)
+        assert page.text_content("#live-state") == "ended (stopped)"
+        deadline = time.monotonic() + 15
+        while live_sessions(server) != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live_sessions(server) == 0
+        assert tab.errors == []
+    finally:
+        tab.close()
