@@ -52,13 +52,25 @@ export function setupLive(page) {
     if (video.paused && b.length) video.play().catch(() => {});
   }
 
-  function start(event) {
+  // a start image (the causal family's live from an image) goes in the start message as a data URL
+  function dataURL(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
+  }
+
+  async function start(event) {
     event.preventDefault();
     showError(null);
     const form = $("live-form");
     const msg = { type: "start", prompt: form.prompt.value };
     if (form.size.value.trim()) msg.size = form.size.value.trim();
     if (form.seed.value.trim() !== "") msg.seed = Number(form.seed.value);
+    const image = form.image.closest("[hidden]") ? null : form.image.files[0];
+    if (image) msg.input_reference = await dataURL(image);
     const url = new URL("/v1/videos/live", location.href);
     url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
     if (apiKey()) url.searchParams.set("api_key", apiKey());
