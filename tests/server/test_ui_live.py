@@ -6,12 +6,15 @@ errors. One browser and one in-process server for the module (tests/support/brow
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 import time
 
 import httpx
 import pytest
 from browser import Tab, chromium, mostly
+from websockets.sync.client import connect
 
 from longserve.server.api.app import create_app, serve_in_thread
 
@@ -58,7 +61,7 @@ def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(
     page = tab.page
     try:
         tab.ready()
-        assert page.is_visible("#live") and page.is_hidden("#live [name=image]")
+        assert page.is_visible("#live")
         page.fill("#live-form [name=prompt]", "a red ball bouncing")
         page.click("#live-start")
         page.wait_for_function("window.longserve.live.stats.frames >= 3", timeout=60_000)
@@ -85,3 +88,41 @@ def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(
         assert tab.errors == []
     finally:
         tab.close()
+
+
+def blue_ball_png(path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    image = np.full((64, 64, 3), 128, np.uint8)
+    yy, xx = np.mgrid[:64, :64]
+    image[(yy - 24) ** 2 + (xx - 32) ** 2 <= 64] = (0, 0, 255)
+    Image.fromarray(image).save(path)
+
+
+def test_a_session_starts_from_an_image_chosen_on_the_page_and_a_bad_one_is_refused_naming_the_field(
+        browser, server, tmp_path):
+    """The page sends the chosen image in the start message (`input_reference`, a data URL): the session starts
+    and paints. (tiny-live draws the prompt's colour whatever its context holds: the image conditions the chunks,
+    tests/pipelines/test_live_video.py, but does not decide their colour; docs/serving.md.) A start message whose
+    image is not one is refused with the error event naming input_reference, before any worker."""
+    png = tmp_path / "blue_ball.png"
+    blue_ball_png(png)
+    tab = Tab(browser, server + "/ui/", KEY)
+    page = tab.page
+    try:
+        tab.ready()
+        assert page.is_visible("#live [name=image]")                 # the causal family takes a start image
+        page.set_input_files("#live [name=image]", str(png))
+        page.click("#live-start")
+        page.wait_for_function("window.longserve.live.stats.frames >= 3", timeout=60_000)
+        page.click("#live-stop")
+        page.wait_for_function("String(window.longserve.live.state).startsWith('ended')", timeout=30_000)
+        assert tab.errors == []
+    finally:
+        tab.close()
+    with connect(server.replace("http", "ws") + f"/v1/videos/live?api_key={KEY}", open_timeout=30) as ws:
+        bad = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
+        ws.send(json.dumps({"type": "start", "prompt": "a red ball", "input_reference": bad}))
+        event = json.loads(ws.recv(timeout=30))
+    assert event["type"] == "error" and event["param"] == "input_reference", event

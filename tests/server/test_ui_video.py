@@ -91,3 +91,7 @@ def test_the_page_is_same_origin_only_and_serves_no_other_file(server):
     assert httpx.get(server + "/ui/__init__.py").status_code == 404
     model = httpx.get(server + "/v1/models/tiny-latte")
     assert model.status_code == 401                     # the capabilities are the API's: the key is needed
+    # a start image where the checkpoint cannot take one: refused naming the field, before any worker
+    refused = httpx.post(server + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"prompt": "a red ball", "input_reference": {"image_url": "data:image/png;base64,AA=="}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_reference"
