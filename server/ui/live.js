@@ -1,13 +1,15 @@
 // The page's live half: a session on the WebSocket (/v1/videos/live), its fMP4 fragments played through
 // MediaSource, prompt switches marked at the chunk where they applied, stop, and the figures a viewer asks for:
-// time to first frame and frames per second (both measured where frames are painted: requestVideoFrameCallback).
+// time to first frame, frames per second and the latency from a chunk leaving the engine to its first frame being
+// painted (all measured where frames are painted: requestVideoFrameCallback). The frames come either as fMP4
+// fragments on the socket (MediaSource) or as a WebRTC track (the socket then carries the signalling and events).
 
 import { apiKey, MediaFeed, showError } from "./api.js";
 
 const $ = (id) => document.getElementById(id);
 
 export function setupLive(page) {
-  const live = { socket: null, feed: null, stats: null };
+  const live = { socket: null, feed: null, stats: { frames: 0, chunks: 0 } };
   page.live = live;
   const video = $("live-video");
 
@@ -40,9 +42,52 @@ export function setupLive(page) {
     s.painted.push(now);
     while (s.painted.length && s.painted[0] < now - 1000) s.painted.shift();
     s.frames += 1;
-    if (s.framesPerChunk) s.paintedChunk = Math.floor((meta.mediaTime * s.fps + 0.5) / s.framesPerChunk);
+    const chunk = chunkOf(s, meta);
+    if (chunk) {
+      s.paintedChunk = chunk.index;
+      if (chunk.latencyMs === undefined && chunk.t) {
+        chunk.latencyMs = performance.timeOrigin + (meta.expectedDisplayTime || now) - chunk.t * 1000;
+        s.latencies.push(chunk.latencyMs);
+        const recent = s.latencies.slice(-10).sort((a, b) => a - b);
+        $("live-latency").textContent = `${Math.round(recent[recent.length >> 1])} ms (${s.transport})`;
+      }
+    }
     $("live-fps").textContent = s.painted.length.toFixed(0);
     video.requestVideoFrameCallback(onFrame);
+  }
+
+  // which chunk a painted frame belongs to: by its place in the stream (fMP4: frames appended before it; WebRTC:
+  // its RTP timestamp less the first frame's, against the chunk's first frame's track timestamp)
+  function chunkOf(s, meta) {
+    let pos;
+    if (s.transport === "webrtc") {
+      if (meta.rtpTimestamp === undefined) return null;
+      if (s.rtp0 === undefined) s.rtp0 = meta.rtpTimestamp;
+      pos = (meta.rtpTimestamp - s.rtp0) >>> 0;
+    } else {
+      pos = Math.round(meta.mediaTime * s.fps);
+    }
+    for (let i = s.chunkList.length - 1; i >= 0; i--) {
+      if (s.chunkList[i].pos !== undefined && s.chunkList[i].pos <= pos) return s.chunkList[i];
+    }
+    return null;
+  }
+
+  async function offer() {
+    const pc = new RTCPeerConnection();
+    pc.addTransceiver("video", { direction: "recvonly" });
+    pc.addEventListener("track", (e) => {
+      video.srcObject = new MediaStream([e.track]);
+      video.play().catch(() => {});
+    });
+    await pc.setLocalDescription(await pc.createOffer());
+    await new Promise((resolve) => {           // every host candidate in the offer: no trickle over the socket
+      if (pc.iceGatheringState === "complete") { resolve(); return; }
+      pc.addEventListener("icegatheringstatechange", () => pc.iceGatheringState === "complete" && resolve());
+      setTimeout(resolve, 3000);
+    });
+    live.pc = pc;
+    return { type: "offer", sdp: pc.localDescription.sdp };
   }
 
   // stay near the live edge: a tab that fell behind skips ahead rather than play ever later
@@ -71,16 +116,23 @@ export function setupLive(page) {
     if (form.seed.value.trim() !== "") msg.seed = Number(form.seed.value);
     const image = form.image.closest("[hidden]") ? null : form.image.files[0];
     if (image) msg.input_reference = await dataURL(image);
+    const transport = form.transport.value;
+    if (live.pc) { live.pc.close(); live.pc = null; }
+    if (live.feed) { live.feed.close(); live.feed = null; }
+    video.removeAttribute("src");
+    video.srcObject = null;
+    if (transport === "webrtc") msg.webrtc = await offer();
+    else live.feed = new MediaFeed(video);
     const url = new URL("/v1/videos/live", location.href);
     url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
     if (apiKey()) url.searchParams.set("api_key", apiKey());
     const socket = new WebSocket(url);
     socket.binaryType = "arraybuffer";
     live.socket = socket;
-    if (live.feed) live.feed.close();
-    live.feed = new MediaFeed(video);
     live.stats = { video, startedAt: performance.now(), firstFrameMs: null, painted: [], frames: 0, chunks: 0,
-                   fps: 16, framesPerChunk: 0, paintedChunk: -1, switches: [], dropped: 0 };
+                   fps: 16, framesPerChunk: 0, paintedChunk: -1, switches: [], dropped: 0, transport,
+                   chunkList: [], framesReceived: 0, latencies: [] };
+    $("live-latency").textContent = "–";
     live.appliedChunk = null;
     video.requestVideoFrameCallback(onFrame);
     $("live-log").replaceChildren();
@@ -91,7 +143,7 @@ export function setupLive(page) {
     socket.addEventListener("open", () => socket.send(JSON.stringify(msg)));
     socket.addEventListener("message", (e) => {
       if (typeof e.data !== "string") {
-        live.feed.push(new Uint8Array(e.data)).then(keepUp);
+        if (live.feed) live.feed.push(new Uint8Array(e.data)).then(keepUp);
         return;
       }
       const ev = JSON.parse(e.data);
@@ -102,7 +154,18 @@ export function setupLive(page) {
         s.framesPerChunk = ev.frames_per_chunk;
         setState(`live ${ev.size} at ${ev.fps} fps`);
         log(`session ${ev.id}`);
+      } else if (ev.type === "chunk.sent") {              // WebRTC: the chunk's first frame's track timestamp
+        const entry = s.chunkList.find((c) => c.index === ev.index);
+        if (entry) entry.pos = ev.pts;
+        else s.chunkList.push({ index: ev.index, pos: ev.pts });
+      } else if (ev.type === "webrtc.answer") {
+        live.pc.setRemoteDescription(ev.answer).catch((err) => showError(err));
       } else if (ev.type === "chunk") {
+        const entry = s.chunkList.find((c) => c.index === ev.index);
+        if (entry) entry.t = ev.t;
+        else s.chunkList.push({ index: ev.index, t: ev.t, pos: s.transport === "webrtc" ? undefined : s.framesReceived });
+        if (s.chunkList.length > 200) s.chunkList.shift();
+        s.framesReceived += ev.frames;
         s.chunks += 1;
         s.lastChunk = ev.index;
         s.dropped = ev.dropped;
@@ -120,11 +183,12 @@ export function setupLive(page) {
       } else if (ev.type === "done") {
         setState(`ended (${ev.reason})`);
         log(`done: ${ev.reason}, ${ev.chunks} chunks, ${ev.frames} frames`);
-        live.feed.end();
+        if (live.feed) live.feed.end();
       }
     });
     socket.addEventListener("close", (e) => {
       buttons(false);
+      if (live.pc) { live.pc.close(); live.pc = null; }
       if (!String(live.state).startsWith("ended")) setState(`closed (${e.code})`);
       live.socket = null;
     });
