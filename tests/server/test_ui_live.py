@@ -90,6 +90,36 @@ def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(
         tab.close()
 
 
+def test_a_webrtc_session_paints_red_switches_to_blue_and_shows_its_latency(browser, server):
+    """The same session over WebRTC (aiortc's track; the socket carries the offer, the answer and the events)."""
+    tab = Tab(browser, server + "/ui/", KEY)
+    page = tab.page
+    try:
+        tab.ready()
+        page.select_option("#live-form [name=transport]", "webrtc")
+        page.click("#live-start")
+        page.wait_for_function("window.longserve.live.stats.frames >= 3", timeout=60_000)
+        assert page.evaluate("window.longserve.live.stats.transport") == "webrtc"
+        assert page.evaluate("document.getElementById('live-video').srcObject !== null")     # the track, not MSE
+        assert wait_for_colour(tab, "red", 20), "the painted frames are not red"
+        page.click("#live-switch")
+        sent_after = page.evaluate("window.longserve.live.stats.switchSentAtChunk")
+        page.wait_for_function("window.longserve.live.appliedChunk !== null", timeout=30_000)
+        assert page.evaluate("window.longserve.live.appliedChunk") <= sent_after + 2
+        assert wait_for_colour(tab, "blue", 30), "the painted frames did not turn blue"
+        page.wait_for_function("window.longserve.live.stats.latencies.length > 0", timeout=10_000)
+        assert re.fullmatch(r"\d+ ms \(webrtc\)", page.text_content("#live-latency"))
+        page.click("#live-stop")
+        page.wait_for_function("String(window.longserve.live.state).startsWith('ended')", timeout=30_000)
+        assert tab.errors == []
+    finally:
+        tab.close()
+    deadline = time.monotonic() + 15
+    while live_sessions(server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_sessions(server) == 0
+
+
 def blue_ball_png(path) -> None:
     import numpy as np
     from PIL import Image
