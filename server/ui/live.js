@@ -114,9 +114,13 @@ export function setupLive(page) {
     const msg = { type: "start", prompt: form.prompt.value };
     if (form.size.value.trim()) msg.size = form.size.value.trim();
     if (form.seed.value.trim() !== "") msg.seed = Number(form.seed.value);
+    const transport = form.transport.value;
+    live.stats = { video, startedAt: performance.now(), firstFrameMs: null, painted: [], frames: 0, chunks: 0,
+                   fps: 16, framesPerChunk: 0, paintedChunk: -1, switches: [], dropped: 0, transport,
+                   chunkList: [], framesReceived: 0, latencies: [] };
+    live.state = "starting";
     const image = form.image.closest("[hidden]") ? null : form.image.files[0];
     if (image) msg.input_reference = await dataURL(image);
-    const transport = form.transport.value;
     if (live.pc) { live.pc.close(); live.pc = null; }
     if (live.feed) { live.feed.close(); live.feed = null; }
     video.removeAttribute("src");
@@ -129,12 +133,9 @@ export function setupLive(page) {
     const socket = new WebSocket(url);
     socket.binaryType = "arraybuffer";
     live.socket = socket;
-    live.stats = { video, startedAt: performance.now(), firstFrameMs: null, painted: [], frames: 0, chunks: 0,
-                   fps: 16, framesPerChunk: 0, paintedChunk: -1, switches: [], dropped: 0, transport,
-                   chunkList: [], framesReceived: 0, latencies: [] };
     $("live-latency").textContent = "–";
     live.appliedChunk = null;
-    video.requestVideoFrameCallback(onFrame);
+    if (!live.watching) { video.requestVideoFrameCallback(onFrame); live.watching = true; }   // one chain a page
     $("live-log").replaceChildren();
     $("live-chunks").textContent = "0";
     $("live-ttff").textContent = "–";
