@@ -160,12 +160,24 @@ function row(v) {
   const running = v.status === "queued" || v.status === "in_progress";
   if (v.status === "completed") {
     actions.append(button("play", () => watch(v.id)), button("download", () => download(v.id)));
+    if (state.model && state.model.capabilities.video !== "refused") actions.append(button("extend", () => extend(v.id)));
   } else if (running) {
     actions.append(button("watch", () => watch(v.id)));
   }
   actions.append(button(running ? "cancel" : "delete", () => api(`/v1/videos/${v.id}`, { method: "DELETE" })));
   tr.append(...cells, actions);
   return tr;
+}
+
+// a diffusion-forcing model continues a completed video: the form's prompt and seconds, as a new video
+async function extend(id) {
+  const form = $("create");
+  const body = { prompt: form.prompt.value };
+  if (form.seconds.value.trim()) body.seconds = form.seconds.value.trim();
+  const video = await (await api(`/v1/videos/${id}/extend`, {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  })).json();
+  watch(video.id);
 }
 
 async function download(id) {
