@@ -108,17 +108,24 @@ class LiveSessions:
             await self._refuse(ws, "server_shutdown", "the server is shutting down and starts no new sessions",
                                CLOSE_SERVICE_RESTART)
             return
+        peer = None
         try:
             msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
             offer = self._offer(msg.pop("webrtc", None))
             spec = service.requests.live(msg, self.max_seconds)
-            job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
-            service.admission.check_open(writes_files=False)
-            service.admission.admit(job)
+            peer = None if offer is None else await self._peer(spec, offer)     # answered before any admission
             try:
-                job.handle = service.engine.submit(spec)
+                job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
+                service.admission.check_open(writes_files=False)
+                service.admission.admit(job)
+                try:
+                    job.handle = service.engine.submit(spec)
+                except BaseException:
+                    service.jobs.remove(job)
+                    raise
             except BaseException:
-                service.jobs.remove(job)
+                if peer is not None:
+                    await peer.close()
                 raise
         except (asyncio.TimeoutError, WebSocketDisconnect):
             with contextlib.suppress(Exception):
@@ -139,7 +146,7 @@ class LiveSessions:
         except (KVBudgetError, QueueFullError) as e:
             await self._refuse(ws, "live_capacity", str(e), CLOSE_TRY_LATER)
             return
-        await self._session(ws, job, spec, offer)
+        await self._session(ws, job, spec, peer)
 
     @staticmethod
     def _offer(offer) -> dict | None:
@@ -154,13 +161,24 @@ class LiveSessions:
         except ValueError as e:
             raise APIError(400, str(e), param="webrtc", code="invalid_value") from None
 
-    async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec, offer: dict | None = None) -> None:
+    async def _peer(self, spec: GenerationSpec, offer: dict) -> webrtc.WebRTCPeer:
+        """A WebRTC session's peer connection, its answer made (APIError naming webrtc when it cannot be)."""
+        per_chunk = self.service.engine.info.capabilities.frames_per_chunk
+        peer = webrtc.WebRTCPeer(spec.fps, max(spec.fps, per_chunk))
+        try:
+            await peer.answer(offer)
+        except Exception as e:                          # an offer aiortc cannot answer (no video, no codec)
+            await peer.close()
+            raise APIError(400, f"webrtc: the offer cannot be answered: {e}", param="webrtc",
+                           code="invalid_value") from None
+        return peer
+
+    async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec, peer=None) -> None:
         service, handle = self.service, job.handle
         prompts = {0: spec.prompt[0]}           # prompt index -> text: the pending switch and the last applied
         stopped = asyncio.Event()
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.buffer_chunks)
         per_chunk = service.engine.info.capabilities.frames_per_chunk
-        peer = None if offer is None else webrtc.WebRTCPeer(spec.fps, max(spec.fps, per_chunk))
         job.sink = LiveOutputs(service.runner, spec, queue, prompts, stopped, peer.track if peer else None)
         if peer is not None:
             def sent(index: int, pts: int) -> None:         # a chunk's first frame left on the track
@@ -171,21 +189,9 @@ class LiveSessions:
         await self._send(ws, {"type": "session.created", "id": spec.request_id, "fps": spec.fps,
                               "size": f"{spec.width}x{spec.height}", "max_seconds": self.max_seconds,
                               "frames_per_chunk": per_chunk, "transport": "webrtc" if peer else "fmp4"})
-        if peer is not None:
-            try:
-                answer = await peer.answer(offer)
-            except Exception as e:                      # an offer aiortc cannot answer (no video, no codec)
-                handle.abort(DISCONNECTED)
-                await peer.close()
-                await self._refuse(ws, "invalid_value", f"webrtc: the offer cannot be answered: {e}",
-                                   CLOSE_POLICY, "webrtc")
-                return
-            try:
-                await self._send(ws, {"type": "webrtc.answer", "answer": answer})
-            except Exception:                           # the client went away meanwhile
-                handle.abort(DISCONNECTED)
-                await peer.close()
-                return
+        if peer is not None:                            # a client gone meanwhile is found by the receive loop
+            with contextlib.suppress(Exception):
+                await self._send(ws, {"type": "webrtc.answer", "answer": peer.local})
 
         async def receive() -> None:
             while True:

@@ -105,13 +105,15 @@ class WebRTCPeer:
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.track = make_track(fps, max_frames)
         self.pc.addTrack(self.track)
+        self.local: dict | None = None          # the answer, once made
 
     async def answer(self, offer: dict) -> dict:
         from aiortc import RTCSessionDescription
 
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer["sdp"], type="offer"))
         await self.pc.setLocalDescription(await self.pc.createAnswer())     # gathers the host candidates
-        return {"type": "answer", "sdp": self.pc.localDescription.sdp}
+        self.local = {"type": "answer", "sdp": self.pc.localDescription.sdp}
+        return self.local
 
     async def close(self) -> None:
         self.track.end()

@@ -130,12 +130,13 @@ def blue_ball_png(path) -> None:
     Image.fromarray(image).save(path)
 
 
-def test_a_session_starts_from_an_image_chosen_on_the_page_and_a_bad_one_is_refused_naming_the_field(
+def test_a_session_starts_from_an_image_chosen_on_the_page_and_bad_starts_are_refused_naming_the_field(
         browser, server, tmp_path):
     """The page sends the chosen image in the start message (`input_reference`, a data URL): the session starts
     and paints. (tiny-live draws the prompt's colour whatever its context holds: the image conditions the chunks,
     tests/pipelines/test_live_video.py, but does not decide their colour; docs/serving.md.) A start message whose
-    image is not one is refused with the error event naming input_reference, before any worker."""
+    image is not one is refused with the error event naming input_reference, before any worker; one whose WebRTC
+    offer cannot be answered, naming webrtc."""
     png = tmp_path / "blue_ball.png"
     blue_ball_png(png)
     tab = Tab(browser, server + "/ui/", KEY)
@@ -156,3 +157,10 @@ def test_a_session_starts_from_an_image_chosen_on_the_page_and_a_bad_one_is_refu
         ws.send(json.dumps({"type": "start", "prompt": "a red ball", "input_reference": bad}))
         event = json.loads(ws.recv(timeout=30))
     assert event["type"] == "error" and event["param"] == "input_reference", event
+    with connect(server.replace("http", "ws") + f"/v1/videos/live?api_key={KEY}", open_timeout=30) as ws:
+        offer = {"type": "offer", "sdp": "v=0 nonsense"}
+        ws.send(json.dumps({"type": "start", "prompt": "a red ball", "webrtc": offer}))
+        event = json.loads(ws.recv(timeout=30))
+    assert event["type"] == "error" and event["param"] == "webrtc", event        # an offer aiortc cannot answer
+    time.sleep(0.5)
+    assert live_sessions(server) == 0                                   # refused before any admission
