@@ -337,7 +337,8 @@ class VideoPipeline:
              seed: int | None = None, fps: int | None = None, **options) -> "LiveSession":
         """Start a live session on a causal model: chunks of frames as they are made, `switch(prompt)` at any
         time (applied at the next chunk), `close()` (or leaving a `with` block) to end it. The session ends
-        by itself after `seconds` of video (the frames of whole latent frames that fit)."""
+        by itself after `seconds` of video (the frames of whole latent frames that fit). `image=` (a PIL image or
+        an (H, W, 3) array) starts it from that image: held as clean context at the start of the cache."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 24 * 3600:
             raise RequestError("seconds", f"seconds must be in (0, 86400]; got {seconds!r}")
         spec = self.make_spec(prompt, "", None, height, width, None, None, seed, "np", seconds=seconds, fps=fps,

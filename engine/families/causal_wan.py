@@ -24,6 +24,11 @@ and the text K/V. Every decoded chunk says which chunk it is and which prompt ma
 after the chunk it is making; `options["live"]` marks a session (its length, `num_frames`, is
 then the front door's limit).
 
+From an image (`options["image"]`, as Self-Forcing / CausVid inference takes an initial latent): rank 0 VAE-encodes
+it into one latent frame (normalised as Wan's image-to-video pipeline does), and every rank writes it into the cache
+as clean context before the first chunk (one context pass): frame 0 of the cache, the sink when the model keeps one,
+and the first frame a recache replays. It is context only: the video's frames are the chunks made after it.
+
 The engine's memory for a request is fixed: per row one `KVCache` (engine/models/causal.py),
 the latents of the cached frames (for a recache), the current chunk, and the streaming VAE's cache.
 """
@@ -50,12 +55,13 @@ from longserve.engine.families.base import (
     sync_cuda,
 )
 from longserve.engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
+from longserve.engine.images import as_rgb_array, to_pil
 from longserve.engine.models.causal import CausalConfig, CausalWan, KVCache
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.request import GenerationSpec, RequestError
 
 CAUSAL_CONFIG_FILE = "causal_config.json"
-OPTIONS = ("prompt_schedule", "live")
+OPTIONS = ("prompt_schedule", "live", "image")
 
 
 def chunk_frames(chunks: int, frames_per_block: int, temporal: int) -> int:
@@ -120,7 +126,7 @@ class CausalWanFamily(WanParts, VideoFamily):
             family=cls.name, pipeline="CausalWan", heads=t["num_attention_heads"],
             size_multiple=spatial * t["patch_size"][1], frame_multiple=temporal * t["patch_size"][0],
             defaults=generation_defaults(model_dir, fallback), options=OPTIONS,
-            capabilities=cls.capabilities(OPTIONS, long_video=True, live=True,
+            capabilities=cls.capabilities(OPTIONS, long_video=True, live=True, image="optional",
                                           frames_per_chunk=cfg.frames_per_block * temporal * t["patch_size"][0],
                                           live_window=cfg.local_attn_size),
             facts=CausalFacts(config=cfg, layers=t["num_layers"], head_dim=t["attention_head_dim"],
@@ -161,6 +167,10 @@ class CausalWanFamily(WanParts, VideoFamily):
                                                       f"increasing; got {schedule!r}")
             spec.options = {**spec.options, "prompt_schedule": [[int(c), p] for c, p in schedule]}
             spec.prompt = [schedule[0][1]]
+        if spec.options.get("image") is not None:
+            spec.options = {**spec.options, "image": as_rgb_array(spec.options["image"], "image")}
+        else:
+            spec.options = {k: v for k, v in spec.options.items() if k != "image"}
         check_common(desc, spec)
         live = spec.options.get("live", False)
         if not isinstance(live, bool):
@@ -240,7 +250,30 @@ class CausalWanFamily(WanParts, VideoFamily):
 
         return self.broadcast_from_first(run).to(self.pg.device, self.dtype)
 
-    def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> CausalRequest:
+    def encode_conditions(self, spec: GenerationSpec) -> dict[str, torch.Tensor]:
+        """Rank 0: the start image as one normalised latent frame (B, C, 1, h, w), as Wan's image-to-video pipeline
+        encodes its first frame (`video_processor.preprocess`, the VAE's mode, `latents_mean` / `latents_std`)."""
+        if spec.options.get("image") is None:
+            return {}
+        vae, device = self.pipe.vae, self.pg.device
+        pixels = self.pipe.video_processor.preprocess(to_pil(spec.options["image"]), height=spec.height,
+                                                      width=spec.width).to(device, torch.float32)  # (1, 3, H, W)
+        latent = vae.encode(pixels[:, :, None]).latent_dist.mode()                             # (1, z, 1, h, w)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean, device=device).view(1, z, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=device).view(1, z, 1, 1, 1)
+        return {"image_latent": ((latent - mean) / std).expand(spec.batch_size, -1, -1, -1, -1).contiguous()}
+
+    def _hold_image(self, r: CausalRequest, latent: torch.Tensor) -> None:
+        """The start image's latent frame written into every row's cache as clean context (frame 0)."""
+        B = latent.shape[0]
+        text = r.texts[r.prompt_index].expand(B, -1, -1)
+        t = torch.full((B,), self.cfg.context_noise, device=self.pg.device)
+        with torch.no_grad():
+            self.model(latent.to(self.dtype), t, text, self.sp, r.caches, [r.prompt_index] * B, [True] * B)
+        r.clean[:, :, r.caches[0].slot_of(0)] = latent[:, :, 0].float()
+
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor, image_latent: torch.Tensor = None) -> CausalRequest:
         cfg = self.cfg
         latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
         num_chunks = -(-latent_frames // cfg.frames_per_block)
@@ -259,6 +292,8 @@ class CausalWanFamily(WanParts, VideoFamily):
                           clean=torch.zeros(B, C, cfg.capacity, h, w, device=self.pg.device),
                           # a chunk is the unit a live client sees: decoded whole, one per call
                           frames=self.frame_stream(spec, spec.num_frames, FramesPolicy(self.vae_temporal, whole=True)))
+        if image_latent is not None:
+            self._hold_image(r, image_latent)
         self._start_chunk(r)
         return r
 

@@ -1,12 +1,17 @@
 """`WebSocket /v1/videos/live`: a live video session on a causal model, chunk by chunk, with prompt switching.
 
-    client -> server   {"type": "start", "prompt": "...", "size": "64x64", "seed": 0, "fps": 16}   (first)
+    client -> server   {"type": "start", "prompt": "...", "size": "64x64", "seed": 0, "fps": 16}   (first; optional
+                       "input_reference": a start image as a data URL, on a model that takes one; "webrtc": the
+                       browser's offer, for the frames as a WebRTC track instead: server/api/webrtc.py)
                        {"type": "prompt", "prompt": "..."}        any time: applies at the next chunk
                        {"type": "stop"}                           ends after the chunk being made
     server -> client   {"type": "session.created", "id", "fps", "size", "max_seconds", "frames_per_chunk"}
+                       {"type": "webrtc.answer", "answer": {"type": "answer", "sdp"}}   with a WebRTC offer
                        per chunk: {"type": "chunk", "index", "frames", "start_frame", "prompt_index", "bytes",
-                       "dropped"} then ONE binary message: that chunk's fMP4 fragment (the first one starts
-                       with the init segment), so the binary messages concatenated play as one MP4
+                       "dropped", "t"} then ONE binary message: that chunk's fMP4 fragment (the first one starts
+                       with the init segment), so the binary messages concatenated play as one MP4 (over WebRTC:
+                       no binary message; {"type": "chunk.sent", "index", "pts"} when its first frame is sent on
+                       the track). "t": when the chunk left the engine (epoch seconds), for a client's latency
                        {"type": "prompt.applied", "prompt_index", "prompt", "chunk"}   before the first chunk
                        made under a new prompt
                        {"type": "prompt.replaced", "prompt_index", "by"}   a switch that had not applied yet was
@@ -44,6 +49,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -51,6 +57,7 @@ from longserve.engine.errors import public_message
 from longserve.engine.outputs import FramesChunk
 from longserve.engine.request import GenerationSpec, RequestError
 from longserve.engine.scheduler import KVBudgetError, QueueFullError
+from longserve.server.api import webrtc
 from longserve.server.api.edge import client_id, matching_key
 from longserve.server.api.errors import APIError
 from longserve.server.api.jobs import DISCONNECTED, LIVE, Job
@@ -101,16 +108,24 @@ class LiveSessions:
             await self._refuse(ws, "server_shutdown", "the server is shutting down and starts no new sessions",
                                CLOSE_SERVICE_RESTART)
             return
+        peer = None
         try:
             msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
+            offer = self._offer(msg.pop("webrtc", None))
             spec = service.requests.live(msg, self.max_seconds)
-            job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
-            service.admission.check_open(writes_files=False)
-            service.admission.admit(job)
+            peer = None if offer is None else await self._peer(spec, offer)     # answered before any admission
             try:
-                job.handle = service.engine.submit(spec)
+                job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
+                service.admission.check_open(writes_files=False)
+                service.admission.admit(job)
+                try:
+                    job.handle = service.engine.submit(spec)
+                except BaseException:
+                    service.jobs.remove(job)
+                    raise
             except BaseException:
-                service.jobs.remove(job)
+                if peer is not None:
+                    await peer.close()
                 raise
         except (asyncio.TimeoutError, WebSocketDisconnect):
             with contextlib.suppress(Exception):
@@ -131,17 +146,52 @@ class LiveSessions:
         except (KVBudgetError, QueueFullError) as e:
             await self._refuse(ws, "live_capacity", str(e), CLOSE_TRY_LATER)
             return
-        await self._session(ws, job, spec)
+        await self._session(ws, job, spec, peer)
 
-    async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec) -> None:
+    @staticmethod
+    def _offer(offer) -> dict | None:
+        """The start message's WebRTC offer (server/api/webrtc.py), checked; None for the fMP4 fragments."""
+        if offer is None:
+            return None
+        if not webrtc.available():
+            raise APIError(400, "webrtc is not available on this server (it needs aiortc: pip install aiortc); "
+                                "leave it out to receive fMP4 fragments", param="webrtc", code="unsupported_parameter")
+        try:
+            return webrtc.check_offer(offer)
+        except ValueError as e:
+            raise APIError(400, str(e), param="webrtc", code="invalid_value") from None
+
+    async def _peer(self, spec: GenerationSpec, offer: dict) -> webrtc.WebRTCPeer:
+        """A WebRTC session's peer connection, its answer made (APIError naming webrtc when it cannot be)."""
+        per_chunk = self.service.engine.info.capabilities.frames_per_chunk
+        peer = webrtc.WebRTCPeer(spec.fps, max(spec.fps, per_chunk))
+        try:
+            await peer.answer(offer)
+        except Exception as e:                          # an offer aiortc cannot answer (no video, no codec)
+            await peer.close()
+            raise APIError(400, f"webrtc: the offer cannot be answered: {e}", param="webrtc",
+                           code="invalid_value") from None
+        return peer
+
+    async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec, peer=None) -> None:
         service, handle = self.service, job.handle
         prompts = {0: spec.prompt[0]}           # prompt index -> text: the pending switch and the last applied
         stopped = asyncio.Event()
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.buffer_chunks)
-        job.sink = LiveOutputs(service.runner, spec, queue, prompts, stopped)
+        per_chunk = service.engine.info.capabilities.frames_per_chunk
+        job.sink = LiveOutputs(service.runner, spec, queue, prompts, stopped, peer.track if peer else None)
+        if peer is not None:
+            def sent(index: int, pts: int) -> None:         # a chunk's first frame left on the track
+                if not queue.full():
+                    queue.put_nowait(("event", {"type": "chunk.sent", "index": index, "pts": pts}))
+
+            peer.track.on_first = sent
         await self._send(ws, {"type": "session.created", "id": spec.request_id, "fps": spec.fps,
                               "size": f"{spec.width}x{spec.height}", "max_seconds": self.max_seconds,
-                              "frames_per_chunk": service.engine.info.capabilities.frames_per_chunk})
+                              "frames_per_chunk": per_chunk, "transport": "webrtc" if peer else "fmp4"})
+        if peer is not None:                            # a client gone meanwhile is found by the receive loop
+            with contextlib.suppress(Exception):
+                await self._send(ws, {"type": "webrtc.answer", "answer": peer.local})
 
         async def receive() -> None:
             while True:
@@ -184,7 +234,7 @@ class LiveSessions:
         async def send() -> None:
             while (item := await queue.get()) is not None:
                 await self._send(ws, item[1])
-                if item[0] == "chunk":
+                if item[0] == "chunk" and item[2] is not None:      # None: the frames went to the WebRTC track
                     await ws.send_bytes(item[2])
 
         tasks = [asyncio.ensure_future(t) for t in (receive(), produce(), send())]
@@ -196,6 +246,8 @@ class LiveSessions:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if peer is not None:
+                await peer.close()
         if tasks[2] in done and ws.application_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 await ws.close(1000)
@@ -214,18 +266,24 @@ class LiveOutputs:
     """What a live session's outputs become (`runner.JobSink`): one fMP4 fragment per chunk for the socket's send
     queue, which drops a chunk rather than wait when the client is behind; and the session's last events."""
 
-    def __init__(self, runner, spec: GenerationSpec, queue: asyncio.Queue, prompts: dict, stopped):
+    def __init__(self, runner, spec: GenerationSpec, queue: asyncio.Queue, prompts: dict, stopped, track=None):
         from longserve.server.live_media import ChunkMuxer
 
         self.runner, self.queue, self.prompts, self.stopped = runner, queue, prompts, stopped
         self.muxer = ChunkMuxer(spec.width, spec.height, spec.fps)
+        self.track = track                      # a WebRTC session's track (server/api/webrtc.py), else None
         self.last_prompt = self.dropped = self.chunks = self.frames = 0
 
     async def take(self, job: Job, out) -> None:
         if not isinstance(out, FramesChunk):
             return None
-        pixels = out.frames[0]
-        data = await self.runner.run_io(self.muxer.push, pixels)
+        pixels, left_engine = out.frames[0], time.time()
+        extra = {"t": round(left_engine, 4)}            # when the chunk left the engine (for clients' latency)
+        if self.track is not None:
+            data = None
+            self.track.push(pixels, out.info.get("chunk", self.chunks))
+        else:
+            data = await self.runner.run_io(self.muxer.push, pixels)
         p = out.info.get("prompt_index", 0)
         items = []
         if p != self.last_prompt:
@@ -235,8 +293,8 @@ class LiveOutputs:
                 del self.prompts[older]
             self.last_prompt = p
         items.append(("chunk", {"type": "chunk", "index": out.info.get("chunk", self.chunks), "frames": len(pixels),
-                                "start_frame": out.start, "prompt_index": p, "bytes": len(data),
-                                "dropped": self.dropped}, data))
+                                "start_frame": out.start, "prompt_index": p, "bytes": len(data or b""),
+                                "dropped": self.dropped, **extra}, data))
         self.chunks, self.frames = self.chunks + 1, self.frames + len(pixels)
         for item in items:
             if self.queue.full() and item[0] == "chunk":

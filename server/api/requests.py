@@ -132,7 +132,7 @@ class VideoRequests:
         if msg.get("type") != "start":
             raise APIError(400, "the first message must be {\"type\": \"start\", \"prompt\": ...}", param="type",
                            code="invalid_value")
-        unknown = sorted(set(msg) - {"type", "prompt", "size", "seed", "fps"})
+        unknown = sorted(set(msg) - {"type", "prompt", "size", "seed", "fps", "input_reference"})
         if unknown:
             raise APIError(400, f"unknown field {unknown[0]!r} in the start message", param=unknown[0],
                            code="unknown_parameter")
@@ -144,10 +144,12 @@ class VideoRequests:
             raise APIError(400, f"size must be a string like \"64x64\"; got {size!r}", param="size",
                            code="invalid_value")
         width, height = self._size(size)
+        image = msg.get("input_reference")        # a start image: a data URL, or {"image_url": data URL} as in create
+        refs = self._references({"image_url": image} if isinstance(image, str) else image, {}) if image else {}
         request = RequestInput(prompt=prompt, seconds=max_seconds, height=height, width=width, seed=msg.get("seed"),
-                               fps=msg.get("fps"), output="uint8", options={"live": True},
+                               fps=msg.get("fps"), output="uint8", options={"live": True, **refs},
                                request_id=f"live_{uuid.uuid4().hex}")
-        return self._complete(request, "input_reference", session=True, params={})
+        return self._complete(request, "input_reference", session=True, params={"image": "input_reference"})
 
     def check_extends(self) -> None:
         if not self.engine.info.capabilities.extends:

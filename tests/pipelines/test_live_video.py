@@ -188,3 +188,31 @@ def test_a_stream_of_2000_latent_frames_past_the_rope_table_keeps_per_worker_mem
             peaks[chunks] = p.pool.run(worker.memory_stop)
             assert out.shape[2] == chunks * 100 and torch.isfinite(out).all()
     assert all(0 < b <= 1.05 * a for a, b in zip(peaks[3], peaks[20])), peaks
+
+
+def blue_ball(height: int, width: int) -> np.ndarray:
+    """A blue ball on mid grey (the trained models' background), as an (H, W, 3) uint8 image."""
+    image = np.full((height, width, 3), 128, np.uint8)
+    yy, xx = np.mgrid[:height, :width]
+    image[(yy - height / 2) ** 2 + (xx - width / 3) ** 2 <= (height / 3) ** 2] = (0, 0, 255)
+    return image
+
+
+def test_a_start_image_is_held_as_context_in_jobs_and_sessions_and_two_workers_equal_one(pipe, causal_dir):
+    """The image is VAE-encoded and written into the cache before the first chunk: it changes every chunk of a
+    finite job (the video's frames are the chunks after it, so its length is the same), a session takes it too
+    (`pipe.live(prompt, image=...)`), and 2 workers (Ulysses, 3 heads padded) make what 1 makes."""
+    image = blue_ball(H, W)
+    plain, held = latents(pipe), latents(pipe, image=image)
+    assert held.shape == plain.shape
+    assert (held - plain)[:, :, :3].abs().max() > 1e-2               # the first chunk attends to it
+    with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0, image=image) as session:
+        first = next(iter(session))
+    with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0) as session:
+        no_image = next(iter(session))
+    assert np.abs(np.asarray(first.frames, float) - np.asarray(no_image.frames, float)).max() > 0
+    with VideoPipeline.from_pretrained(str(causal_dir), workers=2) as p:
+        assert (latents(p, image=image) - held).abs().max() <= 1e-5
+    with pytest.raises(RequestError) as e:
+        latents(pipe, image="not an image")
+    assert e.value.field == "image"

@@ -1,0 +1,115 @@
+"""A real headless Chromium for the page's tests (Playwright for Python driving Debian's `chromium`), and what the
+tests read of the pixels it paints.
+
+Playwright's own browser download is not used: the system browser is launched by its path. Where either is missing
+the tests skip, saying how to get them (`make install` installs Playwright; `.ci/run` installs chromium).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from content import as_float_clip, object_mask
+
+from longserve.weights.prompts import PALETTE
+
+ROOT = Path(__file__).resolve().parents[2]
+HOW = ("needs Chromium and Playwright for Python: `apt-get install -y chromium` (as root; .ci/run does it) and "
+       "`make install` (the test extra pins playwright); then rerun this file")
+#: a test's screenshot goes to docs/ (README.md and docs/serving.md show it) when this is set, to tmp otherwise
+UPDATE_SCREENSHOTS = os.environ.get("LONGSERVE_UPDATE_SCREENSHOTS") == "1"
+# what the page draws a video frame to, as the tests read it: the <video>'s current frame on a canvas, as PNG
+FRAME_PNG = """(id) => { const v = document.getElementById(id); if (!v.videoWidth) return null;
+  const c = document.createElement('canvas'); c.width = v.videoWidth; c.height = v.videoHeight;
+  c.getContext('2d').drawImage(v, 0, 0); return c.toDataURL('image/png'); }"""
+
+
+def chromium_path() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@contextlib.contextmanager
+def chromium():
+    """One headless Chromium (the module's: share it); skips with HOW when there is none."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip(f"Playwright for Python is not installed: {HOW}")
+    path = chromium_path()
+    if path is None:
+        pytest.skip(f"no chromium on PATH: {HOW}")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=path, args=["--autoplay-policy=no-user-gesture-required",
+                                                                "--disable-gpu", "--mute-audio"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+class Tab:
+    """A page in its own browser context (its own sessionStorage), with `key` kept for the tab (as the page keeps
+    what a user typed: sessionStorage) before it loads, and every console error and page exception kept
+    (`errors`). `type_key`: typed into the page's key field after it loaded instead, as a user would."""
+
+    def __init__(self, browser, url: str, key: str | None = None, type_key: str | None = None):
+        # bypass_csp: Playwright's wait_for_function evaluates strings, which the page's CSP (no eval) refuses
+        self.context = browser.new_context(bypass_csp=True, viewport={"width": 1280, "height": 800})
+        if key is not None:
+            self.context.add_init_script(f"sessionStorage.setItem('longserve.api_key', {json.dumps(key)})")
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(f"exception: {e}"))
+        self.page.goto(url)
+        if type_key is not None:
+            self.page.fill("#api-key", type_key)
+            self.page.press("#api-key", "Enter")
+
+    def ready(self, timeout_ms: float = 30_000) -> None:
+        self.page.wait_for_selector("body[data-ready=true]", timeout=timeout_ms)
+
+    def frame(self, video_id: str) -> np.ndarray | None:
+        """The <video>'s current frame, drawn to a canvas: (H, W, 3) uint8, or None before the first frame."""
+        import imageio.v3 as iio
+
+        url = self.page.evaluate(FRAME_PNG, video_id)
+        if url is None:
+            return None
+        return iio.imread(base64.b64decode(url.split(",", 1)[1]), extension=".png")[..., :3]
+
+    def screenshot(self, name: str, tmp_path: Path) -> Path:
+        path = (ROOT / "docs" if UPDATE_SCREENSHOTS else tmp_path) / name
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def colour_share(frame: np.ndarray, colour: str) -> tuple[float, int]:
+    """Of a frame's object pixels (far from its median, the grey background: content.object_mask), the share whose
+    nearest palette colour is `colour`, and how many object pixels there are."""
+    clip = as_float_clip(frame[None])
+    mask = object_mask(clip)[0]
+    pixels = clip[0][mask]
+    if not len(pixels):
+        return 0.0, 0
+    names = list(PALETTE)
+    rgb = np.array([PALETTE[n] for n in names])
+    nearest = np.linalg.norm(pixels[:, None, :] - rgb[None], axis=-1).argmin(axis=1)
+    return float((nearest == names.index(colour)).mean()), int(len(pixels))
+
+
+def mostly(frame: np.ndarray | None, colour: str, share: float = 0.6, min_pixels: int = 16) -> bool:
+    if frame is None:
+        return False
+    s, n = colour_share(frame, colour)
+    return n >= min_pixels and s >= share
