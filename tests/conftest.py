@@ -134,15 +134,20 @@ def http_client():
         c.close()
 
 
-#: the longest test files (docs/test_durations.md), run first: `make test` hands whole files to its two pytest
-#: processes in collection order, so a long file collected last leaves one process working alone at the end
+#: the longest test files (CPU-seconds, measured a file at a time: docs/test_durations.md), run first: `make test`
+#: hands whole files to its two pytest processes in collection order, so a long file collected last leaves one
+#: process working alone at the end
 LONGEST_FIRST = (
-    "pipelines/test_content.py", "pipelines/test_compile.py", "pipelines/test_helios_pyramid_pipeline.py",
-    "pipelines/test_long_video.py", "pipelines/test_video_pipeline.py", "server/test_api.py",
-    "pipelines/test_wan_pipeline.py", "engine/test_comm.py", "engine/test_causal_vae.py",
-    "server/test_serve_process.py", "pipelines/test_scoring.py", "pipelines/test_helios_pipeline.py",
-    "pipelines/test_extend_video.py", "server/test_cli.py", "server/bench/test_bench_speed.py",
-    "server/bench/test_bench_long.py", "server/test_drain.py",
+    "server/test_replicas.py", "test_readme.py", "pipelines/test_content.py", "pipelines/test_video_pipeline.py", "pipelines/test_compile.py",
+    "server/test_serve_process.py", "server/test_api.py", "pipelines/test_wan_pipeline.py", "server/test_cli.py",
+    "server/test_live_api.py", "engine/test_comm.py", "pipelines/test_hunyuan15_pipeline.py",
+    "engine/test_causal_vae.py", "pipelines/test_helios_pyramid_pipeline.py", "pipelines/test_long_video.py",
+    "pipelines/test_step_cache.py", "pipelines/test_live_video.py", "pipelines/test_scoring.py",
+    "pipelines/test_wan_i2v_pipeline.py", "pipelines/test_wan22_i2v_pipeline.py", "server/bench/test_bench_speed.py",
+    "server/test_drain.py", "pipelines/test_helios_pipeline.py", "server/test_api_long_video.py",
+    "pipelines/test_long_content.py", "pipelines/test_live_content.py", "pipelines/test_ltx2_pipeline.py",
+    "pipelines/test_extend_video.py", "server/test_ui_live.py", "server/test_ui_video.py",
+    "server/bench/test_bench_long.py", "server/test_api_hunyuan15.py", "server/test_api_ltx2.py",
 )
 
 
