@@ -22,7 +22,7 @@ import time
 from typing import Callable
 
 from longserve.server.api.errors import APIError
-from longserve.server.api.store import JobStore, VideoRecord
+from longserve.server.api.store import VideoRecord, open_store
 from longserve.server.media import storage_error_code
 
 log = logging.getLogger("longserve.server")
@@ -39,7 +39,7 @@ class VideoStorage:
 
     def __init__(self, config, io, busy: Callable[[str], bool], on_expired: Callable[[], None] = lambda: None):
         self.config = config                      # the ServeConfig: data_dir, retention_s, quota, min_free_bytes
-        self.store = JobStore(config.data_dir)
+        self.store = open_store(config)
         self.io = io
         self.busy, self.on_expired = busy, on_expired
         self._lock = threading.RLock()

@@ -1,0 +1,124 @@
+"""The job store's contract, one set of tests over both stores: the SQLite file (one server) and PostgreSQL (the
+replicas' shared store, on a fresh schema of the server at $LONGSERVE_TEST_POSTGRES; skipped with how to run it when
+none answers). What the service relies on: rows round-trip, pages, owners, reuse lookups, retention and quota
+queries; PostgreSQL's migrations apply once and are recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+from longserve.server.api.store import JobStore, VideoRecord
+from tests.support.postgres import fresh_schema
+
+
+@pytest.fixture(scope="module")
+def pg_url():
+    with fresh_schema() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        s = JobStore(tmp_path / "data")
+    else:
+        from longserve.server.api.pg_store import PostgresJobStore
+
+        s = PostgresJobStore(request.getfixturevalue("pg_url"), tmp_path / "data")
+        with s.pool.connection() as conn:
+            conn.execute("TRUNCATE videos RESTART IDENTITY")   # each test starts from an empty table
+    yield s
+    s.close()
+
+
+def record(video_id, owner=None, status="queued", key=None, created_at=1, **params) -> VideoRecord:
+    return VideoRecord(id=video_id, created_at=created_at, status=status, model="tiny-latte",
+                       prompt="a red ball \u00e9\u6f22", seconds="1", size="32x32",
+                       params={"seed": 1, "negative_prompt": "", **params}, request_key=key, owner=owner)
+
+
+def test_a_record_round_trips_with_its_json_and_text(store):
+    rec = record("video_a", owner="key-a", nested={"x": [1, 2.5, None]})
+    seq = store.insert(rec)
+    assert rec.seq == seq and seq >= 1
+    got = store.get("video_a")
+    assert got == rec
+    store.update("video_a", status="failed", error={"code": "c", "message": "m"}, progress=7,
+                 params={**rec.params, "transformer_blocks": {"evaluated": 3}})
+    got = store.get("video_a")
+    assert (got.status, got.error, got.progress, got.params["transformer_blocks"]) == \
+        ("failed", {"code": "c", "message": "m"}, 7, {"evaluated": 3})
+    assert store.get("video_missing") is None
+    assert store.delete("video_a") is True and store.delete("video_a") is False and store.get("video_a") is None
+
+
+def test_text_that_does_not_encode_is_never_stored(store):
+    with pytest.raises(ValueError, match="prompt"):
+        store.insert(VideoRecord(id="video_bad", created_at=1, status="queued", model="m", prompt="a\ud800",
+                                 seconds="1", size="32x32", params={}))
+    assert store.get("video_bad") is None
+
+
+def test_pages_follow_creation_order_and_owners(store):
+    for i in range(5):
+        store.insert(record(f"video_{i}", owner="key-a" if i % 2 == 0 else "key-b"))
+    recs, more = store.page(None, 2, "asc")
+    assert [r.id for r in recs] == ["video_0", "video_1"] and more
+    recs, more = store.page(recs[-1].seq, 10, "asc")
+    assert [r.id for r in recs] == ["video_2", "video_3", "video_4"] and not more
+    recs, more = store.page(None, 10, "desc", owner="key-a")
+    assert [r.id for r in recs] == ["video_4", "video_2", "video_0"] and not more
+    assert store.page(None, 10, "desc", owner="key-c") == ([], False)
+    assert store.counts_by_status() == {"queued": 5}
+    assert [r.id for r in store.by_status("queued")] == [f"video_{i}" for i in range(5)]
+
+
+def test_reuse_finds_the_newest_completed_video_of_the_same_owner_only(store):
+    store.insert(record("video_old", owner=None, status="completed", key="k"))
+    store.insert(record("video_new", owner=None, status="completed", key="k"))
+    store.insert(record("video_other", owner="key-a", status="completed", key="k"))
+    store.insert(record("video_queued", owner=None, status="queued", key="k"))
+    assert store.completed_with_key("k", None).id == "video_new"
+    assert store.completed_with_key("k", "key-a").id == "video_other"
+    assert store.completed_with_key("k", "key-b") is None
+    store.update("video_new", expired=True)
+    assert store.completed_with_key("k", None).id == "video_old"
+
+
+def test_retention_and_quota_queries(store):
+    store.insert(record("video_a", status="completed"))
+    store.insert(record("video_b", status="completed"))
+    store.insert(record("video_c", status="failed"))
+    assert sorted(store.unmeasured()) == ["video_a", "video_b"]
+    store.update("video_a", completed_at=20, bytes=100, expires_at=50)
+    store.update("video_b", completed_at=10, bytes=None, expires_at=None)
+    store.update("video_c", completed_at=5, expires_at=40)
+    assert store.stored() == [("video_b", 0, None), ("video_a", 100, 50)]     # oldest completed first
+    assert store.expired(now=45) == ["video_c"] and store.expired(now=50) == ["video_a", "video_c"]
+    store.update("video_c", expired=True)
+    assert store.expired(now=50) == ["video_a"] and store.get("video_c").expired is True
+
+
+def test_files_live_in_the_media_directory_and_are_linked_for_reuse(store):
+    store.video_path("video_a").write_bytes(b"mp4")
+    store.thumbnail_path("video_a").write_bytes(b"png")
+    store.link_files("video_a", "video_b")
+    assert store.files_bytes("video_b") == 6 and store.video_path("video_b").read_bytes() == b"mp4"
+    store.remove_files("video_a")
+    assert store.files_bytes("video_a") == 0 and store.files_bytes("video_b") == 6
+    with pytest.raises(FileNotFoundError):
+        store.link_files("video_a", "video_c")
+
+
+def test_postgresql_migrations_apply_once_and_are_recorded(pg_url, tmp_path):
+    from longserve.server.api.pg_store import MIGRATIONS, PostgresJobStore
+
+    first = PostgresJobStore(pg_url, tmp_path / "a")
+    second = PostgresJobStore(pg_url, tmp_path / "b")        # another replica on the same schema
+    try:
+        assert second.migrated == [] and second.schema_version() == MIGRATIONS[-1][0]
+        first.insert(record("video_shared"))
+        assert second.get("video_shared").prompt == "a red ball \u00e9\u6f22"
+    finally:
+        first.close()
+        second.close()
