@@ -43,7 +43,22 @@ MIGRATIONS: list[tuple[int, tuple[str, ...]]] = [
          "CREATE INDEX videos_status ON videos(status, seq)",
          "CREATE INDEX videos_request_key ON videos(request_key)",
          "CREATE INDEX videos_owner ON videos(owner, seq)")),
+    # leases: a queued job is claimed by one replica (lease_owner) until lease_until; each claim is an attempt and
+    # takes a new fence, which that replica's writes must carry (`update(..., fence=)`)
+    (2, ("ALTER TABLE videos ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0, ADD COLUMN fence BIGINT NOT NULL "
+         "DEFAULT 0, ADD COLUMN lease_owner TEXT, ADD COLUMN lease_until TIMESTAMPTZ, ADD COLUMN cost DOUBLE "
+         "PRECISION NOT NULL DEFAULT 1",
+         "CREATE INDEX videos_claimable ON videos(model, seq) WHERE status = 'queued' AND lease_owner IS NULL",
+         "CREATE INDEX videos_leased ON videos(lease_until) WHERE lease_owner IS NOT NULL")),
 ]
+
+#: pg_try_advisory_xact_lock key of the retention and quota sweep: one replica sweeps at a time
+SWEEP_LOCK = MIGRATION_LOCK + 1
+
+
+class LeaseLost(RuntimeError):
+    """A replica's write under a fence that is no longer the job's: another replica claimed it since."""
+
 
 _SELECT = f"SELECT {', '.join(_COLUMNS)} FROM videos"
 _WRITABLE = frozenset(_COLUMNS) - {"seq", "id"}
@@ -115,8 +130,95 @@ class PostgresJobStore(StoredFiles):
         rec.seq = row[0]
         return rec.seq
 
-    def update(self, video_id: str, **fields) -> None:
-        self._run(*_update_sql(video_id, fields))
+    def update(self, video_id: str, fence: int | None = None, **fields) -> None:
+        """With `fence`: only while that claim still holds the job (LeaseLost otherwise: another replica has it)."""
+        if fence is None:
+            self._run(*_update_sql(video_id, fields))
+        elif self._run(*_update_sql(video_id, fields, " AND fence = %s", (fence,))) == 0:
+            raise LeaseLost(f"{video_id}: its lease (fence {fence}) was lost; another replica runs it")
+
+    # -- leases (replicas) ---------------------------------------------------------------------------
+
+    def claim(self, replica: str, models, budget: float, lease_s: float, idle: bool,
+              look_ahead: int = 16) -> list[tuple[VideoRecord, int, int, float]]:
+        """Claim queued jobs of `models`, oldest first, whose work fits `budget` (at least one when `idle`): each
+        gets this replica's lease for `lease_s`, an attempt and a new fence. Rows another replica is claiming are
+        skipped (FOR UPDATE SKIP LOCKED). Returns (record, fence, attempts, cost) of each."""
+        with self.pool.connection() as conn, conn.transaction():
+            rows = conn.execute("SELECT id, cost FROM videos WHERE status = 'queued' AND lease_owner IS NULL AND "
+                                "model = ANY(%s) ORDER BY seq LIMIT %s FOR UPDATE SKIP LOCKED",
+                                (list(models), look_ahead)).fetchall()
+            chosen, total = [], 0.0
+            for video_id, cost in rows:
+                if total + cost > budget and not (idle and not chosen):
+                    break
+                chosen.append(video_id)
+                total += cost
+            if not chosen:
+                return []
+            claimed = conn.execute(
+                f"UPDATE videos SET lease_owner = %s, lease_until = now() + make_interval(secs => %s), "
+                f"attempts = attempts + 1, fence = fence + 1 WHERE id = ANY(%s) RETURNING "
+                f"{', '.join(_COLUMNS)}, fence, attempts, cost", (replica, float(lease_s), chosen)).fetchall()
+        n = len(_COLUMNS)
+        out = [(_record(r[:n]), r[n], r[n + 1], r[n + 2]) for r in claimed]
+        return sorted(out, key=lambda c: c[0].seq)
+
+    def claim_now(self, video_id: str, replica: str, lease_s: float) -> int:
+        """Claim one queued job for this replica at once (a job whose input lives in this process's memory); its
+        fence."""
+        row = self._one("UPDATE videos SET lease_owner = %s, lease_until = now() + make_interval(secs => %s), "
+                        "attempts = attempts + 1, fence = fence + 1 WHERE id = %s AND lease_owner IS NULL "
+                        "RETURNING fence", (replica, float(lease_s), video_id))
+        if row is None:
+            raise LeaseLost(f"{video_id} could not be claimed")
+        return row[0]
+
+    def renew(self, replica: str, fences: dict[str, int], lease_s: float) -> set[str]:
+        """Extend this replica's leases of these jobs (id -> fence); the ids whose lease still held."""
+        if not fences:
+            return set()
+        rows = self._all("UPDATE videos v SET lease_until = now() + make_interval(secs => %s) FROM "
+                         "unnest(%s::text[], %s::bigint[]) AS h(id, fence) WHERE v.id = h.id AND v.fence = h.fence "
+                         "AND v.lease_owner = %s RETURNING v.id",
+                         (float(lease_s), list(fences), list(fences.values()), replica))
+        return {r[0] for r in rows}
+
+    def release(self, video_id: str, fence: int, **fields) -> bool:
+        """A claim's last write: the fields, and the lease let go, only while `fence` holds; False otherwise."""
+        sql, args = _update_sql(video_id, fields, " AND fence = %s", (fence,))
+        sql = sql.replace("UPDATE videos SET ", "UPDATE videos SET lease_owner = NULL, lease_until = NULL, " if fields
+                          else "UPDATE videos SET lease_owner = NULL, lease_until = NULL", 1)
+        return self._run(sql, args) > 0
+
+    def requeue_lapsed(self, max_attempts: int) -> tuple[list[str], list[str]]:
+        """Jobs whose lease lapsed (their replica stopped renewing): queued again while they have attempts left,
+        else failed (`replica_lost`). Returns (requeued ids, failed ids)."""
+        with self.pool.connection() as conn, conn.transaction():
+            lapsed = conn.execute("SELECT id, attempts FROM videos WHERE lease_owner IS NOT NULL AND lease_until < "
+                                  "now() AND status IN ('queued', 'in_progress') FOR UPDATE SKIP LOCKED").fetchall()
+            again = [i for i, attempts in lapsed if attempts < max_attempts]
+            lost = [i for i, attempts in lapsed if attempts >= max_attempts]
+            if again:
+                conn.execute("UPDATE videos SET status = 'queued', progress = 0, lease_owner = NULL, lease_until = "
+                             "NULL WHERE id = ANY(%s)", (again,))
+            if lost:
+                error = _dump({"code": "replica_lost", "message": f"the replica running this video stopped "
+                                                                  f"{max_attempts} times; it was not retried again"})
+                conn.execute("UPDATE videos SET status = 'failed', lease_owner = NULL, lease_until = NULL, error = "
+                             "%s, completed_at = EXTRACT(EPOCH FROM now())::bigint WHERE id = ANY(%s)", (error, lost))
+        return again, lost
+
+    def lease_of(self, video_id: str) -> tuple[str | None, int, int] | None:
+        """(lease owner, fence, attempts) of a job; None when there is no such job."""
+        return self._one("SELECT lease_owner, fence, attempts FROM videos WHERE id = %s", (video_id,))
+
+    def set_cost(self, video_id: str, cost: float) -> None:
+        self._run("UPDATE videos SET cost = %s WHERE id = %s", (float(cost), video_id))
+
+    def try_sweep_lock(self, conn) -> bool:
+        """On `conn`, in its transaction: whether this replica is the one that sweeps now (an advisory lock)."""
+        return conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (SWEEP_LOCK,)).fetchone()[0]
 
     def delete(self, video_id: str) -> bool:
         return self._run("DELETE FROM videos WHERE id = %s", (video_id,)) > 0

@@ -122,3 +122,77 @@ def test_postgresql_migrations_apply_once_and_are_recorded(pg_url, tmp_path):
     finally:
         first.close()
         second.close()
+
+
+@pytest.fixture
+def pg(pg_url, tmp_path):
+    from longserve.server.api.pg_store import PostgresJobStore
+
+    s = PostgresJobStore(pg_url, tmp_path / "data")
+    with s.pool.connection() as conn:
+        conn.execute("TRUNCATE videos RESTART IDENTITY")
+    yield s
+    s.close()
+
+
+def lapse(store, video_id):
+    with store.pool.connection() as conn:                 # as if its replica stopped renewing long ago
+        conn.execute("UPDATE videos SET lease_until = now() - interval '1 second' WHERE id = %s", (video_id,))
+
+
+def test_replicas_claim_by_model_and_work_budget_and_never_the_same_job(pg):
+    import concurrent.futures
+
+    for i in range(3):
+        pg.insert(record(f"video_{i}"))
+    pg.insert(VideoRecord(id="video_other", created_at=1, status="queued", model="other", prompt="p",
+                          seconds="1", size="32x32", params={}))
+    pg.set_cost("video_1", 2.0)
+    claimed = pg.claim("A", ["tiny-latte"], budget=1.5, lease_s=30, idle=False)
+    assert [(r.id, fence, attempts) for r, fence, attempts, _ in claimed] == [("video_0", 1, 1)]
+    assert pg.claim("A", ["absent"], budget=9, lease_s=30, idle=True) == []
+    # idle: the next job is claimed even past the budget (a job within the limits always runs)
+    assert [c[0].id for c in pg.claim("B", ["tiny-latte"], budget=0.5, lease_s=30, idle=True)] == ["video_1"]
+    for i in range(3, 23):
+        pg.insert(record(f"video_{i}"))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda n: [c[0].id for c in pg.claim(f"R{n}", ["tiny-latte"], 3, 30, False)], range(8)))
+    ids = [i for run in runs for i in run]
+    assert len(ids) == len(set(ids)) and "video_0" not in ids and "video_1" not in ids
+    assert pg.lease_of("video_other") == (None, 0, 0)
+
+
+def test_a_lapsed_lease_requeues_with_an_attempt_and_fences_off_the_old_owner(pg):
+    from longserve.server.api.pg_store import LeaseLost
+
+    pg.insert(record("video_a"))
+    (rec, fence_a, attempts, _), = pg.claim("A", ["tiny-latte"], 1, lease_s=30, idle=True)
+    pg.update("video_a", fence=fence_a, status="in_progress")
+    assert pg.renew("A", {"video_a": fence_a}, 30) == {"video_a"}
+    assert pg.requeue_lapsed(max_attempts=3) == ([], [])            # renewed: nothing lapsed
+    lapse(pg, "video_a")
+    assert pg.requeue_lapsed(max_attempts=3) == (["video_a"], [])
+    assert pg.get("video_a").status == "queued"
+    (_, fence_b, attempts, _), = pg.claim("B", ["tiny-latte"], 1, lease_s=30, idle=True)
+    assert attempts == 2 and fence_b > fence_a
+    assert pg.renew("A", {"video_a": fence_a}, 30) == set()         # A learns that it lost the job
+    with pytest.raises(LeaseLost):
+        pg.update("video_a", fence=fence_a, status="completed")
+    assert pg.release("video_a", fence_a, status="completed") is False
+    assert pg.release("video_a", fence_b, status="completed", progress=100) is True
+    assert pg.get("video_a").status == "completed" and pg.lease_of("video_a") == (None, fence_b, 2)
+    lapse(pg, "video_a")
+    assert pg.requeue_lapsed(max_attempts=3) == ([], [])            # completed: not the sweep's
+
+
+def test_a_job_whose_replicas_keep_dying_fails_after_max_attempts(pg):
+    pg.insert(record("video_a"))
+    (_, _, attempts, _), = pg.claim("A", ["tiny-latte"], 1, lease_s=30, idle=True)
+    lapse(pg, "video_a")
+    assert pg.requeue_lapsed(max_attempts=2) == (["video_a"], [])
+    (_, _, attempts, _), = pg.claim("B", ["tiny-latte"], 1, lease_s=30, idle=True)
+    assert attempts == 2
+    lapse(pg, "video_a")
+    assert pg.requeue_lapsed(max_attempts=2) == ([], ["video_a"])
+    rec = pg.get("video_a")
+    assert rec.status == "failed" and rec.error["code"] == "replica_lost"
