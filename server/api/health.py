@@ -101,4 +101,6 @@ class ServerHealth:
                 "last_error": None if error is None else {"kind": error.kind, "rank": error.rank,
                                                           "message": str(error).splitlines()[0][:500]},
                 "reason": reason, "disk_free_bytes": service.storage.free_bytes, "warm_up_s": service.warm_up_s}
+        if getattr(service, "replica", None) is not None:     # a replica's capacity, for a router to choose by
+            body["replica"] = service.replica.describe()
         return (200 if status == "ok" else 503), body

@@ -11,6 +11,7 @@ The video files are not in the database: they live in the media store (`StoredFi
 from __future__ import annotations
 
 import json
+import os
 
 from psycopg_pool import ConnectionPool
 
@@ -50,6 +51,9 @@ MIGRATIONS: list[tuple[int, tuple[str, ...]]] = [
          "PRECISION NOT NULL DEFAULT 1",
          "CREATE INDEX videos_claimable ON videos(model, seq) WHERE status = 'queued' AND lease_owner IS NULL",
          "CREATE INDEX videos_leased ON videos(lease_until) WHERE lease_owner IS NOT NULL")),
+    # the live replicas: what each serves and its capacity (`heartbeat`; /v1/models, a create's model check)
+    (3, ("CREATE TABLE replicas (id TEXT PRIMARY KEY, models TEXT[] NOT NULL, info TEXT NOT NULL DEFAULT '{}', "
+         "heartbeat TIMESTAMPTZ NOT NULL)",)),
 ]
 
 #: pg_try_advisory_xact_lock key of the retention and quota sweep: one replica sweeps at a time
@@ -119,14 +123,15 @@ class PostgresJobStore(StoredFiles):
 
     # -- rows (the SQLite store's interface) ----------------------------------------------------------
 
-    def insert(self, rec: VideoRecord) -> int:
+    def insert(self, rec: VideoRecord, cost: float = 1.0) -> int:
         check_storable(rec)
         row = self._one(
             "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size, params,"
-            " error, request_key, extended_from, owner) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
-            "%s) RETURNING seq",
+            " error, request_key, extended_from, owner, cost) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
+            "%s, %s, %s) RETURNING seq",
             (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt, rec.seconds,
-             rec.size, json.dumps(rec.params), _dump(rec.error), rec.request_key, rec.extended_from, rec.owner))
+             rec.size, json.dumps(rec.params), _dump(rec.error), rec.request_key, rec.extended_from, rec.owner,
+             float(cost)))
         rec.seq = row[0]
         return rec.seq
 
@@ -134,7 +139,11 @@ class PostgresJobStore(StoredFiles):
         """With `fence`: only while that claim still holds the job (LeaseLost otherwise: another replica has it)."""
         if fence is None:
             self._run(*_update_sql(video_id, fields))
-        elif self._run(*_update_sql(video_id, fields, " AND fence = %s", (fence,))) == 0:
+            return
+        sql, args = _update_sql(video_id, fields, " AND fence = %s", (fence,))
+        if fields.get("status") in ("completed", "failed"):       # the claim's last write lets the lease go
+            sql = sql.replace("SET ", "SET lease_owner = NULL, lease_until = NULL, ", 1)
+        if self._run(sql, args) == 0:
             raise LeaseLost(f"{video_id}: its lease (fence {fence}) was lost; another replica runs it")
 
     # -- leases (replicas) ---------------------------------------------------------------------------
@@ -191,6 +200,11 @@ class PostgresJobStore(StoredFiles):
                           else "UPDATE videos SET lease_owner = NULL, lease_until = NULL", 1)
         return self._run(sql, args) > 0
 
+    def unclaim(self, video_id: str, fence: int) -> bool:
+        """Give a claim back untried (its replica could not queue it): queued for any replica, the attempt undone."""
+        return self._run("UPDATE videos SET lease_owner = NULL, lease_until = NULL, attempts = attempts - 1 WHERE id = "
+                         "%s AND fence = %s AND status = 'queued'", (video_id, fence)) > 0
+
     def requeue_lapsed(self, max_attempts: int) -> tuple[list[str], list[str]]:
         """Jobs whose lease lapsed (their replica stopped renewing): queued again while they have attempts left,
         else failed (`replica_lost`). Returns (requeued ids, failed ids)."""
@@ -216,9 +230,49 @@ class PostgresJobStore(StoredFiles):
     def set_cost(self, video_id: str, cost: float) -> None:
         self._run("UPDATE videos SET cost = %s WHERE id = %s", (float(cost), video_id))
 
-    def try_sweep_lock(self, conn) -> bool:
-        """On `conn`, in its transaction: whether this replica is the one that sweeps now (an advisory lock)."""
-        return conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (SWEEP_LOCK,)).fetchone()[0]
+    def publish(self, video_id: str, fence: int, **fields) -> bool:
+        """Complete a claim's video: while `fence` still holds the row (locked), its files `<id>.f<fence>.*` are
+        renamed to `<id>.*` (atomic on one file system: a reader sees the old name or the complete file) and the
+        fields written, the lease let go. False, with nothing renamed, when another claim holds the job."""
+        with self.pool.connection() as conn, conn.transaction():
+            row = conn.execute("SELECT fence FROM videos WHERE id = %s FOR UPDATE", (video_id,)).fetchone()
+            if row is None or row[0] != fence:
+                return False
+            for path in (self.thumbnail_path, self.video_path):
+                os.replace(path(video_id, fence), path(video_id))
+            sql, args = _update_sql(video_id, fields, " AND fence = %s", (fence,))
+            conn.execute(sql.replace("SET ", "SET lease_owner = NULL, lease_until = NULL, ", 1), args)
+        return True
+
+    def existing(self, ids) -> set[str]:
+        """Which of these jobs still have a record (a DELETE on any replica removes it)."""
+        ids = list(ids)
+        return {r[0] for r in self._all("SELECT id FROM videos WHERE id = ANY(%s)", (ids,))} if ids else set()
+
+    def active_work(self, owner: str | None = None) -> float:
+        """Work of the queued and running jobs of every replica (of `owner`, when given)."""
+        sql = "SELECT COALESCE(SUM(cost), 0) FROM videos WHERE status IN ('queued', 'in_progress')"
+        row = self._one(sql + " AND owner = %s", (owner,)) if owner is not None else self._one(sql)
+        return float(row[0])
+
+    def heartbeat(self, replica: str, models, info: dict) -> None:
+        self._run("INSERT INTO replicas (id, models, info, heartbeat) VALUES (%s, %s, %s, now()) ON CONFLICT (id) "
+                  "DO UPDATE SET models = EXCLUDED.models, info = EXCLUDED.info, heartbeat = now()",
+                  (replica, list(models), json.dumps(info)))
+
+    def live_replicas(self, within_s: float) -> list[tuple[str, list[str], dict]]:
+        """(id, models, info) of the replicas that beat within `within_s` seconds."""
+        rows = self._all("SELECT id, models, info FROM replicas WHERE heartbeat > now() - make_interval(secs => %s) "
+                         "ORDER BY id", (float(within_s),))
+        return [(i, list(models), json.loads(info)) for i, models, info in rows]
+
+    def leave(self, replica: str) -> None:
+        self._run("DELETE FROM replicas WHERE id = %s", (replica,))
+
+    def sweep_lock(self):
+        """A context: True inside it for the one replica that sweeps now (a session advisory lock), else False."""
+        return _SweepLock(self.pool)
+
 
     def delete(self, video_id: str) -> bool:
         return self._run("DELETE FROM videos WHERE id = %s", (video_id,)) > 0
@@ -263,6 +317,23 @@ class PostgresJobStore(StoredFiles):
 
     def by_status(self, status: str) -> list[VideoRecord]:
         return [_record(r) for r in self._all(f"{_SELECT} WHERE status = %s ORDER BY seq", (status,))]
+
+
+class _SweepLock:
+    def __init__(self, pool):
+        self.pool, self.conn, self.held = pool, None, False
+
+    def __enter__(self) -> bool:
+        self.conn = self.pool.getconn()
+        self.held = self.conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEP_LOCK,)).fetchone()[0]
+        return self.held
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.held:
+                self.conn.execute("SELECT pg_advisory_unlock(%s)", (SWEEP_LOCK,))
+        finally:
+            self.pool.putconn(self.conn)
 
 
 def _update_sql(video_id: str, fields: dict, where: str = "", args=()) -> tuple[str, tuple]:

@@ -284,7 +284,9 @@ async def video_events(request: Request, video_id: str):
 @v1.get("/models")
 async def list_models(request: Request):
     videos = request.app.state.videos
-    cards = [ModelCard(id=videos.model_name, created=videos.started_at, kind="video")]
+    replica = videos.replica            # with replicas: the models every live replica serves
+    names = [videos.model_name] if replica is None else await run_in_threadpool(replica.live_models)
+    cards = [ModelCard(id=name, created=videos.started_at, kind="video") for name in names]
     score = request.app.state.score
     if score is not None:
         cards.append(ModelCard(id=score.model_name, created=videos.started_at, kind="score"))

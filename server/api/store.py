@@ -124,17 +124,22 @@ class StoredFiles:
                 removed += 1
         return removed
 
-    def video_path(self, video_id: str) -> Path:
-        return self.video_dir / f"{video_id}.mp4"
+    # A claim of a replicated job (its `fence`, server/api/pg_store.py) writes files of its own, `<id>.f<fence>.*`,
+    # renamed to `<id>.*` when the claim completes the job (`PostgresJobStore.publish`): a replica that lost its
+    # lease never overwrites the job's files, and what it drops is its own.
 
-    def partial_path(self, video_id: str) -> Path:
-        return self.video_dir / f"{video_id}.mp4.part"
+    def video_path(self, video_id: str, fence: int | None = None) -> Path:
+        return self.video_dir / f"{video_id}{_tag(fence)}.mp4"
 
-    def thumbnail_path(self, video_id: str) -> Path:
-        return self.video_dir / f"{video_id}.png"
+    def partial_path(self, video_id: str, fence: int | None = None) -> Path:
+        return self.video_dir / f"{video_id}{_tag(fence)}.mp4.part"
 
-    def remove_files(self, video_id: str) -> None:
-        for path in (self.video_path(video_id), self.partial_path(video_id), self.thumbnail_path(video_id)):
+    def thumbnail_path(self, video_id: str, fence: int | None = None) -> Path:
+        return self.video_dir / f"{video_id}{_tag(fence)}.png"
+
+    def remove_files(self, video_id: str, fence: int | None = None) -> None:
+        for path in (self.video_path(video_id, fence), self.partial_path(video_id, fence),
+                     self.thumbnail_path(video_id, fence)):
             path.unlink(missing_ok=True)
 
     def link_files(self, source_id: str, video_id: str) -> None:
@@ -150,14 +155,18 @@ class StoredFiles:
             except OSError:
                 shutil.copyfile(src, dst)
 
-    def files_bytes(self, video_id: str) -> int:
+    def files_bytes(self, video_id: str, fence: int | None = None) -> int:
         total = 0
-        for path in (self.video_path(video_id), self.thumbnail_path(video_id)):
+        for path in (self.video_path(video_id, fence), self.thumbnail_path(video_id, fence)):
             try:
                 total += path.stat().st_size
             except FileNotFoundError:
                 pass
         return total
+
+
+def _tag(fence: int | None) -> str:
+    return "" if fence is None else f".f{int(fence)}"
 
 
 def check_storable(rec: VideoRecord) -> None:
@@ -209,7 +218,8 @@ class JobStore(StoredFiles):
 
     # -- rows -----------------------------------------------------------------------------------
 
-    def insert(self, rec: VideoRecord) -> int:
+    def insert(self, rec: VideoRecord, cost: float = 1.0) -> int:
+        """Store a new record (`cost`: its work, what replicas claim by; one server has no use for it)."""
         check_storable(rec)
         with self._lock:
             cur = self._db.execute(

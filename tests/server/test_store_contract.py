@@ -6,9 +6,9 @@ queries; PostgreSQL's migrations apply once and are recorded."""
 from __future__ import annotations
 
 import pytest
+from postgres import fresh_schema
 
 from longserve.server.api.store import JobStore, VideoRecord
-from tests.support.postgres import fresh_schema
 
 
 @pytest.fixture(scope="module")
