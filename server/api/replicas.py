@@ -40,6 +40,8 @@ from longserve.server.api.jobs import VIDEO, Job
 log = logging.getLogger("longserve.server")
 
 TICK_S = 0.2
+#: how often a job that runs on another replica is looked at for this replica's SSE and stream clients
+REMOTE_POLL_S = 0.25
 #: options whose value lives in the creating process's memory only (`service.stored_params` keeps their shape)
 IN_MEMORY = ("image", "last_image", "video")
 
@@ -75,6 +77,7 @@ class Replica:
         self.claimed = 0
         self.claim_latency_s: list[float] = []           # created -> claimed, of the jobs this replica claimed
         self.closed = False
+        self._watched: set[str] = set()                  # jobs of other replicas followed for SSE subscribers here
 
     @property
     def models(self) -> list[str]:
@@ -213,6 +216,50 @@ class Replica:
             self.service.broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted",
                                                                     "deleted": True})
 
+    # -- any replica answers for any job: events and streams of a job that runs on another ------------------
+
+    def watch(self, video_id: str) -> None:
+        """An SSE subscriber here for a job that is not: its record is polled (status, progress) and its changes
+        published to this replica's subscribers, until it ends or they all leave."""
+        if self.service.jobs.get(video_id) is None and video_id not in self._watched:
+            self._watched.add(video_id)
+            self.service.runner.spawn(self._follow_record(video_id))
+
+    async def _follow_record(self, video_id: str) -> None:
+        from longserve.server.api.video_jobs import event, video_view
+
+        broker, loop, last = self.service.broker, asyncio.get_running_loop(), None
+        try:
+            while broker.has_subscribers(video_id) and self.service.jobs.get(video_id) is None:
+                rec = await loop.run_in_executor(self.service.runner.io, self.store.get, video_id)
+                if rec is None:
+                    broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted",
+                                                               "deleted": True})
+                    return
+                if (rec.status, rec.progress) != last:
+                    last = (rec.status, rec.progress)
+                    if rec.status in ("completed", "failed"):
+                        broker.publish(video_id, f"video.{rec.status}", video_view(rec).model_dump())
+                        return
+                    broker.publish(video_id, f"video.{rec.status}", event(rec))
+                await asyncio.sleep(REMOTE_POLL_S)
+        finally:
+            self._watched.discard(video_id)
+
+    async def remote_writer(self, video_id: str, disconnected) -> "RemoteFile | None":
+        """The file another replica writes for a running job (`?stream=true` here), once it exists; None when the
+        job ends first, runs here, or the client leaves."""
+        loop = asyncio.get_running_loop()
+        while self.service.jobs.get(video_id) is None and not await disconnected():
+            row = await loop.run_in_executor(None, self.store.lease_of, video_id)
+            rec = await loop.run_in_executor(None, self.store.get, video_id)
+            if row is None or rec is None or rec.status not in ("queued", "in_progress"):
+                return None
+            if row[0] is not None and self.store.partial_path(video_id, row[1]).exists():
+                return RemoteFile(self.store, video_id, row[1])
+            await asyncio.sleep(REMOTE_POLL_S)
+        return None
+
     def close(self) -> None:
         """Stop claiming and leave the live replicas (the jobs still here lapse and are queued again)."""
         self.closed = True
@@ -220,3 +267,34 @@ class Replica:
             self.store.leave(self.id)
         except Exception:  # noqa: BLE001 - the database may be gone; the heartbeat lapses anyway
             log.exception("replica %s: leaving failed", self.id)
+
+
+class RemoteFile:
+    """What `streaming.tail_file` reads a writer through, for a file another replica writes (`<id>.f<fence>.mp4.part`,
+    renamed when done; an open handle reads on): polled, as no notification crosses replicas."""
+
+    def __init__(self, store, video_id: str, fence: int):
+        self.store, self.video_id, self.fence = store, video_id, fence
+        self.part_path, self.final_path = store.partial_path(video_id, fence), store.video_path(video_id, fence)
+        self.grown, self.done = _Poll(), self
+        self._checked, self._done = float("-inf"), False
+
+    def is_set(self) -> bool:
+        """Done: the record says the job ended (or another claim, or a DELETE, took it); looked up at most every
+        REMOTE_POLL_S."""
+        if not self._done and time.monotonic() - self._checked >= REMOTE_POLL_S:
+            self._checked = time.monotonic()
+            row, rec = self.store.lease_of(self.video_id), self.store.get(self.video_id)
+            self._done = row is None or rec is None or row[1] != self.fence or \
+                rec.status not in ("queued", "in_progress")
+        return self._done
+
+
+class _Poll:
+    """A notifier's face that wakes every REMOTE_POLL_S."""
+
+    version = 0
+
+    async def wait_after(self, version: int, timeout: float | None = None) -> bool:
+        await asyncio.sleep(REMOTE_POLL_S)
+        return True

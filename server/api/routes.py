@@ -247,6 +247,8 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
     rec = await run_in_threadpool(service.record, video_id, request.state.caller)
     if stream and variant == "video" and rec.status in ("queued", "in_progress"):
         writer = await service.live_writer(video_id, request.is_disconnected)   # wakes when the writer exists
+        if writer is None and service.replica is not None:                     # written by another replica
+            writer = await service.replica.remote_writer(video_id, request.is_disconnected)
         if writer is not None:
             return StreamingResponse(tail_file(writer), media_type="video/mp4", headers={"Cache-Control": "no-store"})
         if await request.is_disconnected():
@@ -271,6 +273,8 @@ async def video_events(request: Request, video_id: str):
         service.broker.unsubscribe(sub)
         raise
     events = [first]
+    if first[0] not in TERMINAL_EVENTS and service.replica is not None:   # it may run on another replica
+        service.replica.watch(video_id)
     if first[0] not in TERMINAL_EVENTS and service.stream_ends_now(video_id):   # no more events will come
         events.append(("error", shutdown_envelope()))
     return StreamingResponse(sse_stream(sub, events, lambda: service.broker.unsubscribe(sub)),

@@ -57,6 +57,9 @@ class VideoOutputs:
             self.broker.publish(rec.id, "video.in_progress", event(rec, step=0, num_steps=out.num_steps))
         elif isinstance(out, StepProgress):
             self.set(rec, progress=progress(job))
+            if job.fence is not None and time.monotonic() - job.saved_at >= 1.0:   # other replicas read it
+                job.saved_at = time.monotonic()
+                await self.update(job, progress=rec.progress)
             self.broker.publish(rec.id, "video.progress", event(
                 rec, step=out.step, num_steps=out.num_steps, batch_size=out.batch_size,
                 step_ms=round(1000 * out.step_s, 2)))
