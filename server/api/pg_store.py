@@ -17,7 +17,7 @@ from psycopg_pool import ConnectionPool
 
 from longserve.server.api.store import _COLUMNS, StoredFiles, VideoRecord, _dump, _record, check_storable
 
-#: pg_advisory_xact_lock key of schema migrations (any constant: replicas of one database agree on it)
+#: advisory lock keys (with the schema's hash as the second key: replicas of one schema agree on them): migrations
 MIGRATION_LOCK = 0x6C6F6E67          # "long"
 
 #: (version, statements): applied in order, each version once (`longserve_schema`); never edit a released one
@@ -56,7 +56,7 @@ MIGRATIONS: list[tuple[int, tuple[str, ...]]] = [
          "heartbeat TIMESTAMPTZ NOT NULL)",)),
 ]
 
-#: pg_try_advisory_xact_lock key of the retention and quota sweep: one replica sweeps at a time
+#: the retention and quota sweep: one replica of a schema sweeps at a time
 SWEEP_LOCK = MIGRATION_LOCK + 1
 
 
@@ -72,7 +72,7 @@ def migrate(pool: ConnectionPool) -> list[int]:
     """Apply the migrations this database lacks (one transaction, under the advisory lock); the versions applied."""
     applied = []
     with pool.connection() as conn, conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(COALESCE(current_schema(), '')))", (MIGRATION_LOCK,))
         conn.execute("CREATE TABLE IF NOT EXISTS longserve_schema (version INTEGER PRIMARY KEY, "
                      "applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
         done = {row[0] for row in conn.execute("SELECT version FROM longserve_schema")}
@@ -325,13 +325,15 @@ class _SweepLock:
 
     def __enter__(self) -> bool:
         self.conn = self.pool.getconn()
-        self.held = self.conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEP_LOCK,)).fetchone()[0]
+        self.held = self.conn.execute("SELECT pg_try_advisory_lock(%s, hashtext(COALESCE(current_schema(), '')))",
+                                      (SWEEP_LOCK,)).fetchone()[0]
         return self.held
 
     def __exit__(self, *exc) -> None:
         try:
             if self.held:
-                self.conn.execute("SELECT pg_advisory_unlock(%s)", (SWEEP_LOCK,))
+                self.conn.execute("SELECT pg_advisory_unlock(%s, hashtext(COALESCE(current_schema(), '')))",
+                                  (SWEEP_LOCK,))
         finally:
             self.pool.putconn(self.conn)
 

@@ -196,3 +196,40 @@ def test_a_job_whose_replicas_keep_dying_fails_after_max_attempts(pg):
     assert pg.requeue_lapsed(max_attempts=2) == ([], ["video_a"])
     rec = pg.get("video_a")
     assert rec.status == "failed" and rec.error["code"] == "replica_lost"
+
+
+def test_publication_renames_a_claims_files_only_while_its_fence_holds(pg):
+    pg.insert(record("video_a"))
+    (_, fence, _, _), = pg.claim("A", ["tiny-latte"], 1, lease_s=30, idle=True)
+    for path in (pg.video_path("video_a", fence), pg.thumbnail_path("video_a", fence)):
+        path.write_bytes(b"mine")
+    lapse(pg, "video_a")
+    pg.requeue_lapsed(max_attempts=3)
+    (_, fence_b, _, _), = pg.claim("B", ["tiny-latte"], 1, lease_s=30, idle=True)
+    assert pg.publish("video_a", fence, status="completed", progress=100) is False     # A lost it: nothing moves
+    assert not pg.video_path("video_a").exists() and pg.get("video_a").status == "queued"
+    pg.video_path("video_a", fence_b).write_bytes(b"bee")
+    pg.thumbnail_path("video_a", fence_b).write_bytes(b"png")
+    assert pg.publish("video_a", fence_b, status="completed", progress=100, bytes=6) is True
+    assert pg.video_path("video_a").read_bytes() == b"bee" and not pg.video_path("video_a", fence_b).exists()
+    assert pg.get("video_a").status == "completed" and pg.lease_of("video_a")[0] is None
+
+
+def test_shared_work_replicas_deletes_and_the_one_sweeper(pg):
+    pg.insert(record("video_a", owner="k"), cost=2.5)
+    pg.insert(record("video_b"), cost=1.0)
+    pg.insert(record("video_c", status="completed"), cost=7.0)
+    assert pg.active_work() == 3.5 and pg.active_work("k") == 2.5
+    assert pg.existing(["video_a", "video_x"]) == {"video_a"}
+    (_, fence, attempts, cost), = pg.claim("A", ["tiny-latte"], 9, lease_s=30, idle=True, look_ahead=1)
+    assert (attempts, cost) == (1, 2.5)
+    assert pg.unclaim("video_a", fence) is True and pg.lease_of("video_a") == (None, fence, 0)
+    pg.heartbeat("A", ["tiny-latte"], {"running": 1})
+    pg.heartbeat("B", ["tiny-b"], {})
+    assert pg.live_replicas(5) == [("A", ["tiny-latte"], {"running": 1}), ("B", ["tiny-b"], {})]
+    pg.leave("B")
+    assert [r[0] for r in pg.live_replicas(5)] == ["A"]
+    with pg.sweep_lock() as first, pg.sweep_lock() as second:
+        assert (first, second) == (True, False)
+    with pg.sweep_lock() as again:
+        assert again
