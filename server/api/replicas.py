@@ -119,7 +119,7 @@ class Replica:
         jobs = self.service.jobs
         return {"id": self.id, "models": self.models, "work": round(jobs.work(), 4), "budget": self.budget,
                 "running": jobs.count(VIDEO), "claimed": self.claimed, "live_sessions": jobs.count("live"),
-                "draining": self.service.shutdown.draining}
+                "draining": self.service.shutdown.draining, "claim_p50_s": median(self.claim_latency_s[-1000:])}
 
     # -- the cycle ----------------------------------------------------------------------------------------
 
@@ -267,6 +267,10 @@ class Replica:
             self.store.leave(self.id)
         except Exception:  # noqa: BLE001 - the database may be gone; the heartbeat lapses anyway
             log.exception("replica %s: leaving failed", self.id)
+
+
+def median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 class RemoteFile:
