@@ -99,6 +99,8 @@ def test_jobs_created_on_one_replica_are_run_by_both_and_answered_the_same_on_bo
     claimed = {r.name: r.health()["replica"]["claimed"] for r in (a, b)}
     # (a claim whose lease lapsed on a starved replica is claimed again: at least 20 claims)
     assert claimed["A"] > 0 and claimed["B"] > 0 and claimed["A"] + claimed["B"] >= 20, claimed
+    metrics = a.http.get("/metrics").text             # labelled by replica
+    assert f'longserve_replica_claimed_jobs{{replica="A"}} {claimed["A"]}' in metrics
     for vid in ids[:3]:
         assert a.http.get(f"/v1/videos/{vid}").json() == b.http.get(f"/v1/videos/{vid}").json()
         content = [r.http.get(f"/v1/videos/{vid}/content") for r in (a, b)]
