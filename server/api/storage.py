@@ -22,7 +22,8 @@ import time
 from typing import Callable
 
 from longserve.server.api.errors import APIError
-from longserve.server.api.store import VideoRecord, open_store
+from longserve.server.api.media_store import media_dir
+from longserve.server.api.store import JobStore, VideoRecord
 from longserve.server.media import storage_error_code
 
 log = logging.getLogger("longserve.server")
@@ -313,6 +314,18 @@ class VideoStorage:
                 if storage_error_code(e) is not None:
                     self.failed(str(e))
             await asyncio.sleep(1.0)
+
+
+def open_store(config):
+    """The job store a `ServeConfig` names: PostgreSQL for `--store postgresql://...` (replicas share it), else the
+    SQLite file under `--data-dir`. Videos go to `--media-store` (a shared directory) when given."""
+    video_dir = media_dir(config.media_store)
+    url = config.store
+    if url and url.split(":", 1)[0] in ("postgresql", "postgres"):
+        from longserve.server.api.pg_store import PostgresJobStore
+
+        return PostgresJobStore(url, config.data_dir, video_dir)
+    return JobStore(config.data_dir, video_dir)
 
 
 def retried(write):

@@ -177,20 +177,6 @@ def check_storable(rec: VideoRecord) -> None:
             raise ValueError(f"video {rec.id}: its {name} {problem}")
 
 
-def open_store(config):
-    """The job store a `ServeConfig` names: PostgreSQL for `--store postgresql://...` (replicas share it), else the
-    SQLite file under `--data-dir`. Videos go to `--media-store` (a shared directory) when given."""
-    from longserve.server.api.media_store import media_dir
-
-    video_dir = media_dir(config.media_store)
-    url = config.store
-    if url and url.split(":", 1)[0] in ("postgresql", "postgres"):
-        from longserve.server.api.pg_store import PostgresJobStore
-
-        return PostgresJobStore(url, config.data_dir, video_dir)
-    return JobStore(config.data_dir, video_dir)
-
-
 class JobStore(StoredFiles):
     """The SQLite store. Thread-safe (one connection behind a lock: statements are tiny)."""
 
