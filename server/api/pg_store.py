@@ -209,10 +209,11 @@ class PostgresJobStore(StoredFiles):
         """Jobs whose lease lapsed (their replica stopped renewing): queued again while they have attempts left,
         else failed (`replica_lost`). Returns (requeued ids, failed ids)."""
         with self.pool.connection() as conn, conn.transaction():
-            lapsed = conn.execute("SELECT id, attempts FROM videos WHERE lease_owner IS NOT NULL AND lease_until < "
-                                  "now() AND status IN ('queued', 'in_progress') FOR UPDATE SKIP LOCKED").fetchall()
-            again = [i for i, attempts in lapsed if attempts < max_attempts]
-            lost = [i for i, attempts in lapsed if attempts >= max_attempts]
+            lapsed = conn.execute("SELECT id, attempts, fence FROM videos WHERE lease_owner IS NOT NULL AND "
+                                  "lease_until < now() AND status IN ('queued', 'in_progress') FOR UPDATE SKIP LOCKED"
+                                  ).fetchall()
+            again = [i for i, attempts, _ in lapsed if attempts < max_attempts]
+            lost = [i for i, attempts, _ in lapsed if attempts >= max_attempts]
             if again:
                 conn.execute("UPDATE videos SET status = 'queued', progress = 0, lease_owner = NULL, lease_until = "
                              "NULL WHERE id = ANY(%s)", (again,))
@@ -221,6 +222,8 @@ class PostgresJobStore(StoredFiles):
                                                                   f"{max_attempts} times; it was not retried again"})
                 conn.execute("UPDATE videos SET status = 'failed', lease_owner = NULL, lease_until = NULL, error = "
                              "%s, completed_at = EXTRACT(EPOCH FROM now())::bigint WHERE id = ANY(%s)", (error, lost))
+        for video_id, _, fence in lapsed:          # what the lost claims wrote: their own files only
+            self.remove_files(video_id, fence)
         return again, lost
 
     def lease_of(self, video_id: str) -> tuple[str | None, int, int] | None:

@@ -206,6 +206,9 @@ def test_publication_renames_a_claims_files_only_while_its_fence_holds(pg):
     lapse(pg, "video_a")
     pg.requeue_lapsed(max_attempts=3)
     (_, fence_b, _, _), = pg.claim("B", ["tiny-latte"], 1, lease_s=30, idle=True)
+    assert not pg.video_path("video_a", fence).exists(), "the lapsed claim's files were dropped"
+    for path in (pg.video_path("video_a", fence), pg.thumbnail_path("video_a", fence)):
+        path.write_bytes(b"late")                     # A, not knowing, finishes its file anyway
     assert pg.publish("video_a", fence, status="completed", progress=100) is False     # A lost it: nothing moves
     assert not pg.video_path("video_a").exists() and pg.get("video_a").status == "queued"
     pg.video_path("video_a", fence_b).write_bytes(b"bee")
