@@ -5,7 +5,7 @@ fail over after a SIGKILL.
 For each replica count, a fresh PostgreSQL schema (on `--store`, default $LONGSERVE_TEST_POSTGRES or
 postgresql://127.0.0.1:5432/test) and a fresh shared directory; each replica has one worker held to one thread
 (OMP_NUM_THREADS=1), so on a 2-core machine each replica has a core. `--concurrency` clients each create a video on
-the replicas in turn and poll it until it completes, then create the next, `--requests` in all. Claim latency is
+the replicas in turn and poll it (every POLL_S) until it completes, then create the next, `--requests` in all. Claim latency is
 each replica's median of claim time minus the record's creation time (/health: `claim_p50_s`). With two replicas
 or more, failover: a long job is created, the replica running it is SIGKILLed, and the time until another replica
 claims it (attempt 2) is measured.
@@ -23,6 +23,9 @@ import threading
 import time
 import uuid
 from pathlib import Path
+
+#: how often a client polls its video: the clients share the 2 cores with the replicas they measure
+POLL_S = 0.25
 
 COLUMNS = [
     ("replicas", "replicas"),
@@ -102,7 +105,7 @@ def measure(server_url: str, n: int, args, body: dict) -> dict:
                                                                    seed=i)).json()["id"]
                     while (v := http.get(f"{base}/v1/videos/{vid}").json())["status"] not in ("completed",
                                                                                                 "failed"):
-                        time.sleep(0.05)
+                        time.sleep(POLL_S)
                     with lock:
                         results.append((sent, time.monotonic(), v["status"]))
 
