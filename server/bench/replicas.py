@@ -7,8 +7,8 @@ postgresql://127.0.0.1:5432/test) and a fresh shared directory; each replica has
 (OMP_NUM_THREADS=1), so on a 2-core machine each replica has a core. `--concurrency` clients each create a video on
 the replicas in turn and poll it (every POLL_S) until it completes, then create the next, `--requests` in all.
 Claim latency is each replica's median of claim time minus the record's creation time (/health: `claim_p50_s`).
-With two replicas or more, failover: a long job is created, the replica running it is SIGKILLed, and the time until another replica
-claims it (attempt 2) is measured.
+With two replicas or more, failover: a long job is created, the replica running it is SIGKILLed, and the time until
+another replica claims it (attempt 2) is measured.
 """
 
 from __future__ import annotations
