@@ -138,7 +138,8 @@ def http_client():
 #: hands whole files to its two pytest processes in collection order, so a long file collected last leaves one
 #: process working alone at the end
 LONGEST_FIRST = (
-    "server/test_replicas.py", "test_readme.py", "pipelines/test_content.py", "pipelines/test_video_pipeline.py", "pipelines/test_compile.py",
+    "server/test_replicas.py", "test_readme.py", "pipelines/test_content.py", "pipelines/test_video_pipeline.py",
+    "pipelines/test_compile.py",
     "server/test_serve_process.py", "server/test_api.py", "pipelines/test_wan_pipeline.py", "server/test_cli.py",
     "server/test_live_api.py", "engine/test_comm.py", "pipelines/test_hunyuan15_pipeline.py",
     "engine/test_causal_vae.py", "pipelines/test_helios_pyramid_pipeline.py", "pipelines/test_long_video.py",

@@ -53,6 +53,9 @@ class AdmissionGate:
         self.max_work_per_key = max_work_per_key
         self.frames_per_chunk = frames_per_chunk
         self.retry_after_s = retry_after_s
+        #: work of the active jobs (of one owner, or all for None): the registry's, or with replicas every replica's
+        #: queued and running work in the shared store (`server/api/replicas.py`)
+        self.work_of = jobs.work
 
     def check_open(self, writes_files: bool = True) -> None:
         """503 while shutting down; 507 while the data dir's disk is below --min-free-bytes (`writes_files`)."""
@@ -77,9 +80,14 @@ class AdmissionGate:
             self._check(job.cost, job.owner)
             self.jobs.add(job)
 
+    def check(self, job: Job) -> None:
+        """429 naming the limit if `job`'s cost does not fit (a job stored for the replicas, not registered here)."""
+        with self.jobs.lock:
+            self._check(job.cost, job.owner)
+
     def _check(self, cost: float, key: str | None) -> None:
         if self.max_work is not None:
-            total = self.jobs.work()
+            total = self.work_of(None)
             if total > 0 and total + cost > self.max_work:
                 raise APIError(429, f"the server's queue is full of work: this request costs {cost:.3g} default "
                                     f"requests and {total:.3g} are queued or running, the limit is "
@@ -87,7 +95,7 @@ class AdmissionGate:
                                     f"pixels or steps", code="queue_full",
                                headers={"Retry-After": str(self.retry_after_s)})
         if self.max_work_per_key is not None and key is not None:
-            mine = self.jobs.work(key)
+            mine = self.work_of(key)
             if mine > 0 and mine + cost > self.max_work_per_key:
                 raise APIError(429, f"this API key has {mine:.3g} default requests of work queued or running and "
                                     f"this request costs {cost:.3g}; the limit per key is {self.max_work_per_key:g} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 
 from longserve.engine.config import MAX_STEPS, EngineConfig, build, option
@@ -79,6 +80,20 @@ class ServeConfig:
                                                    "to this long, then fail the rest (server_shutdown) and exit",
                                   group="jobs", metavar="SECONDS")
 
+    store: str | None = option(None, "the job store: none = a SQLite file under --data-dir (one server); "
+                                     "postgresql://user@host:5432/db (a schema: libpq's options, search_path) = "
+                                     "one PostgreSQL that several replicas share (docs/serving.md)", group="jobs",
+                               metavar="URL")
+    media_store: str | None = option(None, "where the videos' files go: none = <data-dir>/videos; file:///path = a "
+                                           "directory every replica mounts", group="jobs", metavar="URL")
+    lease_seconds: float = option(10.0, "with a PostgreSQL store: a replica renews its running jobs' leases every "
+                                        "third of this; a job whose lease lapses (its replica died) is queued again",
+                                  group="jobs", metavar="SECONDS")
+    max_attempts: int = option(3, "with a PostgreSQL store: a job whose lease lapsed this many times fails "
+                                  "(replica_lost) instead of being queued again", group="jobs")
+    replica_id: str | None = option(None, "this replica's name in the shared store (default: host name and process "
+                                          "id)", group="jobs")
+
     # -- request limits (they default from the model; the request defaults are the engine's) ---------------
     max_frames: int | None = option(None, "longest video in frames (default: 4 x the model's default frame count; "
                                           "for a long-video model, --max-seconds at its fps)", group="limits")
@@ -121,6 +136,7 @@ class ServeConfig:
 
     def __post_init__(self):
         self._check_edge_and_admission()
+        self._check_replicas()
         for name in ("max_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers",
                      "max_image_pixels"):
             value = getattr(self, name)
@@ -145,6 +161,23 @@ class ServeConfig:
         if (isinstance(self.drain_seconds, bool) or not isinstance(self.drain_seconds, (int, float))
                 or not math.isfinite(self.drain_seconds) or self.drain_seconds < 0):
             raise ValueError(f"drain_seconds must be a non-negative number of seconds, got {self.drain_seconds!r}")
+
+    def _check_replicas(self) -> None:
+        from longserve.server.api.media_store import check_media_store
+
+        check_media_store(self.media_store)
+        if self.store is not None and (not isinstance(self.store, str)
+                                       or self.store.split(":", 1)[0] not in ("postgresql", "postgres")):
+            raise ValueError(f"store must be a postgresql:// URL or None (the SQLite file under data_dir), got "
+                             f"{self.store!r}")
+        if isinstance(self.lease_seconds, bool) or not isinstance(self.lease_seconds, (int, float)) \
+                or not math.isfinite(self.lease_seconds) or not self.lease_seconds >= 1:
+            raise ValueError(f"lease_seconds must be a number of seconds >= 1, got {self.lease_seconds!r}")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be a positive integer, got {self.max_attempts!r}")
+        if self.replica_id is not None and (not isinstance(self.replica_id, str)
+                                            or not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,100}", self.replica_id)):
+            raise ValueError(f"replica_id must be 1-100 letters, digits or _.:-, got {self.replica_id!r}")
 
     def _check_edge_and_admission(self) -> None:
         for name in ("timeout_keep_alive", "score_concurrency"):

@@ -53,10 +53,19 @@ class ServerHealth:
                     lambda: self._stat("restarts")))
         r.add(Gauge("longserve_workers_ready", "1 while the worker pool is up.",
                     lambda: 1 if self._stat("workers_ready") else 0))
+        r.add(Gauge("longserve_replica_claimed_jobs", "Jobs this replica claimed from the shared store, by replica "
+                    "(--store postgresql://; none with the SQLite store).",
+                    lambda: self._replica("claimed"), labels=("replica",)))
+        r.add(Gauge("longserve_replica_work", "Work of this replica's active jobs in default requests, by replica.",
+                    lambda: self._replica("work"), labels=("replica",)))
 
     def _stat(self, name: str):
         engine = self.service.engine
         return getattr(engine.stats(), name) if engine is not None else 0
+
+    def _replica(self, name: str) -> dict:
+        replica = getattr(self.service, "replica", None)
+        return {} if replica is None else {replica.id: replica.describe()[name]}
 
     def on_batch(self, step) -> None:
         """The engine's batch listener (its thread): one denoising step of a batch."""
@@ -101,4 +110,6 @@ class ServerHealth:
                 "last_error": None if error is None else {"kind": error.kind, "rank": error.rank,
                                                           "message": str(error).splitlines()[0][:500]},
                 "reason": reason, "disk_free_bytes": service.storage.free_bytes, "warm_up_s": service.warm_up_s}
+        if getattr(service, "replica", None) is not None:     # a replica's capacity, for a router to choose by
+            body["replica"] = service.replica.describe()
         return (200 if status == "ok" else 503), body

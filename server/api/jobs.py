@@ -37,6 +37,8 @@ class Job:
     record: Any = None                 # a video's store.VideoRecord
     writer: Any = None                 # a video's media.FragmentedMP4Writer, from its first frames on
     changed: Notifier = field(default_factory=Notifier)   # a writer exists, or the job ended
+    fence: int | None = None           # a replica's claim of the job (shared store: server/api/replicas.py)
+    saved_at: float = 0.0              # when a replica last wrote its progress (time.monotonic)
 
 
 class JobRegistry:

@@ -250,6 +250,7 @@ class Health(BaseModel):
     warnings: list[str] = []          # the deployment's risks (an open server on a reachable address)
     reason: str | None = None               # why "degraded" (storage) or "draining" (SIGTERM)
     disk_free_bytes: int | None = None      # the data dir's file system, as last measured
+    replica: dict | None = None             # with replicas: its id, models and capacity (server/api/replicas.py)
 
 
 # -- scoring ----------------------------------------------------------------------------------------

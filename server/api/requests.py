@@ -77,6 +77,7 @@ class VideoRequests:
         self.tmp_dir = tmp_dir            # the data dir's temp area (swept at start): an upload's trip to a decoder
         self.model_name = model_name
         self.model_names = {model_name, str(config.model)}
+        self.elsewhere = None     # with replicas: a model not served here -> 400 naming `model` (replicas.py)
 
     # -- the three doors --------------------------------------------------------------------------------
 
@@ -213,6 +214,8 @@ class VideoRequests:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
+            if self.elsewhere is not None:
+                self.elsewhere(model)
             raise APIError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 

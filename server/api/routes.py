@@ -247,6 +247,8 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
     rec = await run_in_threadpool(service.record, video_id, request.state.caller)
     if stream and variant == "video" and rec.status in ("queued", "in_progress"):
         writer = await service.live_writer(video_id, request.is_disconnected)   # wakes when the writer exists
+        if writer is None and service.replica is not None:                     # written by another replica
+            writer = await service.replica.remote_writer(video_id, request.is_disconnected)
         if writer is not None:
             return StreamingResponse(tail_file(writer), media_type="video/mp4", headers={"Cache-Control": "no-store"})
         if await request.is_disconnected():
@@ -271,6 +273,8 @@ async def video_events(request: Request, video_id: str):
         service.broker.unsubscribe(sub)
         raise
     events = [first]
+    if first[0] not in TERMINAL_EVENTS and service.replica is not None:   # it may run on another replica
+        service.replica.watch(video_id)
     if first[0] not in TERMINAL_EVENTS and service.stream_ends_now(video_id):   # no more events will come
         events.append(("error", shutdown_envelope()))
     return StreamingResponse(sse_stream(sub, events, lambda: service.broker.unsubscribe(sub)),
@@ -284,7 +288,9 @@ async def video_events(request: Request, video_id: str):
 @v1.get("/models")
 async def list_models(request: Request):
     videos = request.app.state.videos
-    cards = [ModelCard(id=videos.model_name, created=videos.started_at, kind="video")]
+    replica = videos.replica            # with replicas: the models every live replica serves
+    names = [videos.model_name] if replica is None else await run_in_threadpool(replica.live_models)
+    cards = [ModelCard(id=name, created=videos.started_at, kind="video") for name in names]
     score = request.app.state.score
     if score is not None:
         cards.append(ModelCard(id=score.model_name, created=videos.started_at, kind="score"))

@@ -1,7 +1,7 @@
 """`VideoService`: the server's videos and live sessions, between the HTTP routes and the engine.
 
-It holds the parts, each with one job, and does the API's video operations with them (create, extend,
-get, list, delete, content, events):
+It holds the parts, each with one job, and does the API's video operations with them (create, extend, get, list,
+delete, content, events):
 
     requests.py    VideoRequests   HTTP shapes -> a complete spec: the server's syntax and limits only
                                    (the engine completes a request: `VideoEngine.complete`)
@@ -13,14 +13,14 @@ get, list, delete, content, events):
     health.py      ServerHealth    /health and /metrics
     drain.py       Shutdown        SIGTERM's drain
     live.py        LiveSessions    the live WebSocket door
+    replicas.py    Replica         with a shared store (PostgreSQL): claims, leases, the live replicas
 
-Everything about a request's progress is the engine's: its handle's outputs and status. The service
-keeps API state only: the stored record and, while a video runs, its MP4 writer.
+Everything about a request's progress is the engine's: its handle's outputs and status. The service keeps API
+state only: the stored record and, while a video runs, its MP4 writer.
 
-Restart policy (`--data-dir` reused): a job that was in_progress when the server stopped is failed (code
-"server_restarted": its partial denoising lived in worker memory); a queued job is queued again, in its
-original order (counted by admission, never refused); completed videos stay downloadable (until
-`--retention` or the `--max-storage-bytes` quota expires their files).
+Restart policy (`--data-dir` reused): a job in_progress when the server stopped is failed ("server_restarted": its
+partial denoising lived in worker memory); a queued job is queued again in order (never refused by admission);
+completed videos stay until retention or the quota expire them. Replicas: leases decide (`replicas.py`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from longserve.server.api.errors import APIError
 from longserve.server.api.health import ServerHealth
 from longserve.server.api.jobs import DELETED, VIDEO, Job, JobRegistry
 from longserve.server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoExtendRequest, VideoList
+from longserve.server.api.replicas import attach_replica
 from longserve.server.api.requests import Limits, VideoRequests
 from longserve.server.api.runner import JobRunner
 from longserve.server.api.storage import VideoStorage
@@ -69,6 +70,7 @@ class VideoService:
         self.runner = JobRunner(self.jobs)
         self.shutdown = Shutdown(self.jobs, self.broker)
         self.monitor = ServerHealth(self)
+        self.replica = None               # with a shared store: this replica's claim cycle (replicas.py)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -101,9 +103,12 @@ class VideoService:
         self._recover()
         self.storage.measure_free()
         self.runner.spawn(self.storage.housekeeping())
+        self.replica = attach_replica(self)                   # None unless the store is shared
         return self
 
     def close(self) -> None:
+        if self.replica is not None:
+            self.replica.close()
         if self.engine is not None:
             self.engine.close()           # every handle's iteration ends; the runners finish
         self.runner.close()
@@ -175,6 +180,9 @@ class VideoService:
                           size=f"{spec.width}x{spec.height}",
                           params=params, request_key=key, extended_from=extended_from, owner=owner)
         job = Job(spec.request_id, VIDEO, self.admission.cost(spec, VIDEO), owner, record=rec, sink=self.outputs)
+        if self.replica is not None and self.replica.enqueue(job, spec):   # stored for a replica to claim
+            self.monitor.created.inc()
+            return video_view(rec)
         self.admission.admit(job)                                     # 429 past the work limits
         try:
             job.handle = self.engine.submit(spec)
@@ -187,6 +195,8 @@ class VideoService:
             raise
         try:
             self.storage.insert(rec, "the job")
+            if self.replica is not None:
+                self.replica.hold(job)          # its input is in this process's memory: it runs here
         except BaseException:
             job.handle.abort(DELETED)           # nothing was stored: nothing to follow
             self.jobs.remove(job)
@@ -208,7 +218,7 @@ class VideoService:
         self.monitor.reused.inc()
         self.monitor.finished.inc(outcome="completed")
         try:                                              # the quota counts its bytes as a video's of its own
-            self.storage.enforce_quota()
+            self.storage.quota()
         except Exception:
             log.exception("enforcing the storage quota failed")
         return video_view(rec)

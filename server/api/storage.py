@@ -22,6 +22,7 @@ import time
 from typing import Callable
 
 from longserve.server.api.errors import APIError
+from longserve.server.api.media_store import media_dir
 from longserve.server.api.store import JobStore, VideoRecord
 from longserve.server.media import storage_error_code
 
@@ -39,11 +40,12 @@ class VideoStorage:
 
     def __init__(self, config, io, busy: Callable[[str], bool], on_expired: Callable[[], None] = lambda: None):
         self.config = config                      # the ServeConfig: data_dir, retention_s, quota, min_free_bytes
-        self.store = JobStore(config.data_dir)
+        self.store = open_store(config)
         self.io = io
         self.busy, self.on_expired = busy, on_expired
         self._lock = threading.RLock()
         self._pending: dict[str, tuple[VideoRecord, dict]] = {}   # records SQLite has not taken yet, fields to write
+        self.replicated = hasattr(self.store, "claim")  # a store replicas share (PostgreSQL): jobs are claimed
         self.error: str | None = None              # the last failed write, until a write succeeds again
         self.free_bytes: int | None = None         # the data dir's free space, as last measured
 
@@ -89,10 +91,10 @@ class VideoStorage:
 
     # -- records ---------------------------------------------------------------------------------------
 
-    def insert(self, rec: VideoRecord, what: str = "the job") -> None:
+    def insert(self, rec: VideoRecord, what: str = "the job", cost: float = 1.0) -> None:
         """Store a new record (retried); a storage fault is answered 507 or 503 naming `what`."""
         try:
-            retried(lambda: self.store.insert(rec))
+            retried(lambda: self.store.insert(rec, cost))
         except Exception as e:
             code = storage_error_code(e)
             if code is None:
@@ -112,24 +114,29 @@ class VideoStorage:
         with self._lock:
             return [self._pending[r.id][0] if r.id in self._pending else r for r in records], has_more
 
-    async def save(self, rec: VideoRecord, fields: dict) -> None:
+    async def save(self, rec: VideoRecord, fields: dict, fence: int | None = None) -> bool:
         """Write fields of a record to SQLite, tried again after a failure (a full disk, a locked database); what
-        still fails is kept, served from memory, for the housekeeping task to write. Never raises."""
+        still fails is kept, served from memory, for the housekeeping task to write. Never raises. With `fence` (a
+        replica's claim of the job): False when the claim was lost (nothing written: another replica has it)."""
         with self._lock:
             pending = {**self._pending.pop(rec.id, (rec, {}))[1], **fields}     # in order: later fields win
         loop = asyncio.get_running_loop()
+        fenced = {} if fence is None else {"fence": fence}
         for wait in (*WRITE_RETRY_S, None):
             try:
-                await loop.run_in_executor(self.io, lambda: self.store.update(rec.id, **pending))
+                await loop.run_in_executor(self.io, lambda: self.store.update(rec.id, **fenced, **pending))
                 if not self._pending:
                     self.error = None              # writes go through again
-                return
+                return True
             except Exception as e:  # noqa: BLE001 - sqlite3 and OS errors alike
+                if type(e).__name__ == "LeaseLost":
+                    log.warning("%s", e)
+                    return False
                 if wait is None:
                     with self._lock:
                         self._pending[rec.id] = (rec, {**pending, **self._pending.get(rec.id, (rec, {}))[1]})
                     self.failed(f"writing the record of {rec.id} failed: {e}")
-                    return
+                    return True
                 await asyncio.sleep(wait)
 
     def flush_pending(self) -> None:
@@ -163,7 +170,12 @@ class VideoStorage:
 
     def recover(self) -> list[VideoRecord]:
         """Jobs left by a previous run on this data dir: the interrupted fail (their partial state lived in
-        worker memory), partial files go; returns the queued ones, in their order, to queue again."""
+        worker memory), partial files go; returns the queued ones, in their order, to queue again. A replica of a
+        shared store leaves the jobs to the leases (a running one is another replica's, or lapses and is queued
+        again) and returns none: they are claimed."""
+        if self.replicated:
+            self.store.sweep_tmp()
+            return []
         for rec in self.store.by_status("in_progress"):
             self.store.remove_files(rec.id)
             self.finish_record(rec, status="failed", error={
@@ -256,6 +268,26 @@ class VideoStorage:
         self.on_expired()
         log.info("expired %s", video_id)
 
+    def sweep(self) -> None:
+        """Retention, then the quota; with a shared store, by one replica at a time (an advisory lock: the quota
+        counts every replica's videos, and two sweepers would evict twice)."""
+        if not self.replicated:
+            self.expire()
+            self.enforce_quota()
+            return
+        with self.store.sweep_lock() as mine:
+            if mine:
+                self.expire()
+                self.enforce_quota()
+
+    def quota(self) -> list[str]:
+        """`enforce_quota`, by one replica at a time with a shared store (a replica that finds the lock taken
+        leaves it to the one sweeping)."""
+        if not self.replicated:
+            return self.enforce_quota()
+        with self.store.sweep_lock() as mine:
+            return self.enforce_quota() if mine else []
+
     def stored_bytes(self) -> int:
         return sum(size for _, size, _ in self.store.stored())
 
@@ -276,13 +308,24 @@ class VideoStorage:
                     await loop.run_in_executor(self.io, self.measure_free)
                 if now - last_sweep >= sweep_s:
                     last_sweep = now
-                    await loop.run_in_executor(self.io, self.expire)
-                    await loop.run_in_executor(self.io, self.enforce_quota)
+                    await loop.run_in_executor(self.io, self.sweep)
             except Exception as e:  # noqa: BLE001 - the next round tries again
                 log.exception("housekeeping failed")
                 if storage_error_code(e) is not None:
                     self.failed(str(e))
             await asyncio.sleep(1.0)
+
+
+def open_store(config):
+    """The job store a `ServeConfig` names: PostgreSQL for `--store postgresql://...` (replicas share it), else the
+    SQLite file under `--data-dir`. Videos go to `--media-store` (a shared directory) when given."""
+    video_dir = media_dir(config.media_store)
+    url = config.store
+    if url and url.split(":", 1)[0] in ("postgresql", "postgres"):
+        from longserve.server.api.pg_store import PostgresJobStore
+
+        return PostgresJobStore(url, config.data_dir, video_dir)
+    return JobStore(config.data_dir, video_dir)
 
 
 def retried(write):

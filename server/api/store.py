@@ -95,18 +95,93 @@ class VideoRecord:
     owner: str | None = None       # the creating API key's id (None: no key, or a row from before owners)
 
 
-class JobStore:
-    """Thread-safe (one connection behind a lock: statements are tiny)."""
+class StoredFiles:
+    """A store's files: the videos under `video_dir` (<data-dir>/videos, or a shared directory every replica mounts:
+    `--media-store file://...`), and the temp area of uploads (always this replica's own, under the data dir).
+    Shared by the SQLite store (below) and the PostgreSQL one (`server/api/pg_store.py`)."""
 
-    def __init__(self, data_dir: str | Path):
+    def __init__(self, data_dir: str | Path, video_dir: str | Path | None = None):
         self.data_dir = Path(data_dir)
-        self.video_dir = self.data_dir / "videos"
+        self.video_dir = Path(video_dir) if video_dir is not None else self.data_dir / "videos"
+        self.media_root = Path(video_dir) if video_dir is not None else self.data_dir   # what free_bytes measures
         # every prompt is in the database: only this user may read the directory (mkdir's mode applies to the
         # directories it creates; one that exists keeps its mode, the operator's choice)
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.video_dir.mkdir(mode=0o700, exist_ok=True)
+        self.video_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.tmp_dir = self.data_dir / "tmp"           # uploads on their way through a decoder (`sweep_tmp`)
         self.tmp_dir.mkdir(mode=0o700, exist_ok=True)
+
+    def free_bytes(self) -> int:
+        return disk_free_bytes(self.media_root)
+
+    def sweep_tmp(self) -> int:
+        """Remove what a previous run left in the temp area (a process killed while it decoded an upload: each is
+        removed when its decode ends otherwise); at start, before any request. Returns how many were removed."""
+        removed = 0
+        for path in self.tmp_dir.iterdir():
+            if path.is_file() or path.is_symlink():
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    # A claim of a replicated job (its `fence`, server/api/pg_store.py) writes files of its own, `<id>.f<fence>.*`,
+    # renamed to `<id>.*` when the claim completes the job (`PostgresJobStore.publish`): a replica that lost its
+    # lease never overwrites the job's files, and what it drops is its own.
+
+    def video_path(self, video_id: str, fence: int | None = None) -> Path:
+        return self.video_dir / f"{video_id}{_tag(fence)}.mp4"
+
+    def partial_path(self, video_id: str, fence: int | None = None) -> Path:
+        return self.video_dir / f"{video_id}{_tag(fence)}.mp4.part"
+
+    def thumbnail_path(self, video_id: str, fence: int | None = None) -> Path:
+        return self.video_dir / f"{video_id}{_tag(fence)}.png"
+
+    def remove_files(self, video_id: str, fence: int | None = None) -> None:
+        for path in (self.video_path(video_id, fence), self.partial_path(video_id, fence),
+                     self.thumbnail_path(video_id, fence)):
+            path.unlink(missing_ok=True)
+
+    def link_files(self, source_id: str, video_id: str) -> None:
+        """`video_id`'s MP4 and thumbnail, the same bytes as `source_id`'s: hard links where the file system has
+        them (no second copy on disk), else copies. FileNotFoundError when the source's files are gone."""
+        for path in (self.video_path, self.thumbnail_path):
+            src, dst = path(source_id), path(video_id)
+            try:
+                os.link(src, dst)
+            except FileNotFoundError:
+                self.remove_files(video_id)
+                raise
+            except OSError:
+                shutil.copyfile(src, dst)
+
+    def files_bytes(self, video_id: str, fence: int | None = None) -> int:
+        total = 0
+        for path in (self.video_path(video_id, fence), self.thumbnail_path(video_id, fence)):
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+
+def _tag(fence: int | None) -> str:
+    return "" if fence is None else f".f{int(fence)}"
+
+
+def check_storable(rec: VideoRecord) -> None:
+    """The doors refuse text that does not encode; a record that holds some is never stored (either store)."""
+    for name, text in (("prompt", rec.prompt or ""), ("params", json.dumps(rec.params, ensure_ascii=False))):
+        problem = text_problem(text)
+        if problem is not None:
+            raise ValueError(f"video {rec.id}: its {name} {problem}")
+
+
+class JobStore(StoredFiles):
+    """The SQLite store. Thread-safe (one connection behind a lock: statements are tiny)."""
+
+    def __init__(self, data_dir: str | Path, video_dir: str | Path | None = None):
+        super().__init__(data_dir, video_dir)
         self.db_path = self.data_dir / "longserve.db"
         # created 0600 before SQLite opens it: its -wal and -shm files take the database's mode
         os.close(os.open(self.db_path, os.O_RDWR | os.O_CREAT, 0o600))
@@ -123,45 +198,15 @@ class JobStore:
         self._db.execute("CREATE INDEX IF NOT EXISTS videos_request_key ON videos(request_key)")
         self._db.execute("CREATE INDEX IF NOT EXISTS videos_owner ON videos(owner, seq)")
 
-    def free_bytes(self) -> int:
-        return disk_free_bytes(self.data_dir)
-
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    # -- files ----------------------------------------------------------------------------------
-
-    def sweep_tmp(self) -> int:
-        """Remove what a previous run left in the temp area (a process killed while it decoded an upload: each is
-        removed when its decode ends otherwise); at start, before any request. Returns how many were removed."""
-        removed = 0
-        for path in self.tmp_dir.iterdir():
-            if path.is_file() or path.is_symlink():
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
-
-    def video_path(self, video_id: str) -> Path:
-        return self.video_dir / f"{video_id}.mp4"
-
-    def partial_path(self, video_id: str) -> Path:
-        return self.video_dir / f"{video_id}.mp4.part"
-
-    def thumbnail_path(self, video_id: str) -> Path:
-        return self.video_dir / f"{video_id}.png"
-
-    def remove_files(self, video_id: str) -> None:
-        for path in (self.video_path(video_id), self.partial_path(video_id), self.thumbnail_path(video_id)):
-            path.unlink(missing_ok=True)
-
     # -- rows -----------------------------------------------------------------------------------
 
-    def insert(self, rec: VideoRecord) -> int:
-        for name, text in (("prompt", rec.prompt or ""), ("params", json.dumps(rec.params, ensure_ascii=False))):
-            problem = text_problem(text)      # the doors refuse such text; a record that holds it is never stored
-            if problem is not None:
-                raise ValueError(f"video {rec.id}: its {name} {problem}")
+    def insert(self, rec: VideoRecord, cost: float = 1.0) -> int:
+        """Store a new record (`cost`: its work, what replicas claim by; one server has no use for it)."""
+        check_storable(rec)
         with self._lock:
             cur = self._db.execute(
                 "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size,"
@@ -195,19 +240,6 @@ class JobStore:
                                    f"AND status = 'completed' AND expired = 0 ORDER BY seq DESC LIMIT 1",
                                    (request_key, owner)).fetchone()
         return _record(row) if row else None
-
-    def link_files(self, source_id: str, video_id: str) -> None:
-        """`video_id`'s MP4 and thumbnail, the same bytes as `source_id`'s: hard links where the file system has
-        them (no second copy on disk), else copies. FileNotFoundError when the source's files are gone."""
-        for path in (self.video_path, self.thumbnail_path):
-            src, dst = path(source_id), path(video_id)
-            try:
-                os.link(src, dst)
-            except FileNotFoundError:
-                self.remove_files(video_id)
-                raise
-            except OSError:
-                shutil.copyfile(src, dst)
 
     def get(self, video_id: str) -> VideoRecord | None:
         with self._lock:
@@ -257,15 +289,6 @@ class JobStore:
             rows = self._db.execute("SELECT id FROM videos WHERE status = 'completed' AND expired = 0 AND "
                                     "bytes IS NULL").fetchall()
         return [r[0] for r in rows]
-
-    def files_bytes(self, video_id: str) -> int:
-        total = 0
-        for path in (self.video_path(video_id), self.thumbnail_path(video_id)):
-            try:
-                total += path.stat().st_size
-            except FileNotFoundError:
-                pass
-        return total
 
     def by_status(self, status: str) -> list[VideoRecord]:
         with self._lock:

@@ -57,6 +57,9 @@ class VideoOutputs:
             self.broker.publish(rec.id, "video.in_progress", event(rec, step=0, num_steps=out.num_steps))
         elif isinstance(out, StepProgress):
             self.set(rec, progress=progress(job))
+            if job.fence is not None and time.monotonic() - job.saved_at >= 1.0:   # other replicas read it
+                job.saved_at = time.monotonic()
+                await self.update(job, progress=rec.progress)
             self.broker.publish(rec.id, "video.progress", event(
                 rec, step=out.step, num_steps=out.num_steps, batch_size=out.batch_size,
                 step_ms=round(1000 * out.step_s, 2)))
@@ -90,10 +93,11 @@ class VideoOutputs:
         """The io thread: the first chunk makes the thumbnail and the writer (the frames are then handed to the
         writer by the job's coroutine, `FragmentedMP4Writer.write_async`)."""
         rec, p, store = job.record, job.record.params, self.storage.store
-        if job.writer is None:
-            write_png(store.thumbnail_path(rec.id), out.frames[0][0])
-            job.writer = FragmentedMP4Writer(store.partial_path(rec.id), store.video_path(rec.id), p["width"],
-                                             p["height"], p["fps"], keyframe_interval=self.keyframe_interval)
+        if job.writer is None:           # a replica's claim writes files of its own (`StoredFiles`)
+            write_png(store.thumbnail_path(rec.id, job.fence), out.frames[0][0])
+            job.writer = FragmentedMP4Writer(store.partial_path(rec.id, job.fence),
+                                             store.video_path(rec.id, job.fence), p["width"], p["height"], p["fps"],
+                                             keyframe_interval=self.keyframe_interval)
             job.changed.notify()
 
     # -- how it ends ------------------------------------------------------------------------------------------
@@ -117,13 +121,21 @@ class VideoOutputs:
             await self.failed(job, RequestFailure(code, f"writing the MP4 failed: {error}", kind=ABORTED))
             return
         now = int(time.time())
-        size = await self.runner.run_io(self.storage.store.files_bytes, job.record.id)
+        store = self.storage.store
+        size = await self.runner.run_io(store.files_bytes, *fenced(job))
         extra = {}
         if timings and "blocks" in timings:         # transformer block evaluations (step caching skips some)
             extra["params"] = {**job.record.params, "transformer_blocks": {
                 "evaluated": timings["blocks"], "skipped": timings.get("blocks_skipped", 0)}}
-        await self.update(job, status="completed", progress=100, completed_at=now,
-                          expires_at=self.storage.expiry(now), bytes=size, **extra)
+        fields = dict(status="completed", progress=100, completed_at=now, expires_at=self.storage.expiry(now),
+                      bytes=size, **extra)
+        if job.fence is None:
+            await self.update(job, **fields)
+        elif await self.runner.run_io(lambda: store.publish(job.record.id, job.fence, **fields)):
+            self.set(job.record, **fields)          # published: its files renamed, the record completed at once
+        else:                                       # its lease was lost: another replica runs it
+            log.warning("%s: its lease (fence %s) was lost before it completed; dropped", job.id, job.fence)
+            self.jobs.remove(job)
         if not self.jobs.holds(job):                # deleted while its record was written: cancelled, not completed
             await self.drop_output(job)
             return
@@ -131,7 +143,7 @@ class VideoOutputs:
         self.broker.publish(job.record.id, "video.completed", video_view(job.record).model_dump())
         if self.storage.config.max_storage_bytes is not None:
             try:
-                await self.runner.run_io(self.storage.enforce_quota)
+                await self.runner.run_io(self.storage.quota)
             except Exception:
                 log.exception("enforcing the storage quota failed")
 
@@ -147,11 +159,16 @@ class VideoOutputs:
         except Exception:          # noqa: BLE001 - the record must still be written
             log.exception("removing the files of failed %s failed", job.record.id)
         if self.jobs.holds(job):
-            await self.storage.save(job.record, fields)
+            await self.storage.save(job.record, fields, job.fence)
 
     async def cancelled(self, job: Job, reason: str) -> None:
         await self.drop_output(job)
         if reason == DELETED or not self.jobs.holds(job):
+            return
+        if reason == RELEASED and job.fence is not None:   # a drain let it go: another replica claims it
+            self.set(job.record, status="queued", progress=0)
+            await self.runner.run_io(lambda: self.storage.store.release(job.id, job.fence, status="queued",
+                                                                        progress=0))
             return
         if reason == RELEASED:                      # a drain let it go: it runs at the next start
             if job.record.status != "queued":
@@ -165,19 +182,30 @@ class VideoOutputs:
         writer, job.writer = job.writer, None
         if writer is not None:
             await self.runner.run_io(writer.abort)
-        await self.runner.run_io(self.storage.store.remove_files, job.record.id)
+        await self.runner.run_io(self.storage.store.remove_files, *fenced(job))
         job.changed.notify()
 
     async def update(self, job: Job, **fields) -> None:
         """The record in memory first (what clients read), then in SQLite (unless the job was deleted)."""
         self.set(job.record, **fields)
-        if self.jobs.holds(job):
-            await self.storage.save(job.record, fields)
+        if self.jobs.holds(job) and not await self.storage.save(job.record, fields, job.fence):
+            self.lost(job)
+
+    def lost(self, job: Job) -> None:
+        """A replica's claim of `job` is gone (its record deleted on any replica, or its lease lapsed and another
+        replica claimed it): the job ends here at its next step, and drops what it wrote (its own files)."""
+        if self.jobs.remove(job) and job.handle is not None:
+            job.handle.abort(DELETED)
 
     def set(self, rec: VideoRecord, **fields) -> None:
         with self.jobs.lock:
             for k, v in fields.items():
                 setattr(rec, k, v)
+
+
+def fenced(job: Job) -> tuple:
+    """(id,) or (id, fence): the arguments naming a job's own files (`StoredFiles`)."""
+    return (job.record.id,) if job.fence is None else (job.record.id, job.fence)
 
 
 def progress(job: Job) -> int:

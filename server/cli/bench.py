@@ -19,6 +19,8 @@ BENCHES = {
     "speed": (BENCH + "speed", "opt-in speed levers (step caching) against exact: block evaluations, wall time, "
                                     "PSNR, recognition on the trained tiny-latte"),
     "long": (BENCH + "long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),
+    "replicas": (BENCH + "replicas", "jobs per minute of 1 and 2 replicas on one PostgreSQL store, claim latency, "
+                                          "failover after a SIGKILL"),
     "lora": (BENCH + "lora", "LoRA per request: step time with no adapter, one, and two different ones in a "
                                   "batch"),
 }

@@ -1,0 +1,304 @@
+"""`Replica`: one `longserve serve` process among several that share a PostgreSQL store (`--store postgresql://`)
+and a media store (`--media-store file://`). Its one job is the claim cycle, on the runner's loop every `TICK_S`:
+
+    create      any replica stores the job queued, with its work (`cost`), after admission over every replica's
+                queued and running work (`--max-queued-work` is the service's); no engine is touched
+    claim       each replica claims queued jobs of the models it serves, oldest first, while its own active work
+                is under its budget (`--max-batch` default requests; one job at least when idle):
+                FOR UPDATE SKIP LOCKED, so two replicas never claim one job. A claim is an attempt and a new
+                fence; the job then runs here as any job does (the engine's step-level batching)
+    renew       every third of `--lease-seconds`; a lease that did not renew (its record deleted, or it lapsed and
+                another replica claimed it) ends the job here at its next step
+    deleted     every tick: a job here whose record is gone (a DELETE on any replica) ends at its next step
+    lapsed      every second: jobs whose lease lapsed (their replica was killed, lost its connection, hung) go
+                back to the queue, or fail `replica_lost` after `--max-attempts` claims
+    heartbeat   every second: this replica's models and capacity (`replicas`: /v1/models, /health, a create's
+                model check)
+
+A job whose input lives in the creating process's memory (an uploaded image, a video to extend) is claimed by
+that replica at once (`hold`) and fails `replica_lost` if its lease lapses: no other replica has its input.
+
+Writes of a claimed job carry its fence (`PostgresJobStore.update`): a replica that lost its lease cannot write the
+record, its files are its own (`<id>.f<fence>.*`), and completion renames them to `<id>.*` in the same transaction
+that checks the fence and marks the record completed (`publish`), so a completed record always points at complete
+files and at most one claim completes a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+from longserve.engine.request import GenerationSpec
+from longserve.engine.scheduler import QueueFullError
+from longserve.server.api.errors import APIError
+from longserve.server.api.jobs import VIDEO, Job
+
+log = logging.getLogger("longserve.server")
+
+TICK_S = 0.2
+#: how often a job that runs on another replica is looked at for this replica's SSE and stream clients
+REMOTE_POLL_S = 0.25
+#: options whose value lives in the creating process's memory only (`service.stored_params` keeps their shape)
+IN_MEMORY = ("image", "last_image", "video")
+
+
+def attach_replica(service) -> "Replica | None":
+    """A started service's replica, claiming (None when its store is not shared): admission then counts every
+    replica's work."""
+    if not service.storage.replicated:
+        return None
+    replica = Replica(service)
+    service.admission.work_of = service.storage.store.active_work
+    service.requests.elsewhere = replica.check_model
+    service.runner.spawn(replica.run())
+    return replica
+
+
+class Replica:
+    """`service`: a started `VideoService` whose store is shared (`VideoStorage.replicated`)."""
+
+    def __init__(self, service):
+        self.service = service
+        cfg = service.config
+        self.store = service.storage.store
+        self.id = cfg.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.lease_s = float(cfg.lease_seconds)
+        self.max_attempts = cfg.max_attempts
+        self.budget = float(cfg.engine.max_batch)       # active work this replica claims up to, in default requests
+        # and at most a batch and one more waiting (never past the engine's queue): what is not about to run stays
+        # in the shared queue for the other replicas
+        self.max_jobs = cfg.engine.max_batch + 1
+        if cfg.engine.max_queue is not None:
+            self.max_jobs = max(1, min(self.max_jobs, cfg.engine.max_queue))
+        self.claimed = 0
+        self.claim_latency_s: list[float] = []           # created -> claimed, of the jobs this replica claimed
+        self.closed = False
+        self._watched: set[str] = set()                  # jobs of other replicas followed for SSE subscribers here
+
+    @property
+    def models(self) -> list[str]:
+        return [self.service.model_name]
+
+    # -- the doors the service uses --------------------------------------------------------------------
+
+    def enqueue(self, job: Job, spec: GenerationSpec) -> bool:
+        """Store a create for whichever replica claims it (True); False for a job whose input is in this process's
+        memory (the service runs it here and calls `hold` once it is stored)."""
+        if set(IN_MEMORY) & set(spec.options or {}):
+            return False
+        self.service.admission.check(job)                     # 429 past the work of every replica
+        self.service.storage.insert(job.record, "the job", cost=job.cost)
+        return True
+
+    def hold(self, job: Job) -> None:
+        """Claim a just-stored job for this replica at once (it runs here)."""
+        job.fence = self.store.claim_now(job.id, self.id, self.lease_s)
+
+    def check_model(self, model: str) -> None:
+        """A model not served here: 400 naming `model`, saying which live replicas serve it, if any (a request is
+        created on a replica serving its model: its defaults and checks are that model's)."""
+        serving = sorted(r for r, models, _ in self.live() if model in models)
+        if not serving:
+            raise APIError(400, f"model {model!r} is served by no live replica; served: "
+                                f"{', '.join(self.live_models()) or 'none'}", param="model", code="model_not_found")
+        raise APIError(400, f"model {model!r} is served by replica(s) {', '.join(serving)}, not this one "
+                            f"({self.id}); send the request to one of them", param="model", code="model_elsewhere")
+
+    def live(self) -> list[tuple[str, list[str], dict]]:
+        return self.store.live_replicas(max(3.0, self.lease_s))
+
+    def live_models(self) -> list[str]:
+        return sorted({m for _, models, _ in self.live() for m in models} | set(self.models))
+
+    def describe(self) -> dict:
+        """This replica's capacity (/health; the heartbeat): what a router chooses by."""
+        jobs = self.service.jobs
+        return {"id": self.id, "models": self.models, "work": round(jobs.work(), 4), "budget": self.budget,
+                "running": jobs.count(VIDEO), "claimed": self.claimed, "live_sessions": jobs.count("live"),
+                "draining": self.service.shutdown.draining, "claim_p50_s": median(self.claim_latency_s[-1000:])}
+
+    # -- the cycle ----------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        io = self.service.runner.io
+        last_beat = last_renew = last_lapse = float("-inf")
+        while not self.closed:
+            now = time.monotonic()
+            try:
+                if now - last_beat >= 1.0:
+                    last_beat = now
+                    await loop.run_in_executor(io, lambda: self.store.heartbeat(self.id, self.models,
+                                                                                self.describe()))
+                if now - last_lapse >= 1.0:
+                    last_lapse = now
+                    await loop.run_in_executor(io, self.requeue_lapsed)
+                if now - last_renew >= self.lease_s / 3:
+                    last_renew = now
+                    await self.renew(loop, io)
+                await self.drop_deleted(loop, io)
+                if not self.service.shutdown.draining:
+                    for claim in await loop.run_in_executor(io, self.claim):
+                        self.start(*claim)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the database may be away for a moment: the next tick tries again
+                log.exception("replica %s: the claim cycle failed", self.id)
+            await asyncio.sleep(TICK_S)
+
+    def claim(self) -> list:
+        jobs = self.service.jobs
+        work, count = jobs.work(), jobs.count(VIDEO)
+        if count and (work >= self.budget or count >= self.max_jobs):
+            return []
+        return self.store.claim(self.id, self.models, self.budget - work, self.lease_s, idle=count == 0,
+                                look_ahead=self.max_jobs - count)
+
+    def requeue_lapsed(self) -> None:
+        again, lost = self.store.requeue_lapsed(self.max_attempts)
+        if again or lost:
+            log.warning("replica %s: lapsed leases: %d job(s) queued again, %d failed", self.id, len(again),
+                        len(lost))
+
+    def start(self, rec, fence: int, attempts: int, cost: float) -> None:
+        """Run a claimed job here, as the service runs any job."""
+        service = self.service
+        self.claimed += 1
+        self.claim_latency_s.append(max(0.0, time.time() - rec.created_at))
+        log.info("replica %s claimed %s (attempt %d, fence %d)", self.id, rec.id, attempts, fence)
+        if set(IN_MEMORY) & set(rec.params.get("options") or {}):
+            self._fail(rec, fence, "its input (an image, or the video it extends) was held in the memory of the "
+                                   "replica that took the request, which stopped; create it again")
+            return
+        job = Job(rec.id, VIDEO, cost, rec.owner, record=rec, sink=service.outputs, fence=fence)
+        service.jobs.add(job)
+        try:
+            job.handle = service.engine.submit(GenerationSpec.from_params(rec.id, rec.prompt, rec.params))
+        except QueueFullError:
+            service.jobs.remove(job)
+            self.store.unclaim(rec.id, fence)          # another replica, or this one later
+            return
+        except ValueError as e:
+            service.jobs.remove(job)
+            self._fail(rec, fence, str(e))
+            return
+        service.runner.start(job)
+
+    def _fail(self, rec, fence: int, message: str) -> None:
+        self.store.update(rec.id, fence=fence, status="failed", completed_at=int(time.time()),
+                          error={"code": "replica_lost", "message": message},
+                          expires_at=self.service.storage.expiry(int(time.time())))
+
+    def _mine(self) -> dict[str, Job]:
+        return {j.id: j for j in self.service.jobs.jobs(VIDEO)     # (a finished one lets its lease go itself)
+                if j.fence is not None and j.record.status not in ("completed", "failed")}
+
+    async def renew(self, loop, io) -> None:
+        mine = self._mine()
+        held = await loop.run_in_executor(io, lambda: self.store.renew(self.id, {i: j.fence for i, j in mine.items()},
+                                                                       self.lease_s))
+        for video_id in set(mine) - held:
+            log.warning("replica %s: the lease of %s was lost; it stops here", self.id, video_id)
+            self.service.outputs.lost(mine[video_id])
+
+    async def drop_deleted(self, loop, io) -> None:
+        mine = self._mine()
+        if not mine:
+            return
+        present = await loop.run_in_executor(io, lambda: self.store.existing(mine))
+        for video_id in set(mine) - present:
+            self.service.outputs.lost(mine[video_id])
+            self.service.monitor.finished.inc(outcome="cancelled")
+            self.service.broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted",
+                                                                    "deleted": True})
+
+    # -- any replica answers for any job: events and streams of a job that runs on another ------------------
+
+    def watch(self, video_id: str) -> None:
+        """An SSE subscriber here for a job that is not: its record is polled (status, progress) and its changes
+        published to this replica's subscribers, until it ends or they all leave."""
+        if self.service.jobs.get(video_id) is None and video_id not in self._watched:
+            self._watched.add(video_id)
+            self.service.runner.spawn(self._follow_record(video_id))
+
+    async def _follow_record(self, video_id: str) -> None:
+        from longserve.server.api.video_jobs import event, video_view
+
+        broker, loop, last = self.service.broker, asyncio.get_running_loop(), None
+        try:
+            while broker.has_subscribers(video_id) and self.service.jobs.get(video_id) is None:
+                rec = await loop.run_in_executor(self.service.runner.io, self.store.get, video_id)
+                if rec is None:
+                    broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted",
+                                                               "deleted": True})
+                    return
+                if (rec.status, rec.progress) != last:
+                    last = (rec.status, rec.progress)
+                    if rec.status in ("completed", "failed"):
+                        broker.publish(video_id, f"video.{rec.status}", video_view(rec).model_dump())
+                        return
+                    broker.publish(video_id, f"video.{rec.status}", event(rec))
+                await asyncio.sleep(REMOTE_POLL_S)
+        finally:
+            self._watched.discard(video_id)
+
+    async def remote_writer(self, video_id: str, disconnected) -> "RemoteFile | None":
+        """The file another replica writes for a running job (`?stream=true` here), once it exists; None when the
+        job ends first, runs here, or the client leaves."""
+        loop = asyncio.get_running_loop()
+        while self.service.jobs.get(video_id) is None and not await disconnected():
+            row = await loop.run_in_executor(None, self.store.lease_of, video_id)
+            rec = await loop.run_in_executor(None, self.store.get, video_id)
+            if row is None or rec is None or rec.status not in ("queued", "in_progress"):
+                return None
+            if row[0] is not None and self.store.partial_path(video_id, row[1]).exists():
+                return RemoteFile(self.store, video_id, row[1])
+            await asyncio.sleep(REMOTE_POLL_S)
+        return None
+
+    def close(self) -> None:
+        """Stop claiming and leave the live replicas (the jobs still here lapse and are queued again)."""
+        self.closed = True
+        try:
+            self.store.leave(self.id)
+        except Exception:  # noqa: BLE001 - the database may be gone; the heartbeat lapses anyway
+            log.exception("replica %s: leaving failed", self.id)
+
+
+def median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
+
+
+class RemoteFile:
+    """What `streaming.tail_file` reads a writer through, for a file another replica writes (`<id>.f<fence>.mp4.part`,
+    renamed when done; an open handle reads on): polled, as no notification crosses replicas."""
+
+    def __init__(self, store, video_id: str, fence: int):
+        self.store, self.video_id, self.fence = store, video_id, fence
+        self.part_path, self.final_path = store.partial_path(video_id, fence), store.video_path(video_id, fence)
+        self.grown, self.done = _Poll(), self
+        self._checked, self._done = float("-inf"), False
+
+    def is_set(self) -> bool:
+        """Done: the record says the job ended (or another claim, or a DELETE, took it); looked up at most every
+        REMOTE_POLL_S."""
+        if not self._done and time.monotonic() - self._checked >= REMOTE_POLL_S:
+            self._checked = time.monotonic()
+            row, rec = self.store.lease_of(self.video_id), self.store.get(self.video_id)
+            self._done = row is None or rec is None or row[1] != self.fence or \
+                rec.status not in ("queued", "in_progress")
+        return self._done
+
+
+class _Poll:
+    """A notifier's face that wakes every REMOTE_POLL_S."""
+
+    version = 0
+
+    async def wait_after(self, version: int, timeout: float | None = None) -> bool:
+        await asyncio.sleep(REMOTE_POLL_S)
+        return True
