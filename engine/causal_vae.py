@@ -215,6 +215,12 @@ class StreamingVAEDecoder:
         """Latent frames decoded so far (the next chunk starts at this latent frame)."""
         return self._done
 
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the causal convolutions' caches this rank holds between chunks (what stays in memory)."""
+        return sum(t.numel() * t.element_size() for cache in self._caches.values() for t in cache
+                   if isinstance(t, torch.Tensor))
+
     def close(self) -> None:
         """Drop the caches; `decode` may not be called again."""
         self._caches = {}

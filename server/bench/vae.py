@@ -174,9 +174,7 @@ def _stream_job(ctx, model, z, tiling, chunk, measure):
             if not measure and out is not None:
                 outs.append(out)
             del out  # a streaming caller writes the chunk out and lets it go
-        # what a worker holds between calls (read off the decoder's private cache lists: not an API)
-        caches = sum(t.numel() * t.element_size() for cache in decoder._caches.values() for t in cache
-                     if isinstance(t, torch.Tensor))
+        caches = decoder.cache_bytes           # what a worker holds between calls
         decoder.close()
         seconds = time.perf_counter() - t0
     return dict(video=torch.cat(outs, dim=2) if outs else None, peak=mem.peak_bytes, seconds=seconds,

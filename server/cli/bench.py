@@ -29,8 +29,8 @@ BENCHES = {
 def add_arguments(parser) -> None:
     from longserve.server.cli import add_subcommands
 
-    add_subcommands(parser, "target", BENCHES, "_bench")
+    add_subcommands(parser, "target", BENCHES, "bench_fn")
 
 
 def run(args) -> int:
-    return args._bench(args)
+    return args.bench_fn(args)
