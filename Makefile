@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint fmt demo demo-long demo-live bench docker clean
+.PHONY: install test lint fmt demo demo-long demo-live demo-i2v bench docker clean
 
 install: $(STAMP)
 
@@ -55,6 +55,15 @@ demo-long: install
 	$(VENV)/bin/longserve generate "a red ball bouncing" --model tiny-skyreels-df --workers 2 \
 		--frames 89 --base-frames 17 --overlap 9 --size 64x64 --steps 10 --seed 0 --overwrite -o out/demo-long.mp4
 	$(PY) -m tools.frame_strip out/demo-long.mp4 -o out/demo_long_strip.png --segments 17,9 --scale 2
+
+# image-to-video on tiny-i2v (trained to continue a first frame: weights/README.md): a red ball drawn at the left,
+# continued as "a red ball moving right"; docs/demo_i2v_strip.png (README.md) is the strip (tests/pipelines/test_i2v_content.py)
+demo-i2v: install
+	mkdir -p out
+	$(PY) -m tools.ball_image red --x 16 --y 32 -o out/red_ball.png
+	$(VENV)/bin/longserve generate "a red ball moving right" --model tiny-i2v --image out/red_ball.png --workers 2 \
+		--seed 0 --overwrite -o out/demo_i2v.mp4
+	$(PY) -m tools.frame_strip out/demo_i2v.mp4 -o out/demo_i2v_strip.png --scale 2
 
 bench: install
 	$(VENV)/bin/longserve bench transformer --strategies dsp,ulysses,ring,megatron-sp \

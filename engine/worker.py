@@ -133,3 +133,18 @@ def memory_stop(ctx) -> int:
     memory = ctx.state.pop("memory")
     memory.__exit__(None, None, None)
     return memory.peak_bytes
+
+
+def work_start(ctx) -> None:
+    """Start counting this worker's transformer forwards and attention token pairs (engine.workcount) across the
+    jobs that follow."""
+    from longserve.engine.workcount import WorkCounter
+
+    ctx.state["work"] = WorkCounter().__enter__()
+
+
+def work_stop(ctx) -> dict:
+    """{"forwards", "self_pairs", "cross_pairs"} counted on this worker since `work_start`."""
+    counter = ctx.state.pop("work")
+    counter.__exit__(None, None, None)
+    return counter.counts()

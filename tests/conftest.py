@@ -147,6 +147,7 @@ LONGEST_FIRST = (
     "pipelines/test_wan_i2v_pipeline.py", "pipelines/test_wan22_i2v_pipeline.py", "server/bench/test_bench_speed.py",
     "server/test_drain.py", "pipelines/test_helios_pipeline.py", "server/test_api_long_video.py",
     "pipelines/test_long_content.py", "pipelines/test_live_content.py", "pipelines/test_ltx2_pipeline.py",
+    "pipelines/test_i2v_content.py",
     "pipelines/test_extend_video.py", "server/test_ui_live.py", "server/test_ui_video.py",
     "server/bench/test_bench_long.py", "server/test_api_hunyuan15.py", "server/test_api_ltx2.py",
 )

@@ -40,6 +40,7 @@ expert); the condition and the CLIP tokens are per row, so requests with differe
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,9 @@ from longserve.engine.families.base import cfg_rows, check_common, check_number,
 from longserve.engine.families.wan import WanFacts, WanFamily, WanRequest, check_schedule
 from longserve.engine.images import as_rgb_array, to_pil
 from longserve.engine.request import GenerationSpec, RequestError
+
+#: AutoencoderKLWan.encode encodes the first frame, then chunks of this many frames (a remainder is dropped)
+WAN_ENCODE_CHUNK = 4
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,10 @@ class WanImageToVideoFamily(WanFamily):
             last_image = REQUIRED        # FLF2V: the image embedder views two images' CLIP tokens as one row
         else:
             last_image = REFUSED         # Wan 2.1 I2V: one image's CLIP tokens per row
+        # the condition video goes through AutoencoderKLWan.encode, which keeps 1 + 4k frames (its first frame, then
+        # chunks of 4) whatever its temporal compression: a VAE without one (tiny-i2v's) still needs 4k + 1 frames
         return dataclasses.replace(desc, options=("image", "last_image", *desc.options),
+                                   frame_multiple=math.lcm(desc.frame_multiple, WAN_ENCODE_CHUNK),
                                    capabilities=dataclasses.replace(desc.capabilities, image=REQUIRED,
                                                                     last_image=last_image),
                                    facts=WanI2VFacts(**vars(desc.facts),

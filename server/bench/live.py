@@ -16,7 +16,12 @@ One run, one process, the same machine, side by side:
   method in longserve (`skyreels-df`) on a transformer of the same shape (same width, heads,
   layers, VAE and text encoder; random weights), at `--df-steps` steps with guidance 6,
   segments of the causal model's window overlapping by 17 frames: frames per second, and the
-  live / diffusion forcing ratio.
+  live / diffusion forcing ratio;
+- work, independent of the machine: each row's video made again with `engine.workcount` on (after the timed
+  runs, so the timings carry no counter): transformer forwards (calls x batch; guidance's two halves count two)
+  and self-attention query x key token pairs attended (all layers, one pair per query and key token, heads not
+  counted), per generated frame, on worker 0. On a dispatch-bound tiny model the wall time hides the difference
+  in work that a GPU-sized model shows.
 """
 
 from __future__ import annotations
@@ -57,6 +62,30 @@ def add_arguments(parser) -> None:
                         help=f"replace the section '{SECTION}' of this Markdown file with the tables")
     add_cli_args(parser, EngineConfig, groups=("model",), defaults={"model": "tiny-live"},
                  titles={"model": "engine options"})
+
+
+def counted(pipe, make) -> dict:
+    """`make()` run with worker 0's work counter on: {"forwards", "self_pairs", "cross_pairs"}."""
+    from longserve.engine import worker
+
+    pipe.pool.run(worker.work_start)
+    try:
+        make()
+    finally:
+        counts = pipe.pool.run(worker.work_stop)
+    return counts[0]
+
+
+def add_work(row: dict, counts: dict) -> dict:
+    frames = max(1, row["frames"])
+    row.update(forwards_per_frame=counts["forwards"] / frames, self_pairs_per_frame=counts["self_pairs"] / frames,
+               cross_pairs_per_frame=counts["cross_pairs"] / frames, work_counts=counts)
+    return row
+
+
+def _live_frames(pipe, seconds: float, width: int, height: int) -> int:
+    with pipe.live(PROMPT, seconds=seconds, width=width, height=height, seed=0) as session:
+        return sum(len(chunk.frames) for chunk in session)
 
 
 def _live_row(pipe, seconds: float, width: int, height: int) -> dict:
@@ -153,11 +182,17 @@ def _df_row(model_dir: str, config, frames: int, width: int, height: int, steps:
         options = dict(base_num_frames=base, overlap_history=17, ar_step=0, causal_block_size=1)
         with VideoPipeline.from_config(config.replace(model=str(df_dir))) as pipe:
             t0 = time.perf_counter()
-            got = sum(len(c) for c in pipe.stream(PROMPT, num_frames=frames, width=width, height=height, seed=0,
-                                                  num_inference_steps=steps, guidance_scale=6.0, **options))
+
+            def make() -> int:
+                return sum(len(c) for c in pipe.stream(PROMPT, num_frames=frames, width=width, height=height, seed=0,
+                                                       num_inference_steps=steps, guidance_scale=6.0, **options))
+
+            got = make()
             seconds = time.perf_counter() - t0
-    return dict(kind=f"diffusion forcing ({steps} steps, CFG)", frames=got, seconds=seconds, fps=got / seconds,
-                s_per_chunk=None, first_fragment_s=None, chunks=None)
+            counts = counted(pipe, make)
+    row = dict(kind=f"diffusion forcing ({steps} steps, CFG)", frames=got, seconds=seconds, fps=got / seconds,
+               s_per_chunk=None, first_fragment_s=None, chunks=None)
+    return add_work(row, counts)
 
 
 COLUMNS = [
@@ -168,6 +203,10 @@ COLUMNS = [
            lambda r: "" if r.get("first_fragment_s") is None else f"{r['first_fragment_s']:.2f}"),
     Column("frames / s", "fps", ".1f"),
     Column("vs diffusion forcing", lambda r: "" if r.get("vs_df") is None else f"{r['vs_df']:.1f}x"),
+    Column("transformer forwards / frame", "forwards_per_frame", ".2f"),
+    Column("self-attn q x k pairs / frame", lambda r: f"{r['self_pairs_per_frame']:,.0f}"),
+    Column("cross-attn q x k pairs / frame", lambda r: f"{r['cross_pairs_per_frame']:,.0f}"),
+    Column("work vs live", lambda r: f"{r['work_vs_live']:.1f}x"),
 ]
 MEMORY_COLUMNS = [
     Column("chunks", "chunks"),
@@ -201,11 +240,14 @@ def run(args) -> int:
               f"{live['fps']:.1f} frames/s", file=sys.stderr, flush=True)
         switch = _switch_row(pipe, width, height)
         memory = _memory_rows(pipe, counts, width, height)
+        add_work(live, counted(pipe, lambda: _live_frames(pipe, args.seconds, width, height)))
     rows = [live]
     if not args.no_df:
         df = _df_row(model_dir, config, live["frames"], width, height, args.df_steps, window)
         live["vs_df"] = live["fps"] / df["fps"]
         rows.append(df)
+    for r in rows:
+        r["work_vs_live"] = r["self_pairs_per_frame"] / live["self_pairs_per_frame"]
     machine = machine_info(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     for r in rows + memory + [switch]:
         r.update(machine=machine, model=args.model, size=args.size, workers=config.workers, loadavg_before=load,
@@ -223,7 +265,10 @@ def run(args) -> int:
         command = (f"longserve bench live --model {args.model} --size {args.size} --seconds {args.seconds:g} "
                    f"--memory-chunks {args.memory_chunks} --df-steps {args.df_steps} --workers {config.workers}")
         body = (f"Measured with `{command}` on {machine['cpu']} ({machine['cores']} cores, {machine['device']}, "
-                f"torch {machine['torch']}); load average before {load}.\n\n{table}\n\nPeak tensor memory per worker "
+                f"torch {machine['torch']}); load average before {load}, after {rows[-1]['loadavg_after']}. "
+                f"The last four columns do not depend on the machine (engine/workcount.py: counted on worker 0 in "
+                f"a second run of each row, after the timed ones); 'work vs live' is the ratio of self-attention "
+                f"pairs a frame.\n\n{table}\n\nPeak tensor memory per worker "
                 f"by session length (the tracker on; engine/memory.py):\n\n{mem_table}\n\n{switch_line}")
         replace_markdown_section(args.markdown, SECTION, body)
     return 0

@@ -95,7 +95,8 @@ def test_resolve_model_finds_every_shipped_name_from_any_cwd(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     classes = {"tiny-latte": "LattePipeline", "tiny-wan": "WanPipeline",
                "tiny-skyreels-df": "SkyReelsV2DiffusionForcingPipeline", "tiny-live": "WanPipeline",
-               "tiny-wan-i2v": "WanImageToVideoPipeline", "tiny-wan-flf2v": "WanImageToVideoPipeline",
+               "tiny-wan-i2v": "WanImageToVideoPipeline", "tiny-i2v": "WanImageToVideoPipeline",
+               "tiny-wan-flf2v": "WanImageToVideoPipeline",
                "tiny-wan22-ti2v": "WanPipeline", "tiny-wan22-i2v-a14b": "WanImageToVideoPipeline",
                "tiny-skyreels-i2v": "SkyReelsV2ImageToVideoPipeline",
                "tiny-skyreels-df-i2v": "SkyReelsV2DiffusionForcingImageToVideoPipeline",

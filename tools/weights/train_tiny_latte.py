@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import random
 import sys
@@ -57,6 +56,7 @@ from longserve.weights.prompts import PROMPTS
 from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 from tools.weights import build_tiny_latte as random_build
 from tools.weights.clips import FRAMES, render_clip
+from tools.weights.loop import cosine_lr, train_with_ema
 from tools.weights.writing import write_whole
 
 SEED = 0
@@ -105,14 +105,6 @@ def seed_everything(seed: int, threads: int) -> None:
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
-
-
-def cosine_lr(step: int, steps: int, peak: float, warmup: int) -> float:
-    """Linear warm-up to `peak`, then cosine decay to 5% of it at `steps`."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def to_vae_pixels(clips: np.ndarray) -> torch.Tensor:
@@ -235,14 +227,8 @@ def train_transformer(transformer, scheduler, latents, labels, conditioning, ste
     else:
         raise ValueError(f"prediction must be 'epsilon' or 'v_prediction', not {prediction!r}")
     C = latents.shape[1]
-    transformer.train()
-    ema = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
-    opt = torch.optim.AdamW(transformer.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=WEIGHT_DECAY)
-    losses = []
-    t0 = time.perf_counter()
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, steps, lr, min(WARMUP, steps // 10 + 1))
+
+    def step_loss(step: int):
         pick = torch.randint(len(latents), (batch,), generator=generator)
         x0 = latents[pick]                                                           # (B, C, T, h, w)
         t = torch.randint(scheduler.config.num_train_timesteps, (batch,), generator=generator)
@@ -258,27 +244,10 @@ def train_transformer(transformer, scheduler, latents, labels, conditioning, ste
                           return_dict=False)[0]                                      # (B, 2C, T, h, w)
         target = noise if prediction == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * x0
         per_sample = ((out[:, :C] - target) ** 2).mean(dim=(1, 2, 3, 4))               # (B,)
-        loss = (snr_weight[t] * per_sample).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
-        decay = min(EMA_DECAY, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for k, v in transformer.state_dict().items():
-                if v.is_floating_point():
-                    ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
-                else:
-                    ema[k].copy_(v)
-        losses.append(per_sample.mean().item())
-        if on_step is not None:
-            on_step(step + 1, ema)
-        if step % 50 == 0 or step == steps - 1:
-            log(f"transformer {step + 1}/{steps}: loss {np.mean(losses[-50:]):.4f}, "
-                f"{time.perf_counter() - t0:.0f} s")
-    transformer.load_state_dict(ema)
-    transformer.eval()
-    return losses
+        return (snr_weight[t] * per_sample).mean(), {"loss": per_sample.mean().item()}
+
+    return train_with_ema(transformer, step_loss, steps, lr=lr, warmup=WARMUP, weight_decay=WEIGHT_DECAY,
+                          ema_decay=EMA_DECAY, log=log, log_every=50, on_step=on_step).get("loss", [])
 
 
 def new_transformer(seed: int):

@@ -87,7 +87,8 @@ from longserve.weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream  # noqa
 from longserve.weights.prompts import COLOURS, SHAPES  # noqa: E402
 from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
 from tools.weights.clips import SIZE, render_long_clip  # noqa: E402
-from tools.weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
+from tools.weights.loop import cosine_lr, train_with_ema  # noqa: E402
+from tools.weights.train_tiny_latte import _versions, seed_everything  # noqa: E402
 from tools.weights.writing import file_digests, write_whole  # noqa: E402
 
 SEED = 0
@@ -550,34 +551,17 @@ def train_transformer(model, windows: Windows, text, text_bias, steps: int, g: t
                       lr: float = LR) -> tuple[list[float], list[float]]:
     layout = install_processors(model)
     timesteps = torch.tensor(warped_timesteps())
-    model.train()
-    ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=WEIGHT_DECAY)
-    start_losses, sink_losses = [], []
-    t0 = time.perf_counter()
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, steps, lr, min(WARMUP, steps // 10 + 1))
+
+    def step_loss(step: int):
         start = flow_loss(model, layout, windows.start(START_BATCH), timesteps, text, text_bias, g)
         sink = flow_loss(model, layout, windows.sink(SINK_BATCH), timesteps, text, text_bias, g)
         loss = (START_BATCH * start + SINK_BATCH * sink) / (START_BATCH + SINK_BATCH)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        decay = min(EMA_DECAY, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
-        start_losses.append(start.item())
-        sink_losses.append(sink.item())
-        if step % 25 == 0 or step == steps - 1:
-            log(f"transformer {step + 1}/{steps}: loss start {np.mean(start_losses[-50:]):.4f} "
-                f"sink {np.mean(sink_losses[-50:]):.4f}, {time.perf_counter() - t0:.0f} s")
-    model.load_state_dict(ema)
-    model.eval()
+        return loss, {"start": start.item(), "sink": sink.item()}
+
+    records = train_with_ema(model, step_loss, steps, lr=lr, warmup=WARMUP, weight_decay=WEIGHT_DECAY,
+                             ema_decay=EMA_DECAY, log=log)
     restore_processors(model)
-    return start_losses, sink_losses
+    return records.get("start", []), records.get("sink", [])
 
 
 # -- 5. output ------------------------------------------------------------------------------------------------

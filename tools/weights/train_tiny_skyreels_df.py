@@ -67,7 +67,8 @@ from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # 
 from longserve.weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER  # noqa: E402
 from tools.weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_scheduler  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
-from tools.weights.train_tiny_latte import _versions, cosine_lr, seed_everything  # noqa: E402
+from tools.weights.loop import train_with_ema  # noqa: E402
+from tools.weights.train_tiny_latte import _versions, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
     CrossAttnProcessor,
     Layout,
@@ -216,28 +217,13 @@ def df_loss(model, layout, windows: Windows, text, text_bias, g: torch.Generator
 def train_transformer(model, windows: Windows, text, text_bias, steps: int, g: torch.Generator, log,
                       lr: float = LR) -> list[float]:
     layout = install_cross_attention(model)
-    model.train()
-    ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=WEIGHT_DECAY)
-    losses = []
-    t0 = time.perf_counter()
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, steps, lr, min(WARMUP, steps // 10 + 1))
+
+    def step_loss(step: int):
         loss = df_loss(model, layout, windows, text, text_bias, g)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        decay = min(EMA_DECAY, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
-        losses.append(loss.item())
-        if step % 25 == 0 or step == steps - 1:
-            log(f"transformer {step + 1}/{steps}: loss {np.mean(losses[-50:]):.4f}, {time.perf_counter() - t0:.0f} s")
-    model.load_state_dict(ema)
-    model.eval()
+        return loss, {"loss": loss.item()}
+
+    losses = train_with_ema(model, step_loss, steps, lr=lr, warmup=WARMUP, weight_decay=WEIGHT_DECAY,
+                            ema_decay=EMA_DECAY, log=log).get("loss", [])
     restore_cross_attention(model)
     return losses
 
