@@ -113,7 +113,7 @@ class StandInVideos:
 
     def __init__(self, **options):
         self.config = ServeConfig.from_options(**options)
-        self.model_name, self.started_at = "tiny-latte", 0
+        self.model_name, self.started_at, self.replica = "tiny-latte", 0, None    # one process: no replicas
 
     def health(self):
         return 200, {"status": "ok", "model": "tiny-latte", "workers": 1, "workers_ready": True,
