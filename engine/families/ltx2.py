@@ -51,8 +51,8 @@ from longserve.engine.families.base import (
     split_rows,
     sync_cuda,
 )
+from longserve.engine.families.wan_parts import WanParts
 from longserve.engine.models.ltx2 import LTX2SequenceParallel
-from longserve.engine.parallel import ParallelPlan, make_cfg_groups, make_sequence_parallel
 from longserve.engine.request import GenerationSpec, RequestError
 
 MAX_SEQUENCE_LENGTH = 1024          # diffusers' LTX2Pipeline pads every prompt to it
@@ -240,20 +240,7 @@ class LTX2Family(VideoFamily):
     def shard(self, denoiser):
         return LTX2SequenceParallel(denoiser)
 
-    def set_plan(self, plan: ParallelPlan) -> None:
-        """The sequence-parallel groups over all workers and, with CFG-parallel, over each half (collective)."""
-        pg = self.pg
-        if plan.cfg_parallel and pg.world_size > 1:
-            self.cfg_groups = make_cfg_groups(pg)
-            ranks = list(range(pg.world_size))
-            halves = [ranks[:len(ranks) // 2], ranks[len(ranks) // 2:]]
-            sps = [make_sequence_parallel(self.cfg_groups.half if i == self.cfg_groups.index else None, plan.name,
-                                          plan.ulysses_degree, members=m) for i, m in enumerate(halves)]
-            self.sp_cfg = sps[self.cfg_groups.index]
-        else:
-            self.cfg_groups, self.sp_cfg = None, None
-        self.sp = make_sequence_parallel(pg, plan.name, plan.ulysses_degree)
-        self.plan = plan
+    set_plan = WanParts.set_plan          # the sequence-parallel groups of a plan (and of each CFG half)
 
     # -- a request ----------------------------------------------------------------------------------
 
