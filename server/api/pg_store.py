@@ -15,7 +15,15 @@ import os
 
 from psycopg_pool import ConnectionPool
 
-from longserve.server.api.store import _COLUMNS, StoredFiles, VideoRecord, _dump, _record, check_storable
+from longserve.server.api.store import (
+    COLUMNS,
+    StoredFiles,
+    VideoRecord,
+    check_storable,
+    dump_json,
+    page_clause,
+    record_from_row,
+)
 
 #: advisory lock keys (with the schema's hash as the second key: replicas of one schema agree on them): migrations
 MIGRATION_LOCK = 0x6C6F6E67          # "long"
@@ -64,8 +72,8 @@ class LeaseLost(RuntimeError):
     """A replica's write under a fence that is no longer the job's: another replica claimed it since."""
 
 
-_SELECT = f"SELECT {', '.join(_COLUMNS)} FROM videos"
-_WRITABLE = frozenset(_COLUMNS) - {"seq", "id"}
+_SELECT = f"SELECT {', '.join(COLUMNS)} FROM videos"
+_WRITABLE = frozenset(COLUMNS) - {"seq", "id"}
 
 
 def migrate(pool: ConnectionPool) -> list[int]:
@@ -130,7 +138,7 @@ class PostgresJobStore(StoredFiles):
             " error, request_key, extended_from, owner, cost) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
             "%s, %s, %s) RETURNING seq",
             (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt, rec.seconds,
-             rec.size, json.dumps(rec.params), _dump(rec.error), rec.request_key, rec.extended_from, rec.owner,
+             rec.size, json.dumps(rec.params), dump_json(rec.error), rec.request_key, rec.extended_from, rec.owner,
              float(cost)))
         rec.seq = row[0]
         return rec.seq
@@ -168,9 +176,9 @@ class PostgresJobStore(StoredFiles):
             claimed = conn.execute(
                 f"UPDATE videos SET lease_owner = %s, lease_until = now() + make_interval(secs => %s), "
                 f"attempts = attempts + 1, fence = fence + 1 WHERE id = ANY(%s) RETURNING "
-                f"{', '.join(_COLUMNS)}, fence, attempts, cost", (replica, float(lease_s), chosen)).fetchall()
-        n = len(_COLUMNS)
-        out = [(_record(r[:n]), r[n], r[n + 1], r[n + 2]) for r in claimed]
+                f"{', '.join(COLUMNS)}, fence, attempts, cost", (replica, float(lease_s), chosen)).fetchall()
+        n = len(COLUMNS)
+        out = [(record_from_row(r[:n]), r[n], r[n + 1], r[n + 2]) for r in claimed]
         return sorted(out, key=lambda c: c[0].seq)
 
     def claim_now(self, video_id: str, replica: str, lease_s: float) -> int:
@@ -218,7 +226,7 @@ class PostgresJobStore(StoredFiles):
                 conn.execute("UPDATE videos SET status = 'queued', progress = 0, lease_owner = NULL, lease_until = "
                              "NULL WHERE id = ANY(%s)", (again,))
             if lost:
-                error = _dump({"code": "replica_lost", "message": f"the replica running this video stopped "
+                error = dump_json({"code": "replica_lost", "message": f"the replica running this video stopped "
                                                                   f"{max_attempts} times; it was not retried again"})
                 conn.execute("UPDATE videos SET status = 'failed', lease_owner = NULL, lease_until = NULL, error = "
                              "%s, completed_at = EXTRACT(EPOCH FROM now())::bigint WHERE id = ANY(%s)", (error, lost))
@@ -283,25 +291,17 @@ class PostgresJobStore(StoredFiles):
     def completed_with_key(self, request_key: str, owner: str | None) -> VideoRecord | None:
         row = self._one(f"{_SELECT} WHERE request_key = %s AND owner IS NOT DISTINCT FROM %s AND status = "
                         f"'completed' AND expired = 0 ORDER BY seq DESC LIMIT 1", (request_key, owner))
-        return _record(row) if row else None
+        return record_from_row(row) if row else None
 
     def get(self, video_id: str) -> VideoRecord | None:
         row = self._one(f"{_SELECT} WHERE id = %s", (video_id,))
-        return _record(row) if row else None
+        return record_from_row(row) if row else None
 
     def page(self, after_seq: int | None, limit: int, order: str,
              owner: str | None = None) -> tuple[list[VideoRecord], bool]:
-        op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        conditions, args = [], []
-        if after_seq is not None:
-            conditions.append(f"seq {op} %s")
-            args.append(after_seq)
-        if owner is not None:
-            conditions.append("owner = %s")
-            args.append(owner)
-        where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+        where, direction, args = page_clause(after_seq, order, owner, "%s")
         rows = self._all(f"{_SELECT} {where} ORDER BY seq {direction} LIMIT %s", (*args, limit + 1))
-        return [_record(r) for r in rows[:limit]], len(rows) > limit
+        return [record_from_row(r) for r in rows[:limit]], len(rows) > limit
 
     def counts_by_status(self) -> dict[str, int]:
         return dict(self._all("SELECT status, COUNT(*) FROM videos GROUP BY status"))
@@ -319,7 +319,7 @@ class PostgresJobStore(StoredFiles):
                                         "bytes IS NULL")]
 
     def by_status(self, status: str) -> list[VideoRecord]:
-        return [_record(r) for r in self._all(f"{_SELECT} WHERE status = %s ORDER BY seq", (status,))]
+        return [record_from_row(r) for r in self._all(f"{_SELECT} WHERE status = %s ORDER BY seq", (status,))]
 
 
 class _SweepLock:
@@ -349,7 +349,7 @@ def _update_sql(video_id: str, fields: dict, where: str = "", args=()) -> tuple[
     values = dict(fields)
     for name in ("error", "params"):
         if name in values:
-            values[name] = _dump(values[name])
+            values[name] = dump_json(values[name])
     if "expired" in values:
         values["expired"] = int(values["expired"])
     sets = ", ".join(f"{k} = %s" for k in values)

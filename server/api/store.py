@@ -57,7 +57,7 @@ CREATE TABLE IF NOT EXISTS videos (
 CREATE INDEX IF NOT EXISTS videos_status ON videos(status);
 """
 
-_COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
+COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
             "params", "error", "expires_at", "expired", "bytes", "request_key",
             "extended_from", "owner")
 #: columns added after the first release, with their declarations (a data dir written before gets them)
@@ -212,16 +212,16 @@ class JobStore(StoredFiles):
                 "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size,"
                 " params, error, request_key, extended_from, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt,
-                 rec.seconds, rec.size, json.dumps(rec.params), _dump(rec.error), rec.request_key, rec.extended_from,
-                 rec.owner))
+                 rec.seconds, rec.size, json.dumps(rec.params), dump_json(rec.error), rec.request_key,
+                 rec.extended_from, rec.owner))
             rec.seq = cur.lastrowid
             return rec.seq
 
     def update(self, video_id: str, **fields) -> None:
         if "error" in fields:
-            fields["error"] = _dump(fields["error"])
+            fields["error"] = dump_json(fields["error"])
         if "params" in fields:
-            fields["params"] = _dump(fields["params"])
+            fields["params"] = dump_json(fields["params"])
         if "expired" in fields:
             fields["expired"] = int(fields["expired"])
         sets = ", ".join(f"{k} = ?" for k in fields)
@@ -236,33 +236,25 @@ class JobStore(StoredFiles):
         """The newest completed video whose files are kept, made by a request with this key, of this owner (None:
         the rows without one): reuse never crosses owners."""
         with self._lock:
-            row = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos WHERE request_key = ? AND owner IS ? "
+            row = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos WHERE request_key = ? AND owner IS ? "
                                    f"AND status = 'completed' AND expired = 0 ORDER BY seq DESC LIMIT 1",
                                    (request_key, owner)).fetchone()
-        return _record(row) if row else None
+        return record_from_row(row) if row else None
 
     def get(self, video_id: str) -> VideoRecord | None:
         with self._lock:
-            row = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos WHERE id = ?", (video_id,)).fetchone()
-        return _record(row) if row else None
+            row = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos WHERE id = ?", (video_id,)).fetchone()
+        return record_from_row(row) if row else None
 
     def page(self, after_seq: int | None, limit: int, order: str,
              owner: str | None = None) -> tuple[list[VideoRecord], bool]:
         """Up to `limit` records after `after_seq` in creation order (`asc` or `desc`), and whether more follow;
         only `owner`'s when given (None: every record)."""
-        op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        conditions, args = [], []
-        if after_seq is not None:
-            conditions.append(f"seq {op} ?")
-            args.append(after_seq)
-        if owner is not None:
-            conditions.append("owner = ?")
-            args.append(owner)
-        where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+        where, direction, args = page_clause(after_seq, order, owner, "?")
         with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos {where} ORDER BY seq {direction} "
+            rows = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos {where} ORDER BY seq {direction} "
                                     f"LIMIT ?", (*args, limit + 1)).fetchall()
-        return [_record(r) for r in rows[:limit]], len(rows) > limit
+        return [record_from_row(r) for r in rows[:limit]], len(rows) > limit
 
     def counts_by_status(self) -> dict[str, int]:
         with self._lock:
@@ -292,12 +284,26 @@ class JobStore(StoredFiles):
 
     def by_status(self, status: str) -> list[VideoRecord]:
         with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM videos WHERE status = ? ORDER BY seq",
+            rows = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos WHERE status = ? ORDER BY seq",
                                     (status,)).fetchall()
-        return [_record(r) for r in rows]
+        return [record_from_row(r) for r in rows]
 
 
-def _dump(value) -> str | None:
+def page_clause(after_seq: int | None, order: str, owner: str | None, mark: str) -> tuple[str, str, list]:
+    """A page's WHERE clause (empty without conditions), its ORDER BY direction and the clause's arguments, for both
+    stores (`mark`: the driver's placeholder, "?" for SQLite, "%s" for psycopg)."""
+    op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+    conditions, args = [], []
+    if after_seq is not None:
+        conditions.append(f"seq {op} {mark}")
+        args.append(after_seq)
+    if owner is not None:
+        conditions.append(f"owner = {mark}")
+        args.append(owner)
+    return (f"WHERE {' AND '.join(conditions)}" if conditions else ""), direction, args
+
+
+def dump_json(value) -> str | None:
     return None if value is None else json.dumps(value)
 
 
@@ -316,8 +322,8 @@ def _loads(text: str):
     return clean(json.loads(text))
 
 
-def _record(row) -> VideoRecord:
-    d = dict(zip(_COLUMNS, row))
+def record_from_row(row) -> VideoRecord:
+    d = dict(zip(COLUMNS, row))
     d["params"] = _loads(d["params"])
     d["error"] = _loads(d["error"]) if d["error"] else None
     d["expired"] = bool(d["expired"])
