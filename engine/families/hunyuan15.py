@@ -102,8 +102,7 @@ class Hunyuan15Family(VideoFamily):
         import diffusers
 
         super().__init__(ctx, config)
-        if config.engine.attention == "xformers":
-            raise ValueError("attention='xformers' is not available for the hunyuan15 family (it uses PyTorch SDPA)")
+        self.refuse_xformers(config)
         self.desc = self.describe(Path(config.model_dir))
         self.i2v = self.desc.capabilities.image == REQUIRED
         self.pipe = self.load_pipeline(getattr(diffusers, self.desc.pipeline),
@@ -116,6 +115,7 @@ class Hunyuan15Family(VideoFamily):
         return Hunyuan15SequenceParallel(denoiser)
 
     set_plan = WanParts.set_plan          # the sequence-parallel groups of a plan (and of each CFG half)
+    refuse_xformers = WanParts.refuse_xformers   # PyTorch SDPA only
 
     # -- a request ----------------------------------------------------------------------------------
 

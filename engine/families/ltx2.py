@@ -222,8 +222,7 @@ class LTX2Family(VideoFamily):
         import diffusers
 
         super().__init__(ctx, config)
-        if config.engine.attention == "xformers":
-            raise ValueError("attention='xformers' is not available for the ltx2 family (it uses PyTorch SDPA)")
+        self.refuse_xformers(config)
         self.desc = self.describe(Path(config.model_dir))
         self.pipe = self.load_pipeline(getattr(diffusers, self.desc.pipeline),
                                        {"default": self.dtype, "vae": torch.float32, "audio_vae": torch.float32,
@@ -241,6 +240,7 @@ class LTX2Family(VideoFamily):
         return LTX2SequenceParallel(denoiser)
 
     set_plan = WanParts.set_plan          # the sequence-parallel groups of a plan (and of each CFG half)
+    refuse_xformers = WanParts.refuse_xformers   # PyTorch SDPA only
 
     # -- a request ----------------------------------------------------------------------------------
 
