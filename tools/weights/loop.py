@@ -3,14 +3,17 @@ an exponential moving average of the weights, which the model holds at the end.
 
 Each trainer gives its own loss (`step_loss(step) -> (loss to minimise, {name: value to record})`); the order of
 the operations (learning rate, loss, backward, clip, step, EMA) is fixed here, so a seeded run gives the same
-weights whichever trainer calls it.
+weights whichever trainer calls it. `training_main` is the command line of the trainers that take the same
+options (seed, steps, clips per prompt, learning rate, threads).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -65,3 +68,23 @@ def train_with_ema(model, step_loss: StepLoss, steps: int, *, lr: float, warmup:
     model.load_state_dict(ema)
     model.eval()
     return records
+
+
+def training_main(argv: list[str] | None, *, module: str, doc: str, train: Callable, default_out: Path, seed: int,
+                  steps: int, clips_per_prompt: int, lr: float, threads: int) -> int:
+    """`python -m tools.weights.<module>`: train into --out; the run's record and loss plot go beside it, or into
+    weights/ as `<module>.json` and `<module>-loss.png` for the shipped checkpoint (`default_out`)."""
+    ap = argparse.ArgumentParser(prog=f"python -m tools.weights.{module}", description=doc.split("\n")[0])
+    ap.add_argument("--out", default=str(default_out), help=f"output directory (default: {default_out})")
+    ap.add_argument("--seed", type=int, default=seed)
+    ap.add_argument("--steps", type=int, default=steps, help="transformer steps")
+    ap.add_argument("--clips-per-prompt", type=int, default=clips_per_prompt)
+    ap.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    ap.add_argument("--threads", type=int, default=threads, help="torch CPU threads (results depend on it)")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    stem = default_out.parent / module if out == default_out else out.parent / out.name
+    train(out, seed=args.seed, steps=args.steps, clips_per_prompt=args.clips_per_prompt, threads=args.threads,
+          lr=args.lr, record_path=Path(f"{stem}.json"), plot=Path(f"{stem}-loss.png"),
+          log=lambda msg: print(msg, flush=True))
+    return 0

@@ -42,7 +42,6 @@ import os
 # see tools/weights/train_tiny_live.py: OpenMP's default waiting slows 2-thread ops 10-100x on a shared machine
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
@@ -59,7 +58,7 @@ from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # 
 from longserve.weights.wan import WAN_2_1_I2V_MODEL_INDEX, WAN_2_1_I2V_SCHEDULER  # noqa: E402
 from tools.weights.build_tiny_wan import build_scheduler  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
-from tools.weights.loop import train_with_ema  # noqa: E402
+from tools.weights.loop import train_with_ema, training_main  # noqa: E402
 from tools.weights.train_tiny_latte import _versions, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
     Layout,
@@ -369,20 +368,8 @@ def _train(out, *, seed, steps, clips_per_prompt, clip_frames, windows_per_clip,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.weights.train_tiny_i2v", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
-    ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--steps", type=int, default=STEPS, help="transformer steps")
-    ap.add_argument("--clips-per-prompt", type=int, default=CLIPS_PER_PROMPT)
-    ap.add_argument("--lr", type=float, default=LR, help="peak learning rate")
-    ap.add_argument("--threads", type=int, default=THREADS, help="torch CPU threads (results depend on it)")
-    args = ap.parse_args(argv)
-    out = Path(args.out).resolve()
-    stem = RECORDS / "train_tiny_i2v" if out == DEFAULT_OUT else out.parent / out.name
-    train(out, seed=args.seed, steps=args.steps, clips_per_prompt=args.clips_per_prompt, threads=args.threads,
-          lr=args.lr, record_path=Path(f"{stem}.json"), plot=Path(f"{stem}-loss.png"),
-          log=lambda msg: print(msg, flush=True))
-    return 0
+    return training_main(argv, module="train_tiny_i2v", doc=__doc__, train=train, default_out=DEFAULT_OUT, seed=SEED,
+                         steps=STEPS, clips_per_prompt=CLIPS_PER_PROMPT, lr=LR, threads=THREADS)
 
 
 if __name__ == "__main__":
