@@ -14,9 +14,8 @@ import time
 import httpx
 import pytest
 from browser import Tab, chromium, mostly
+from servers import serving
 from websockets.sync.client import connect
-
-from longserve.server.api.app import create_app, serve_in_thread
 
 KEY = "sk-ui-live"
 
@@ -29,16 +28,9 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(browser, tmp_path_factory):
-    from longserve.server.api.service import ServeConfig, VideoService
-
-    service = VideoService(ServeConfig.from_options(model="tiny-live", workers=1, device="cpu", warm_up=False,
-                                                    max_live_seconds=30,
-                                                    data_dir=str(tmp_path_factory.mktemp("data")))).start()
-    try:
-        with serve_in_thread(create_app(service, api_key=KEY)) as url:
-            yield url
-    finally:
-        service.close()
+    with serving(tmp_path_factory.mktemp("data"), poll_after_ms=250, api_key=KEY, model="tiny-live", workers=1,
+                 max_live_seconds=30, warm_up=False) as s:
+        yield s["url"]
 
 
 def live_sessions(url: str) -> float:

@@ -10,8 +10,7 @@ import time
 import httpx
 import pytest
 from browser import Tab, chromium, mostly
-
-from longserve.server.api.app import create_app, serve_in_thread
+from servers import serving
 
 KEY = "sk-ui-test"
 UNAUTHORIZED = "the server responded with a status of 401"
@@ -25,15 +24,9 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(browser, tmp_path_factory):
-    from longserve.server.api.service import ServeConfig, VideoService
-
-    service = VideoService(ServeConfig.from_options(model="tiny-latte", workers=1, device="cpu", warm_up=False,
-                                                    data_dir=str(tmp_path_factory.mktemp("data")))).start()
-    try:
-        with serve_in_thread(create_app(service, api_key=KEY)) as url:
-            yield url
-    finally:
-        service.close()
+    with serving(tmp_path_factory.mktemp("data"), poll_after_ms=250, api_key=KEY, model="tiny-latte", workers=1,
+                 warm_up=False) as s:
+        yield s["url"]
 
 
 def test_the_page_makes_a_red_ball_video_that_plays_and_the_recent_list_deletes_it(browser, server, tmp_path):

@@ -35,9 +35,9 @@ def serve_command(port, data_dir, workers: int = 2, max_batch: int = 1):
 
 
 @contextlib.contextmanager
-def serving(data_dir, score=None, poll_after_ms: int = 50, **options):
-    """An in-process server: `VideoService(ServeConfig.from_options(**options))` behind uvicorn on a free port.
-    Yields {"url", "service", "data_dir", "app"}; everything is closed on exit."""
+def serving(data_dir, score=None, poll_after_ms: int = 50, api_key=None, **options):
+    """An in-process server: `VideoService(ServeConfig.from_options(**options))` behind uvicorn on a free port
+    (with `api_key`: /v1 needs it). Yields {"url", "service", "data_dir", "app"}; everything is closed on exit."""
     from longserve.server.api.app import create_app, serve_in_thread
     from longserve.server.api.service import ServeConfig, VideoService
 
@@ -46,7 +46,7 @@ def serving(data_dir, score=None, poll_after_ms: int = 50, **options):
     # tests/server/test_drain.py's warm-up test runs it
     options.setdefault("warm_up", False)
     service = VideoService(ServeConfig.from_options(data_dir=str(data_dir), **options)).start()
-    app = create_app(service, score, poll_after_ms=poll_after_ms)
+    app = create_app(service, score, api_key=api_key, poll_after_ms=poll_after_ms)
     try:
         with serve_in_thread(app) as url:
             yield {"url": url, "service": service, "data_dir": data_dir, "app": app}
