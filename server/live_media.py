@@ -52,7 +52,7 @@ from typing import IO
 
 import numpy as np
 
-from longserve.server.media import ffmpeg_exe, lower_priority
+from longserve.server.media import ffmpeg_exe, lower_priority, passthrough_timestamps
 
 log = logging.getLogger("longserve.live_media")
 
@@ -111,10 +111,11 @@ class ChunkMuxer:
         self._fail_lock = threading.Lock()      # _fail from close() during a push
         self._samples: queue.Queue = queue.Queue()
         self._stderr = tempfile.TemporaryFile()
-        cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-nostdin",
+        exe = ffmpeg_exe()
+        cmd = [exe, "-hide_banner", "-loglevel", "error", "-nostdin",
                "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(self.fps), "-i", "pipe:0",
                "-an", "-c:v", "libx264", "-preset", preset, "-tune", "zerolatency", "-crf", str(crf), "-bf", "0",
-               "-pix_fmt", "yuv420p", "-fps_mode", "passthrough"]
+               "-pix_fmt", "yuv420p", *passthrough_timestamps(exe)]
         if keyframe_interval is not None:
             cmd += ["-g", str(max(1, keyframe_interval))]
         cmd += ["-flush_packets", "1", "-f", "flv", "pipe:1"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import logging
 import os
 import subprocess
@@ -48,6 +49,25 @@ def ffmpeg_exe() -> str:
     import imageio_ffmpeg
 
     return imageio_ffmpeg.get_ffmpeg_exe()
+
+
+@functools.lru_cache(maxsize=None)
+def ffmpeg_version(exe: str) -> tuple[int, int]:
+    """(major, minor) of the ffmpeg binary `exe` ((99, 0) when its banner does not say: assume a new one)."""
+    import re
+
+    try:
+        banner = subprocess.run([exe, "-version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return (99, 0)
+    m = re.match(r"ffmpeg version n?(\d+)\.(\d+)", banner)
+    return (int(m[1]), int(m[2])) if m else (99, 0)
+
+
+def passthrough_timestamps(exe: str) -> list[str]:
+    """ffmpeg's option that keeps every frame's timestamp as given: `-fps_mode passthrough` from ffmpeg 5.1 (the
+    binary imageio-ffmpeg ships), `-vsync passthrough` before it (an older ffmpeg named by IMAGEIO_FFMPEG_EXE)."""
+    return ["-fps_mode", "passthrough"] if ffmpeg_version(exe) >= (5, 1) else ["-vsync", "passthrough"]
 
 
 def storage_error_code(exc: BaseException) -> str | None:

@@ -12,5 +12,9 @@ for xz in .whl/ffmpeg-*.xz; do
     "$xz" /tmp/site/ffmpeg && chmod +x /tmp/site/ffmpeg || return 1
   export IMAGEIO_FFMPEG_EXE=/tmp/site/ffmpeg
 done
+# the one import name, `longserve`, mapped onto the repository's folders as pyproject.toml's package-dir does
+# (an editable install without pip): ./longserve/{engine,pipelines,server,weights} -> ./engine, ... in this copy of
+# the repository (python -m and -c put the working directory first on sys.path, so it must be this folder)
+for pkg in engine pipelines server weights; do ln -sfn "$PWD/$pkg" "longserve/$pkg" || return 1; done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-longserve() { python3 -m server.cli "$@"; }
+longserve() { python3 -m longserve.server.cli "$@"; }

@@ -32,8 +32,12 @@ class WanParts:
                              f"SDPA)")
 
     def component_dtypes(self) -> dict:
-        """The VAE stays in float32 (diffusers' Wan examples load it so); the rest in `dtype`."""
-        return {"default": self.dtype, "vae": torch.float32}
+        """The VAE in float32 (diffusers' Wan examples load it so) unless `vae_dtype` says otherwise; the rest in
+        `dtype`."""
+        from longserve.engine.dist import parse_dtype
+
+        vae = self.config.engine.vae_dtype
+        return {"default": self.dtype, "vae": parse_dtype(vae) if vae else torch.float32}
 
     def encode_prompt(self, spec: GenerationSpec):
         """UMT5 embeddings, zero-padded to 512 tokens as the pipelines do (rank 0 only)."""

@@ -279,7 +279,7 @@ class CausalWan:
 
     def new_cache(self, h: int, w: int, sp: SequenceParallel, text_len: int) -> KVCache:
         c = self.model.config
-        p = next(self.model.parameters())
+        p = self.model.patch_embedding.weight      # the compute dtype (the first parameter may be a float32-kept one)
         return KVCache(self.cfg, c.num_layers, self.frame_tokens(h, w), self.heads_per_worker(sp),
                        c.attention_head_dim, text_len, c.num_attention_heads, p.dtype, p.device)
 
@@ -287,7 +287,7 @@ class CausalWan:
         """diffusers' rotary table for frame positions 0..local_attn_size-1 at this size: (positions*tokens, hd)."""
         key = (h, w)
         if key not in self._rope:
-            p = next(self.model.parameters())
+            p = self.model.patch_embedding.weight
             dummy = torch.empty(1, 1, self.cfg.local_attn_size, h, w, device=p.device)
             cos, sin = self.model.rope(dummy)                    # (1, L*tokens, 1, hd); no shard is active here
             self._rope[key] = (cos[0, :, 0].to(p.dtype), sin[0, :, 0].to(p.dtype))

@@ -22,6 +22,8 @@ Sections (each row is printed, and appended to --json, as soon as it is measured
   own pipeline on the same checkpoint directory (built here: the full-size transformer with
   random weights, a random full-size VAE, a one-layer text encoder as wide as the real one);
   wall time, and our pool overhead per step (`VideoOutput.timings`).
+- wan-stages, levers (server/bench/gpu_wan.py): the Wan 1.3B video's stages against diffusers' (where the
+  difference is), and FP8 weights and regional compile on it.
 
 Peak memory: `engine.memory.PeakMemory` (CUDA: max_memory_allocated minus memory at entry).
 """
@@ -36,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SECTIONS = ("numerics", "speed", "memory", "video", "wan-vae")
+SECTIONS = ("numerics", "speed", "memory", "video", "wan-vae", "wan-stages", "levers")
 
 LATTE_1 = dict(heads=16, head_dim=72, layers=28, caption_channels=4096, text_len=120, latent=64)
 LATTE_SMOKE = dict(heads=3, head_dim=8, layers=2, caption_channels=32, text_len=8, latent=8)
@@ -52,8 +54,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--step-limit-s", type=float, default=20.0,
                         help="memory sweeps stop after a step longer than this")
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
-    parser.add_argument("--models", default="latte-1,wan2.1-1.3b", help="video section: which models")
+    parser.add_argument("--models", default="latte-1,wan2.1-1.3b", help="video and speed sections: which models")
     parser.add_argument("--json", default=None, metavar="PATH", help="append every row here (JSON lines)")
+    parser.add_argument("--work-dir", default=None, metavar="DIR",
+                        help="keep the built checkpoints here and reuse them (wan-stages, levers; default: a "
+                             "temporary directory)")
+    parser.add_argument("--lever-steps", type=int, default=20, help="levers: steps per video")
 
 
 class _Out:
@@ -268,6 +274,8 @@ def speed(args, out: _Out, dev) -> None:
     for family, size, build, inputs, ours, theirs in _speed_cases(args):
         if out.over_budget():
             return
+        if family not in args.models.split(","):
+            continue
         if build is not None:
             model = None
             _free(dev)
@@ -599,7 +607,10 @@ def run(args) -> int:
     for s in sections:
         if s not in SECTIONS:
             raise ValueError(f"--sections: unknown {s!r}; choose from {', '.join(SECTIONS)}")
-    funcs = {"numerics": numerics, "speed": speed, "memory": memory, "video": video, "wan-vae": wan_vae_memory}
+    from longserve.server.bench.gpu_wan import levers, wan_stages
+
+    funcs = {"numerics": numerics, "speed": speed, "memory": memory, "video": video, "wan-vae": wan_vae_memory,
+             "wan-stages": wan_stages, "levers": levers}
     for s in sections:
         if out.over_budget():
             out.row(section=s, skipped="over --budget-s")

@@ -216,3 +216,18 @@ def test_a_start_image_is_held_as_context_in_jobs_and_sessions_and_two_workers_e
     with pytest.raises(RequestError) as e:
         latents(pipe, image="not an image")
     assert e.value.field == "image"
+
+
+def test_a_bfloat16_session_runs_and_follows_the_float32_one(causal_dir):
+    """On a GPU a session runs in bfloat16. diffusers keeps some of the transformer's modules in float32 (the first
+    parameter, `scale_shift_table`, is one): the KV cache and the RoPE rows must take the compute dtype, not the
+    first parameter's, or the first chunk fails on mixed query / key dtypes."""
+    want = latents_of(causal_dir, "float32")
+    got = latents_of(causal_dir, "bfloat16")
+    assert got.shape == want.shape and np.isfinite(got).all()
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()     # bf16 rounding, not another video
+
+
+def latents_of(causal_dir, dtype):
+    with VideoPipeline.from_pretrained(str(causal_dir), workers=1, dtype=dtype) as p:
+        return p("a red ball bouncing", seed=0, num_frames=9, height=H, width=W, output_type="latent").frames

@@ -74,6 +74,29 @@ def test_vae_decodes_untiled_as_diffusers_and_in_diffusers_tiles_with_vae_tiling
     assert np.abs(got - tiled).max() <= ATOL
 
 
+def test_vae_dtype_bfloat16_decodes_as_diffusers_wan_pipeline_with_a_bfloat16_vae():
+    """`vae_dtype="bfloat16"` (the default is float32, as diffusers' Wan examples load the VAE) decodes as
+    WanPipeline does with its VAE loaded in bfloat16: the same frames, and not the float32 ones."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    path = resolve_model("tiny-wan")
+    kw = dict(num_frames=5, height=32, width=48, num_inference_steps=2, guidance_scale=5.0, seed=1)
+    vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", torch_dtype=torch.bfloat16)
+    ref = WanPipeline.from_pretrained(str(path), vae=vae)
+    ref.set_progress_bar_config(disable=True)
+    want = ref(prompt=PROMPT, negative_prompt=NEGATIVE, generator=torch.Generator("cpu").manual_seed(1),
+               output_type="np", **{k: v for k, v in kw.items() if k != "seed"}).frames
+    with VideoPipeline.from_pretrained("tiny-wan", workers=1, device="cpu", vae_dtype="bfloat16") as pipe:
+        got = pipe(PROMPT, negative_prompt=NEGATIVE, **kw).frames
+    fp32 = diffusers_frames(WanPipeline, path, **kw)
+    ulp = 2.0 ** -8                                  # one bfloat16 step in [0.5, 1): diffusers' frames are bf16 values
+    print("vae_dtype bf16: ours vs diffusers", np.abs(got - want).max(), "float32 vs bf16", np.abs(fp32 - want).max())
+    assert np.abs(got - want).max() <= ulp
+    assert np.abs(fp32 - want).max() > 2 * ulp, "bf16 should round these pixels, or the test cannot tell"
+    with pytest.raises(ValueError, match="vae_dtype"):
+        VideoPipeline.from_pretrained("tiny-wan", vae_dtype="int8")
+
+
 def test_wan21_1_3b_shaped_checkpoint_matches_diffusers(tmp_path):
     from diffusers import WanPipeline
 

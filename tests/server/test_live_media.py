@@ -106,3 +106,18 @@ def test_a_killed_encoder_fails_the_push_clearly():
         muxer.push(np.zeros((12, H, W, 3), np.uint8))
     assert muxer.close() == b""
     assert muxer.close() == b""
+
+
+def test_an_ffmpeg_older_than_5_1_gets_vsync_not_fps_mode(tmp_path):
+    """`-fps_mode` came with ffmpeg 5.1; an older binary named by IMAGEIO_FFMPEG_EXE (a GPU image's ffmpeg 4.2 was
+    one) refuses it and the live encoder died at its first push. The option follows the binary's version."""
+    from longserve.server.media import ffmpeg_version, passthrough_timestamps
+
+    old = tmp_path / "ffmpeg"
+    old.write_text("#!/bin/sh\necho 'ffmpeg version 4.2.2-static https://johnvansickle.com/ffmpeg/'\n")
+    old.chmod(0o755)
+    assert ffmpeg_version(str(old)) == (4, 2)
+    assert passthrough_timestamps(str(old)) == ["-vsync", "passthrough"]
+    shipped = imageio_ffmpeg.get_ffmpeg_exe()
+    assert ffmpeg_version(shipped) >= (5, 1)
+    assert passthrough_timestamps(shipped) == ["-fps_mode", "passthrough"]

@@ -1,6 +1,6 @@
 """Write a causal Wan checkpoint directory (weights/causal_wan.py describes the layout) around a transformer.
 
-    python -m tools.weights.build_causal --out DIR [--shape longlive-1.3b] [--layers N]   # random weights
+    python -m tools.weights.build_causal --out DIR --components-from WAN_DIR [--layers N] [--dtype bfloat16]  # random
 
 The transformer's weights are written in the released generators' layout (`model.` + the
 original Wan names), as a training checkpoint `{"generator": sd, "generator_ema": sd}` when the
@@ -84,11 +84,21 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=None, help="override num_layers (default: the shape's)")
     ap.add_argument("--components-from", required=True,
                     help="a diffusers Wan directory whose text encoder, tokenizer, VAE and scheduler are copied")
+    ap.add_argument("--transformer-config", default=None, metavar="JSON",
+                    help="a WanTransformer3DModel config.json to use instead of Wan 2.1 1.3B's shape")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the weights' dtype on disk (default float32; bfloat16 halves the file)")
     args = ap.parse_args(argv)
     config = dict(WAN_2_1_T2V_1_3B_TRANSFORMER)
+    if args.transformer_config:
+        config = json.loads(Path(args.transformer_config).read_text())
     if args.layers:
         config["num_layers"] = args.layers
-    print(build_causal_checkpoint(args.out, config, LONGLIVE_CAUSAL, components_from=args.components_from))
+    import torch
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    print(build_causal_checkpoint(args.out, config, LONGLIVE_CAUSAL, components_from=args.components_from,
+                                  dtype=dtype))
 
 
 if __name__ == "__main__":
