@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint fmt demo demo-long demo-live demo-i2v bench docker clean
+.PHONY: install test lint fmt demo demo-long demo-live demo-i2v screenshots bench docker clean
 
 install: $(STAMP)
 
@@ -64,6 +64,12 @@ demo-i2v: install
 	$(VENV)/bin/longserve generate "a red ball moving right" --model tiny-i2v --image out/red_ball.png --workers 2 \
 		--seed 0 --overwrite -o out/demo_i2v.mp4
 	$(PY) -m tools.frame_strip out/demo_i2v.mp4 -o out/demo_i2v_strip.png --scale 2
+
+# the page's pictures (README.md, docs/serving.md): the browser tests save them to out/ui/ (tests/support/browser.py,
+# needs chromium: .ci/run installs it); docs/ui_video.png and docs/ui_live.png are copies
+screenshots: install
+	$(PY) -m pytest -q -p no:randomly tests/server/test_ui_video.py tests/server/test_ui_live.py
+	cp out/ui/ui_video.png out/ui/ui_live.png docs/
 
 bench: install
 	$(VENV)/bin/longserve bench transformer --strategies dsp,ulysses,ring,megatron-sp \

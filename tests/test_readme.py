@@ -77,14 +77,17 @@ for path in sys.argv[1:]:
 
 def test_the_readme_snippets_run_as_files_with_no_main_guard_and_print_what_they_say(tmp_path):
     """Each snippet is a file run as `__main__` (no `if __name__ == "__main__":`; the workers must not re-run it),
-    one after the other in one fresh process: the inputs they open (cat.png, ship.png, ship.mp4, book.txt) are made
-    first."""
+    one after the other in one fresh process: the inputs they open (cat.png, ship.png, blue_ball.png, ship.mp4,
+    book.txt) are made first."""
     import imageio.v3 as iio
     from PIL import Image
 
     rng = np.random.default_rng(0)
     for name in ("cat.png", "ship.png"):
         Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(tmp_path / name)
+    ball, (yy, xx) = np.full((64, 64, 3), 128, np.uint8), np.mgrid[:64, :64]
+    ball[(yy - 32) ** 2 + (xx - 32) ** 2 <= 64] = (0, 0, 255)
+    Image.fromarray(ball).save(tmp_path / "blue_ball.png")
     iio.imwrite(tmp_path / "ship.mp4", rng.integers(0, 255, (17, 64, 64, 3), dtype=np.uint8), fps=16)
     (tmp_path / "book.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
     snippets = [s for s in python_snippets() if "from openai" not in s]

@@ -27,7 +27,18 @@ then the front door's limit).
 From an image (`options["image"]`, as Self-Forcing / CausVid inference takes an initial latent): rank 0 VAE-encodes
 it into one latent frame (normalised as Wan's image-to-video pipeline does), and every rank writes it into the cache
 as clean context before the first chunk (one context pass): frame 0 of the cache, the sink when the model keeps one,
-and the first frame a recache replays. It is context only: the video's frames are the chunks made after it.
+and the first frame a recache replays. And it is the video's first frame, as Self-Forcing's inference returns
+[initial latent | generated latents] decoded together (and Wan's image-to-video pipelines begin with the image): its
+latent frame is pushed to the frame stream in front of chunk 0's, so the same streaming VAE decode carries its causal
+cache into chunk 0, exactly as decoding the whole video would. So, from an image:
+
+- `num_frames` is still the video's length, the image's frame included (as Wan's I2V counts it): the chunks make
+  latent frames 1.. (`lead` = 1), one fewer than without an image, and the last chunk is cut to fit;
+- chunk 0 is handed out as one piece beginning with the image's frame: `temporal` frames more than chunk 0 without
+  an image (its first latent frame decodes to `temporal` frames, not 1), so chunk indices, `prompt_schedule` and
+  switch chunks, and a live session's chunk events and fMP4 fragments number exactly as without an image (one
+  event and one fragment per chunk; chunk 0's `t` is when it, image frame included, left the engine);
+- a request without an image is unchanged, byte for byte.
 
 The engine's memory for a request is fixed: per row one `KVCache` (engine/models/causal.py),
 the latents of the cached frames (for a recache), the current chunk, and the streaming VAE's cache.
@@ -64,9 +75,9 @@ CAUSAL_CONFIG_FILE = "causal_config.json"
 OPTIONS = ("prompt_schedule", "live", "image")
 
 
-def chunk_frames(chunks: int, frames_per_block: int, temporal: int) -> int:
-    """Pixel frames of the first `chunks` chunks."""
-    return decoded_frames(chunks * frames_per_block, temporal)
+def chunk_frames(chunks: int, frames_per_block: int, temporal: int, lead: int = 0) -> int:
+    """Pixel frames of the first `chunks` chunks, after `lead` latent frames of a start image."""
+    return decoded_frames(lead + chunks * frames_per_block, temporal)
 
 
 @dataclass(frozen=True)
@@ -85,7 +96,9 @@ class CausalRequest(WorkerRequest):
     caches: list = field(default_factory=list)      # one KVCache per row
     generator: torch.Generator = None
     num_chunks: int = 0
-    latent_frames: int = 0
+    latent_frames: int = 0                          # of the video, the start image's included
+    lead: int = 0                                   # latent frames before chunk 0's: 1 with a start image
+    image_latent: torch.Tensor = None               # the start image's, until it goes out in front of chunk 0
     chunk: int = 0                                  # the chunk being made
     phase: int = 0                                  # its next forward: 0..n-1 denoise, n context pass
     x: torch.Tensor = None                          # the chunk's noisy latents (B, C, fb, h, w), float32
@@ -172,6 +185,11 @@ class CausalWanFamily(WanParts, VideoFamily):
         else:
             spec.options = {k: v for k, v in spec.options.items() if k != "image"}
         check_common(desc, spec)
+        temporal = desc.facts.vae_temporal
+        if "image" in spec.options and spec.num_frames < 1 + temporal:
+            raise RequestError("num_frames", f"from a start image the video is the image's frame and at least one "
+                                             f"made latent frame: num_frames must be at least {1 + temporal}; got "
+                                             f"{spec.num_frames}")
         live = spec.options.get("live", False)
         if not isinstance(live, bool):
             raise RequestError("live", f"live must be true or false; got {live!r}")
@@ -276,7 +294,8 @@ class CausalWanFamily(WanParts, VideoFamily):
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, image_latent: torch.Tensor = None) -> CausalRequest:
         cfg = self.cfg
         latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
-        num_chunks = -(-latent_frames // cfg.frames_per_block)
+        lead = 0 if image_latent is None else image_latent.shape[2]       # the start image's frame comes first
+        num_chunks = -(-(latent_frames - lead) // cfg.frames_per_block)
         B, h, w = spec.batch_size, spec.height // self.vae_spatial, spec.width // self.vae_spatial
         texts, schedule = {0: text}, {}
         entries = spec.options.get("prompt_schedule") or []
@@ -287,13 +306,15 @@ class CausalWanFamily(WanParts, VideoFamily):
         C = self.pipe.transformer.config.in_channels
         r = CausalRequest(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=(),
                           num_frames=spec.num_frames, cfg=cfg, generator=seeded_generator(spec.seed),
-                          num_chunks=num_chunks, latent_frames=latent_frames, texts=texts, schedule=schedule,
+                          num_chunks=num_chunks, latent_frames=latent_frames, lead=lead, texts=texts,
+                          schedule=schedule,
                           caches=[self.model.new_cache(h, w, self.sp, text.shape[1]) for _ in range(B)],
                           clean=torch.zeros(B, C, cfg.capacity, h, w, device=self.pg.device),
                           # a chunk is the unit a live client sees: decoded whole, one per call
                           frames=self.frame_stream(spec, spec.num_frames, FramesPolicy(self.vae_temporal, whole=True)))
         if image_latent is not None:
             self._hold_image(r, image_latent)
+            r.image_latent = image_latent.float()
         self._start_chunk(r)
         return r
 
@@ -387,9 +408,12 @@ class CausalWanFamily(WanParts, VideoFamily):
                 r.phase += 1
             else:
                 r.x0, r.x = x0, None
-                # final; the last chunk's frames past the video's end are not decoded
-                r.frames.push(x0[:, :, :r.latent_frames - r.chunk * cfg.frames_per_block],
-                              info={"chunk": r.chunk, "prompt_index": r.prompt_index})
+                # final; the last chunk's frames past the video's end are not decoded; chunk 0 goes out behind
+                # the start image's frame (one piece, one decode: the VAE's cache carries from it into the chunk)
+                made = x0[:, :, :r.latent_frames - r.lead - r.chunk * cfg.frames_per_block]
+                if r.image_latent is not None:
+                    made, r.image_latent = torch.cat([r.image_latent, made], dim=2), None
+                r.frames.push(made, info={"chunk": r.chunk, "prompt_index": r.prompt_index})
                 r.phase = n
         else:                                   # the context pass wrote the chunk: keep its clean latents
             first = r.caches[0].frames_written - r.x0.shape[2]
@@ -427,8 +451,8 @@ class CausalWanFamily(WanParts, VideoFamily):
             r.num_chunks = chunks
             r.num_steps = r.steps_done + (n - r.phase)
             r.num_frames = r.frames.limit = min(r.num_frames, chunk_frames(chunks, self.cfg.frames_per_block,
-                                                                            self.vae_temporal))
-            r.latent_frames = min(r.latent_frames, chunks * self.cfg.frames_per_block)
+                                                                            self.vae_temporal, r.lead))
+            r.latent_frames = min(r.latent_frames, r.lead + chunks * self.cfg.frames_per_block)
             if r.denoised:                       # phase n: the chunk was final already
                 r.x = r.x0 = None
                 r.batch_key = ("causal", "done")

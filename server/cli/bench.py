@@ -16,6 +16,8 @@ BENCHES = {
     "gpu": (BENCH + "gpu", "one GPU: bf16 error, step time vs diffusers, SDPA backends, memory by video length"),
     "live": (BENCH + "live", "live video on a causal model: first fragment, frames/s, memory by chunks, "
                                   "prompt switch, vs diffusion forcing"),
+    "live-latency": (BENCH + "live_latency", "a live session's engine -> painted latency in Chromium: fMP4 on the "
+                                                  "WebSocket against WebRTC, in one run"),
     "speed": (BENCH + "speed", "opt-in speed levers (step caching) against exact: block evaluations, wall time, "
                                     "PSNR, recognition on the trained tiny-latte"),
     "long": (BENCH + "long", "long video by diffusion forcing: s/segment, first frame, peak memory vs diffusers"),

@@ -38,6 +38,7 @@ export function setupLive(page) {
     if (s.firstFrameMs === null) {
       s.firstFrameMs = now - s.startedAt;
       $("live-ttff").textContent = `${(s.firstFrameMs / 1000).toFixed(2)} s`;
+      s.firstFrame = still(meta);
     }
     s.painted.push(now);
     while (s.painted.length && s.painted[0] < now - 1000) s.painted.shift();
@@ -54,6 +55,16 @@ export function setupLive(page) {
     }
     $("live-fps").textContent = s.painted.length.toFixed(0);
     video.requestVideoFrameCallback(onFrame);
+  }
+
+  // the first painted frame as it was drawn, with its media time: a session started from an image shows the image
+  // first, for 1/fps only (kept for whoever asks: the browser tests read it)
+  function still(meta) {
+    const canvas = document.createElement("canvas");
+    canvas.width = video.videoWidth;
+    canvas.height = video.videoHeight;
+    canvas.getContext("2d").drawImage(video, 0, 0);
+    return { canvas, mediaTime: meta.mediaTime };
   }
 
   // which chunk a painted frame belongs to: by its place in the stream (fMP4: frames appended before it; WebRTC:
@@ -90,10 +101,12 @@ export function setupLive(page) {
     return { type: "offer", sdp: pc.localDescription.sdp };
   }
 
-  // stay near the live edge: a tab that fell behind skips ahead rather than play ever later
+  // stay near the live edge: a tab that fell behind skips ahead rather than play ever later (once the first frame
+  // was painted: a session's start, its image's frame when it began from one, is always shown)
   function keepUp() {
     const b = video.buffered;
-    if (b.length && b.end(b.length - 1) - video.currentTime > 1.0) video.currentTime = b.end(b.length - 1) - 0.1;
+    const behind = b.length && b.end(b.length - 1) - video.currentTime > 1.0;
+    if (behind && live.stats.firstFrameMs !== null) video.currentTime = b.end(b.length - 1) - 0.1;
     if (video.paused && b.length) video.play().catch(() => {});
   }
 

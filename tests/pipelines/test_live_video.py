@@ -198,24 +198,62 @@ def blue_ball(height: int, width: int) -> np.ndarray:
     return image
 
 
-def test_a_start_image_is_held_as_context_in_jobs_and_sessions_and_two_workers_equal_one(pipe, causal_dir):
-    """The image is VAE-encoded and written into the cache before the first chunk: it changes every chunk of a
-    finite job (the video's frames are the chunks after it, so its length is the same), a session takes it too
-    (`pipe.live(prompt, image=...)`), and 2 workers (Ulysses, 3 heads padded) make what 1 makes."""
+def image_and_decode(causal_dir, image):
+    """The plain way, with diffusers' own VAE: the image's normalised latent frame (1, C, 1, h, w), as Wan's I2V
+    pipelines encode a first frame, and a function decoding a whole video's normalised latents in one call, as the
+    Wan pipelines do (T, H, W, 3) in [0, 1]."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.video_processor import VideoProcessor
+    from PIL import Image
+
+    vae = AutoencoderKLWan.from_pretrained(causal_dir / "vae")
+    z = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
+    pixels = VideoProcessor(vae_scale_factor=8).preprocess(Image.fromarray(image), height=H, width=W)
+    with torch.no_grad():
+        latent = (vae.encode(pixels[:, :, None]).latent_dist.mode() - mean) / std
+
+    def decode(latents):
+        with torch.no_grad():
+            video = vae.decode(latents.float() * std + mean).sample[0]
+        return (video / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).numpy()
+
+    return latent, decode
+
+
+def test_a_start_image_is_the_first_frame_and_context_in_jobs_and_sessions_and_two_workers_equal_one(pipe,
+                                                                                                       causal_dir):
+    """As Self-Forcing's inference with an initial latent: the image is VAE-encoded and written into the cache before
+    the first chunk, and the video is [image latent | the chunks' latents], decoded as one: frame 0 is the image's,
+    and the chunks after it attend to it. num_frames is the video's length, the image's frame included; chunk 0
+    carries the image's frame, `temporal` frames more than without one. A session takes it too (`pipe.live(prompt,
+    image=...)`: its chunk 0 is the job's), and 2 workers (Ulysses, 3 heads padded) make what 1 makes."""
     image = blue_ball(H, W)
+    image_latent, decode = image_and_decode(causal_dir, image)
     plain, held = latents(pipe), latents(pipe, image=image)
-    assert held.shape == plain.shape
-    assert (held - plain)[:, :, :3].abs().max() > 1e-2               # the first chunk attends to it
+    assert held.shape == plain.shape                                  # 12 latent frames: the image's and 11 made
+    assert (held[:, :, :1] - image_latent).abs().max() <= 1e-5
+    assert (held[:, :, 1:4] - plain[:, :, :3]).abs().max() > 1e-2    # the first chunk attends to it
+    video = pipe("a red ball bouncing", seed=0, num_frames=FRAMES, height=H, width=W, image=image).frames[0]
+    assert video.shape == (FRAMES, H, W, 3)
+    assert np.abs(video - decode(held)).max() <= 1e-4                 # the whole video decoded in one call
     with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0, image=image) as session:
-        first = next(iter(session))
+        first = np.asarray(next(iter(session)).frames)
     with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0) as session:
-        no_image = next(iter(session))
-    assert np.abs(np.asarray(first.frames, float) - np.asarray(no_image.frames, float)).max() > 0
+        no_image = np.asarray(next(iter(session)).frames)
+    assert len(first) == 1 + 3 * 4 and len(no_image) == 1 + 2 * 4
+    np.testing.assert_array_equal(first, video[:len(first)])
     with VideoPipeline.from_pretrained(str(causal_dir), workers=2) as p:
         assert (latents(p, image=image) - held).abs().max() <= 1e-5
+        with p.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0, image=image) as session:
+            assert np.abs(np.asarray(next(iter(session)).frames) - first).max() <= 1e-4
     with pytest.raises(RequestError) as e:
         latents(pipe, image="not an image")
     assert e.value.field == "image"
+    with pytest.raises(RequestError) as e:                            # the image's frame and nothing made
+        pipe("a red ball bouncing", num_frames=1, height=H, width=W, image=image)
+    assert e.value.field == "num_frames"
 
 
 def test_a_bfloat16_session_runs_and_follows_the_float32_one(causal_dir):

@@ -1,8 +1,10 @@
 """The page's live session in a real headless Chromium against a server on the trained tiny-live: frames are painted
 (through MediaSource, from the WebSocket's fMP4 fragments) and are red for "a red ball bouncing"; a switch to "a blue
 ball bouncing" applies within two chunks of being sent and the painted frames turn blue; stop ends the stream and
-the server's live-session gauge returns to 0; the page shows time to first frame and frames per second; no console
-errors. One browser and one in-process server for the module (tests/support/browser.py)."""
+the server's live-session gauge returns to 0; the page shows time to first frame and frames per second; a session
+started from an image of a blue ball begins blue, on the page and through the Python API; no console errors. One
+browser and one in-process server for the module (tests/support/browser.py); the Python API's test drives that
+server's engine."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import re
 import time
 
 import httpx
+import numpy as np
 import pytest
 from browser import Tab, chromium, mostly
 from servers import serving
@@ -27,10 +30,15 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def server(browser, tmp_path_factory):
+def served(tmp_path_factory):
     with serving(tmp_path_factory.mktemp("data"), poll_after_ms=250, api_key=KEY, model="tiny-live", workers=1,
                  max_live_seconds=30, warm_up=False) as s:
-        yield s["url"]
+        yield s
+
+
+@pytest.fixture(scope="module")
+def server(browser, served):
+    return served["url"]
 
 
 def live_sessions(url: str) -> float:
@@ -48,7 +56,7 @@ def wait_for_colour(tab: Tab, colour: str, timeout_s: float) -> bool:
     return False
 
 
-def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(browser, server, tmp_path):
+def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(browser, server):
     tab = Tab(browser, server + "/ui/", KEY)
     page = tab.page
     try:
@@ -69,7 +77,7 @@ def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(
         assert page.locator("#live-log .switch").first.text_content().startswith(f"chunk {applied}:")
         assert re.fullmatch(r"\d+\.\d\d s", page.text_content("#live-ttff"))
         assert int(page.text_content("#live-fps")) >= 1
-        tab.screenshot("ui_live.png", tmp_path)
+        tab.screenshot("ui_live.png")
         page.click("#live-stop")
         page.wait_for_function("String(window.longserve.live.state).startsWith('ended')", timeout=30_000)
         assert page.text_content("#live-state") == "ended (stopped)"
@@ -112,33 +120,37 @@ def test_a_webrtc_session_paints_red_switches_to_blue_and_shows_its_latency(brow
     assert live_sessions(server) == 0
 
 
-def blue_ball_png(path) -> None:
-    import numpy as np
-    from PIL import Image
-
+def blue_ball() -> np.ndarray:
+    """A blue ball on mid grey (the trained models' background), tiny-live's size: (64, 64, 3) uint8."""
     image = np.full((64, 64, 3), 128, np.uint8)
     yy, xx = np.mgrid[:64, :64]
     image[(yy - 24) ** 2 + (xx - 32) ** 2 <= 64] = (0, 0, 255)
-    Image.fromarray(image).save(path)
+    return image
 
 
 def test_a_session_starts_from_an_image_chosen_on_the_page_and_bad_starts_are_refused_naming_the_field(
         browser, server, tmp_path):
-    """The page sends the chosen image in the start message (`input_reference`, a data URL): the session starts
-    and paints. (tiny-live draws the prompt's colour whatever its context holds: the image conditions the chunks,
-    tests/pipelines/test_live_video.py, but does not decide their colour; docs/serving.md.) A start message whose
-    image is not one is refused with the error event naming input_reference, before any worker; one whose WebRTC
-    offer cannot be answered, naming webrtc."""
+    """The page sends the chosen image in the start message (`input_reference`, a data URL): the session begins
+    with the image's frame, so the first painted frame (media time 0, as the page kept it: it is on screen for 1/8 s)
+    is blue, and the frames after it red for "a red ball bouncing" (tiny-live draws the prompt's colour). A start
+    message whose image is not one is refused with the error event naming input_reference, before any worker; one
+    whose WebRTC offer cannot be answered, naming webrtc."""
+    from PIL import Image
+
     png = tmp_path / "blue_ball.png"
-    blue_ball_png(png)
+    Image.fromarray(blue_ball()).save(png)
     tab = Tab(browser, server + "/ui/", KEY)
     page = tab.page
     try:
         tab.ready()
         assert page.is_visible("#live [name=image]")                 # the causal family takes a start image
+        page.fill("#live-form [name=prompt]", "a red ball bouncing")
         page.set_input_files("#live [name=image]", str(png))
         page.click("#live-start")
         page.wait_for_function("window.longserve.live.stats.frames >= 3", timeout=60_000)
+        first, media_time = tab.first_live_frame()
+        assert media_time == 0 and mostly(first, "blue"), media_time
+        assert wait_for_colour(tab, "red", 20), "the frames after the image's are not red"
         page.click("#live-stop")
         page.wait_for_function("String(window.longserve.live.state).startsWith('ended')", timeout=30_000)
         assert tab.errors == []
@@ -156,3 +168,16 @@ def test_a_session_starts_from_an_image_chosen_on_the_page_and_bad_starts_are_re
     assert event["type"] == "error" and event["param"] == "webrtc", event        # an offer aiortc cannot answer
     time.sleep(0.5)
     assert live_sessions(server) == 0                                   # refused before any admission
+
+
+def test_a_python_session_from_a_blue_ball_image_begins_blue_and_goes_on_red(served):
+    """`pipe.live(prompt, image=...)` on the trained tiny-live (the Python API over this module's server's engine):
+    chunk 0 begins with the image's frame, blue; the frames made after it are red for "a red ball bouncing"."""
+    from longserve.pipelines import VideoPipeline
+
+    pipe = VideoPipeline(served["service"].engine)          # the server's: closed with it, not here
+    with pipe.live("a red ball bouncing", seconds=2.0, seed=0, image=blue_ball()) as session:
+        chunks = [(np.asarray(c.frames) * 255).round().astype(np.uint8) for c in session]
+    assert len(chunks[0]) == 1 + 3 and sum(map(len, chunks)) == 16     # 2 s at 8 fps: the image's frame included
+    assert mostly(chunks[0][0], "blue")
+    assert all(mostly(f, "red") for f in np.concatenate(chunks)[1:])

@@ -29,7 +29,7 @@ def server(browser, tmp_path_factory):
         yield s["url"]
 
 
-def test_the_page_makes_a_red_ball_video_that_plays_and_the_recent_list_deletes_it(browser, server, tmp_path):
+def test_the_page_makes_a_red_ball_video_that_plays_and_the_recent_list_deletes_it(browser, server):
     tab = Tab(browser, server + "/", KEY)               # / redirects to /ui/
     page = tab.page
     try:
@@ -51,7 +51,7 @@ def test_the_page_makes_a_red_ball_video_that_plays_and_the_recent_list_deletes_
             time.sleep(0.15)
         assert page.evaluate("document.getElementById('video').currentTime") != first, "the video does not play"
         assert any(red), "no painted frame is mostly red"
-        tab.screenshot("ui_video.png", tmp_path)
+        tab.screenshot("ui_video.png")
         video_id = page.evaluate("window.longserve.current.id")
         row = page.locator(f"#recent tr[data-id='{video_id}']")
         assert "completed" in row.text_content()

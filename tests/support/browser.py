@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -23,8 +22,8 @@ from longserve.weights.prompts import PALETTE
 ROOT = Path(__file__).resolve().parents[2]
 HOW = ("needs Chromium and Playwright for Python: `apt-get install -y chromium` (as root; .ci/run does it) and "
        "`make install` (the test extra pins playwright); then rerun this file")
-#: a test's screenshot goes to docs/ (README.md and docs/serving.md show it) when this is set, to tmp otherwise
-UPDATE_SCREENSHOTS = os.environ.get("LONGSERVE_UPDATE_SCREENSHOTS") == "1"
+#: where the tests save screenshots; docs/ui_*.png (README.md, docs/serving.md) are copies: `make screenshots`
+SCREENSHOTS = ROOT / "out" / "ui"
 # what the page draws a video frame to, as the tests read it: the <video>'s current frame on a canvas, as PNG
 FRAME_PNG = """(id) => { const v = document.getElementById(id); if (!v.videoWidth) return null;
   const c = document.createElement('canvas'); c.width = v.videoWidth; c.height = v.videoHeight;
@@ -78,20 +77,31 @@ class Tab:
 
     def frame(self, video_id: str) -> np.ndarray | None:
         """The <video>'s current frame, drawn to a canvas: (H, W, 3) uint8, or None before the first frame."""
-        import imageio.v3 as iio
-
         url = self.page.evaluate(FRAME_PNG, video_id)
-        if url is None:
-            return None
-        return iio.imread(base64.b64decode(url.split(",", 1)[1]), extension=".png")[..., :3]
+        return None if url is None else png_pixels(url)
 
-    def screenshot(self, name: str, tmp_path: Path) -> Path:
-        path = (ROOT / "docs" if UPDATE_SCREENSHOTS else tmp_path) / name
+    def screenshot(self, name: str) -> Path:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        path = SCREENSHOTS / name
         self.page.screenshot(path=str(path), full_page=True)
         return path
 
+    def first_live_frame(self) -> tuple[np.ndarray | None, float | None]:
+        """The live panel's first painted frame, as the page kept it when it painted it (on screen for 1/fps only),
+        and its media time: ((H, W, 3) uint8, seconds), or (None, None) before it."""
+        first = self.page.evaluate("() => { const f = window.longserve.live.stats.firstFrame; "
+                                   "return f ? [f.canvas.toDataURL('image/png'), f.mediaTime] : null; }")
+        return (None, None) if first is None else (png_pixels(first[0]), first[1])
+
     def close(self) -> None:
         self.context.close()
+
+
+def png_pixels(data_url: str) -> np.ndarray:
+    """A PNG data URL's pixels: (H, W, 3) uint8."""
+    import imageio.v3 as iio
+
+    return iio.imread(base64.b64decode(data_url.split(",", 1)[1]), extension=".png")[..., :3]
 
 
 def colour_share(frame: np.ndarray, colour: str) -> tuple[float, int]:
