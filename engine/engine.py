@@ -52,9 +52,13 @@ log = logging.getLogger("longserve.engine")
 
 
 def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan) -> None:
-    """Refuse, before any worker loads, a `compile` or `quantize` that could not run (ValueError naming it)."""
+    """Refuse, before any worker loads, a `compile`, `quantize` or `attention_backend` that could not run (ValueError
+    naming it)."""
+    from longserve.engine.attention import check_backend
     from longserve.engine.dist import default_device
     from longserve.engine.quantize import check_fp8
+
+    check_backend(config, family, plan, config.device or default_device())
 
     if config.compile != "none":
         if not family.supports_compile:
@@ -275,6 +279,9 @@ class VideoEngine:
         """Switch the parallel plan for later steps, without reloading the model (while nothing runs)."""
         cfg = self.plan.cfg_parallel if cfg_parallel is None else cfg_parallel
         plan = self.family.resolve_plan(self.info.description, parallel, self.info.workers, ulysses_degree, cfg)
+        from longserve.engine.attention import check_plan
+
+        check_plan(self.config.attention_backend, self.family, plan, self.info.workers)
         self.pool.run(worker.set_plan, plan)
         # a restarted pool (after a worker crash) must come back with the same plan
         self.worker_config = WorkerConfig(self.config, self.worker_config.model_dir, plan)
