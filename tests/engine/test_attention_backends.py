@@ -87,3 +87,23 @@ def test_the_cli_and_the_servers_config_refuse_it_naming_the_field(tmp_path, cap
     assert main(["serve", "--config", str(config), "--data-dir", str(tmp_path / "data"), "--score-model",
                  "none"]) == 2
     assert "attention_backend='_native_cudnn' does not run on cpu" in capsys.readouterr().err
+
+
+def test_plans_that_merge_attention_themselves_take_only_native():
+    """Ring and USP's ring merge partial attentions with a log-sum-exp; so does LTX-2's video->audio attention on
+    more than one sequence-parallel worker (also when a running engine's plan changes: `VideoEngine.set_plan`)."""
+    from longserve.engine.attention import check_plan
+    from longserve.engine.families.ltx2 import LTX2Family
+    from longserve.engine.families.wan import WanFamily
+    from longserve.engine.parallel import ParallelPlan
+
+    for plan, workers in ((ParallelPlan("ulysses"), 4), (ParallelPlan("ring"), 1), (ParallelPlan("usp", False, 4), 4),
+                          (ParallelPlan("ring", True), 2)):
+        check_plan("flash", WanFamily, plan, workers)                     # no ring pass: the backend runs everywhere
+    for plan, workers in ((ParallelPlan("ring"), 2), (ParallelPlan("usp", False, 2), 4), (ParallelPlan("ring", True), 4)):
+        check_plan("native", WanFamily, plan, workers)
+        with pytest.raises(ValueError, match=r"attention_backend='flash' cannot run with parallel='(ring|usp)'"):
+            check_plan("flash", WanFamily, plan, workers)
+    check_plan("flash", LTX2Family, ParallelPlan("ulysses", True), 2)     # one worker per CFG half: nothing to merge
+    with pytest.raises(ValueError, match=r"2 sequence-parallel workers \(the video->audio attention"):
+        check_plan("flash", LTX2Family, ParallelPlan("ulysses"), 2)
