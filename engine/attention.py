@@ -34,12 +34,13 @@ def names() -> tuple[str, ...]:
 
 
 def check_name(name) -> str | None:
-    """None, or a known backend's name (lower case) -> the name; ValueError naming the field otherwise."""
-    if name is None:
+    """None (or "none": a config file's or a flag's way to say unset), or a known backend's name (lower case) -> the
+    name; ValueError naming the field otherwise."""
+    if name is None or (isinstance(name, str) and name.strip().lower() == "none"):
         return None
     if not isinstance(name, str) or name.strip().lower() not in names():
-        raise ValueError(f"{FIELD} must be one of {', '.join(names())} (diffusers' AttentionBackendName) or unset; "
-                         f"got {name!r}")
+        raise ValueError(f"{FIELD} must be one of {', '.join(names())} (diffusers' AttentionBackendName) or none "
+                         f"(unset); got {name!r}")
     name = name.strip().lower()
     if name.endswith("_hub"):
         raise ValueError(f"{FIELD}={name!r} downloads its kernel from the Hugging Face Hub when it starts, and "

@@ -60,6 +60,7 @@ def test_a_backend_that_cannot_run_is_refused_before_any_worker_naming_the_field
     monkeypatch.setattr(engine_module, "make_pool", no_workers)
     with pytest.raises(ValueError, match=r"attention_backend must be one of .*native.*; got 'fast'"):
         EngineConfig(attention_backend="fast")
+    assert EngineConfig(attention_backend="none").attention_backend is None
     with pytest.raises(ValueError, match=r"attention_backend='flash_hub' downloads its kernel"):
         EngineConfig(attention_backend="flash_hub")
     with pytest.raises(ValueError, match=r"attention_backend='flash' is not usable here: .*flash-attn"):
@@ -100,7 +101,8 @@ def test_plans_that_merge_attention_themselves_take_only_native():
     for plan, workers in ((ParallelPlan("ulysses"), 4), (ParallelPlan("ring"), 1), (ParallelPlan("usp", False, 4), 4),
                           (ParallelPlan("ring", True), 2)):
         check_plan("flash", WanFamily, plan, workers)                     # no ring pass: the backend runs everywhere
-    for plan, workers in ((ParallelPlan("ring"), 2), (ParallelPlan("usp", False, 2), 4), (ParallelPlan("ring", True), 4)):
+    for plan, workers in ((ParallelPlan("ring"), 2), (ParallelPlan("usp", False, 2), 4),
+                          (ParallelPlan("ring", True), 4)):
         check_plan("native", WanFamily, plan, workers)
         with pytest.raises(ValueError, match=r"attention_backend='flash' cannot run with parallel='(ring|usp)'"):
             check_plan("flash", WanFamily, plan, workers)
