@@ -60,25 +60,42 @@ def check_installed(name: str) -> None:
         raise ValueError(f"{FIELD}={name!r} is not usable here: {_first_line(e)}") from None
 
 
-def probe(name: str, device, dtype: torch.dtype, masked: bool = False) -> None:
-    """One tiny attention through the backend on `device` in `dtype` (with a boolean key mask when `masked`);
-    ValueError naming the field with the kernel's reason when it does not run."""
+def head_dims(model_dir) -> tuple[int, ...]:
+    """The head widths of a checkpoint's transformer (`*attention_head_dim` in its config: LTX-2 has one for its
+    audio stream too), or (64,) when its config does not say."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "transformer" / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return (64,)
+    dims = {v for k, v in config.items() if k.endswith("attention_head_dim") and isinstance(v, int) and v > 0}
+    return tuple(sorted(dims)) or (64,)
+
+
+def probe(name: str, device, dtype: torch.dtype, masked: bool = False, dims: tuple[int, ...] = (64,)) -> None:
+    """One tiny attention through the backend on `device` in `dtype` per head width in `dims` (with a boolean key
+    mask when `masked`); ValueError naming the field with the kernel's reason when it does not run."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     device = torch.device(device)
-    q = torch.randn(1, 8, 2, 64, device=device, dtype=dtype)                      # (B, S, H, hd)
-    mask = torch.ones(1, 1, 1, 8, device=device, dtype=torch.bool) if masked else None
-    try:
-        out = dispatch_attention_fn(q, q, q, attn_mask=mask, backend=name)
-    except Exception as e:         # noqa: BLE001 (any failure of the kernel is a refusal, in its own words)
-        needs = " with an attention mask (this model's attention takes one)" if masked else ""
-        raise ValueError(f"{FIELD}={name!r} does not run on {device.type} with dtype "
-                         f"{str(dtype).replace('torch.', '')}{needs}: {_first_line(e)}") from None
-    if out.shape != q.shape:
-        raise ValueError(f"{FIELD}={name!r} returned {tuple(out.shape)} for {tuple(q.shape)}")
+    for hd in dims:
+        q = torch.randn(1, 8, 2, hd, device=device, dtype=dtype)                  # (B, S, H, hd)
+        mask = torch.ones(1, 1, 1, 8, device=device, dtype=torch.bool) if masked else None
+        try:
+            out = dispatch_attention_fn(q, q, q, attn_mask=mask, backend=name)
+        except Exception as e:         # noqa: BLE001 (any failure of the kernel is a refusal, in its own words)
+            needs = " with an attention mask (this model's attention takes one)" if masked else ""
+            raise ValueError(f"{FIELD}={name!r} does not run on {device.type} with dtype "
+                             f"{str(dtype).replace('torch.', '')} and heads {hd} wide{needs}: "
+                             f"{_first_line(e)}") from None
+        if out.shape != q.shape:
+            raise ValueError(f"{FIELD}={name!r} returned {tuple(out.shape)} for {tuple(q.shape)}")
 
 
-def check_backend(config, family, plan, device: str) -> None:
+def check_backend(config, family, plan, device: str, model_dir=None) -> None:
     """The coordinator's checks, before any worker starts: the family runs diffusers' dispatcher, the plan does
     not merge attention itself, the package is installed, and on a CPU engine the backend runs (a CUDA engine's
     workers probe their own device before loading weights: `probe`)."""
@@ -90,7 +107,8 @@ def check_backend(config, family, plan, device: str) -> None:
     if device == "cpu":
         from longserve.engine.dist import parse_dtype
 
-        probe(name, "cpu", parse_dtype(config.dtype), masked=family.attention_masks)
+        probe(name, "cpu", parse_dtype(config.dtype), masked=family.attention_masks,
+              dims=head_dims(model_dir) if model_dir is not None else (64,))
 
 
 def check_plan(name: str | None, family, plan, workers: int) -> None:

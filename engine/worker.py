@@ -36,10 +36,11 @@ def setup_worker(ctx, config: WorkerConfig) -> None:
     family = detect_family(config.model_dir)
     backend = config.engine.attention_backend
     if backend is not None and family.dispatcher_attention and ctx.pg.device.type != "cpu":
-        from longserve.engine.attention import probe  # the coordinator probed a CPU engine; this is the device's
+        from longserve.engine.attention import head_dims, probe  # the coordinator probed a CPU engine; this GPU's
         from longserve.engine.dist import parse_dtype
 
-        probe(backend, ctx.pg.device, parse_dtype(config.engine.dtype), masked=family.attention_masks)
+        probe(backend, ctx.pg.device, parse_dtype(config.engine.dtype), masked=family.attention_masks,
+              dims=head_dims(config.model_dir))
     ctx.state["family"] = loaded = family(ctx, config)
     ctx.state["requests"] = {}
     ctx.state["compile_s"] = None
