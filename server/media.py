@@ -7,7 +7,8 @@ is playable while it grows. ffmpeg writes to its stdout; a pump thread appends t
 to `<id>.mp4.part`, from which `GET /content?stream=true` tails (woken by `grown`, a
 `server.notify.Notifier`, after every chunk); when the last frame is in, the part file is
 fsynced and becomes `<id>.mp4` (its directory fsynced too), the stored video. One encode
-serves both.
+serves both. A video's sound given at the start (`sound`) is a second input and an AAC track in the same fragments,
+so the stream carries it too; one given later (`add_audio`) is muxed into the stored file when the picture is done.
 
 Each writer owns its threads: a feeder that takes frames from a small bounded hand-off queue
 and writes them into ffmpeg's stdin, and the pump. So the caller never blocks on ffmpeg's pipe:
