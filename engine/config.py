@@ -61,6 +61,12 @@ class EngineConfig:
                                          "load it; bfloat16 decodes faster with bf16 rounding, as a Wan pipeline "
                                          "loaded whole in bfloat16 does)", choices=["float32", "bfloat16", "float16"])
     attention: str = option("auto", "auto | sdpa | xformers (Latte on CUDA)", choices=list(ATTENTION))
+    attention_backend: str | None = option(None, "diffusers' attention dispatcher backend for the families that run "
+                                                 "diffusers' forward (Wan family, Helios, LTX-2, HunyuanVideo-1.5): "
+                                                 "native, flash, _flash_3, sage, _native_cudnn, _native_efficient, "
+                                                 "... (diffusers' AttentionBackendName); checked at start on the "
+                                                 "device. Default: unset, PyTorch SDPA as diffusers' default "
+                                                 "(docs/design.md, Attention backends)", metavar="NAME")
     vae_tiling: bool = option(False, "decode in the VAE's spatial tiles (diffusers' enable_tiling, default tile "
                                      "sizes): less VAE memory per worker, one Wan video's tiles spread over the "
                                      "workers; slower on one GPU")
@@ -141,6 +147,10 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda' (default: cuda when available); got {self.device!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}; got {self.attention!r}")
+        if self.attention_backend is not None:
+            from longserve.engine.attention import check_name
+
+            object.__setattr__(self, "attention_backend", check_name(self.attention_backend))
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {self.launcher!r}")
         from longserve.engine.dist import parse_dtype
@@ -316,6 +326,7 @@ class ModelInfo:
     compile_s: float | None = None     # the warm-up forward that compiled the blocks (rank 0's wall time)
     compiled_graphs: int = 0           # graphs compiled by then (one per block shape: batch sizes share one)
     quantize: str = "none"
+    attention_backend: str | None = None     # diffusers' dispatcher backend the workers run (None: the default)
 
     def __getattr__(self, name: str) -> Any:      # info.family, info.defaults, ... read through
         if name == "description":

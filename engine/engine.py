@@ -51,10 +51,14 @@ from longserve.engine.scheduler import PromptSwitch, QueueFullError, RequestStat
 log = logging.getLogger("longserve.engine")
 
 
-def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan) -> None:
-    """Refuse, before any worker loads, a `compile` or `quantize` that could not run (ValueError naming it)."""
+def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan, model_dir=None) -> None:
+    """Refuse, before any worker loads, a `compile`, `quantize` or `attention_backend` that could not run (ValueError
+    naming it)."""
+    from longserve.engine.attention import check_backend
     from longserve.engine.dist import default_device
     from longserve.engine.quantize import check_fp8
+
+    check_backend(config, family, plan, config.device or default_device(), model_dir)
 
     if config.compile != "none":
         if not family.supports_compile:
@@ -252,7 +256,7 @@ class VideoEngine:
             config = config.replace(workers=int(os.environ.get("WORLD_SIZE", config.workers)))
         plan = family.resolve_plan(desc, config.parallel, config.workers, config.ulysses_degree,
                                    config.cfg_parallel)
-        check_speed_levers(config, family, desc, plan)
+        check_speed_levers(config, family, desc, plan, model_dir)
         worker_config = WorkerConfig(config, str(model_dir), plan)
         # compiling at load (the warm-up's steps, inductor's code generation) adds minutes to a large model's start
         pool = make_pool(config.workers, setup=worker.setup_worker, setup_args=(worker_config,),
@@ -275,6 +279,9 @@ class VideoEngine:
         """Switch the parallel plan for later steps, without reloading the model (while nothing runs)."""
         cfg = self.plan.cfg_parallel if cfg_parallel is None else cfg_parallel
         plan = self.family.resolve_plan(self.info.description, parallel, self.info.workers, ulysses_degree, cfg)
+        from longserve.engine.attention import check_plan
+
+        check_plan(self.config.attention_backend, self.family, plan, self.info.workers)
         self.pool.run(worker.set_plan, plan)
         # a restarted pool (after a worker crash) must come back with the same plan
         self.worker_config = WorkerConfig(self.config, self.worker_config.model_dir, plan)

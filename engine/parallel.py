@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from longserve.engine import comm
+from longserve.engine.attention import attend
 from longserve.engine.dist import ParallelGroup
 
 
@@ -157,6 +157,8 @@ class SequenceParallel:
     name: str                   # "ulysses" | "ring" | "usp"
     ulysses: ParallelGroup
     ring: ParallelGroup
+    #: diffusers' dispatcher backend of the local attention (None: PyTorch SDPA; engine/attention.py)
+    attention_backend: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -168,7 +170,17 @@ def _solo(pg: ParallelGroup) -> ParallelGroup:
 
 
 def make_sequence_parallel(pg: ParallelGroup, name: str, ulysses_degree: int | None = None,
-                           members: list[int] | None = None) -> SequenceParallel | None:
+                           members: list[int] | None = None,
+                           attention_backend: str | None = None) -> SequenceParallel | None:
+    """`_make_sequence_parallel`, whose local attention runs `attention_backend` (None: PyTorch SDPA)."""
+    sp = _make_sequence_parallel(pg, name, ulysses_degree, members)
+    if sp is not None:
+        sp.attention_backend = attention_backend
+    return sp
+
+
+def _make_sequence_parallel(pg: ParallelGroup, name: str, ulysses_degree: int | None = None,
+                            members: list[int] | None = None) -> SequenceParallel | None:
     """Build the groups of `name` over `pg` (global ranks `members`; default: all of the world).
 
     Collective over the whole world (`new_group` is): every process calls it with the same
@@ -229,14 +241,15 @@ class BlockCausal:
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                    q_start: int = 0, causal: BlockCausal | None = None) -> torch.Tensor:
+                    q_start: int = 0, causal: BlockCausal | None = None, backend: str | None = None) -> torch.Tensor:
     """SDPA of queries at global positions [q_start, q_start + Lq) against keys at [0, Lk).
 
     q: (B, H, Lq, hd), k/v: (B, H, Lk, hd) -> (B, H, Lq, hd). With a block-causal mask the
     queries go block by block, each against the prefix of keys it may see (no Lq x Lk mask).
+    `backend`: diffusers' dispatcher backend that runs it (None: PyTorch SDPA; engine/attention.py).
     """
     if causal is None:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return attend(q, k, v, scale, backend)
     span = causal.frame_tokens * causal.frames_per_block
     outs = []
     Lq, Lk = q.shape[2], k.shape[2]
@@ -245,7 +258,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         block = (q_start + start) // span
         stop = min(Lq, (block + 1) * span - q_start)
         keys = min(Lk, (block + 1) * span)
-        outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys], scale=scale))
+        outs.append(attend(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys], scale, backend))
         start = stop
     return torch.cat(outs, dim=2)
 
@@ -310,9 +323,12 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if r.world_size == 1:
         keys = min(chunk, seq_len)                         # drop the padding before attending
         out = local_attention(q[:, :keys].transpose(1, 2), k[:, :keys].transpose(1, 2),
-                              v[:, :keys].transpose(1, 2), scale, q_start=start, causal=causal)  # (B, Hl, keys, hd)
+                              v[:, :keys].transpose(1, 2), scale, q_start=start, causal=causal,
+                              backend=sp.attention_backend)                                 # (B, Hl, keys, hd)
         out = comm.pad_dim(out.transpose(1, 2), 1, chunk)                        # (B, chunk, Hl, hd)
     else:
+        if sp.attention_backend not in (None, "native"):      # refused at start (engine/attention.py)
+            raise ValueError(f"attention_backend={sp.attention_backend!r} cannot run in Ring attention")
         kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)])                  # (2, B, Hl, chunk, hd)
         out = ring_attention(q.transpose(1, 2).float(), kv, scale, r, key_len=seq_len, q_start=start,
                              causal=causal)                                       # (B, Hl, chunk, hd) fp32

@@ -34,6 +34,13 @@ from longserve.engine.results import Admission, AdmitFailure, DecodedChunk, Enco
 def setup_worker(ctx, config: WorkerConfig) -> None:
     """Load the checkpoint's family on this worker (the text encoder on rank 0 only)."""
     family = detect_family(config.model_dir)
+    backend = config.engine.attention_backend
+    if backend is not None and family.dispatcher_attention and ctx.pg.device.type != "cpu":
+        from longserve.engine.attention import head_dims, probe  # the coordinator probed a CPU engine; this GPU's
+        from longserve.engine.dist import parse_dtype
+
+        probe(backend, ctx.pg.device, parse_dtype(config.engine.dtype), masked=family.attention_masks,
+              dims=head_dims(config.model_dir))
     ctx.state["family"] = loaded = family(ctx, config)
     ctx.state["requests"] = {}
     ctx.state["compile_s"] = None
@@ -49,6 +56,7 @@ def model_info(ctx) -> dict:
     engine = family.config.engine
     return {"plan": family.plan, "device": str(ctx.pg.device), "dtype": str(family.dtype).replace("torch.", ""),
             "workers": ctx.pg.world_size, "attention": family.attention,
+            "attention_backend": engine.attention_backend if family.dispatcher_attention else None,
             "scheduler": type(family.pipe.scheduler).__name__, "vae_tiling": family.vae_tiling,
             "compile": engine.compile, "compile_s": ctx.state.get("compile_s"), "compiled_graphs": compiled_graphs(),
             "quantize": engine.quantize}

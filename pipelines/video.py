@@ -60,8 +60,8 @@ class VideoOutput:
 
 
 def sound_of(out: FramesChunk) -> dict:
-    """The sound a chunk carries (a model with sound hands it out with its last frames): {"samples", "rate"}, the
-    audio latents for output "latent", or {}."""
+    """The sound a chunk carries (a model with sound hands it out with its frames: LTX-2's one chunk):
+    {"samples", "rate"}, the audio latents for output "latent", or {}."""
     if out.info.get("audio") is not None:
         return {"samples": out.info["audio"], "rate": out.info.get("audio_rate")}
     if out.info.get("audio_latents") is not None:

@@ -7,7 +7,8 @@ is playable while it grows. ffmpeg writes to its stdout; a pump thread appends t
 to `<id>.mp4.part`, from which `GET /content?stream=true` tails (woken by `grown`, a
 `server.notify.Notifier`, after every chunk); when the last frame is in, the part file is
 fsynced and becomes `<id>.mp4` (its directory fsynced too), the stored video. One encode
-serves both.
+serves both. A video's sound given at the start (`sound`) is a second input and an AAC track in the same fragments,
+so the stream carries it too; one given later (`add_audio`) is muxed into the stored file when the picture is done.
 
 Each writer owns its threads: a feeder that takes frames from a small bounded hand-off queue
 and writes them into ffmpeg's stdin, and the pump. So the caller never blocks on ffmpeg's pipe:
@@ -97,7 +98,7 @@ class FragmentedMP4Writer:
     any number of readers may tail `part_path` and wait on `done`."""
 
     def __init__(self, part_path: Path, final_path: Path, width: int, height: int, fps: int,
-                 keyframe_interval: int = 8, stall_timeout_s: float = 60.0):
+                 keyframe_interval: int = 8, stall_timeout_s: float = 60.0, sound=None):
         self.part_path = Path(part_path)
         self.final_path = Path(final_path)
         self.width, self.height = width, height
@@ -111,6 +112,9 @@ class FragmentedMP4Writer:
         self.frames_written = 0
         self._aborted = False
         self.sound = None                   # pipelines.sound.Sound, muxed in as an AAC track when the picture is done
+        #: the sound given at the start (`sound`): an AAC track in the fragments themselves, beside the picture
+        self.streams_sound = sound is not None
+        self._sound_path: Path | None = None
         self._on_done: Callable[[bool, str | None], None] | None = None
         self._done_lock = threading.Lock()
         # the hand-off: chunks of (bytes, frames) for the feeder, at most HANDOFF_CHUNKS; `_input_closed` once
@@ -120,12 +124,16 @@ class FragmentedMP4Writer:
         self._cv = threading.Condition()
         self._taken = Notifier()            # the feeder took a chunk (room in the hand-off), or the writer ended
         self._stderr = tempfile.TemporaryFile()
+        self.part_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-nostdin",
                "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(fps), "-i", "pipe:0",
-               "-an", "-c:v", "libx264", "-preset", "veryfast", "-tune", "zerolatency", "-crf", "20",
+               *(self._sound_input(sound) if sound is not None else ["-an"]),
+               "-c:v", "libx264", "-preset", "veryfast", "-tune", "zerolatency", "-crf", "20",
                "-pix_fmt", "yuv420p", "-g", str(max(1, keyframe_interval)),
-               "-movflags", "frag_keyframe+empty_moov+default_base_moof", "-f", "mp4", "pipe:1"]
-        self.part_path.parent.mkdir(parents=True, exist_ok=True)
+               # with sound, the header waits for the first fragment (delay_moov), so that it can hold the AAC
+               # track's edit list: the encoder's priming samples are trimmed, and the sound starts with the picture
+               "-movflags", "frag_keyframe+empty_moov+default_base_moof" + ("+delay_moov" if sound is not None else ""),
+               "-f", "mp4", "pipe:1"]
         self._file = open(self.part_path, "wb")
         # the encoder yields the CPU to the workers: a video written a little later, never slower steps
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
@@ -189,14 +197,27 @@ class FragmentedMP4Writer:
     def _stalled(self) -> None:
         self._fail("encoding_failed", f"the encoder took no frames for {self.stall_timeout_s:g} s")
 
+    def _sound_input(self, sound) -> list[str]:
+        """ffmpeg's second input, the whole sound (`pipelines.sound.Sound`) as raw float32 in a file beside the part
+        file, and the options that put it in the fragments as an AAC track: ffmpeg reads its inputs in time order,
+        so every fragment holds the picture's frames and the sound of the same span."""
+        from longserve.pipelines.sound import AAC_BITRATE
+
+        self._sound_path = self.part_path.with_name(f".{self.part_path.name}.f32")
+        self._sound_path.write_bytes(np.ascontiguousarray(sound.samples.T).astype("<f4").tobytes())   # interleaved
+        return ["-f", "f32le", "-ar", str(sound.rate), "-ac", str(sound.samples.shape[0]), "-i", str(self._sound_path),
+                "-map", "0:v:0", "-map", "1:a:0", "-c:a", "aac", "-b:a", AAC_BITRATE,
+                "-max_muxing_queue_size", "65536"]   # the sound is all there before the first frame is
+
     def add_audio(self, samples, rate: int) -> None:
-        """The video's sound, (channels, n) float32 at `rate` Hz (before `finish`): once the picture is complete, the
-        final file is the picture with the sound as an AAC track (`pipelines.sound.mux_audio`). The part file that
-        readers tail while the video is made holds the picture alone (its fragments are written before the sound
-        exists)."""
+        """The video's sound, (channels, n) float32 at `rate` Hz (before `finish`), when the writer did not start with
+        it: once the picture is complete, the final file is the picture with the sound as an AAC track
+        (`pipelines.sound.mux_audio`); the part file that readers tail while the video is made holds the picture
+        alone (its fragments were written before the sound existed). Nothing for a writer that streams its sound."""
         from longserve.pipelines.sound import as_sound
 
-        self.sound = as_sound(samples, rate)
+        if not self.streams_sound:
+            self.sound = as_sound(samples, rate)
 
     def finish(self, on_done: Callable[[bool, str | None], None] | None = None) -> None:
         """No more frames. Returns at once; `on_done(ok, error)` runs once the file is complete (or the writer
@@ -331,6 +352,8 @@ class FragmentedMP4Writer:
             self._fail(storage_error_code(e), f"writing the video failed: {e}")
 
     def _close_quietly(self) -> None:
+        if self._sound_path is not None:
+            self._sound_path.unlink(missing_ok=True)
         for close in (self._file.close, self._stderr.close):
             try:
                 close()

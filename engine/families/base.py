@@ -136,6 +136,15 @@ class VideoFamily:
     #: takes the `compile` and `quantize` engine options (engine/compile.py, engine/quantize.py): its workers compile
     #: / quantise their transformer's repeated blocks at load
     supports_compile: ClassVar[bool] = False
+    #: its attention runs through diffusers' dispatcher, so it takes `attention_backend` (engine/attention.py);
+    #: else why not (a family without it takes only "native", which changes nothing)
+    dispatcher_attention: ClassVar[bool] = False
+    dispatcher_attention_note: ClassVar[str] = "its attention is longserve's own (PyTorch SDPA)"
+    #: its attention takes a mask (the start's probe of the backend passes one)
+    attention_masks: ClassVar[bool] = False
+    #: what of its attention longserve merges across sequence-parallel workers itself (a backend other than
+    #: "native" is refused there), or "" when only Ring does
+    merges_across_workers: ClassVar[str] = ""
 
     # -- coordinator side ------------------------------------------------------------------
 
@@ -237,6 +246,9 @@ class VideoFamily:
         forward -> expert offload (its host copies are of the tensors the stages above left). -> the sharded
         forwards, one per denoiser."""
         engine, modules = self.config.engine, list(denoisers.modules)
+        if engine.attention_backend is not None and self.dispatcher_attention:
+            for m in modules:            # diffusers' own processors (the plan's keep them as their originals)
+                m.set_attention_backend(engine.attention_backend)
         if (engine.quantize != "none" or engine.compile != "none") and denoisers.blocks is None:
             raise ValueError(f"compile and quantize are not built for the {self.name} family")
         if engine.quantize == "fp8":

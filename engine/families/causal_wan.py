@@ -122,6 +122,8 @@ class CausalWanFamily(WanParts, VideoFamily):
     auto_plan = "sequence"
     pipeline_classes = frozenset()          # claimed by causal_config.json, not by model_index.json
     supports_lora = False                   # its own step and cached attention: no per-row adapters
+    dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache with per-row masks "
+                                 "(PyTorch SDPA), which diffusers' dispatcher does not run")
 
     @classmethod
     def claims(cls, model_dir: Path) -> bool:

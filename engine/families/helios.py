@@ -97,6 +97,7 @@ class HeliosFamily(WanParts, VideoFamily):
     """`HeliosPipeline` checkpoints: text-to-video of any length in chunks with a multi-scale history."""
 
     name = "helios"
+    dispatcher_attention = True             # attention_backend: cross-attention (diffusers') and self-attention (ours)
     plans = ("ulysses", "ring", "usp")
     auto_plan = "sequence"
     #: diffusers' `HeliosPipeline.__call__` defaults; Helios makes 24 fps video

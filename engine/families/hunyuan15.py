@@ -116,6 +116,8 @@ class Hunyuan15Family(VideoFamily):
 
     set_plan = WanParts.set_plan          # the sequence-parallel groups of a plan (and of each CFG half)
     refuse_xformers = WanParts.refuse_xformers   # PyTorch SDPA only
+    dispatcher_attention = True           # attention_backend: diffusers' processors and our joint attention
+    attention_masks = True                # the joint attention masks the prompt's padding
 
     # -- a request ----------------------------------------------------------------------------------
 

@@ -62,6 +62,8 @@ class LatteFamily(VideoFamily):
     plans = STRATEGIES
     auto_plan = "dsp"
     supports_compile = True
+    dispatcher_attention_note = ("Latte's forward is longserve's own (DSP) with PyTorch SDPA, or xformers through "
+                                 "the `attention` option (auto | sdpa | xformers)")
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:

@@ -241,6 +241,9 @@ class LTX2Family(VideoFamily):
 
     set_plan = WanParts.set_plan          # the sequence-parallel groups of a plan (and of each CFG half)
     refuse_xformers = WanParts.refuse_xformers   # PyTorch SDPA only
+    dispatcher_attention = True           # attention_backend: diffusers' processors and our video self-attention
+    attention_masks = True                # the prompt cross-attention's mask
+    merges_across_workers = "the video->audio attention's log-sum-exp merge of each worker's video keys"
 
     # -- a request ----------------------------------------------------------------------------------
 

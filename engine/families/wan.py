@@ -74,6 +74,7 @@ class WanFamily(WanParts, VideoFamily):
     expand_timesteps = False
     supports_lora = True
     supports_compile = True
+    dispatcher_attention = True             # attention_backend: cross-attention (diffusers') and self-attention (ours)
 
     @classmethod
     def describe(cls, model_dir: Path) -> ModelDescription:

@@ -48,18 +48,19 @@ class WanParts:
     def set_plan(self, plan: ParallelPlan) -> None:
         """Build the worker groups of `plan` (collective: every rank calls it): the sequence-parallel groups over
         all workers and, with CFG-parallel, over each half."""
-        pg = self.pg
+        pg, backend = self.pg, self.config.engine.attention_backend
         if plan.cfg_parallel and pg.world_size > 1:
             self.cfg_groups = make_cfg_groups(pg)
             ranks = list(range(pg.world_size))
             halves = [ranks[:len(ranks) // 2], ranks[len(ranks) // 2:]]
             # new_group is collective over the world: build both halves' groups on every rank
             sps = [make_sequence_parallel(self.cfg_groups.half if i == self.cfg_groups.index else None, plan.name,
-                                          plan.ulysses_degree, members=m) for i, m in enumerate(halves)]
+                                          plan.ulysses_degree, members=m, attention_backend=backend)
+                   for i, m in enumerate(halves)]
             self.sp_cfg = sps[self.cfg_groups.index]
         else:
             self.cfg_groups, self.sp_cfg = None, None
-        self.sp = make_sequence_parallel(pg, plan.name, plan.ulysses_degree)
+        self.sp = make_sequence_parallel(pg, plan.name, plan.ulysses_degree, attention_backend=backend)
         self.plan = plan
 
     def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor) -> WanVAEDecoder:

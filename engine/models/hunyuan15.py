@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from longserve.engine import comm
+from longserve.engine.attention import attend
 from longserve.engine.parallel import CfgGroups, SequenceParallel, cfg_parallel
 from longserve.engine.sharding import At, Gather, ShardedModel, ShardPlan, Split, TokenShard, shard_model
 
@@ -76,7 +77,7 @@ def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: torch
     cond = comm.pad_dim(torch.stack([cq, ck, cv]), 3, Hl * u.world_size).narrow(3, u.rank * Hl, Hl)  # (3, B, L, Hl, hd)
     q, k, v = (torch.cat([a, c], dim=1).transpose(1, 2) for a, c in zip(qkv, cond))   # (B, Hl, S + L, hd)
     keys = F.pad(cond_mask, (seq_len, 0), value=True)[:, None, None, :]                 # (B, 1, 1, S + L)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys).transpose(1, 2)      # (B, S + L, Hl, hd)
+    out = attend(q, k, v, backend=sp.attention_backend, attn_mask=keys).transpose(1, 2)  # (B, S + L, Hl, hd)
     video = comm.all_to_all_switch(out[:, :seq_len], scatter_dim=1, gather_dim=2, gather_size=H, pg=u)  # (B, Sl, H, hd)
     cond_out = comm.all_gather(out[:, seq_len:].contiguous(), 2, u, size=H)             # (B, L, H, hd)
     return video, cond_out * cond_mask[:, :, None, None]

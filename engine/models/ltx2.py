@@ -141,9 +141,13 @@ class LTX2VideoToAudioAttention(_Processor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None, *args, **kwargs):
         shard = self.owner.shard
-        if shard is None:
+        if shard is None or (shard.sp.attention_backend is not None and shard.sp.world_size == 1):
+            # alone, every video key is mine: diffusers' own processor, through the engine's dispatcher backend
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
                                  key_rotary_emb, *args, **kwargs)
+        if shard.sp.attention_backend not in (None, "native"):        # refused at start (engine/attention.py)
+            raise ValueError(f"attention_backend={shard.sp.attention_backend!r} cannot run in the video-to-audio "
+                             f"attention's merge across workers")
         if attention_mask is not None:
             raise ValueError("the sequence-parallel LTX-2 video-to-audio attention takes no mask")
         from longserve.engine import comm

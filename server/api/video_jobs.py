@@ -70,8 +70,8 @@ class VideoOutputs:
             try:
                 await self.runner.run_io(self.write_frames, job, out)
                 await job.writer.write_async(out.frames[0])     # (n, H, W, 3) uint8: this job's own hand-off
-                if out.info.get("audio") is not None:             # a model's sound: muxed in when the picture is done
-                    job.writer.add_audio(out.info["audio"][0], out.info["audio_rate"])
+                if out.info.get("audio") is not None:             # a sound that came after the first frames: muxed
+                    job.writer.add_audio(out.info["audio"][0], out.info["audio_rate"])   # in when the picture is done
             except OSError as e:                                  # the thumbnail, or the writer's part file
                 return self._write_failed(storage_error_code(e), f"writing the video failed: {e}")
             if job.writer.failed:
@@ -95,9 +95,14 @@ class VideoOutputs:
         rec, p, store = job.record, job.record.params, self.storage.store
         if job.writer is None:           # a replica's claim writes files of its own (`StoredFiles`)
             write_png(store.thumbnail_path(rec.id, job.fence), out.frames[0][0])
+            sound = None
+            if out.info.get("audio") is not None:   # a model's sound, with the first frames: in every fragment
+                from longserve.pipelines.sound import as_sound
+
+                sound = as_sound(out.info["audio"][0], out.info["audio_rate"])
             job.writer = FragmentedMP4Writer(store.partial_path(rec.id, job.fence),
                                              store.video_path(rec.id, job.fence), p["width"], p["height"], p["fps"],
-                                             keyframe_interval=self.keyframe_interval)
+                                             keyframe_interval=self.keyframe_interval, sound=sound)
             job.changed.notify()
 
     # -- how it ends ------------------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ Sections (each row is printed, and appended to --json, as soon as it is measured
   wall time, and our pool overhead per step (`VideoOutput.timings`).
 - wan-stages, levers (server/bench/gpu_wan.py): the Wan 1.3B video's stages against diffusers' (where the
   difference is), and FP8 weights and regional compile on it.
+- wan-vae: the Wan VAE's decode memory (see `wan_vae_memory`).
+- backends: one Wan 1.3B-shaped step (bf16, full depth, 81 frames 480x832) per `attention_backend` (diffusers'
+  dispatcher: native, flash, _flash_3, sage, _native_flash, _native_efficient, _native_cudnn, xformers) against
+  the default, as an engine runs it; what is not installed or cannot run here is a row with the reason
+  (server/bench/backends.py).
 
 Peak memory: `engine.memory.PeakMemory` (CUDA: max_memory_allocated minus memory at entry).
 """
@@ -38,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SECTIONS = ("numerics", "speed", "memory", "video", "wan-vae", "wan-stages", "levers")
+SECTIONS = ("numerics", "speed", "memory", "video", "wan-vae", "wan-stages", "levers", "backends")
 
 LATTE_1 = dict(heads=16, head_dim=72, layers=28, caption_channels=4096, text_len=120, latent=64)
 LATTE_SMOKE = dict(heads=3, head_dim=8, layers=2, caption_channels=32, text_len=8, latent=8)
@@ -607,10 +612,11 @@ def run(args) -> int:
     for s in sections:
         if s not in SECTIONS:
             raise ValueError(f"--sections: unknown {s!r}; choose from {', '.join(SECTIONS)}")
+    from longserve.server.bench.backends import backends
     from longserve.server.bench.gpu_wan import levers, wan_stages
 
     funcs = {"numerics": numerics, "speed": speed, "memory": memory, "video": video, "wan-vae": wan_vae_memory,
-             "wan-stages": wan_stages, "levers": levers}
+             "wan-stages": wan_stages, "levers": levers, "backends": backends}
     for s in sections:
         if out.over_budget():
             out.row(section=s, skipped="over --budget-s")

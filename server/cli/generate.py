@@ -168,7 +168,7 @@ def run(args) -> int:
         info = pipe.info
         fps = pipe.defaults.fps if args.fps is None else args.fps
         print(f"loaded {args.model} ({info.family}) on {info.workers} worker(s) ({info.device}, "
-              f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention}"
+              f"{info.dtype}), parallel={info.plan.describe()}, attention={info.attention_backend or info.attention}"
               + "".join(f", lora {a.name} x{a.scale:g}" for a in config.loras) + speed_levers(info),
               file=sys.stderr)
         bar = None                   # made at the first step, with the total the workers planned (every segment's)

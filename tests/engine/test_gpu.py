@@ -74,3 +74,32 @@ def test_xformers_is_used_when_installed():
     with VideoPipeline.from_pretrained("tiny-latte", workers=1, device="cuda") as pipe:
         assert pipe.info.attention == "xformers"
         assert pipe(PROMPT, **KW).frames.shape == (1, 13, 80, 112, 3)
+
+
+def test_attention_backends_on_the_gpu_run_or_are_refused_at_start_naming_the_field():
+    """`attention_backend` on CUDA (docs/design.md, "Attention backends"): "native" and each fused SDPA kernel forced
+    through diffusers' dispatcher either give tiny-wan's bf16 frames within bf16 rounding of the default's, or are
+    refused by the workers' probe before the checkpoint loads, naming the field and the kernel's reason (tiny-wan's
+    heads are 12 wide, which some kernels do not take); flash with float32 is refused so too."""
+    kw = dict(num_frames=9, height=48, width=80, num_inference_steps=3, guidance_scale=5.0, seed=3)
+    with VideoPipeline.from_pretrained("tiny-wan", workers=1, device="cuda", dtype="bfloat16") as pipe:
+        want = pipe(PROMPT, **kw).frames
+    ran = []
+    for backend in ("native", "_native_cudnn", "_native_efficient", "_native_flash"):
+        try:
+            pipe = VideoPipeline.from_pretrained("tiny-wan", workers=1, device="cuda", dtype="bfloat16",
+                                                 attention_backend=backend)
+        except Exception as e:  # noqa: BLE001 - a refusal must name the field, the device and the head width
+            assert f"attention_backend={backend!r} does not run on cuda with dtype bfloat16 and heads 12 wide" in str(e)
+            print(f"tiny-wan bf16, attention_backend={backend}: refused: {str(e).splitlines()[-1]}")
+            continue
+        with pipe:
+            assert pipe.info.attention_backend == backend
+            err = float(np.abs(pipe(PROMPT, **kw).frames - want).max())
+        print(f"tiny-wan bf16, attention_backend={backend}: max abs frame difference to the default {err:.2e}")
+        assert err <= 5e-2
+        ran.append(backend)
+    assert "native" in ran
+    with pytest.raises(Exception, match=r"attention_backend='flash' (is not usable here|does not run on cuda with "
+                                        r"dtype float32)"):
+        VideoPipeline.from_pretrained("tiny-wan", workers=1, device="cuda", dtype="float32", attention_backend="flash")

@@ -23,7 +23,11 @@ ODD = dict(height=80, width=80, num_frames=17, num_inference_steps=2, guidance_s
 
 @pytest.fixture(scope="module")
 def pipe1():
-    with VideoPipeline.from_pretrained("tiny-hunyuan15", workers=1, device="cpu") as p:
+    """One worker, its attention through diffusers' dispatcher (`_native_math`, a backend other than the default):
+    what is compared with diffusers and with N workers (the default backend) below."""
+    with VideoPipeline.from_pretrained("tiny-hunyuan15", workers=1, device="cpu", attention_backend="_native_math") \
+            as p:
+        assert p.info.attention_backend == "_native_math"
         yield p
 
 

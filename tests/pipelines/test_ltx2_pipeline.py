@@ -42,7 +42,10 @@ def reference(pipe, seed=0, **kw):
 
 @pytest.fixture(scope="module")
 def pipe1():
-    with VideoPipeline.from_pretrained("tiny-ltx2", workers=1, device="cpu") as p:
+    """One worker, its attention through diffusers' dispatcher (`_native_math`, a backend other than the default):
+    what is compared with diffusers and with N workers (the default backend) below."""
+    with VideoPipeline.from_pretrained("tiny-ltx2", workers=1, device="cpu", attention_backend="_native_math") as p:
+        assert p.info.attention_backend == "_native_math"
         yield p
 
 

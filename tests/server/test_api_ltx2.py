@@ -1,6 +1,7 @@
 """LTX-2's sound over HTTP (tiny-ltx2 on 1 worker): the official openai client's `download_content` carries an AAC
 track as long as the sound the model made; `audio: false` gives a video-only file; a streamed download
-(`?stream=true`) is the picture's fragments as they are final, the completed file has the sound (docs/serving.md)."""
+(`?stream=true`) carries the sound in its fragments beside the picture, and is the stored file byte for byte
+(docs/serving.md, docs/design.md "Sound in a streamed download")."""
 
 import threading
 import time
@@ -49,7 +50,18 @@ def test_the_openai_clients_download_carries_the_sound(server):
     assert abs(seconds - 101 * 240 / 24000) < 0.05, seconds
 
 
-def test_audio_false_gives_a_video_only_file_and_a_stream_carries_the_picture(server):
+def packet_tracks(mp4: bytes) -> list[str]:
+    """The kind of every packet ("video" / "audio") in the order of their bytes in the file."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(mp4), format="mov") as c:
+        packets = [(p.pos, p.stream.type) for p in c.demux() if p.size]
+    return [kind for _, kind in sorted(packets)]
+
+
+def test_audio_false_gives_a_video_only_file_and_a_stream_carries_picture_and_sound(server):
     with httpx.Client(base_url=server, timeout=120) as http:
         quiet = http.post("/v1/videos", json={"prompt": "a quiet sea", "size": "160x96", "audio": False, **LTX2})
         assert quiet.status_code == 200, quiet.text
@@ -71,11 +83,39 @@ def test_audio_false_gives_a_video_only_file_and_a_stream_carries_the_picture(se
         reader.join(60)
         silent = tracks(http.get(f"/v1/videos/{quiet.json()['id']}/content").content)
         assert silent["video"] == (17, 160, 96) and silent["audio"] is None
-        assert tracks(bytes(streamed))["video"] == (17, 160, 96)
-        assert tracks(http.get(f"/v1/videos/{loud['id']}/content").content)["audio"][0] == "aac"
+        stored = http.get(f"/v1/videos/{loud['id']}/content").content
+        assert bytes(streamed) == stored                          # one encode: the stream is the stored file
+        got = tracks(bytes(streamed))
+        assert got["video"] == (17, 160, 96)
+        codec, channels, rate, seconds = got["audio"]              # 17 frames: 18 latent frames -> 69 x 240 samples
+        assert (codec, channels, rate) == ("aac", 2, 24000) and abs(seconds - 69 * 240 / 24000) < 0.05, got
+        kinds = packet_tracks(bytes(streamed))       # each fragment holds its span's picture and sound: interleaved
+        assert kinds.index("audio") < len(kinds) - 1 - kinds[::-1].index("video"), kinds
 
 
 def test_audio_is_refused_naming_the_field_where_it_is_not_an_option(server):
     with httpx.Client(base_url=server, timeout=30) as http:
         r = http.post("/v1/videos", json={"prompt": "x", "size": "160x96", "audio": "loud", **LTX2})
         assert r.status_code == 400 and "audio" in r.text, r.text
+
+
+def test_a_sound_that_comes_after_the_first_frames_is_muxed_into_the_stored_file(tmp_path):
+    """The writer's other way (a model that would hand its sound out after its first frames): the stream has the
+    picture alone, the stored file the sound too; a writer given its sound at the start leaves no sound file."""
+    import numpy as np
+
+    from longserve.pipelines.sound import as_sound
+    from longserve.server.media import FragmentedMP4Writer
+
+    frames = np.random.default_rng(0).integers(0, 255, (9, 32, 48, 3), dtype=np.uint8)
+    sound = np.sin(np.linspace(0, 200, 9000, dtype=np.float32))[None].repeat(2, 0) * 0.5        # 0.375 s at 24 kHz
+    for start in (False, True):
+        part, final = tmp_path / f"{start}.mp4.part", tmp_path / f"{start}.mp4"
+        writer = FragmentedMP4Writer(part, final, 48, 32, 24, sound=as_sound(sound, 24000) if start else None)
+        writer.write(frames)
+        writer.add_audio(sound, 24000)
+        writer.finish()
+        assert writer.done.wait(30) and writer.ok, writer.error
+        got = tracks(final.read_bytes())
+        assert got["video"] == (9, 48, 32) and got["audio"][:3] == ("aac", 2, 24000), got
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["False.mp4", "True.mp4"]

@@ -8,8 +8,8 @@ from longserve.server.cli import main
 
 def test_bench_gpu_smoke_reports_each_section(tmp_path):
     out = tmp_path / "rows.jsonl"
-    assert main(["bench", "gpu", "--smoke", "--device", "cpu", "--repeats", "1", "--sections", "numerics,speed,memory",
-                 "--json", str(out)]) == 0
+    assert main(["bench", "gpu", "--smoke", "--device", "cpu", "--repeats", "1", "--sections",
+                 "numerics,speed,memory,backends", "--json", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert not [r for r in rows if "error" in r], rows
     numerics = [r for r in rows if r["section"] == "numerics" and "model" in r]
@@ -22,6 +22,10 @@ def test_bench_gpu_smoke_reports_each_section(tmp_path):
     memory = [r for r in rows if r["section"] == "memory" and "component" in r]
     steps = [r for r in memory if r["component"].startswith("transformer") and r["model"] == "latte-1"]
     assert len(steps) == 2 and steps[1]["peak_gib"] > steps[0]["peak_gib"]  # more frames, more memory
+    backends = {r["backend"]: r for r in rows if r["section"] == "backends" and "backend" in r}
+    assert list(backends)[0] == "default" and list(backends)[-1] == "default (again)"
+    assert backends["native"]["rel_err"] == 0.0 and backends["native"]["step_s"] > 0   # the default's kernel, exactly
+    assert "attention_backend='flash'" in backends["flash"]["skipped"] and "cpu" in backends["_native_cudnn"]["skipped"]
 
 
 def test_bench_gpu_wan_vae_smoke_times_diffusers_and_our_streamed_decode_untiled_and_tiled(tmp_path):
