@@ -159,3 +159,4 @@ def test_a_jobs_uploaded_inputs_are_read_back_by_the_replica_that_claims_it(pair
     local = JobStore(tmp_path / "one")                                     # no shared media: none to read
     assert read_inputs(local, rec) is None
     local.close()
+

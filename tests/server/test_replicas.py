@@ -29,6 +29,8 @@ from servers import ROOT, SERVE_KEY, faults_env, serve_command, wait_until_healt
 from longserve.server.api.app import free_port
 
 AUTH = {"Authorization": f"Bearer {SERVE_KEY}"}
+PNG_URL = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAACAAAAAgCAIAAAD8GO2jAAAAKklEQVR4nO3NMQEAAAjDMMC/" \
+          "sMnCBHypgKaT1GfzegcAAAAAAAAAAACHLfgjAphuiURMAAAAAElFTkSuQmCC"      # a 32x32 grey PNG
 LEASE_S = 5           # renewed every third: a replica starved by a loaded machine keeps its jobs
 STEP_SLEEP_S = 0.25          # each replica's denoising steps: a running job stays running, cheaply
 
@@ -76,16 +78,26 @@ def wait(replica, vid, until=("completed", "failed"), timeout=90):
         time.sleep(0.1)
 
 
+def settle(check, timeout=5):
+    """`check()` turns true within `timeout` s (what publication removes goes just after the commit that completes
+    the record)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not settled"
+        time.sleep(0.05)
+
+
 def lease(url, vid):
     with psycopg.connect(url) as conn:
         return conn.execute("SELECT lease_owner, attempts, status FROM videos WHERE id = %s", (vid,)).fetchone()
 
 
-def stored(media, vid) -> list[str]:
-    """The names of a video's files in the media store (objects or files), sorted."""
+def stored(media, vid, under="videos") -> list[str]:
+    """The names of a video's files in the media store (objects or files), sorted; `under="inputs"`: its inputs'."""
+    where = f"{under}/{vid}" + ("/" if under == "inputs" else "")
     if "s3" in media:
-        return [name.rpartition("/")[2] for name in object_names(media["s3"], f"videos/{vid}")]
-    return sorted(p.name for p in media["dir"].glob(f"videos/{vid}*"))
+        return [name.rpartition("/")[2] for name in object_names(media["s3"], where)]
+    return sorted(p.name for p in media["dir"].glob(f"{where}*"))
 
 
 @contextlib.contextmanager
@@ -197,7 +209,7 @@ def test_a_killed_replicas_job_is_finished_by_the_other_once_with_attempt_two(cl
     assert lease(cluster["url"], vid) == (None, 2, "completed")
     content = survivor.http.get(f"/v1/videos/{vid}/content")
     assert content.status_code == 200 and content.content[4:8] == b"ftyp"
-    assert stored(cluster["media"], vid) == [f"{vid}.mp4", f"{vid}.png"]
+    settle(lambda: stored(cluster["media"], vid) == [f"{vid}.mp4", f"{vid}.png"])   # (S3: its pieces went)
     cluster["victim"] = victim.name
 
 
@@ -213,19 +225,25 @@ def test_a_restart_of_both_keeps_completed_videos_runs_queued_ones_and_a_model_o
     for name in ("A", "B"):
         cluster[name].kill()
     a = Replica("A", url, media, root / "a")
-    b = Replica("B", url, media, root / "b", "--served-model-name", "tiny-b")
+    # B comes back serving an image-to-video model: its jobs carry an uploaded image, put in the media store and
+    # read back by the claim (not held in the memory of the replica that took them)
+    b = Replica("B", url, media, root / "b", "--model", "tiny-wan-i2v", "--served-model-name", "tiny-b")
     cluster["A"], cluster["B"] = a.ready(), b.ready()
     assert a.http.get(f"/v1/videos/{done}/content").status_code == 200
-    only_b = [b.create(seed=200 + i) for i in range(3)]
+    only_b = [b.create(seed=200 + i, model="tiny-b", num_frames=1, input_reference={"image_url": PNG_URL})
+              for i in range(3)]
     for vid in queued + only_b:
         v = wait(a, vid)
         assert v["status"] == "completed", v["error"]
     # the running one and the one claimed to run next were taken again when their leases lapsed; the third was
     # never claimed before the restart
     assert [lease(url, v)[1] for v in queued] == [2, 2, 1]
-    # A serves tiny-latte only: it claimed the three queued before the restart, B (tiny-b) its own three
+    # A serves tiny-latte only: it claimed the three queued before the restart, B (tiny-b) its own three, each
+    # through the claim cycle with its image read back from the media store
     assert a.health()["replica"]["claimed"] == 3 and b.health()["replica"]["claimed"] == 3
     assert {a.http.get(f"/v1/videos/{v}").json()["model"] for v in only_b} == {"tiny-b"}
+    assert [stored(media, v) for v in only_b] == [[f"{v}.mp4", f"{v}.png"] for v in only_b]
+    settle(lambda: not any(stored(media, v, "inputs") for v in only_b))     # their inputs went with publication
     assert sorted(m["id"] for m in a.http.get("/v1/models").json()["data"] if m["kind"] == "video") == \
         ["tiny-b", "tiny-latte"]
     r = a.http.post("/v1/videos", json={"prompt": "x", "model": "tiny-b"})
