@@ -3,7 +3,8 @@ store (issue 34's acceptance): a bucket of an S3-compatible server (moto_server,
 directory when that cannot start (a directory's files are tested at the store layer: test_store_contract.py). Jobs
 created on one are claimed by both; every replica answers for every job; a SIGKILLed replica's job is finished by
 the other (attempt 2, completed once); a DELETE on one stops the other's job within a step; a restart of both keeps
-the completed videos and runs the queued ones; a model only one replica serves runs only there. Skipped, saying how
+the completed videos and runs the queued ones; a model only one replica serves runs only there (an image-to-video
+model, whose jobs' images go through the media store to the claim). Skipped, saying how
 to run it, when no PostgreSQL answers ($LONGSERVE_TEST_POSTGRES). LONGSERVE_TEST_MEDIA_STORE=file runs them on a
 shared directory instead of S3.
 
