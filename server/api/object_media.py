@@ -31,6 +31,8 @@ log = logging.getLogger("longserve.server")
 
 #: the most bytes of one streamed piece (a piece holds what the encoder appended since the last one, up to this)
 PIECE_BYTES = 8 << 20
+#: what a remote reader reads of a whole object at a time
+CHUNK_BYTES = 1 << 20
 #: how often an uploader looks at its file, and a remote reader at the next piece
 POLL_S = 0.25
 
@@ -89,6 +91,17 @@ class ObjectMedia:
         args = {"Range": f"bytes={start}-"} if start else {}
         try:
             return self.client.get_object(Bucket=self.bucket, Key=self.key(name), **args)["Body"].read()
+        except self._errors as e:
+            if self._missing(e):
+                return None
+            raise
+
+    def open_from(self, name: str, start: int = 0):
+        """A readable stream of the object's bytes from `start` on (`.read(n)`, `.close()`); None when there is no
+        such object (or nothing from `start`)."""
+        args = {"Range": f"bytes={start}-"} if start else {}
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self.key(name), **args)["Body"]
         except self._errors as e:
             if self._missing(e):
                 return None
@@ -193,10 +206,15 @@ class ObjectTail:
                 yield data
                 continue
             state = await loop.run_in_executor(None, self.state)
-            if state == "completed":
-                rest = await loop.run_in_executor(None, self.objects.get_bytes, f"videos/{self.video_id}.mp4", offset)
-                if rest:
-                    yield rest
+            if state == "completed":          # the rest of the whole object, a chunk at a time
+                body = await loop.run_in_executor(None, self.objects.open_from, f"videos/{self.video_id}.mp4", offset)
+                if body is None:
+                    return
+                try:
+                    while data := await loop.run_in_executor(None, body.read, CHUNK_BYTES):
+                        yield data
+                finally:
+                    body.close()
                 return
             if state != "running":
                 return
