@@ -34,6 +34,8 @@ POLL_S = 0.25
 
 COLUMNS = [
     ("replicas", "replicas"),
+    ("cores", "pinned"),
+    ("threads", "threads"),
     ("requests", "requests"),
     ("completed", "completed"),
     ("wall s", "wall_s", ".2f"),
@@ -137,7 +139,7 @@ def measure(server_url: str, n: int, args, body: dict) -> dict:
         wall = max(r[1] for r in results) - min(r[0] for r in results)
         ok = sum(1 for r in results if r[2] == "completed")
         row = {"replicas": n, "requests": args.requests, "completed": ok, "wall_s": wall, "threads": args.threads,
-               "pinned": [args.cores[i] for i in range(n)] if args.pin else None,
+               "pinned": ",".join(str(args.cores[i]) for i in range(n)) if args.pin else None,
                "jobs_per_min": 60.0 * ok / wall if wall > 0 else 0.0,
                "claim_p50_s": claim_p50(replicas), "failover_s": failover(url, replicas, args, body) if n > 1 else None}
         return row
