@@ -36,10 +36,10 @@ COPY pipelines ./pipelines
 COPY server ./server
 COPY weights ./weights
 
-# The project with its GPU extra (xformers). The constraint keeps the base image's CUDA
+# The project with its GPU extra (xformers) and boto3 (`--media-store s3://`). The constraint keeps the base image's CUDA
 # torch: pip then picks the xformers build made for it instead of replacing torch.
 RUN python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > /tmp/torch-constraint.txt \
- && pip install -c /tmp/torch-constraint.txt -c constraints.txt '.[gpu]' \
+ && pip install -c /tmp/torch-constraint.txt -c constraints.txt '.[gpu,s3]' \
  && python -c "import xformers, imageio_ffmpeg; print(xformers.__version__, imageio_ffmpeg.get_ffmpeg_exe())" \
  && rm /tmp/torch-constraint.txt
 

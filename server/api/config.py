@@ -85,7 +85,9 @@ class ServeConfig:
                                      "one PostgreSQL that several replicas share (docs/serving.md)", group="jobs",
                                metavar="URL")
     media_store: str | None = option(None, "where the videos' files go: none = <data-dir>/videos; file:///path = a "
-                                           "directory every replica mounts", group="jobs", metavar="URL")
+                                           "directory every replica mounts; s3://bucket/prefix = S3-compatible "
+                                           "object storage (with --store postgresql://; AWS_ENDPOINT_URL_S3 and "
+                                           "the AWS credentials as boto3 reads them)", group="jobs", metavar="URL")
     lease_seconds: float = option(10.0, "with a PostgreSQL store: a replica renews its running jobs' leases every "
                                         "third of this; a job whose lease lapses (its replica died) is queued again",
                                   group="jobs", metavar="SECONDS")
@@ -163,13 +165,16 @@ class ServeConfig:
             raise ValueError(f"drain_seconds must be a non-negative number of seconds, got {self.drain_seconds!r}")
 
     def _check_replicas(self) -> None:
-        from longserve.server.api.media_store import check_media_store
+        from longserve.server.api.media_store import check_media_store, is_object_store
 
         check_media_store(self.media_store)
         if self.store is not None and (not isinstance(self.store, str)
                                        or self.store.split(":", 1)[0] not in ("postgresql", "postgres")):
             raise ValueError(f"store must be a postgresql:// URL or None (the SQLite file under data_dir), got "
                              f"{self.store!r}")
+        if self.store is None and is_object_store(self.media_store):
+            raise ValueError(f"media_store: an object store ({self.media_store!r}) is for replicas: it needs store "
+                             f"postgresql://... (one server keeps its videos under data_dir, or a file:// directory)")
         if isinstance(self.lease_seconds, bool) or not isinstance(self.lease_seconds, (int, float)) \
                 or not math.isfinite(self.lease_seconds) or not self.lease_seconds >= 1:
             raise ValueError(f"lease_seconds must be a number of seconds >= 1, got {self.lease_seconds!r}")

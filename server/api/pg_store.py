@@ -11,7 +11,6 @@ The video files are not in the database: they live in the media store (`StoredFi
 from __future__ import annotations
 
 import json
-import os
 
 from psycopg_pool import ConnectionPool
 
@@ -97,8 +96,8 @@ def migrate(pool: ConnectionPool) -> list[int]:
 class PostgresJobStore(StoredFiles):
     """Thread-safe: each call takes a connection from the pool (autocommit; a claim is its own transaction)."""
 
-    def __init__(self, url: str, data_dir, video_dir=None, pool_size: int = 8):
-        super().__init__(data_dir, video_dir)
+    def __init__(self, url: str, data_dir, video_dir=None, pool_size: int = 8, objects=None):
+        super().__init__(data_dir, video_dir, objects)
         self.url = url
         self.pool = ConnectionPool(url, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False,
                                    name="longserve-store")
@@ -242,17 +241,18 @@ class PostgresJobStore(StoredFiles):
         self._run("UPDATE videos SET cost = %s WHERE id = %s", (float(cost), video_id))
 
     def publish(self, video_id: str, fence: int, **fields) -> bool:
-        """Complete a claim's video: while `fence` still holds the row (locked), its files `<id>.f<fence>.*` are
-        renamed to `<id>.*` (atomic on one file system: a reader sees the old name or the complete file) and the
-        fields written, the lease let go. False, with nothing renamed, when another claim holds the job."""
+        """Complete a claim's video: while `fence` still holds the row (locked), its files `<id>.f<fence>.*` become
+        `<id>.*` (`publish_files`: renamed, atomic on one file system; or put whole as objects) and the fields are
+        written, the lease let go. False, with nothing published, when another claim holds the job. (A lapsed lease
+        is not requeued while the row is locked: `requeue_lapsed` skips locked rows.)"""
         with self.pool.connection() as conn, conn.transaction():
             row = conn.execute("SELECT fence FROM videos WHERE id = %s FOR UPDATE", (video_id,)).fetchone()
             if row is None or row[0] != fence:
                 return False
-            for path in (self.thumbnail_path, self.video_path):
-                os.replace(path(video_id, fence), path(video_id))
+            self.publish_files(video_id, fence)
             sql, args = _update_sql(video_id, fields, " AND fence = %s", (fence,))
             conn.execute(sql.replace("SET ", "SET lease_owner = NULL, lease_until = NULL, ", 1), args)
+        self.published(video_id, fence)
         return True
 
     def existing(self, ids) -> set[str]:

@@ -1,5 +1,6 @@
 """`Replica`: one `longserve serve` process among several that share a PostgreSQL store (`--store postgresql://`)
-and a media store (`--media-store file://`). Its one job is the claim cycle, on the runner's loop every `TICK_S`:
+and a media store (`--media-store file://` or `s3://`). Its one job is the claim cycle, on the runner's loop every
+`TICK_S`:
 
     create      any replica stores the job queued, with its work (`cost`), after admission over every replica's
                 queued and running work (`--max-queued-work` is the service's); no engine is touched
@@ -15,8 +16,10 @@ and a media store (`--media-store file://`). Its one job is the claim cycle, on 
     heartbeat   every second: this replica's models and capacity (`replicas`: /v1/models, /health, a create's
                 model check)
 
-A job whose input lives in the creating process's memory (an uploaded image, a video to extend) is claimed by
-that replica at once (`hold`) and fails `replica_lost` if its lease lapses: no other replica has its input.
+A job with an uploaded input (an image, a video to extend) has its input put in the shared media store
+(`server/api/job_inputs.py`) before it is stored, and is claimed like any job; the claiming replica reads the input
+back. Without a shared media store (`--media-store`) such a job is claimed by the replica that took it at once
+(`hold`) and fails `replica_lost` if its lease lapses: no other replica has its input.
 
 Writes of a claimed job carry its fence (`PostgresJobStore.update`): a replica that lost its lease cannot write the
 record, its files are its own (`<id>.f<fence>.*`), and completion renames them to `<id>.*` in the same transaction
@@ -35,15 +38,17 @@ import time
 from longserve.engine.request import GenerationSpec
 from longserve.engine.scheduler import QueueFullError
 from longserve.server.api.errors import APIError
+from longserve.server.api.job_inputs import INPUTS, pack_inputs, read_inputs
 from longserve.server.api.jobs import VIDEO, Job
+from longserve.server.api.object_media import ObjectTail, piece_name
 
 log = logging.getLogger("longserve.server")
 
 TICK_S = 0.2
 #: how often a job that runs on another replica is looked at for this replica's SSE and stream clients
 REMOTE_POLL_S = 0.25
-#: options whose value lives in the creating process's memory only (`service.stored_params` keeps their shape)
-IN_MEMORY = ("image", "last_image", "video")
+#: options whose value is an upload (`service.stored_params` keeps their shape; the media store their files)
+IN_MEMORY = INPUTS
 
 
 def attach_replica(service) -> "Replica | None":
@@ -86,12 +91,27 @@ class Replica:
     # -- the doors the service uses --------------------------------------------------------------------
 
     def enqueue(self, job: Job, spec: GenerationSpec) -> bool:
-        """Store a create for whichever replica claims it (True); False for a job whose input is in this process's
-        memory (the service runs it here and calls `hold` once it is stored)."""
-        if set(IN_MEMORY) & set(spec.options or {}):
+        """Store a create for whichever replica claims it (True), its uploaded inputs first in the shared media
+        store; False for a job with uploaded inputs when there is no shared media store (the service runs it here
+        and calls `hold` once it is stored)."""
+        uploads = set(IN_MEMORY) & set(spec.options or {})
+        if uploads and not self.store.shared:
             return False
         self.service.admission.check(job)                     # 429 past the work of every replica
-        self.service.storage.insert(job.record, "the job", cost=job.cost)
+        if uploads:
+            files = pack_inputs(spec.options)
+            try:
+                self.store.put_inputs(job.id, files)
+            except Exception as e:
+                self.service.storage.failed(f"storing the inputs of {job.id} failed: {e}")
+                raise APIError(503, f"the job's input could not be stored ({e}); retry later",
+                               code="storage_error", headers={"Retry-After": "30"}) from None
+        try:
+            self.service.storage.insert(job.record, "the job", cost=job.cost)
+        except BaseException:
+            if uploads:
+                self.store.remove_inputs(job.id)
+            raise
         return True
 
     def hold(self, job: Job) -> None:
@@ -155,8 +175,18 @@ class Replica:
         work, count = jobs.work(), jobs.count(VIDEO)
         if count and (work >= self.budget or count >= self.max_jobs):
             return []
-        return self.store.claim(self.id, self.models, self.budget - work, self.lease_s, idle=count == 0,
-                                look_ahead=self.max_jobs - count)
+        claims = self.store.claim(self.id, self.models, self.budget - work, self.lease_s, idle=count == 0,
+                                  look_ahead=self.max_jobs - count)
+        return [(*claim, self.inputs_of(claim[0])) for claim in claims]
+
+    def inputs_of(self, rec) -> dict | None:
+        """(the io thread) A claimed job's uploaded inputs, read back from the media store: {} for a job without
+        any, None when they cannot be had (the job fails)."""
+        try:
+            return read_inputs(self.store, rec)
+        except Exception as e:  # noqa: BLE001 - an unreadable input fails its job, never the claim cycle
+            log.warning("replica %s: the inputs of %s could not be read: %s", self.id, rec.id, e)
+            return None
 
     def requeue_lapsed(self) -> None:
         again, lost = self.store.requeue_lapsed(self.max_attempts)
@@ -164,20 +194,24 @@ class Replica:
             log.warning("replica %s: lapsed leases: %d job(s) queued again, %d failed", self.id, len(again),
                         len(lost))
 
-    def start(self, rec, fence: int, attempts: int, cost: float) -> None:
-        """Run a claimed job here, as the service runs any job."""
+    def start(self, rec, fence: int, attempts: int, cost: float, inputs: dict | None = None) -> None:
+        """Run a claimed job here, as the service runs any job (`inputs`: its uploads, read back; None: they are
+        gone)."""
         service = self.service
         self.claimed += 1
         self.claim_latency_s.append(max(0.0, time.time() - rec.created_at))
         log.info("replica %s claimed %s (attempt %d, fence %d)", self.id, rec.id, attempts, fence)
-        if set(IN_MEMORY) & set(rec.params.get("options") or {}):
+        if inputs is None:
             self._fail(rec, fence, "its input (an image, or the video it extends) was held in the memory of the "
-                                   "replica that took the request, which stopped; create it again")
+                                   "replica that took the request, which stopped, or could not be read from the "
+                                   "media store; create it again")
             return
         job = Job(rec.id, VIDEO, cost, rec.owner, record=rec, sink=service.outputs, fence=fence)
         service.jobs.add(job)
         try:
-            job.handle = service.engine.submit(GenerationSpec.from_params(rec.id, rec.prompt, rec.params))
+            spec = GenerationSpec.from_params(rec.id, rec.prompt, rec.params)
+            spec.options.update(inputs)
+            job.handle = service.engine.submit(spec)
         except QueueFullError:
             service.jobs.remove(job)
             self.store.unclaim(rec.id, fence)          # another replica, or this one later
@@ -246,19 +280,36 @@ class Replica:
         finally:
             self._watched.discard(video_id)
 
-    async def remote_writer(self, video_id: str, disconnected) -> "RemoteFile | None":
-        """The file another replica writes for a running job (`?stream=true` here), once it exists; None when the
-        job ends first, runs here, or the client leaves."""
+    async def remote_writer(self, video_id: str, disconnected) -> "RemoteFile | ObjectTail | None":
+        """The file another replica writes for a running job (`?stream=true` here), once it exists (on an object
+        store: its first piece); None when the job ends first, runs here, or the client leaves."""
         loop = asyncio.get_running_loop()
         while self.service.jobs.get(video_id) is None and not await disconnected():
             row = await loop.run_in_executor(None, self.store.lease_of, video_id)
             rec = await loop.run_in_executor(None, self.store.get, video_id)
             if row is None or rec is None or rec.status not in ("queued", "in_progress"):
                 return None
-            if row[0] is not None and self.store.partial_path(video_id, row[1]).exists():
-                return RemoteFile(self.store, video_id, row[1])
+            if row[0] is not None and await loop.run_in_executor(None, self._writing, video_id, row[1]):
+                if self.store.objects is None:
+                    return RemoteFile(self.store, video_id, row[1])
+                return ObjectTail(self.store.objects, video_id, row[1],
+                                  lambda fence=row[1]: self._claim_state(video_id, fence))
             await asyncio.sleep(REMOTE_POLL_S)
         return None
+
+    def _writing(self, video_id: str, fence: int) -> bool:
+        if self.store.objects is None:
+            return self.store.partial_path(video_id, fence).exists()
+        return self.store.objects.size(piece_name(video_id, fence, 0)) is not None
+
+    def _claim_state(self, video_id: str, fence: int) -> str:
+        """'running' while this claim runs the job, 'completed' once it published it, else 'gone'."""
+        row, rec = self.store.lease_of(video_id), self.store.get(video_id)
+        if row is None or rec is None or row[1] != fence:
+            return "gone"
+        if rec.status == "completed":
+            return "completed"
+        return "running" if rec.status in ("queued", "in_progress") else "gone"
 
     def close(self) -> None:
         """Stop claiming and leave the live replicas (the jobs still here lapse and are queued again)."""

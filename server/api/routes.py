@@ -250,7 +250,8 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
         if writer is None and service.replica is not None:                     # written by another replica
             writer = await service.replica.remote_writer(video_id, request.is_disconnected)
         if writer is not None:
-            return StreamingResponse(tail_file(writer), media_type="video/mp4", headers={"Cache-Control": "no-store"})
+            body = writer.stream() if hasattr(writer, "stream") else tail_file(writer)   # (object storage's pieces)
+            return StreamingResponse(body, media_type="video/mp4", headers={"Cache-Control": "no-store"})
         if await request.is_disconnected():
             return PlainTextResponse("", status_code=204)
         if service.draining:

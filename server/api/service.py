@@ -264,6 +264,8 @@ class VideoService:
         if taken:
             job.handle.abort(DELETED)
             self.monitor.finished.inc(outcome="cancelled")
+            if self.storage.store.shared:                           # its uploads, in the shared media store
+                self.storage.store.remove_inputs(video_id)
         else:
             self.storage.store.remove_files(video_id)
         self.broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted", "deleted": True})
@@ -277,9 +279,8 @@ class VideoService:
         if rec.expired:
             raise APIError(404, f"the content of video {video_id!r} expired at {rec.expires_at} and was deleted "
                                 f"(the video object stays readable)", param="video_id", code="video_expired")
-        store = self.storage.store
-        path = store.video_path(video_id) if variant == "video" else store.thumbnail_path(video_id)
-        if not path.exists():
+        path = self.storage.store.content_file(video_id, variant)
+        if path is None:
             raise APIError(404, f"the {variant} of {video_id!r} is missing from the data directory",
                            param="variant", code="content_missing")
         return path

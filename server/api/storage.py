@@ -22,7 +22,7 @@ import time
 from typing import Callable
 
 from longserve.server.api.errors import APIError
-from longserve.server.api.media_store import media_dir
+from longserve.server.api.media_store import media_dir, open_objects
 from longserve.server.api.store import JobStore, VideoRecord
 from longserve.server.media import storage_error_code
 
@@ -296,7 +296,7 @@ class VideoStorage:
         at every half retention (at most a minute): expire old videos and apply the quota."""
         retention = self.config.retention_s
         sweep_s = 60.0 if retention is None else max(1.0, min(60.0, retention / 2))
-        last_sweep = last_free = float("-inf")
+        last_sweep = last_free = last_trim = float("-inf")
         loop = asyncio.get_running_loop()
         while True:
             now = time.monotonic()
@@ -306,6 +306,9 @@ class VideoStorage:
                 if now - last_free >= 2.0:
                     last_free = now
                     await loop.run_in_executor(self.io, self.measure_free)
+                    if now - last_trim >= 60.0:             # an object store's cache of videos served here
+                        last_trim = now
+                        await loop.run_in_executor(self.io, self.store.trim_cache)
                 if now - last_sweep >= sweep_s:
                     last_sweep = now
                     await loop.run_in_executor(self.io, self.sweep)
@@ -318,13 +321,14 @@ class VideoStorage:
 
 def open_store(config):
     """The job store a `ServeConfig` names: PostgreSQL for `--store postgresql://...` (replicas share it), else the
-    SQLite file under `--data-dir`. Videos go to `--media-store` (a shared directory) when given."""
+    SQLite file under `--data-dir`. Videos go to `--media-store` (a shared directory, or object storage) when
+    given."""
     video_dir = media_dir(config.media_store)
     url = config.store
     if url and url.split(":", 1)[0] in ("postgresql", "postgres"):
         from longserve.server.api.pg_store import PostgresJobStore
 
-        return PostgresJobStore(url, config.data_dir, video_dir)
+        return PostgresJobStore(url, config.data_dir, video_dir, objects=open_objects(config.media_store))
     return JobStore(config.data_dir, video_dir)
 
 

@@ -103,6 +103,7 @@ class VideoOutputs:
             job.writer = FragmentedMP4Writer(store.partial_path(rec.id, job.fence),
                                              store.video_path(rec.id, job.fence), p["width"], p["height"], p["fps"],
                                              keyframe_interval=self.keyframe_interval, sound=sound)
+            store.writing(rec.id, job.fence, job.writer)    # an object store's pieces, streamed elsewhere
             job.changed.notify()
 
     # -- how it ends ------------------------------------------------------------------------------------------

@@ -3,8 +3,12 @@
 fail over after a SIGKILL.
 
 For each replica count, a fresh PostgreSQL schema (on `--store`, default $LONGSERVE_TEST_POSTGRES or
-postgresql://127.0.0.1:5432/test) and a fresh shared directory; each replica has one worker held to one thread
-(OMP_NUM_THREADS=1), so on a 2-core machine each replica has a core. `--concurrency` clients each create a video on
+postgresql://127.0.0.1:5432/test) and a fresh shared directory (or `--media-store`, e.g. an s3:// bucket with the
+AWS_* settings in the environment). Each replica has one worker held to `--threads` threads (default 1:
+OMP_NUM_THREADS, MKL_NUM_THREADS), and by default (`--pin`) each replica, with everything it starts (its worker, its
+MP4 encoder's ffmpeg, its server threads), is pinned to a core of its own (`sched_setaffinity`, inherited by its
+children): on a 2-core machine 2 replicas use one core each and never contend, and 1 replica uses one core, so the
+two rows compare one core with two. `--concurrency` clients each create a video on
 the replicas in turn and poll it (every POLL_S) until it completes, then create the next, `--requests` in all.
 Claim latency is each replica's median of claim time minus the record's creation time (/health: `claim_p50_s`).
 With two replicas or more, failover: a long job is created, the replica running it is SIGKILLed, and the time until
@@ -13,6 +17,7 @@ another replica claims it (attempt 2) is measured.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import signal
@@ -29,6 +34,8 @@ POLL_S = 0.25
 
 COLUMNS = [
     ("replicas", "replicas"),
+    ("cores", "pinned"),
+    ("threads", "threads"),
     ("requests", "requests"),
     ("completed", "completed"),
     ("wall s", "wall_s", ".2f"),
@@ -49,6 +56,12 @@ def add_arguments(p) -> None:
     p.add_argument("--size", default="32x32")
     p.add_argument("--frames", type=int, default=8)
     p.add_argument("--lease-seconds", type=float, default=5.0)
+    p.add_argument("--threads", type=int, default=1, help="threads of each replica's worker (OMP_NUM_THREADS)")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin each replica (and what it starts) to a core of its own (needs as many cores as replicas)")
+    p.add_argument("--media-store", default=None,
+                   help="the replicas' media store (default: a fresh shared directory; s3://bucket/prefix with the "
+                        "AWS_* settings in the environment)")
     p.add_argument("--json", default=None, help="write the rows here")
 
 
@@ -56,6 +69,15 @@ def run(args) -> int:
     from longserve.server.bench.util import int_list, load_average, machine_info, text_table, write_json
 
     counts = int_list(args.replicas, "--replicas")
+    if args.threads < 1:
+        print("--threads must be at least 1", file=sys.stderr)
+        return 2
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if args.pin and len(cores) < max(counts):
+        print(f"--pin needs a core per replica: {len(cores)} core(s) for {max(counts)} replicas; not pinned",
+              file=sys.stderr)
+        args.pin = False
+    args.cores = cores
     store = args.store or os.environ.get("LONGSERVE_TEST_POSTGRES") or "postgresql://127.0.0.1:5432/test"
     body = {"size": args.size, "num_frames": args.frames, "num_inference_steps": args.steps}
     load_before = load_average()
@@ -86,7 +108,7 @@ def measure(server_url: str, n: int, args, body: dict) -> dict:
     root = Path(tempfile.mkdtemp(prefix="longserve-bench-replicas-"))
     replicas = []
     try:
-        replicas = [start(args, url, root, f"r{i}") for i in range(n)]
+        replicas = [start(args, url, root, f"r{i}", args.cores[i] if args.pin else None) for i in range(n)]
         for proc, base in replicas:
             wait_healthy(proc, base)
         bases = [base for _, base in replicas]
@@ -116,7 +138,8 @@ def measure(server_url: str, n: int, args, body: dict) -> dict:
             t.join()
         wall = max(r[1] for r in results) - min(r[0] for r in results)
         ok = sum(1 for r in results if r[2] == "completed")
-        row = {"replicas": n, "requests": args.requests, "completed": ok, "wall_s": wall,
+        row = {"replicas": n, "requests": args.requests, "completed": ok, "wall_s": wall, "threads": args.threads,
+               "pinned": ",".join(str(args.cores[i]) for i in range(n)) if args.pin else None,
                "jobs_per_min": 60.0 * ok / wall if wall > 0 else 0.0,
                "claim_p50_s": claim_p50(replicas), "failover_s": failover(url, replicas, args, body) if n > 1 else None}
         return row
@@ -129,17 +152,21 @@ def measure(server_url: str, n: int, args, body: dict) -> dict:
         admin.close()
 
 
-def start(args, store_url: str, root: Path, name: str):
+def start(args, store_url: str, root: Path, name: str, core: int | None = None):
+    """A replica (`core`: pinned to it, with every process it starts)."""
     from longserve.server.api.app import free_port
 
     port = free_port()
+    media = args.media_store or f"file://{root / 'media'}"
     cmd = [sys.executable, "-m", "longserve.server.cli", "serve", "--model", args.model, "--workers", "1",
            "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(root / name),
-           "--store", store_url, "--media-store", f"file://{root / 'media'}", "--replica-id", name,
+           "--store", store_url, "--media-store", media, "--replica-id", name,
            "--lease-seconds", str(args.lease_seconds), "--max-batch", "1", "--score-model", "none",
            "--log-level", "warning", "--no-warm-up", "--max-steps", "1000"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, env=env), f"http://127.0.0.1:{port}"
+    threads = str(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+    pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
+    return subprocess.Popen(cmd, env=env, preexec_fn=pin), f"http://127.0.0.1:{port}"
 
 
 def wait_healthy(proc, base: str, timeout_s: float = 600) -> None:

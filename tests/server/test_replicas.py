@@ -1,8 +1,12 @@
 """Two real `longserve serve` replicas (tiny-latte, one worker each) on one PostgreSQL schema and one shared media
-directory (issue 34's acceptance): jobs created on one are claimed by both; every replica answers for every job;
-a SIGKILLed replica's job is finished by the other (attempt 2, completed once); a DELETE on one stops the other's
-job within a step; a restart of both keeps the completed videos and runs the queued ones; a model only one replica
-serves runs only there. Skipped, saying how to run it, when no PostgreSQL answers ($LONGSERVE_TEST_POSTGRES).
+store (issue 34's acceptance): a bucket of an S3-compatible server (moto_server, tests/support/s3.py), or a shared
+directory when that cannot start (a directory's files are tested at the store layer: test_store_contract.py). Jobs
+created on one are claimed by both; every replica answers for every job; a SIGKILLed replica's job is finished by
+the other (attempt 2, completed once); a DELETE on one stops the other's job within a step; a restart of both keeps
+the completed videos and runs the queued ones; a model only one replica serves runs only there (an image-to-video
+model, whose jobs' images go through the media store to the claim). Skipped, saying how
+to run it, when no PostgreSQL answers ($LONGSERVE_TEST_POSTGRES). LONGSERVE_TEST_MEDIA_STORE=file runs them on a
+shared directory instead of S3.
 
 Cheap on purpose: the replicas start once per module (and once more for the restart), 32x32 videos of 4 frames and
 2 steps; a replica's steps are slowed by sleeping (LONGSERVE_TEST_STEP_SLEEP_S, tests/support/faults) where a job
@@ -10,6 +14,8 @@ must stay running, so waiting burns no CPU."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -18,24 +24,27 @@ import httpx
 import psycopg
 import pytest
 from postgres import fresh_schema
+from s3 import object_names, s3_server
 from servers import ROOT, SERVE_KEY, faults_env, serve_command, wait_until_healthy
 
 from longserve.server.api.app import free_port
 
 AUTH = {"Authorization": f"Bearer {SERVE_KEY}"}
+PNG_URL = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAACAAAAAgCAIAAAD8GO2jAAAAKklEQVR4nO3NMQEAAAjDMMC/" \
+          "sMnCBHypgKaT1GfzegcAAAAAAAAAAACHLfgjAphuiURMAAAAAElFTkSuQmCC"      # a 32x32 grey PNG
 LEASE_S = 5           # renewed every third: a replica starved by a loaded machine keeps its jobs
 STEP_SLEEP_S = 0.25          # each replica's denoising steps: a running job stays running, cheaply
 
 
 class Replica:
-    def __init__(self, name, store_url, media_dir, data_dir, *extra):
+    def __init__(self, name, store_url, media, data_dir, *extra):
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = serve_command(self.port, data_dir, workers=1) + [
-            "--store", store_url, "--media-store", f"file://{media_dir}", "--replica-id", name,
+            "--store", store_url, "--media-store", media["url"], "--replica-id", name,
             "--lease-seconds", str(LEASE_S), "--max-attempts", "3", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=faults_env(LONGSERVE_TEST_STEP_SLEEP_S=str(STEP_SLEEP_S),
-                                                                   OMP_NUM_THREADS="1"))
+                                                                   OMP_NUM_THREADS="1", **media["env"]))
         self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
 
     def ready(self):
@@ -70,16 +79,47 @@ def wait(replica, vid, until=("completed", "failed"), timeout=90):
         time.sleep(0.1)
 
 
+def settle(check, timeout=5):
+    """`check()` turns true within `timeout` s (what publication removes goes just after the commit that completes
+    the record)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not settled"
+        time.sleep(0.05)
+
+
 def lease(url, vid):
     with psycopg.connect(url) as conn:
         return conn.execute("SELECT lease_owner, attempts, status FROM videos WHERE id = %s", (vid,)).fetchone()
 
 
+def stored(media, vid, under="videos") -> list[str]:
+    """The names of a video's files in the media store (objects or files), sorted; `under="inputs"`: its inputs'."""
+    where = f"{under}/{vid}" + ("/" if under == "inputs" else "")
+    if "s3" in media:
+        return [name.rpartition("/")[2] for name in object_names(media["s3"], where)]
+    return sorted(p.name for p in media["dir"].glob(f"{where}*"))
+
+
+@contextlib.contextmanager
+def media_store(root):
+    """A bucket of moto_server, else (it cannot start, or LONGSERVE_TEST_MEDIA_STORE=file) a shared directory."""
+    with contextlib.ExitStack() as stack:
+        try:
+            if os.environ.get("LONGSERVE_TEST_MEDIA_STORE") == "file":
+                pytest.skip("LONGSERVE_TEST_MEDIA_STORE=file")
+            server = stack.enter_context(s3_server())
+        except pytest.skip.Exception as e:
+            print(f"test_replicas: a shared directory, not S3: {e}")
+            yield {"url": f"file://{root / 'media'}", "env": {}, "dir": root / "media"}
+        else:
+            yield {"url": server["url"], "env": server["env"], "s3": server}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
-    with fresh_schema("ls_replicas") as url:
-        media = root / "media"
+    with fresh_schema("ls_replicas") as url, media_store(root) as media:
         a = Replica("A", url, media, root / "a")
         b = Replica("B", url, media, root / "b")
         state = {"url": url, "root": root, "media": media, "A": a.ready(), "B": b.ready()}
@@ -152,7 +192,7 @@ def test_a_delete_on_one_replica_stops_the_job_running_on_the_other_within_a_ste
         time.sleep(0.02)
     assert runner.http.get(f"/v1/videos/{vid}").status_code == 404
     time.sleep(0.5)
-    assert not list(cluster["media"].glob(f"videos/{vid}*")), "its files were dropped"
+    assert stored(cluster["media"], vid) == [], "its files were dropped"
 
 
 def test_a_killed_replicas_job_is_finished_by_the_other_once_with_attempt_two(cluster):
@@ -170,7 +210,7 @@ def test_a_killed_replicas_job_is_finished_by_the_other_once_with_attempt_two(cl
     assert lease(cluster["url"], vid) == (None, 2, "completed")
     content = survivor.http.get(f"/v1/videos/{vid}/content")
     assert content.status_code == 200 and content.content[4:8] == b"ftyp"
-    assert sorted(p.name for p in cluster["media"].glob(f"videos/{vid}*")) == [f"{vid}.mp4", f"{vid}.png"]
+    settle(lambda: stored(cluster["media"], vid) == [f"{vid}.mp4", f"{vid}.png"])   # (S3: its pieces went)
     cluster["victim"] = victim.name
 
 
@@ -186,19 +226,25 @@ def test_a_restart_of_both_keeps_completed_videos_runs_queued_ones_and_a_model_o
     for name in ("A", "B"):
         cluster[name].kill()
     a = Replica("A", url, media, root / "a")
-    b = Replica("B", url, media, root / "b", "--served-model-name", "tiny-b")
+    # B comes back serving an image-to-video model: its jobs carry an uploaded image, put in the media store and
+    # read back by the claim (not held in the memory of the replica that took them)
+    b = Replica("B", url, media, root / "b", "--model", "tiny-wan-i2v", "--served-model-name", "tiny-b")
     cluster["A"], cluster["B"] = a.ready(), b.ready()
     assert a.http.get(f"/v1/videos/{done}/content").status_code == 200
-    only_b = [b.create(seed=200 + i) for i in range(3)]
+    only_b = [b.create(seed=200 + i, model="tiny-b", num_frames=1, input_reference={"image_url": PNG_URL})
+              for i in range(3)]
     for vid in queued + only_b:
         v = wait(a, vid)
         assert v["status"] == "completed", v["error"]
     # the running one and the one claimed to run next were taken again when their leases lapsed; the third was
     # never claimed before the restart
     assert [lease(url, v)[1] for v in queued] == [2, 2, 1]
-    # A serves tiny-latte only: it claimed the three queued before the restart, B (tiny-b) its own three
+    # A serves tiny-latte only: it claimed the three queued before the restart, B (tiny-b) its own three, each
+    # through the claim cycle with its image read back from the media store
     assert a.health()["replica"]["claimed"] == 3 and b.health()["replica"]["claimed"] == 3
     assert {a.http.get(f"/v1/videos/{v}").json()["model"] for v in only_b} == {"tiny-b"}
+    assert [stored(media, v) for v in only_b] == [[f"{v}.mp4", f"{v}.png"] for v in only_b]
+    settle(lambda: not any(stored(media, v, "inputs") for v in only_b))     # their inputs went with publication
     assert sorted(m["id"] for m in a.http.get("/v1/models").json()["data"] if m["kind"] == "video") == \
         ["tiny-b", "tiny-latte"]
     r = a.http.post("/v1/videos", json={"prompt": "x", "model": "tiny-b"})
