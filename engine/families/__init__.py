@@ -13,6 +13,7 @@ from functools import cache
 from pathlib import Path
 
 from longserve.engine.families.base import VideoFamily
+from longserve.engine.family_index import CLAIMS, PIPELINE_MODULES, hinted, model_index
 
 #: transformers' image processors a checkpoint may name (model_index.json: Wan I2V's CLIP, Helios' SigLIP)
 IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor")
@@ -62,12 +63,28 @@ def family_for(pipeline_class: str) -> type[VideoFamily]:
                      f"{', '.join(known)}")
 
 
+def _family_module(name: str) -> type[VideoFamily]:
+    pil_image_processors()
+    return importlib.import_module(f"{__name__}.{name}").FAMILY
+
+
 def detect_family(model_dir: str | Path) -> type[VideoFamily]:
     """The family of a checkpoint directory: one that claims the directory by a file of its own (a causal
-    model's `causal_config.json`), else the one serving its `model_index.json`'s `_class_name`."""
+    model's `causal_config.json`), else the one serving its `model_index.json`'s `_class_name`. Only the
+    families that can answer are imported (`CLAIMS`, `PIPELINE_MODULES`); a `_class_name` the table does not
+    know is looked for in every family (and refused, naming the ones there are)."""
     from longserve.engine.families.base import read_json
 
-    for family in all_families():
-        if family.claims(Path(model_dir)):
+    model_dir = Path(model_dir)
+    index_path = model_dir / "model_index.json"
+    index = model_index(model_dir)
+    class_name = index.get("_class_name", "?")
+    for module, hint in CLAIMS.items():
+        if hinted(model_dir, index, hint) and (family := _family_module(module)).claims(model_dir):
             return family
-    return family_for(read_json(Path(model_dir) / "model_index.json").get("_class_name", "?"))
+    if class_name in PIPELINE_MODULES:
+        return _family_module(PIPELINE_MODULES[class_name])
+    for family in all_families():       # not in the table: a family's own claim, or the refusal naming them all
+        if family.claims(model_dir):
+            return family
+    return family_for(read_json(index_path).get("_class_name", "?"))
