@@ -1,8 +1,8 @@
 """The HunyuanVideo-1.5 family (`HunyuanVideo15Pipeline`, `HunyuanVideo15ImageToVideoPipeline`): a dual-stream
 full-attention video DiT with two text encoders (Qwen2.5-VL's text model, and ByT5 for the glyphs a prompt quotes),
-sharded on its F x H x W video tokens by the plan in `engine/models/hunyuan15.py` (Ulysses; CFG-parallel around
-it). This module is the adapter: the prompts as diffusers' pipeline encodes them, latents and the condition
-channels, the rows of one forward, and the VAE decode.
+sharded on its F x H x W video tokens by the plan in `engine/models/hunyuan15.py` (Ulysses, Ring or USP;
+CFG-parallel around them). This module is the adapter: the prompts as diffusers' pipeline encodes them, latents
+and the condition channels, the rows of one forward, and the VAE decode.
 
 Image-to-video (rank 0 encodes, as for the prompts, and broadcasts): the image is resized and centre-cropped to
 the request's height x width (`video_processor.resize(..., resize_mode="crop")`, diffusers' rule), its SigLIP
@@ -54,7 +54,7 @@ class Hunyuan15Family(VideoFamily):
     """`HunyuanVideo15Pipeline` (text-to-video) and `HunyuanVideo15ImageToVideoPipeline` checkpoints."""
 
     name = "hunyuan15"
-    plans = ("ulysses",)
+    plans = ("ulysses", "ring", "usp")
     auto_plan = "sequence"
     #: diffusers' `__call__` defaults (its default size is the 16:9 bucket of the transformer's target_size)
     pipeline_defaults = {"height": 480, "width": 848, "num_frames": 121, "num_inference_steps": 50,
@@ -80,8 +80,9 @@ class Hunyuan15Family(VideoFamily):
     @classmethod
     def resolve_plan(cls, desc: ModelDescription, parallel: str, workers: int, ulysses_degree: int | None = None,
                      cfg_parallel: bool = False):
-        """"auto" is Ulysses at every worker count: heads fewer than the group are zero-padded (the generic rule
-        would pick USP, which this family's joint attention does not run)."""
+        """"auto" is Ulysses at every worker count: heads fewer than the group are zero-padded, and one all-to-all
+        pair per block sends less than a ring (the generic rule would pick USP or Ring where the heads do not
+        cover the group)."""
         return super().resolve_plan(desc, "ulysses" if parallel == "auto" else parallel, workers, ulysses_degree,
                                     cfg_parallel)
 
