@@ -2,7 +2,7 @@
 full-attention video DiT with two text encoders (Qwen2.5-VL's text model, and ByT5 for the glyphs a prompt quotes),
 sharded on its F x H x W video tokens by the plan in `engine/models/hunyuan15.py` (Ulysses, Ring or USP;
 CFG-parallel around them). This module is the adapter: the prompts as diffusers' pipeline encodes them, latents
-and the condition channels, the rows of one forward, and the VAE decode.
+and the condition channels, the rows of one forward, and the VAE decode (streamed in time: engine/hunyuan15_vae.py).
 
 Image-to-video (rank 0 encodes, as for the prompts, and broadcasts): the image is resized and centre-cropped to
 the request's height x width (`video_processor.resize(..., resize_mode="crop")`, diffusers' rule), its SigLIP
@@ -165,7 +165,8 @@ class Hunyuan15Family(VideoFamily):
                                image_embeds=image_embeds,
                                step_kwargs=scheduler_step_kwargs(scheduler, generator),
                                frames=self.frame_stream(spec, spec.num_frames,
-                                                        FramesPolicy(self.pipe.vae_scale_factor_temporal, whole=True)))
+                                                        FramesPolicy(self.pipe.vae_scale_factor_temporal,
+                                                                     whole=self.vae_tiling)))
         # the model zeroes the image tokens of a batch only when every row's image embedding is zero: text-only
         # and image requests never share a forward
         req.batch_key = ("hunyuan15", *latents.shape, "i2v" if self.i2v else "t2v")
@@ -198,26 +199,35 @@ class Hunyuan15Family(VideoFamily):
 
 
 class Hunyuan15Decoder:
-    """The HunyuanVideo-1.5 VAE decodes a request's latents whole, on rank 0, as the pipeline does (its tiles with
-    `vae_tiling`)."""
+    """The HunyuanVideo-1.5 VAE on rank 0: streamed in time, a chunk of latent frames at a time as the frame stream
+    hands them (engine/hunyuan15_vae.py: the decoder is causal in time, so the chunks' frames are diffusers' decode);
+    with `vae_tiling`, the clip whole through diffusers' tiled decode, as the pipeline does."""
 
     def __init__(self, pipe, pg, tiling: bool, output: str):
-        self.pipe, self.pg, self.output = pipe, pg, output
+        from longserve.engine.hunyuan15_vae import HunyuanVAEStream
+
+        self.pipe, self.pg, self.output, self.tiling = pipe, pg, output, tiling
         if tiling:
             pipe.vae.enable_tiling()
         else:
             pipe.vae.disable_tiling()
+        self.stream = HunyuanVAEStream(pipe.vae) if pg.rank == 0 and not tiling else None
 
     def decode(self, latents: torch.Tensor, keep: slice):
         if self.pg.rank != 0:
             return None
         vae = self.pipe.vae
-        with torch.no_grad():
-            video = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        z = latents.to(vae.dtype) / vae.config.scaling_factor
+        if self.stream is not None:
+            video = self.stream.decode(z)                                        # (B, 3, n, H, W)
+        else:
+            with torch.no_grad():
+                video = vae.decode(z, return_dict=False)[0]
         return to_pixels(video[:, :, keep], self.pipe.video_processor, self.output)
 
     def close(self) -> None:
-        pass
+        if self.stream is not None:
+            self.stream.close()
 
 
 FAMILY = Hunyuan15Family

@@ -105,21 +105,21 @@ def test_bench_transformer_refuses_a_strategy_the_model_does_not_have(capsys):
     assert "ulysses, ring, usp" in capsys.readouterr().err
 
 
-def test_bench_transformer_hunyuan15_shaped_runs_every_plan_equal_to_diffusers_on_4_workers(tmp_path):
+def test_bench_transformer_shaped_model_runs_every_plan_equal_to_diffusers(tmp_path):
     """tiny-hunyuan15's transformer config (`--config tiny`): every plan the family declares against diffusers'
-    own forward, with the peak memory. It is also the check that HunyuanVideo-1.5's USP (Ulysses 2 x Ring 2: the
-    condition keys an extra block of the ring) equals diffusers. (ltx2-shaped runs the same code but for
-    server/bench/shaped.py's two LTX-2 lines; its plans are checked by tests/pipelines/test_ltx2_pipeline.py; one
-    pool start less for the suite's time.)"""
+    own forward, with the peak memory: the smoke test of the published-shape bench. (ltx2-shaped differs only in
+    server/bench/shaped.py's LTX-2 branches and is left out for the suite's time: a pool start is ~4 CPU-s. The
+    families' plans at 2 and 3 workers are the pipeline tests'.)"""
     from longserve.server.bench.shaped import strategies
 
-    model, workers = "hunyuan15-shaped", "4"
+    model, workers = "hunyuan15-shaped", 2
+
     json_path = tmp_path / "shaped.json"
-    rc = main(["bench", "transformer", "--model", model, "--config", "tiny", "--workers", workers, "--steps", "1",
+    rc = main(["bench", "transformer", "--model", model, "--config", "tiny", "--workers", str(workers), "--steps", "1",
                "--warmup", "0", "--json", str(json_path)])
     assert rc == 0
     rows = {(r["strategy"], r["workers"]): r for r in json.loads(json_path.read_text())}
-    n = 4
+    n = workers
     assert set(rows) == {("diffusers", 1)} | {(s, w) for s in strategies(model) for w in (1, n)}
     assert set(strategies(model)) == {"ulysses", "ring", "usp"}
     for key, row in rows.items():
@@ -127,6 +127,6 @@ def test_bench_transformer_hunyuan15_shaped_runs_every_plan_equal_to_diffusers_o
         assert row["peak_memory_bytes"] > 0 and row["peak_memory_kind"] == "cpu_peak_rss_whole_job"
         assert row["model"]["model"] == model and row["model"]["layers"] == 2
     for s in strategies(model):
-        assert rows[(s, n)]["bytes_per_step"] > 0
-    assert rows[("usp", 4)]["ulysses_degree"] == 2
-    assert {"all_to_all", "send_recv"} <= set(rows[("usp", 4)]["collectives_per_step"])
+        assert (rows[(s, n)]["bytes_per_step"] > 0) == (n > 1)
+    if n > 1:
+        assert "send_recv" in rows[("ring", n)]["collectives_per_step"]
