@@ -4,6 +4,8 @@
         [--json out.json] [--plot out.png] [--steps 5 --warmup 2] [--config bench|tiny] \\
         [--frames T] [--size HxW]
     longserve bench transformer --model wan --strategies ulysses,ring,usp --ulysses-degree 2 --workers 1,2,4
+    longserve bench transformer --model ltx2-shaped|hunyuan15-shaped [--layers N] [--frames F --size HxW] \\
+        [--device cuda --dtype bfloat16]
 
 `--model latte` (the default): DSP vs the embedded sequence-parallel baselines on a
 spatial-temporal DiT (below). `--model wan`: Ulysses, Ring and USP on a full-attention
