@@ -227,7 +227,8 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
     name, dt = cfg.get("model"), getattr(torch, dtype)
     key = ("bench_model", tuple(sorted((k, str(v)) for k, v in cfg.items())), seed, dtype)
     if ctx.state.get("model_key") != key:
-        ctx.state.pop("model", None), ctx.state.pop("hooked", None)           # free the last one first
+        for held in ("model", "hooked"):                                       # free the last one first
+            ctx.state.pop(held, None)
         if name in SHAPED:
             ctx.state["model"] = shaped.build(name, cfg, seed, pg.device, dt)
             ctx.state["hooked"] = shaped.wrap(name, ctx.state["model"])
