@@ -264,7 +264,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def ring_attention(q: torch.Tensor, kv: torch.Tensor, scale: float, pg: ParallelGroup, key_len: int,
-                   q_start: int | None = None, causal: BlockCausal | None = None) -> torch.Tensor:
+                   q_start: int | None = None, causal: BlockCausal | None = None,
+                   extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Exact softmax attention of local queries against keys sharded over the ring.
 
     q: (n, H, Lq, hd); kv: (2, n, H, Lk_local, hd), this rank's padded block of `key_len`
@@ -272,7 +273,10 @@ def ring_attention(q: torch.Tensor, kv: torch.Tensor, scale: float, pg: Parallel
     K/V block on in one message. Keys past `key_len` (padding on the last ranks) are
     masked; with `causal`, keys the block-causal mask hides are masked too (a block hidden
     entirely is skipped, but still passed on). `q_start`: the global position of the first
-    query (default: this rank's block start). Returns (n, H, Lq, hd) in float32.
+    query (default: this rank's block start). `extra`: (k, v, key_mask), keys that every rank
+    holds whole and every query sees besides the ring's (k, v (n, H, Le, hd), key_mask (n, Le)
+    bool, True = a real key), attended once, before the ring's (HunyuanVideo-1.5's condition
+    tokens). Returns (n, H, Lq, hd) in float32.
     """
     n, H, Lq, hd = q.shape
     Lk = kv.shape[3]
@@ -280,6 +284,22 @@ def ring_attention(q: torch.Tensor, kv: torch.Tensor, scale: float, pg: Parallel
     m = torch.full((n, H, Lq, 1), float("-inf"), dtype=torch.float32, device=q.device)  # running max
     l = torch.zeros_like(m)                                                             # running sum
     acc = torch.zeros((n, H, Lq, kv.shape[-1]), dtype=torch.float32, device=q.device)
+
+    def absorb(s: torch.Tensor, v: torch.Tensor) -> None:
+        """Fold one block's scores s (n, H, Lq, Lk) and values v (n, H, Lk, hd) into the running softmax."""
+        nonlocal m, l, acc
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)      # rows with nothing seen yet
+        p = torch.exp(s - m_safe)
+        correction = torch.exp(m - m_safe)
+        l = l * correction + p.sum(dim=-1, keepdim=True)
+        acc = acc * correction + torch.matmul(p, v)
+        m = m_new
+
+    if extra is not None:
+        k, v, key_mask = extra
+        s = torch.matmul(q, k.float().transpose(-1, -2)) * scale                        # (n, H, Lq, Le)
+        absorb(s.masked_fill(~key_mask[:, None, None, :], float("-inf")), v.float())
     for step in range(pg.world_size):
         src = (pg.rank - step) % pg.world_size                        # whose keys we hold now
         valid = min(Lk, key_len - src * Lk)
@@ -291,13 +311,7 @@ def ring_attention(q: torch.Tensor, kv: torch.Tensor, scale: float, pg: Parallel
                 s[..., valid:] = float("-inf")
             if seen is not True:
                 s[..., :valid] = s[..., :valid].masked_fill(~seen, float("-inf"))
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing seen yet
-            p = torch.exp(s - m_safe)
-            correction = torch.exp(m - m_safe)
-            l = l * correction + p.sum(dim=-1, keepdim=True)
-            acc = acc * correction + torch.matmul(p, v)
-            m = m_new
+            absorb(s, v)
         if step < pg.world_size - 1:
             kv = comm.ring_shift(kv, pg)
     return acc / l

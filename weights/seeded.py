@@ -20,8 +20,11 @@ def _std_for(t) -> float:
     return min(0.2, max(0.02, 1.0 / math.sqrt(max(fan_in, 1))))
 
 
-def reinit_(module, seed: int):
+def reinit_(module, seed: int, device=None):
     """Redraw every parameter of ``module`` from a generator seeded with ``seed``; returns ``module``.
+
+    ``device``: where the generator draws (default the CPU, what the shipped checkpoints are built from); the
+    benches draw a many-GB model on its GPU instead (other numbers than the CPU's, the same on every rank).
 
     Matrices/convolutions get N(0, clamp(1/sqrt(fan_in), 0.02, 0.2)); 1-D norm scales get 1 + N(0, 0.05);
     other vectors (biases) get N(0, 0.05); ``scale_shift_table`` gets N(0, 0.1). Every weight, the ones
@@ -29,7 +32,7 @@ def reinit_(module, seed: int):
     """
     import torch
 
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device or "cpu").manual_seed(seed)
     params = dict(module.named_parameters())
     with torch.no_grad():
         for name in sorted(params):
@@ -37,13 +40,13 @@ def reinit_(module, seed: int):
             leaf = name.rsplit(".", 1)[-1]
             is_norm_scale = p.dim() == 1 and leaf == "weight"
             if name.endswith("scale_shift_table"):
-                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.1
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=gen.device) * 0.1
             elif p.dim() >= 2:
-                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * _std_for(p)
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=gen.device) * _std_for(p)
             elif is_norm_scale:
-                noise = 1.0 + torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05
+                noise = 1.0 + torch.randn(p.shape, generator=gen, dtype=torch.float32, device=gen.device) * 0.05
             else:
-                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=gen.device) * 0.05
             p.copy_(noise.to(p.dtype))
     return module
 

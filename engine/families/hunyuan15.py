@@ -1,8 +1,8 @@
 """The HunyuanVideo-1.5 family (`HunyuanVideo15Pipeline`, `HunyuanVideo15ImageToVideoPipeline`): a dual-stream
 full-attention video DiT with two text encoders (Qwen2.5-VL's text model, and ByT5 for the glyphs a prompt quotes),
-sharded on its F x H x W video tokens by the plan in `engine/models/hunyuan15.py` (Ulysses; CFG-parallel around
-it). This module is the adapter: the prompts as diffusers' pipeline encodes them, latents and the condition
-channels, the rows of one forward, and the VAE decode.
+sharded on its F x H x W video tokens by the plan in `engine/models/hunyuan15.py` (Ulysses, Ring or USP;
+CFG-parallel around them). This module is the adapter: the prompts as diffusers' pipeline encodes them, latents
+and the condition channels, the rows of one forward, and the VAE decode (streamed in time: engine/hunyuan15_vae.py).
 
 Image-to-video (rank 0 encodes, as for the prompts, and broadcasts): the image is resized and centre-cropped to
 the request's height x width (`video_processor.resize(..., resize_mode="crop")`, diffusers' rule), its SigLIP
@@ -54,7 +54,7 @@ class Hunyuan15Family(VideoFamily):
     """`HunyuanVideo15Pipeline` (text-to-video) and `HunyuanVideo15ImageToVideoPipeline` checkpoints."""
 
     name = "hunyuan15"
-    plans = ("ulysses",)
+    plans = ("ulysses", "ring", "usp")
     auto_plan = "sequence"
     #: diffusers' `__call__` defaults (its default size is the 16:9 bucket of the transformer's target_size)
     pipeline_defaults = {"height": 480, "width": 848, "num_frames": 121, "num_inference_steps": 50,
@@ -80,8 +80,9 @@ class Hunyuan15Family(VideoFamily):
     @classmethod
     def resolve_plan(cls, desc: ModelDescription, parallel: str, workers: int, ulysses_degree: int | None = None,
                      cfg_parallel: bool = False):
-        """"auto" is Ulysses at every worker count: heads fewer than the group are zero-padded (the generic rule
-        would pick USP, which this family's joint attention does not run)."""
+        """"auto" is Ulysses at every worker count: heads fewer than the group are zero-padded, and one all-to-all
+        pair per block sends less than a ring (the generic rule would pick USP or Ring where the heads do not
+        cover the group)."""
         return super().resolve_plan(desc, "ulysses" if parallel == "auto" else parallel, workers, ulysses_degree,
                                     cfg_parallel)
 
@@ -166,7 +167,8 @@ class Hunyuan15Family(VideoFamily):
                                image_embeds=image_embeds,
                                step_kwargs=scheduler_step_kwargs(scheduler, generator),
                                frames=self.frame_stream(spec, spec.num_frames,
-                                                        FramesPolicy(self.pipe.vae_scale_factor_temporal, whole=True)))
+                                                        FramesPolicy(self.pipe.vae_scale_factor_temporal,
+                                                                     whole=self.vae_tiling)))
         # the model zeroes the image tokens of a batch only when every row's image embedding is zero: text-only
         # and image requests never share a forward
         req.batch_key = ("hunyuan15", *latents.shape, "i2v" if self.i2v else "t2v")
@@ -199,26 +201,35 @@ class Hunyuan15Family(VideoFamily):
 
 
 class Hunyuan15Decoder:
-    """The HunyuanVideo-1.5 VAE decodes a request's latents whole, on rank 0, as the pipeline does (its tiles with
-    `vae_tiling`)."""
+    """The HunyuanVideo-1.5 VAE on rank 0: streamed in time, a chunk of latent frames at a time as the frame stream
+    hands them (engine/hunyuan15_vae.py: the decoder is causal in time, so the chunks' frames are diffusers' decode);
+    with `vae_tiling`, the clip whole through diffusers' tiled decode, as the pipeline does."""
 
     def __init__(self, pipe, pg, tiling: bool, output: str):
-        self.pipe, self.pg, self.output = pipe, pg, output
+        from longserve.engine.hunyuan15_vae import HunyuanVAEStream
+
+        self.pipe, self.pg, self.output, self.tiling = pipe, pg, output, tiling
         if tiling:
             pipe.vae.enable_tiling()
         else:
             pipe.vae.disable_tiling()
+        self.stream = HunyuanVAEStream(pipe.vae) if pg.rank == 0 and not tiling else None
 
     def decode(self, latents: torch.Tensor, keep: slice):
         if self.pg.rank != 0:
             return None
         vae = self.pipe.vae
-        with torch.no_grad():
-            video = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        z = latents.to(vae.dtype) / vae.config.scaling_factor
+        if self.stream is not None:
+            video = self.stream.decode(z)                                        # (B, 3, n, H, W)
+        else:
+            with torch.no_grad():
+                video = vae.decode(z, return_dict=False)[0]
         return to_pixels(video[:, :, keep], self.pipe.video_processor, self.output)
 
     def close(self) -> None:
-        pass
+        if self.stream is not None:
+            self.stream.close()
 
 
 FAMILY = Hunyuan15Family

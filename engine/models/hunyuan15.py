@@ -18,7 +18,7 @@ because the attention gives each rank the whole condition output. Then diffusers
 Everything else (the refiner, the condition projections, the time embedding, the per-token modulation, the
 FFNs and norm_out) is per token or replicated and runs as diffusers wrote it.
 
-The joint attention, per rank of a Ulysses group of N (shapes per rank):
+The joint attention, per rank of a Ulysses group of N (shapes per rank; Ring below):
 
     video q, k, v (B, Sl, H, hd) --all-to-all--> (B, S, Hl, hd)        Hl = ceil(H/N), heads zero-padded
     condition q, k, v (B, L, H, hd) --my heads--> (B, L, Hl, hd)        no communication (replicated)
@@ -27,9 +27,16 @@ The joint attention, per rank of a Ulysses group of N (shapes per rank):
 
 A condition query whose token is padding sees no key: diffusers' mask (query valid and key valid) gives it
 zeros from PyTorch's SDPA; here the key mask alone is applied and those rows are zeroed, the same values
-without an (S + L)^2 mask. Ring and USP are not offered: their log-sum-exp merge would have to take the
-replicated condition keys as an extra block, which `engine.parallel.ring_attention` does not; Ulysses covers
-any head count (heads fewer than N are padded), so every worker count runs.
+without an (S + L)^2 mask. Ulysses covers any head count (heads fewer than N are padded), so every worker count
+runs.
+
+Ring (and the ring of USP): the video keys go round the ring as for Wan; the replicated condition keys are one
+more block every rank folds into its running softmax first (`engine.parallel.ring_attention`'s `extra`, with the
+key mask). The condition queries need every video key too: the L condition rows are split over the ring, ride
+along with my video queries (rows = ceil(L/R) more queries per ring step), and one all-gather of (B, L, Hl, hd)
+joins them, so each condition row is computed once and every rank's copy of the condition stream stays equal
+bit for bit. Per rank and block the ring adds that gather to Wan's ring traffic: L x Hl x hd values, the size of
+the condition stream, not of the video.
 """
 
 from __future__ import annotations
@@ -61,26 +68,50 @@ class HunyuanShard(TokenShard):
 def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: torch.Tensor, ck: torch.Tensor,
                     cv: torch.Tensor, cond_mask: torch.Tensor, sp: SequenceParallel, seq_len: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of [video; condition] tokens over both, the video sharded over `sp` (Ulysses).
+    """Exact attention of [video; condition] tokens over both, the video sharded over `sp` (Ulysses, Ring or USP).
 
     q, k, v: (B, Sl, H, hd), my padded shard of `seq_len` video tokens; cq, ck, cv: (B, L, H, hd), the condition
     tokens (the same on every rank); cond_mask: (B, L) bool, True where a condition token is real.
     -> (B, Sl, H, hd) my video tokens' output, (B, L, H, hd) the condition tokens' output (on every rank).
     """
-    if sp.ring.world_size != 1:
-        raise ValueError("HunyuanVideo-1.5's joint attention runs under the Ulysses plan only")
-    u = sp.ulysses
-    H = q.shape[2]
-    qkv = comm.all_to_all_switch(torch.stack([q, k, v]), scatter_dim=3, gather_dim=2, gather_size=seq_len,
-                                 pg=u)                                                  # (3, B, S, Hl, hd)
+    u, r = sp.ulysses, sp.ring
+    B, Sl, H, hd = q.shape
+    # Ulysses: my group's tokens (all of them, trimmed, without a ring), my heads
+    qkv = comm.all_to_all_switch(torch.stack([q, k, v]), scatter_dim=3, gather_dim=2,
+                                 gather_size=seq_len if r.world_size == 1 else u.world_size * Sl,
+                                 pg=u) if u.world_size > 1 else torch.stack([q, k, v])  # (3, B, chunk, Hl, hd)
     Hl = qkv.shape[3]
     cond = comm.pad_dim(torch.stack([cq, ck, cv]), 3, Hl * u.world_size).narrow(3, u.rank * Hl, Hl)  # (3, B, L, Hl, hd)
-    q, k, v = (torch.cat([a, c], dim=1).transpose(1, 2) for a, c in zip(qkv, cond))   # (B, Hl, S + L, hd)
-    keys = F.pad(cond_mask, (seq_len, 0), value=True)[:, None, None, :]                 # (B, 1, 1, S + L)
-    out = attend(q, k, v, backend=sp.attention_backend, attn_mask=keys).transpose(1, 2)  # (B, S + L, Hl, hd)
-    video = comm.all_to_all_switch(out[:, :seq_len], scatter_dim=1, gather_dim=2, gather_size=H, pg=u)  # (B, Sl, H, hd)
-    cond_out = comm.all_gather(out[:, seq_len:].contiguous(), 2, u, size=H)             # (B, L, H, hd)
+    if r.world_size == 1:
+        q, k, v = (torch.cat([a, c], dim=1).transpose(1, 2) for a, c in zip(qkv, cond))   # (B, Hl, S + L, hd)
+        keys = F.pad(cond_mask, (seq_len, 0), value=True)[:, None, None, :]                 # (B, 1, 1, S + L)
+        out = attend(q, k, v, backend=sp.attention_backend, attn_mask=keys).transpose(1, 2)  # (B, S + L, Hl, hd)
+        video, cond_out = out[:, :seq_len], out[:, seq_len:].contiguous()
+    else:
+        video, cond_out = _ring_joint(qkv, cond, cond_mask, r, seq_len)
+    if u.world_size > 1:
+        video = comm.all_to_all_switch(video, scatter_dim=1, gather_dim=2, gather_size=H, pg=u)  # (B, Sl, H, hd)
+        cond_out = comm.all_gather(cond_out, 2, u, size=H)                                   # (B, L, H, hd)
     return video, cond_out * cond_mask[:, :, None, None]
+
+
+def _ring_joint(qkv: torch.Tensor, cond: torch.Tensor, cond_mask: torch.Tensor, r, seq_len: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's part: my chunk of video queries, and my rows of the condition queries (L split over the ring so
+    that each row is computed once and every rank gets the same bits), against the video keys passed round the
+    ring plus the replicated condition keys (`ring_attention`'s `extra`). qkv (3, B, chunk, Hl, hd); cond
+    (3, B, L, Hl, hd) -> (B, chunk, Hl, hd) video, (B, L, Hl, hd) condition output."""
+    from longserve.engine.parallel import ring_attention
+
+    chunk, L, hd = qkv.shape[2], cond.shape[2], qkv.shape[-1]
+    rows = -(-L // r.world_size)
+    cq = comm.pad_dim(cond[0], 1, rows * r.world_size).narrow(1, r.rank * rows, rows)      # (B, rows, Hl, hd)
+    q = torch.cat([qkv[0], cq], dim=1).transpose(1, 2).float()                               # (B, Hl, chunk+rows, hd)
+    kv = qkv[1:].transpose(2, 3)                                                              # (2, B, Hl, chunk, hd)
+    out = ring_attention(q, kv, hd ** -0.5, r, key_len=seq_len,
+                         extra=(cond[1].transpose(1, 2), cond[2].transpose(1, 2), cond_mask))
+    out = out.to(qkv.dtype).transpose(1, 2)                                                  # (B, chunk+rows, Hl, hd)
+    return out[:, :chunk], comm.all_gather(out[:, chunk:].contiguous(), 1, r, size=L)
 
 
 class HunyuanJointAttention:

@@ -91,8 +91,10 @@ class LTX2VideoSelfAttention(_Processor):
                  key_rotary_emb=None, perturbation_mask=None, all_perturbed=None):
         shard = self.owner.shard
         if shard is None:
+            # a checkpoint without `perturbed_attn` has diffusers' plain processor, which takes no perturbation
+            stg = () if perturbation_mask is None and all_perturbed is None else (perturbation_mask, all_perturbed)
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
-                                 key_rotary_emb, perturbation_mask, all_perturbed)
+                                 key_rotary_emb, *stg)
         if attention_mask is not None or encoder_hidden_states is not None:
             raise ValueError("the sequence-parallel LTX-2 video self-attention takes no mask")
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None

@@ -28,6 +28,10 @@ encoder and VAE (`server.bench.models.shaped_checkpoint`): the block counts and 
 
 FP8 weights (`--quantize fp8`) need a GPU with FP8 and get no row on CPU; expert offload needs a two-expert
 model and changes no frame, so it has none on tiny-latte.
+
+A family without step caching or block compilation (LTX-2, HunyuanVideo-1.5: `--model tiny-ltx2`,
+`--model tiny-hunyuan15` or a published checkpoint's directory) gets the rows it has: "exact" (wall time, blocks);
+`--cache` or `--compile` on it is refused naming the option.
 """
 
 from __future__ import annotations
@@ -134,6 +138,30 @@ def calibrated(pipe, cache: dict | None, prompts: list[str], args) -> dict | Non
     return dict(cache, mag_ratios=ratios)
 
 
+def block_count(timings: list[dict]) -> int | None:
+    """Transformer block evaluations over the videos, where the family counts them (its step-caching path);
+    None where it does not (LTX-2, HunyuanVideo-1.5)."""
+    if any("blocks" not in t for t in timings):
+        return None
+    return sum(t["blocks"] for t in timings)
+
+
+def supported_caches(pipe, caches: list, args) -> list:
+    """The `--cache` settings the model's family takes. A family whose forward takes no step caching (LTX-2,
+    HunyuanVideo-1.5) gets the exact row alone (and the compile rows where it compiles); asking it for a cache, or
+    a compile it does not have, is refused naming the option."""
+    caps = pipe.info.capabilities
+    if args.compile_rows != "none" and not caps.compile:
+        raise ValueError(f"--compile: the {pipe.info.description.family} family does not compile its blocks")
+    if caps.cache_kinds:
+        return caches
+    if args.caches:
+        raise ValueError(f"--cache: the {pipe.info.description.family} family takes no step caching")
+    print(f"  no step caching in the {pipe.info.description.family} family: the exact row alone", file=sys.stderr,
+          flush=True)
+    return []
+
+
 def psnr(a, b) -> float:
     import numpy as np
 
@@ -180,6 +208,7 @@ def run(args) -> int:
     rows, load = [], load_average()
     with contextlib.ExitStack() as stack:
         pipe = stack.enter_context(VideoPipeline.from_config(config))
+        caches = supported_caches(pipe, caches, args)
         generate(pipe, prompts[:1], 2, args.frames, None)                  # warm-up
         caches = [calibrated(pipe, c, prompts, args) for c in caches]
         levers = [(pipe, None), *((pipe, c) for c in caches)]              # (engine, cache) per row
@@ -192,7 +221,7 @@ def run(args) -> int:
             compile_s = compiled.info.compile_s + first
             print(f"  compiled: warm-up at load {compiled.info.compile_s:.1f} s, first run {first:.1f} s, "
                   f"{compiled.info.compiled_graphs} graphs", file=sys.stderr, flush=True)
-            levers += [(compiled, None), (compiled, caches[0])]
+            levers += [(compiled, None)] + [(compiled, c) for c in caches[:1]]
         runs = {i: [] for i in range(len(levers))}
         for _ in range(args.repeats):
             for i, (engine, cache) in enumerate(levers):
@@ -200,19 +229,20 @@ def run(args) -> int:
                 print(f"  {lever_name(cache, engine is not pipe)}: {runs[i][-1][2]:.2f} s", file=sys.stderr,
                       flush=True)
         exact_videos = runs[0][0][0]
-        exact_blocks = sum(t["blocks"] for t in runs[0][0][1])
+        exact_blocks = block_count(runs[0][0][1])
         exact_wall = min(w for _, _, w in runs[0])
         for i, (engine, cache) in enumerate(levers):
             videos, timings, _ = runs[i][0]
             walls = [w for _, _, w in runs[i]]
-            blocks = sum(t["blocks"] for t in timings)
+            blocks = block_count(timings)
+            counted = blocks is not None and exact_blocks is not None
             rows.append(dict(
                 lever=lever_name(cache, engine is not pipe), cache=cache,
                 compile=None if engine is pipe else args.compile_rows,
                 compile_s=None if engine is pipe else compile_s, videos=len(videos),
-                blocks_per_video=blocks / len(videos),
-                blocks_skipped_per_video=sum(t["blocks_skipped"] for t in timings) / len(videos),
-                fewer_blocks=exact_blocks / blocks, wall_s=min(walls), wall_s_runs=walls,
+                blocks_per_video=blocks / len(videos) if counted else None,
+                blocks_skipped_per_video=sum(t["blocks_skipped"] for t in timings) / len(videos) if counted else None,
+                fewer_blocks=exact_blocks / blocks if counted else None, wall_s=min(walls), wall_s_runs=walls,
                 speedup=exact_wall / min(walls), psnr_db=None if i == 0 else psnr(videos, exact_videos),
                 recognised=None if recognises is None else sum(recognises(v, p) for v, p in zip(videos, prompts))))
         info = pipe.info

@@ -4,6 +4,8 @@
         [--json out.json] [--plot out.png] [--steps 5 --warmup 2] [--config bench|tiny] \\
         [--frames T] [--size HxW]
     longserve bench transformer --model wan --strategies ulysses,ring,usp --ulysses-degree 2 --workers 1,2,4
+    longserve bench transformer --model ltx2-shaped|hunyuan15-shaped [--layers N] [--frames F --size HxW] \\
+        [--device cuda --dtype bfloat16]
 
 `--model latte` (the default): DSP vs the embedded sequence-parallel baselines on a
 spatial-temporal DiT (below). `--model wan`: Ulysses, Ring and USP on a full-attention
@@ -12,6 +14,10 @@ dim 4096; `CONFIGS_WAN["bench"]`) but 2 blocks instead of 30, through
 `engine.models.wan.WanSequenceParallel` (hooks on diffusers' own forward); every row also carries
 `formula_bytes`, what the
 plan's formula (docs/design.md) says rank 0 sends per step, beside the measured bytes.
+`--model ltx2-shaped|hunyuan15-shaped`: diffusers' LTX-2 / HunyuanVideo-1.5 480p transformer at the published
+shape and default video size with random weights (`server/bench/shaped.py`), every plan the family declares
+against diffusers' forward; `--layers` keeps the first N blocks, `--frames`/`--size` the latent frames and size
+(patch 1), `--dtype bfloat16` on a GPU. Every row carries `peak_memory_bytes` (below).
 
 What a "step" is: one `LatteTransformer3DModel` forward on a classifier-free-guidance
 batch of 2 (the latent duplicated, one timestep, negative and positive text embeddings),
@@ -46,6 +52,9 @@ How it is measured:
 - `comm_time_s`: wall time inside engine.comm's collectives during the step (packing,
   the transfer, and waiting for slower peers), largest rank, median over steps.
 - `max_abs_err`: the last step's output against diffusers' output on the same inputs.
+- `peak_memory_bytes`: on CUDA, the largest rank's `torch.cuda.max_memory_allocated` over the strategy's own
+  steps (weights included; the counter is reset before each step); on CPU, the largest rank's peak resident
+  set over its whole job (`ru_maxrss`: every strategy of that worker count shares it, the model included).
 - Workers share the machine: the pool gives each `cores // workers` torch threads (at
   least 1), so more workers than cores oversubscribe the cores.
 - Other processes skew timings. Each row records `foreign_cpu_fraction`: the CPU time
@@ -69,6 +78,7 @@ from longserve.server.bench import util as benchutil
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
 WAN_STRATEGIES = ("ulysses", "ring", "usp")              # engine.families.wan.WanFamily.plans
 REFERENCE = "diffusers"
+SHAPED = ("ltx2-shaped", "hunyuan15-shaped")             # server/bench/shaped.py
 
 #: Model and input configurations. heads x head_dim = hidden; frames and latent size are
 #: the defaults of --frames / --size.
@@ -90,20 +100,28 @@ CONFIGS_WAN: dict[str, dict] = {
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default="latte", choices=["latte", "wan"],
-                        help="latte: a spatial-temporal DiT (DSP and baselines); wan: a full-attention DiT")
+    parser.add_argument("--model", default="latte", choices=["latte", "wan", *SHAPED],
+                        help="latte: a spatial-temporal DiT (DSP and baselines); wan: a full-attention DiT; "
+                             "ltx2-shaped / hunyuan15-shaped: LTX-2's / HunyuanVideo-1.5 480p's published transformer "
+                             "shape, random weights (server/bench/shaped.py)")
     parser.add_argument("--strategies", default=None,
                         help=f"comma-separated, of {', '.join(STRATEGIES)} (latte) or {', '.join(WAN_STRATEGIES)} "
-                             f"(wan) (default: all of the model's)")
+                             f"(wan; the shaped models: their family's plans) (default: all of the model's)")
     parser.add_argument("--ulysses-degree", type=int, default=2,
                         help="usp: Ulysses group size (at N workers: gcd(it, N); ring degree N / that)")
     parser.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (1 is always measured)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per strategy (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="discarded steps per strategy before measuring")
-    parser.add_argument("--config", default="bench", choices=sorted(CONFIGS), help="model/input size")
+    parser.add_argument("--config", default="bench", choices=sorted(CONFIGS),
+                        help="model/input size (shaped models: bench = the published shape, tiny = the tiny "
+                             "checkpoint's)")
+    parser.add_argument("--layers", type=int, default=None, help="transformer blocks (default: the config's)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and activations (bfloat16: for a GPU)")
     parser.add_argument("--frames", type=int, default=None, help="frames T (default: the config's)")
     parser.add_argument("--size", default=None, metavar="HxW",
-                        help=f"latent height x width, divisible by the patch size {PATCH} (default: the config's)")
+                        help=f"latent height x width, divisible by the patch size ({PATCH}; 1 for the shaped models) "
+                             f"(default: the config's)")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if present")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as a JSON list")
@@ -114,8 +132,17 @@ def add_arguments(parser) -> None:
 
 
 def model_config(name: str, frames: int | None = None, size: tuple[int, int] | None = None,
-                 model: str = "latte") -> dict:
-    cfg = dict((CONFIGS_WAN if model == "wan" else CONFIGS)[name], model=model)
+                 model: str = "latte", layers: int | None = None) -> dict:
+    if model in SHAPED:
+        from longserve.server.bench import shaped
+
+        cfg = dict(shaped.model_config(model, name), model=model)
+        if layers is not None:
+            cfg["transformer"]["num_layers"] = layers
+    else:
+        cfg = dict((CONFIGS_WAN if model == "wan" else CONFIGS)[name], model=model)
+        if layers is not None:
+            cfg["layers"] = layers
     if frames is not None:
         cfg["frames"] = frames
     if size is not None:
@@ -162,6 +189,8 @@ def formula_bytes(cfg: dict, plan: str, n: int, k: int) -> float | None:
     """Bytes rank 0 sends per step by the plan's formula (docs/design.md), fp32; None for Latte's plans."""
     import math
 
+    if cfg.get("model") in SHAPED:
+        return None
     if cfg.get("model") != "wan" or n == 1:
         return None if cfg.get("model") != "wan" else 0.0
     B, e, L, H, hd = 2, 4, cfg["layers"], cfg["heads"], cfg["head_dim"]
@@ -179,7 +208,7 @@ def formula_bytes(cfg: dict, plan: str, n: int, k: int) -> float | None:
 
 
 def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, warmup: int,
-               ulysses_degree: int = 2) -> dict:
+               ulysses_degree: int = 2, dtype: str = "float32") -> dict:
     """On every worker: time `warmup + steps` interleaved rounds of every strategy.
 
     Returns this rank's {"times": {s: [s]}, "bytes": {s: [b]}, "calls": {s: {kind: n}},
@@ -192,31 +221,48 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
     from longserve.engine.models import latte
     from longserve.engine.models.wan import WanSequenceParallel
     from longserve.engine.parallel import make_sequence_parallel
+    from longserve.server.bench import shaped
 
     pg = ctx.pg
-    key = ("bench_model", tuple(sorted((k, str(v)) for k, v in cfg.items())), seed)
+    name, dt = cfg.get("model"), getattr(torch, dtype)
+    key = ("bench_model", tuple(sorted((k, str(v)) for k, v in cfg.items())), seed, dtype)
     if ctx.state.get("model_key") != key:
-        ctx.state["model"] = build_model(cfg, seed).to(pg.device)
-        ctx.state["hooked"] = WanSequenceParallel(ctx.state["model"]) if cfg.get("model") == "wan" else None
+        for held in ("model", "hooked"):                                       # free the last one first
+            ctx.state.pop(held, None)
+        if name in SHAPED:
+            ctx.state["model"] = shaped.build(name, cfg, seed, pg.device, dt)
+            ctx.state["hooked"] = shaped.wrap(name, ctx.state["model"])
+        else:
+            ctx.state["model"] = build_model(cfg, seed).to(pg.device, dt)
+            ctx.state["hooked"] = WanSequenceParallel(ctx.state["model"]) if name == "wan" else None
         ctx.state["model_key"] = key
     model, hooked = ctx.state["model"], ctx.state["hooked"]
-    x, t, enc = (v.to(pg.device) for v in step_inputs(cfg, seed))
+    if name in SHAPED:
+        kw = shaped.step_inputs(name, cfg, seed, pg.device, dt)
+    else:
+        x, t, enc = (v.to(pg.device) for v in step_inputs(cfg, seed))
+        x, enc = x.to(dt), enc.to(dt)
     cuda = pg.device.type == "cuda"
 
-    if cfg.get("model") == "wan":
+    if name != "latte":
         sps = {s: make_sequence_parallel(pg, s, usp_degree(ulysses_degree, pg.world_size) if s == "usp" else None)
                for s in strategies if s != REFERENCE}
 
     def forward(strategy):
+        if name in SHAPED:
+            if strategy == REFERENCE:
+                return shaped.reference(name, model, kw)
+            return shaped.parallel(name, hooked, kw, sps[strategy])
         if strategy == REFERENCE:
             return model(x, timestep=t, encoder_hidden_states=enc, return_dict=False)[0]
-        if cfg.get("model") == "wan":
+        if name == "wan":
             return hooked(x, t, enc, sps[strategy])
         return latte.parallel_forward(model, x, t, enc, pg, strategy)
 
     times = {s: [] for s in strategies}
     sent = {s: [] for s in strategies}
     in_comm = {s: [] for s in strategies}
+    peak = {s: 0 for s in strategies}
     calls, outputs = {}, {}
     with torch.no_grad(), _timed_collectives() as comm_clock:
         for r in range(warmup + steps):
@@ -225,22 +271,32 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
                     dist.barrier(group=pg.group)
                 if cuda:
                     torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats(pg.device)
                 comm.STATS.reset()
                 comm_clock[0] = 0.0
                 t0 = time.perf_counter()
                 out = forward(s)                                            # (2, C_out, T, H, W)
                 if cuda:
                     torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
                 stats = comm.STATS.snapshot()
+                peak[s] = max(peak[s], torch.cuda.max_memory_allocated(pg.device) if cuda else _peak_rss())
                 if r >= warmup:
-                    times[s].append(dt)
+                    times[s].append(elapsed)
                     sent[s].append(stats["bytes_sent"])
                     in_comm[s].append(comm_clock[0])
                     calls[s] = stats["calls"]
                 if r == warmup + steps - 1 and pg.rank == 0:
-                    outputs[s] = out.cpu()
-    return {"times": times, "bytes": sent, "comm_s": in_comm, "calls": calls, "output": outputs}
+                    outputs[s] = out.float().cpu()
+                del out
+    return {"times": times, "bytes": sent, "comm_s": in_comm, "calls": calls, "output": outputs, "peak": peak}
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set so far, in bytes (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @contextlib.contextmanager
@@ -278,21 +334,29 @@ def _timed_collectives():
 # -- the sweep -----------------------------------------------------------------------
 
 
-def parse_size(text: str | None) -> tuple[int, int] | None:
+def parse_size(text: str | None, patch: int = PATCH) -> tuple[int, int] | None:
     if text is None:
         return None
     try:
         h, w = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise ValueError(f"--size: expected HxW (latent height x width, e.g. 24x24), got {text!r}") from None
-    if h < PATCH or w < PATCH or h % PATCH or w % PATCH:
-        raise ValueError(f"--size: latent height and width must be positive multiples of the patch size {PATCH}, "
+    if h < patch or w < patch or h % patch or w % patch:
+        raise ValueError(f"--size: latent height and width must be positive multiples of the patch size {patch}, "
                          f"got {text!r}")
     return h, w
 
 
+def known_strategies(model: str) -> tuple[str, ...]:
+    if model in SHAPED:
+        from longserve.server.bench import shaped
+
+        return shaped.strategies(model)
+    return WAN_STRATEGIES if model == "wan" else STRATEGIES
+
+
 def parse_strategies(text: str | None, model: str = "latte") -> list[str]:
-    known = WAN_STRATEGIES if model == "wan" else STRATEGIES
+    known = known_strategies(model)
     if text is None:
         return list(known)
     strategies = [s.strip() for s in text.split(",") if s.strip()]
@@ -306,12 +370,12 @@ def parse_strategies(text: str | None, model: str = "latte") -> list[str]:
 def command_line(args) -> str:
     cmd = "longserve bench transformer" + (f" --model {args.model}" if args.model != "latte" else "")
     cmd += f" --strategies {','.join(parse_strategies(args.strategies, args.model))} --workers {args.workers}"
-    if args.model == "wan" and args.ulysses_degree != 2:
+    if args.model != "latte" and args.ulysses_degree != 2:
         cmd += f" --ulysses-degree {args.ulysses_degree}"
     if args.config != "bench":
         cmd += f" --config {args.config}"
-    for opt in ("steps", "warmup", "frames", "size", "device", "seed"):
-        default = {"steps": 5, "warmup": 2, "seed": 0}.get(opt)
+    for opt in ("steps", "warmup", "layers", "frames", "size", "device", "dtype", "seed"):
+        default = {"steps": 5, "warmup": 2, "seed": 0, "dtype": "float32"}.get(opt)
         v = getattr(args, opt)
         if v is not None and v != default:
             cmd += f" --{opt} {v}"
@@ -335,17 +399,29 @@ def measure(args) -> list[dict]:
         raise ValueError(f"--warmup: must be at least 0, got {args.warmup}")
     if args.frames is not None and args.frames < 1:
         raise ValueError(f"--frames: must be at least 1, got {args.frames}")
-    cfg = model_config(args.config, args.frames, parse_size(args.size), args.model)
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers: must be at least 1, got {args.layers}")
+    shaped_model = args.model in SHAPED
+    cfg = model_config(args.config, args.frames, parse_size(args.size, 1 if shaped_model else PATCH), args.model,
+                       args.layers)
     device = args.device or default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: cuda requested but no CUDA device is visible")
+    if args.dtype == "bfloat16" and device != "cuda":
+        raise ValueError("--dtype: bfloat16 is for --device cuda (CPU timings in bfloat16 mean little)")
     machine = benchutil.machine_info(device)
-    hidden = cfg["heads"] * cfg["head_dim"]
-    H, W = cfg["latent"]
-    channels = ({"in_channels": cfg["in_channels"], "out_channels": cfg["in_channels"]} if args.model == "wan"
-                else {"in_channels": IN_CHANNELS, "out_channels": OUT_CHANNELS})
-    model_desc = {**cfg, **channels, "hidden": hidden, "patch": PATCH,
-                  "latent": [H, W], "patches_per_frame": (H // PATCH) * (W // PATCH), "batch": 2, "dtype": "float32"}
+    if shaped_model:
+        from longserve.server.bench import shaped
+
+        model_desc = {"model": args.model, **shaped.describe(cfg), "transformer": cfg["transformer"], "batch": 2,
+                      "dtype": args.dtype}
+    else:
+        hidden = cfg["heads"] * cfg["head_dim"]
+        H, W = cfg["latent"]
+        channels = ({"in_channels": cfg["in_channels"], "out_channels": cfg["in_channels"]} if args.model == "wan"
+                    else {"in_channels": IN_CHANNELS, "out_channels": OUT_CHANNELS})
+        model_desc = {**cfg, **channels, "hidden": hidden, "patch": PATCH, "latent": [H, W],
+                      "patches_per_frame": (H // PATCH) * (W // PATCH), "batch": 2, "dtype": args.dtype}
     print(f"bench transformer: config {args.config} {model_desc}, {machine}", file=sys.stderr, flush=True)
 
     rows: list[dict] = []
@@ -356,7 +432,8 @@ def measure(args) -> list[dict]:
         t_start = time.perf_counter()
         with WorkerPool(n, device=device) as pool:
             foreign = benchutil.ForeignLoad().start([os.getpid(), *pool.pids])
-            results = pool.run(_bench_job, cfg, args.seed, jobs, args.steps, args.warmup, args.ulysses_degree)
+            results = pool.run(_bench_job, cfg, args.seed, jobs, args.steps, args.warmup, args.ulysses_degree,
+                               args.dtype)
             foreign.stop()
         elapsed = time.perf_counter() - t_start
         load_after = benchutil.load_average()
@@ -376,6 +453,8 @@ def measure(args) -> list[dict]:
                 "bytes_per_step": max(r["bytes"][s][-1] for r in results),
                 "collectives_per_step": dict(sorted(results[0]["calls"][s].items())),
                 "max_abs_err": float((out - reference_out).abs().max()),
+                "peak_memory_bytes": max(r["peak"][s] for r in results),
+                "peak_memory_kind": "cuda_max_allocated" if device == "cuda" else "cpu_peak_rss_whole_job",
                 "formula_bytes": formula_bytes(cfg, s, n, usp_degree(args.ulysses_degree, n)),
                 "ulysses_degree": usp_degree(args.ulysses_degree, n) if s == "usp" else None,
                 "config": args.config,
@@ -403,7 +482,8 @@ def measure(args) -> list[dict]:
 
 def _print_row(r: dict) -> None:
     print(f"  {r['strategy']:<12} workers={r['workers']}  {r['step_time_s']:7.3f} s/step  "
-          f"{r['bytes_per_step'] / 2**20:8.2f} MiB sent/rank  err {r['max_abs_err']:.1e}",
+          f"{r['bytes_per_step'] / 2**20:8.2f} MiB sent/rank  peak {r['peak_memory_bytes'] / 2**30:.2f} GiB  "
+          f"err {r['max_abs_err']:.1e}",
           file=sys.stderr, flush=True)
 
 
@@ -426,8 +506,12 @@ COLUMNS = [
     benchutil.Column("MiB sent / rank / step", "bytes_per_step", _mib),
     benchutil.Column("formula MiB", lambda r: "-" if r.get("formula_bytes") is None else _mib(r["formula_bytes"])),
     benchutil.Column("collectives / step", "collectives_per_step", _calls),
+    benchutil.Column("peak GiB", "peak_memory_bytes", lambda v: f"{v / 2**30:.2f}"),
     benchutil.Column("max abs err", "max_abs_err", ".1e"),
 ]
+
+
+TITLES = {"wan": "Wan-shaped", "ltx2-shaped": "LTX-2-shaped", "hunyuan15-shaped": "HunyuanVideo-1.5-shaped"}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -442,9 +526,9 @@ def plot(rows: list[dict], path: str) -> None:
                 benchutil.Panel("bytes_plot", "MiB sent per rank per step", "communication (log scale; 0 on 1 worker)",
                                 scale=2**20, log_y=True)],
         hlines={0: [(ref["step_time_s"], "diffusers, 1 worker")]},
-        title=(f"{'Wan' if m.get('model') == 'wan' else 'Latte'}-shaped transformer step: {m['layers']} blocks, "
+        title=(f"{TITLES.get(m.get('model'), 'Latte-shaped')} transformer step: {m['layers']} blocks, "
                f"hidden {m['hidden']}, "
-               f"{m['frames']} frames x {m['patches_per_frame']} patches, CFG batch 2, fp32, "
+               f"{m['frames']} frames x {m['patches_per_frame']} patches, CFG batch 2, {m['dtype']}, "
                f"{ref['machine']['backend']} on {ref['machine']['cores']} {ref['machine']['device']} cores"),
     )
 

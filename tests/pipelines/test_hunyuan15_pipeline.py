@@ -1,6 +1,6 @@
 """HunyuanVideo-1.5 (tiny-hunyuan15, a `HunyuanVideo15Pipeline` checkpoint, and tiny-hunyuan15-i2v, its
 `HunyuanVideo15ImageToVideoPipeline` sibling): 1 worker equals diffusers' pipelines, 2 and 3 workers equal 1 under
-the family's Ulysses plan (and CFG-parallel) on token counts no worker count divides, two requests batched equal
+each of the family's plans (and CFG-parallel) on token counts no worker count divides, two requests batched equal
 their runs alone, and what the family refuses is refused naming the field."""
 
 import numpy as np
@@ -63,10 +63,15 @@ def test_one_worker_matches_diffusers_hunyuan_video15(pipe1):
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_n_workers_match_one_worker_with_ulysses_and_cfg_parallel(want_latents, workers):
+def test_n_workers_match_one_worker_under_each_plan_and_cfg_parallel(want_latents, workers):
+    """Ulysses, Ring on 3 (the condition keys an extra block of the ring, the condition rows split over it) and,
+    with CFG-parallel, Ulysses per half. Ring on 2 workers is checked against diffusers' forward by the transformer
+    bench's test (tests/server/bench/test_bench_transformer.py; a pipeline run costs ~1.5 CPU-s); USP (Ulysses 2 x
+    Ring 2) by hand on 4 workers (docs/design.md)."""
+    plans = [("ulysses", False), ("ulysses", True)] if workers == 2 else [("ulysses", False), ("ring", False)]
     with VideoPipeline.from_pretrained("tiny-hunyuan15", workers=workers, device="cpu") as pipe:
-        for cfg_parallel in (False, True) if workers == 2 else (False,):
-            pipe.engine.set_plan("ulysses", None, cfg_parallel=cfg_parallel)
+        for parallel, cfg_parallel in plans:
+            pipe.engine.set_plan(parallel, None, cfg_parallel=cfg_parallel)
             got = pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, **ODD).frames
             assert got.shape == want_latents.shape == (1, 4, 5, 5, 5)
             assert_close(got, want_latents, ATOL_WORKERS)
@@ -122,7 +127,7 @@ def test_bad_hunyuan15_options_are_refused_naming_the_field(pipe1, options, fiel
         assert "HunyuanVideo15ImageToVideoPipeline" in str(e.value)
 
 
-def test_auto_is_ulysses_at_any_worker_count_and_other_plans_are_refused_naming_the_field():
+def test_auto_is_ulysses_at_any_worker_count_and_unknown_plans_are_refused_naming_the_field():
     from longserve.engine.families.hunyuan15 import Hunyuan15Family
 
     desc = Hunyuan15Family.describe(resolve_model("tiny-hunyuan15"))
@@ -130,4 +135,4 @@ def test_auto_is_ulysses_at_any_worker_count_and_other_plans_are_refused_naming_
     for workers in (1, 2, 3, 4, 8):                   # more workers than heads too: the heads are padded
         assert Hunyuan15Family.resolve_plan(desc, "auto", workers).name == "ulysses"
     with pytest.raises(ValueError, match="parallel"):
-        VideoPipeline.from_pretrained("tiny-hunyuan15", workers=2, device="cpu", parallel="ring")
+        VideoPipeline.from_pretrained("tiny-hunyuan15", workers=2, device="cpu", parallel="dsp")
