@@ -38,7 +38,7 @@ def backends(args, out, dev) -> None:
 
     from longserve.engine.models.wan import WanSequenceParallel
     from longserve.engine.parallel import make_sequence_parallel
-    from longserve.server.bench.gpu import _free, _solo, _time, build_wan, wan_config, wan_inputs
+    from longserve.server.bench.gpu_models import build_wan, free, solo_group, time_call, wan_config, wan_inputs
 
     s = args.smoke
     size = "81 frames 480x832" if not s else "smoke"
@@ -47,13 +47,13 @@ def backends(args, out, dev) -> None:
     hooked = WanSequenceParallel(model)
     x, t, e = wan_inputs(cfg, 21 if not s else 3, 60 if not s else 6, 104 if not s else 10, dev, torch.bfloat16,
                          text_len=8 if s else 512)
-    solo = _solo(dev)
+    solo = solo_group(dev)
 
     def timed(backend: str | None):
         sp = make_sequence_parallel(solo, "ulysses", attention_backend=backend)
         with torch.no_grad():
             result = hooked(x, t, e, sp)                                   # the warm-up, and the output compared
-            times = [_time(dev, hooked, x, t, e, sp) for _ in range(args.repeats)]
+            times = [time_call(dev, hooked, x, t, e, sp) for _ in range(args.repeats)]
         return statistics.median(times), result.float()
 
     base_s, base = timed(None)
@@ -73,7 +73,7 @@ def backends(args, out, dev) -> None:
         except Exception as err:  # noqa: BLE001 - a backend that cannot run these shapes is a finding
             out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name,
                     error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-            _free(dev)
+            free(dev)
             continue
         rel = ((got - base).abs().mean() / base.abs().mean()).item()
         out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name, step_s=step_s,
@@ -87,4 +87,4 @@ def backends(args, out, dev) -> None:
     out.row(section="backends", model="wan2.1-1.3b", size=size, backend="default (again)", step_s=again_s,
             vs_default=again_s / base_s, repeats=args.repeats)
     model = hooked = x = e = base = None       # the memory back before the next section
-    _free(dev)
+    free(dev)

@@ -43,13 +43,29 @@ import tempfile
 import time
 from pathlib import Path
 
+from longserve.server.bench.gpu_models import (
+    build_latte,
+    build_latte_dir,
+    build_sd_vae,
+    build_wan,
+    build_wan_dir,
+    device_sync,
+    free,
+    is_oom,
+    latte_cfg,
+    latte_inputs,
+    latte_ours,
+    latte_theirs,
+    peak_memory,
+    solo_group,
+    time_call,
+    wan_config,
+    wan_inputs,
+    wan_ours,
+    wan_theirs,
+)
+
 SECTIONS = ("numerics", "speed", "memory", "video", "wan-vae", "wan-stages", "levers", "backends")
-
-LATTE_1 = dict(heads=16, head_dim=72, layers=28, caption_channels=4096, text_len=120, latent=64)
-LATTE_SMOKE = dict(heads=3, head_dim=8, layers=2, caption_channels=32, text_len=8, latent=8)
-WAN_SMOKE = dict(num_attention_heads=3, attention_head_dim=12, ffn_dim=48, text_dim=16, in_channels=4,
-                 out_channels=4, num_layers=2, freq_dim=32)
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
@@ -82,137 +98,6 @@ class _Out:
 
     def over_budget(self) -> bool:
         return time.monotonic() - self.t0 > self.args.budget_s
-
-
-def _sync(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _time(dev, fn, *args) -> float:
-    """Seconds of fn(*args) (the arguments are passed, not captured, so a loop's values are the current ones)."""
-    _sync(dev)
-    t = time.perf_counter()
-    fn(*args)
-    _sync(dev)
-    return time.perf_counter() - t
-
-
-def _peak(dev, fn, *args) -> tuple[float, float]:
-    """(peak bytes above the memory at entry, seconds) of fn(*args)."""
-    from longserve.engine.memory import PeakMemory
-
-    _sync(dev)
-    t = time.perf_counter()
-    with PeakMemory(dev) as mem:
-        fn(*args)
-        _sync(dev)
-    return mem.peak_bytes, time.perf_counter() - t
-
-
-def _is_oom(e: BaseException) -> bool:
-    import torch
-
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
-def _free(dev) -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-# -- models ---------------------------------------------------------------------------------------------------
-
-
-def latte_cfg(smoke: bool) -> dict:
-    return dict(LATTE_SMOKE if smoke else LATTE_1)
-
-
-def wan_config(smoke: bool, layers: int | None = None) -> dict:
-    from longserve.weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER, init_kwargs
-
-    cfg = init_kwargs(WAN_2_1_T2V_1_3B_TRANSFORMER)
-    if smoke:
-        cfg.update(WAN_SMOKE)
-    if layers is not None:
-        cfg["num_layers"] = layers
-    return cfg
-
-
-def build_latte(cfg: dict, layers: int | None = None, video_length: int = 16):
-    from longserve.server.bench.models import random_latte_transformer
-
-    return random_latte_transformer(cfg["heads"], cfg["head_dim"], layers or cfg["layers"], video_length=video_length,
-                                    sample_size=cfg["latent"], caption_channels=cfg["caption_channels"])
-
-
-def build_wan(cfg: dict):
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    from longserve.weights.seeded import redraw_
-
-    torch.manual_seed(0)
-    with torch.no_grad():
-        return redraw_(WanTransformer3DModel(**cfg).eval(), 0)
-
-
-def latte_inputs(cfg: dict, frames: int, latent: int, dev, dtype, batch: int = 2, seed: int = 0):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, 4, frames, latent, latent, generator=g)
-    t = torch.tensor([900.0, 300.0] * (batch // 2) + [500.0] * (batch % 2))
-    e = torch.randn(batch, cfg["text_len"], cfg["caption_channels"], generator=g)
-    return x.to(dev, dtype), t.to(dev), e.to(dev, dtype)
-
-
-def wan_inputs(cfg: dict, latent_frames: int, h: int, w: int, dev, dtype, batch: int = 2, seed: int = 0,
-               text_len: int = 512):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, cfg["in_channels"], latent_frames, h, w, generator=g)
-    t = torch.tensor([900.0, 300.0] * (batch // 2) + [500.0] * (batch % 2))
-    e = torch.randn(batch, text_len, cfg["text_dim"], generator=g)
-    return x.to(dev, dtype), t.to(dev), e.to(dev, dtype)
-
-
-def _solo(dev):
-    from longserve.engine.dist import ParallelGroup
-
-    return ParallelGroup(rank=0, world_size=1, device=dev)
-
-
-def latte_ours(model, dev):
-    from longserve.engine.models import latte
-
-    pg = _solo(dev)
-    return lambda x, t, e: latte.parallel_forward(model, x, t, e, pg, "dsp")
-
-
-def latte_theirs(model):
-    return lambda x, t, e: model(x, timestep=t, encoder_hidden_states=e).sample
-
-
-def wan_ours(model, dev):
-    from longserve.engine.models.wan import WanSequenceParallel
-    from longserve.engine.parallel import make_sequence_parallel
-
-    sp = make_sequence_parallel(_solo(dev), "ulysses")
-    hooked = WanSequenceParallel(model)
-    return lambda x, t, e: hooked(x, t, e, sp)
-
-
-def wan_theirs(model):
-    return lambda x, t, e: model(x, t, e, return_dict=False)[0]
 
 
 # -- sections -------------------------------------------------------------------------------------------------
@@ -249,7 +134,7 @@ def numerics(args, out: _Out, dev) -> None:
             out.row(section="numerics", model=name, input=list(x.shape), diffusers_bf16_rel_err=d_bf16,
                     ours_bf16_rel_err=o_bf16, ratio=o_bf16 / d_bf16)
             del model, want
-            _free(dev)
+            free(dev)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
@@ -283,7 +168,7 @@ def speed(args, out: _Out, dev) -> None:
             continue
         if build is not None:
             model = None
-            _free(dev)
+            free(dev)
             model = build().to(dev, torch.bfloat16)
         x, t, e = inputs(dev)
         fns = {"ours": ours(model, dev), "diffusers": theirs(model)}
@@ -291,7 +176,7 @@ def speed(args, out: _Out, dev) -> None:
         with torch.no_grad():
             for r in range(2 + args.repeats):
                 for k, fn in fns.items():
-                    s = _time(dev, fn, x, t, e)
+                    s = time_call(dev, fn, x, t, e)
                     if r >= 2:
                         times[k].append(s)
             med = {k: statistics.median(v) for k, v in times.items()}
@@ -306,20 +191,20 @@ def speed(args, out: _Out, dev) -> None:
                     continue  # a (32760 x 32760) score matrix per head: minutes, not a backend anyone would pick
                 try:
                     with sdpa_kernel(backend):
-                        ts = [_time(dev, fns["ours"], x, t, e) for _ in range(1 + 3)][1:]
+                        ts = [time_call(dev, fns["ours"], x, t, e) for _ in range(1 + 3)][1:]
                     out.row(section="attention", model=family, size=size, backend=name, ours_s=statistics.median(ts))
                 except Exception as err:  # noqa: BLE001 - a backend that cannot run these shapes is a finding
                     out.row(section="attention", model=family, size=size, backend=name,
                             error=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
-                    _free(dev)
+                    free(dev)
             try:
                 import xformers  # noqa: F401
             except ImportError:
                 out.row(section="attention", model=family, size=size, backend="xformers", error="not installed")
         del x, e
-        _free(dev)
+        free(dev)
     del model
-    _free(dev)
+    free(dev)
 
 
 def memory(args, out: _Out, dev) -> None:
@@ -347,37 +232,25 @@ def memory(args, out: _Out, dev) -> None:
                 x, t, e = inputs(f)
                 with torch.no_grad():
                     fn(x[:, :, :1], t, e)  # warm-up (kernels, allocator) on one frame
-                    peak, secs = _peak(dev, fn, x, t, e)
+                    peak, secs = peak_memory(dev, fn, x, t, e)
                 out.row(section="memory", component="transformer step (batch 2)", model=family, size=size, frames=f,
                         latent_frames=latent_frames(f), peak_gib=peak / 2**30, weights_gib=weights / 2**30,
                         seconds=secs)
                 del x, e
             except Exception as err:  # noqa: BLE001
-                if not _is_oom(err):
+                if not is_oom(err):
                     raise
                 out.row(section="memory", component="transformer step (batch 2)", model=family, size=size, frames=f,
                         latent_frames=latent_frames(f), peak_gib=None, error="out of memory")
-                _free(dev)
+                free(dev)
                 break
-            _free(dev)
+            free(dev)
             if secs > args.step_limit_s:
                 break
         del model, fn
-        _free(dev)
+        free(dev)
     if not out.over_budget():
         latte_vae_memory(args, out, dev)
-
-
-def build_sd_vae(smoke: bool):
-    import torch
-    from diffusers import AutoencoderKL
-
-    channels = (8, 8, 16, 16) if smoke else (128, 256, 512, 512)
-    torch.manual_seed(0)
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=channels, layers_per_block=2,
-                         latent_channels=4, norm_num_groups=8 if smoke else 32, sample_size=512,
-                         scaling_factor=0.18215).eval()
 
 
 def latte_vae_memory(args, out: _Out, dev, chunk: int = 16) -> None:
@@ -392,19 +265,19 @@ def latte_vae_memory(args, out: _Out, dev, chunk: int = 16) -> None:
         z = torch.randn(T, 4, lat, lat, device=dev, dtype=torch.bfloat16)
         try:
             with torch.no_grad():
-                peak, secs = _peak(dev, vae.decode, z)
+                peak, secs = peak_memory(dev, vae.decode, z)
             out.row(section="memory", component="Latte VAE decode, one call", model="sd-vae", size=f"{lat * 8}px",
                     frames=T, peak_gib=peak / 2**30, seconds=secs)
             largest = T
         except Exception as err:  # noqa: BLE001
-            if not _is_oom(err):
+            if not is_oom(err):
                 raise
             out.row(section="memory", component="Latte VAE decode, one call", model="sd-vae", size=f"{lat * 8}px",
                     frames=T, peak_gib=None, error="out of memory")
-            _free(dev)
+            free(dev)
             break
         del z
-        _free(dev)
+        free(dev)
         if out.over_budget():
             break
     T = 2 * (largest or 16)
@@ -416,64 +289,14 @@ def latte_vae_memory(args, out: _Out, dev, chunk: int = 16) -> None:
             (frames.float().clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8)).cpu()
 
     with torch.no_grad():
-        peak, secs = _peak(dev, chunked, vae, z)
+        peak, secs = peak_memory(dev, chunked, vae, z)
     out.row(section="memory", component=f"Latte VAE decode, chunks of {chunk}", model="sd-vae", size=f"{lat * 8}px",
             frames=T, peak_gib=peak / 2**30, seconds=secs)
     del vae, z
-    _free(dev)
+    free(dev)
 
 
 # -- whole videos ----------------------------------------------------------------------------------------------
-
-
-def _copy_shared_parts(shipped: str, out_dir: Path) -> Path:
-    """The tokenizer, scheduler and model_index.json of a shipped tiny checkpoint, into out_dir; its path."""
-    from longserve.weights.registry import resolve_model
-
-    src = resolve_model(shipped)
-    for part in ("tokenizer", "scheduler", "model_index.json"):
-        (shutil.copytree if (src / part).is_dir() else shutil.copy)(src / part, out_dir / part)
-    return src
-
-
-def build_latte_dir(out_dir: Path, smoke: bool) -> Path:
-    import torch
-    from transformers import T5Config, T5EncoderModel
-
-    src = _copy_shared_parts("tiny-latte", out_dir)
-    cfg = latte_cfg(smoke)
-    build_latte(cfg).to(torch.bfloat16).save_pretrained(out_dir / "transformer")
-    t5 = T5Config.from_pretrained(src / "text_encoder")
-    torch.manual_seed(0)
-    T5EncoderModel(T5Config(**{**t5.to_dict(), "d_model": cfg["caption_channels"], "num_layers": 1, "num_heads": 2,
-                               "d_kv": 32, "d_ff": 256})).to(torch.bfloat16).save_pretrained(out_dir / "text_encoder")
-    build_sd_vae(smoke).to(torch.bfloat16).save_pretrained(out_dir / "vae")
-    return out_dir
-
-
-def build_wan_dir(out_dir: Path, smoke: bool) -> Path:
-    import torch
-    from diffusers import AutoencoderKLWan
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from longserve.weights.seeded import redraw_
-    from longserve.weights.wan import WAN_2_1_VAE, init_kwargs
-
-    src = _copy_shared_parts("tiny-wan", out_dir)
-    cfg = wan_config(smoke)
-    build_wan(cfg).to(torch.bfloat16).save_pretrained(out_dir / "transformer")
-    # tiny-wan's UMT5 (its tokenizer's vocabulary) at the transformer's text width, one layer, seeded as tiny-wan's
-    umt5 = UMT5Config.from_pretrained(src / "text_encoder")
-    umt5 = UMT5Config(**{**umt5.to_dict(), "d_model": cfg["text_dim"], "d_kv": 8, "num_heads": 2, "d_ff": 16,
-                         "num_layers": 1})
-    redraw_(UMT5EncoderModel(umt5).eval(), 1).to(torch.bfloat16).save_pretrained(out_dir / "text_encoder")
-    vae_cfg = init_kwargs(WAN_2_1_VAE)
-    if smoke:
-        vae_cfg.update(base_dim=16, z_dim=4, latents_mean=vae_cfg["latents_mean"][:4],
-                       latents_std=vae_cfg["latents_std"][:4])
-    torch.manual_seed(0)
-    AutoencoderKLWan(**vae_cfg).eval().to(torch.bfloat16).save_pretrained(out_dir / "vae")
-    return out_dir
 
 
 def video(args, out: _Out, dev) -> None:
@@ -511,7 +334,7 @@ def video(args, out: _Out, dev) -> None:
                 ours_s = time.perf_counter() - t
                 attention = pipe.info.attention
             tm = res.timings
-            _free(dev)
+            free(dev)
             # diffusers
             ref = cls.from_pretrained(str(d), torch_dtype=torch.bfloat16).to(dev)
             ref.set_progress_bar_config(disable=True)
@@ -520,10 +343,10 @@ def video(args, out: _Out, dev) -> None:
             if cls is LattePipeline:  # diffusers' Latte names the frame count video_length
                 ref_kw["video_length"] = ref_kw.pop("num_frames")
             ref(prompt, num_inference_steps=2, generator=gen(), output_type="np", **ref_kw)
-            _sync(dev)
+            device_sync(dev)
             t = time.perf_counter()
             theirs = ref(prompt, num_inference_steps=steps, generator=gen(), output_type="np", **ref_kw).frames
-            _sync(dev)
+            device_sync(dev)
             theirs_s = time.perf_counter() - t
             theirs = np.asarray(theirs[0] if isinstance(theirs, list) else theirs)
             diff = float(np.abs(res.frames.reshape(theirs.shape) - theirs).max()) if res.frames.size == theirs.size \
@@ -534,7 +357,7 @@ def video(args, out: _Out, dev) -> None:
                     overhead_per_step_ms=1000 * tm["overhead_s"] / steps,
                     max_abs_diff_vs_diffusers=diff, **kw)
             del ref
-            _free(dev)
+            free(dev)
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -564,26 +387,26 @@ def wan_vae_memory(args, out: _Out, dev) -> None:
         z = torch.randn(1, cfg["z_dim"], (frames - 1) // 4 + 1, h, w, device=dev, dtype=dtype)
         try:
             with torch.no_grad():
-                peak, secs = _peak(dev, vae.decode, z)
+                peak, secs = peak_memory(dev, vae.decode, z)
             out.row(section="memory", component="Wan VAE decode, diffusers one call", model="wan2.1-vae",
                     size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=peak / 2**30, seconds=secs)
             longest = frames
         except Exception as err:  # noqa: BLE001
-            if not _is_oom(err):
+            if not is_oom(err):
                 raise
             out.row(section="memory", component="Wan VAE decode, diffusers one call", model="wan2.1-vae",
                     size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=None, error="out of memory")
-            _free(dev)
+            free(dev)
             break
         del z
-        _free(dev)
+        free(dev)
         if secs > args.step_limit_s:
             break
     frames = longest or 81
     z = torch.randn(1, cfg["z_dim"], (frames - 1) // 4 + 1, h, w, device=dev, dtype=dtype)
 
     def streamed(vae, z, tiling):
-        dec = StreamingVAEDecoder(vae, _solo(dev), 1, h, w, tiling=tiling)
+        dec = StreamingVAEDecoder(vae, solo_group(dev), 1, h, w, tiling=tiling)
         for a in range(z.shape[2]):
             dec.decode(z[:, :, a:a + 1]).float().cpu()
         dec.close()
@@ -592,12 +415,12 @@ def wan_vae_memory(args, out: _Out, dev) -> None:
     tiles = VAETiling(32, 48, 24, 40) if args.smoke else VAETiling()
     for how, tiling in (("untiled", None), ("tiled", tiles)):
         with torch.no_grad():
-            peak, secs = _peak(dev, streamed, vae, z, tiling)
+            peak, secs = peak_memory(dev, streamed, vae, z, tiling)
         out.row(section="memory", component=f"Wan VAE decode, ours streamed (1 latent frame per call, {how})",
                 model="wan2.1-vae", size=f"{h * 8}x{w * 8}", frames=frames, peak_gib=peak / 2**30, seconds=secs)
-        _free(dev)
+        free(dev)
     del vae, z
-    _free(dev)
+    free(dev)
 
 
 def run(args) -> int:

@@ -86,12 +86,12 @@ def wan_stages(args, out, dev) -> None:
     from diffusers import AutoencoderKLWan, WanPipeline
 
     from longserve.pipelines import VideoPipeline
-    from longserve.server.bench.gpu import _free, _sync, build_wan_dir
+    from longserve.server.bench.gpu_models import build_wan_dir, device_sync, free
 
     steps = 3 if args.smoke else 50
     kw = wan_video_kwargs(args.smoke)
     d = checkpoint(args, "wan2.1-1.3b", build_wan_dir)
-    sync = lambda: _sync(dev)  # noqa: E731
+    sync = lambda: device_sync(dev)  # noqa: E731
     ours = {}
     for vae_dtype in (None, "bfloat16"):            # the engine's default float32 VAE, and --vae-dtype bfloat16
         with VideoPipeline.from_pretrained(str(d), workers=1, device=dev.type, dtype="bfloat16",
@@ -100,7 +100,7 @@ def wan_stages(args, out, dev) -> None:
             t = time.perf_counter()
             res = pipe(PROMPT, num_inference_steps=steps, seed=0, **kw)
             ours[vae_dtype or "float32"] = (time.perf_counter() - t, res)
-        _free(dev)
+        free(dev)
     for vae_dtype in ("bfloat16", "float32"):       # the whole pipeline in bf16; its VAE in fp32 (diffusers' Wan docs)
         vae = AutoencoderKLWan.from_pretrained(str(d), subfolder="vae", torch_dtype=getattr(torch, vae_dtype))
         ref = WanPipeline.from_pretrained(str(d), vae=vae, torch_dtype=torch.bfloat16).to(dev)
@@ -134,14 +134,14 @@ def wan_stages(args, out, dev) -> None:
                 diffusers_other_s=timed_s - sum(timer.seconds.values()), diffusers_transformer_calls=timer.calls,
                 max_abs_diff_vs_diffusers=diff, **kw)
         del ref, vae
-        _free(dev)
+        free(dev)
 
 
 def levers(args, out, dev) -> None:
     import numpy as np
 
     from longserve.pipelines import VideoPipeline
-    from longserve.server.bench.gpu import _free, build_wan_dir
+    from longserve.server.bench.gpu_models import build_wan_dir, free
 
     steps = 3 if args.smoke else args.lever_steps
     kw = wan_video_kwargs(args.smoke)
@@ -175,7 +175,7 @@ def levers(args, out, dev) -> None:
                 info = pipe.info
         except Exception as err:  # noqa: BLE001 - a lever that cannot run here is a finding, not the end
             out.row(section="levers", lever=name, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-            _free(dev)
+            free(dev)
             continue
         frames = res.frames
         if exact is None and name == "exact":
@@ -185,6 +185,6 @@ def levers(args, out, dev) -> None:
                 step_ms=1000 * res.timings["transformer_s"] / steps, load_s=load_s, first_video_s=first_s,
                 compile_s=info.compile_s, compiled_graphs=info.compiled_graphs, max_abs_diff_vs_exact=diff, **kw)
         del pipe, res
-        _free(dev)
+        free(dev)
     if exact is None:
         out.row(section="levers", note="no exact row: nothing to compare with")

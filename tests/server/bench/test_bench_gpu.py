@@ -24,7 +24,9 @@ def test_bench_gpu_smoke_reports_each_section(tmp_path):
     assert len(steps) == 2 and steps[1]["peak_gib"] > steps[0]["peak_gib"]  # more frames, more memory
     backends = {r["backend"]: r for r in rows if r["section"] == "backends" and "backend" in r}
     assert list(backends)[0] == "default" and list(backends)[-1] == "default (again)"
-    assert backends["native"]["rel_err"] == 0.0 and backends["native"]["step_s"] > 0   # the default's kernel, exactly
+    # the default's arithmetic: in bf16 the CPU may take another SDPA kernel for the dispatcher's layout (seen on an
+    # Intel AVX-512 machine: 3.3e-3), so within bf16 rounding (2**-7), not bit for bit
+    assert backends["native"]["rel_err"] < 2 ** -7 and backends["native"]["step_s"] > 0
     assert "attention_backend='flash'" in backends["flash"]["skipped"] and "cpu" in backends["_native_cudnn"]["skipped"]
 
 
@@ -37,3 +39,20 @@ def test_bench_gpu_wan_vae_smoke_times_diffusers_and_our_streamed_decode_untiled
     assert components == ["Wan VAE decode, diffusers one call"] + [
         f"Wan VAE decode, ours streamed (1 latent frame per call, {how})" for how in ("untiled", "tiled")]
     assert all(r["seconds"] > 0 and r["peak_gib"] > 0 for r in rows if "component" in r)
+
+
+def test_bench_gpu_wan_stages_smoke_splits_both_pipelines_time_for_each_vae_dtype(tmp_path):
+    """docs/gpu.md's "where the last 7% was": our video and diffusers' on one checkpoint, each VAE dtype, with
+    diffusers' stages timed; the frames agree (bf16 rounding) and the stages add up to no more than the whole."""
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "gpu", "--smoke", "--device", "cpu", "--sections", "wan-stages", "--work-dir",
+                 str(tmp_path / "work"), "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [r for r in rows if "error" in r], rows
+    stages = {r["vae_dtype"]: r for r in rows if r["section"] == "wan-stages" and "vae_dtype" in r}
+    assert set(stages) == {"bfloat16", "float32"}
+    for r in stages.values():
+        assert r["diffusers_transformer_calls"] == {"transformer": 2 * r["steps"]}          # CFG: two calls a step
+        assert 0 < sum(r["diffusers_stages"].values()) <= r["diffusers_timed_s"]
+        assert r["ours_stages"]["vae_s"] > 0 and r["max_abs_diff_vs_diffusers"] < 0.05
+    assert (tmp_path / "work" / "wan2.1-1.3b-smoke" / "model_index.json").is_file()     # kept for the next section
