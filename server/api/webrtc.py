@@ -11,9 +11,10 @@ binary fragments are replaced by the track. No STUN or TURN server is used (same
 The track is paced on the wall clock: a frame is sent at most one frame time (1/fps) after the one before, its
 timestamp the moment it is sent (90 kHz from the first frame), so a session slower than real time plays as it
 comes and one faster is smoothed to its fps; past `max_frames` queued (a second of video) the oldest go, so the
-track stays near the live edge and a slow peer never holds the engine back. When a chunk's first frame is sent the
-session is told (`on_first`): the socket's `{"type": "chunk.sent", "index", "pts"}` lets a client tell which chunk
-a painted frame belongs to (its RTP timestamp less the first frame's).
+track stays near the live edge and a slow peer never holds the engine back. When a chunk's first frame to be sent
+goes (its first made, or the first left of it after drops), the session is told (`on_first`): the socket's
+`{"type": "chunk.sent", "index", "pts"}` lets a client tell which chunk a painted frame belongs to (its RTP
+timestamp less the first frame's).
 """
 
 from __future__ import annotations
@@ -58,16 +59,17 @@ def make_track(fps: int, max_frames: int):
             self.step = CLOCK // fps
             self.t0: float | None = None           # the first frame's send time: timestamp 0
             self.sent_pts = -self.step
+            self.sent_index = None                  # the chunk of the last frame sent
             self.dropped = 0
             self.on_first = None                    # (chunk index, timestamp) when a chunk's first frame is sent
 
         def push(self, pixels: np.ndarray, index: int) -> None:
             """Chunk `index`'s frames (T, H, W, 3) uint8 -> the track (the oldest queued go past `max_frames`)."""
-            for i, frame in enumerate(pixels):
+            for frame in pixels:
                 while self.queue.qsize() >= max_frames:
                     self.queue.get_nowait()
                     self.dropped += 1
-                self.queue.put_nowait((index if i == 0 else None, np.ascontiguousarray(frame)))
+                self.queue.put_nowait((index, np.ascontiguousarray(frame)))
 
         def end(self) -> None:
             self.queue.put_nowait(None)
@@ -87,8 +89,11 @@ def make_track(fps: int, max_frames: int):
                 await asyncio.sleep(wait)
             pts = max(self.sent_pts + self.step, int((time.monotonic() - self.t0) * CLOCK))
             self.sent_pts = pts
-            if index is not None and self.on_first is not None:
+            # a chunk's first frame *sent*: its first made may have been dropped from the queue (an engine faster
+            # than the track's fps), and the page still needs to know where the chunk starts on the track
+            if index != self.sent_index and self.on_first is not None:
                 self.on_first(index, pts)
+            self.sent_index = index
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
             frame.pts, frame.time_base = pts, Fraction(1, CLOCK)
             return frame
