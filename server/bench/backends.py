@@ -79,10 +79,7 @@ def backends(args, out, dev) -> None:
         out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name, step_s=step_s,
                 vs_default=step_s / base_s, rel_err=rel, repeats=args.repeats)
         del got
-    model.set_attention_backend("native")        # the default's kernel, for the second default row
-    for m in model.modules():
-        if hasattr(getattr(m, "processor", None), "_attention_backend"):
-            m.processor._attention_backend = None
+    model.reset_attention_backend()              # diffusers' default again, for the second default row
     again_s, _ = timed(None)
     out.row(section="backends", model="wan2.1-1.3b", size=size, backend="default (again)", step_s=again_s,
             vs_default=again_s / base_s, repeats=args.repeats)

@@ -26,6 +26,7 @@ import pytest
 from servers import serving, sse_events
 
 import longserve.server.api.store as store_module
+import longserve.server.api.stored_files as stored_files
 import longserve.server.media as media
 from longserve.server.api.metrics import parse_text
 from longserve.server.api.store import JobStore
@@ -80,7 +81,7 @@ class FakeDisk:
             return f
 
         monkeypatch.setattr(media, "open", fake_open, raising=False)
-        monkeypatch.setattr(store_module, "disk_free_bytes", lambda path: 0 if self.full else 1 << 40, raising=False)
+        monkeypatch.setattr(stored_files, "disk_free_bytes", lambda path: 0 if self.full else 1 << 40, raising=False)
         for name in ("insert", "update"):
             real = getattr(JobStore, name)
 
@@ -265,7 +266,7 @@ def test_a_disk_that_fills_while_a_video_encodes_fails_it_refuses_creates_and_re
     assert refused.status_code == 507 and refused.headers["Retry-After"], refused.text
     assert refused.json()["error"]["code"] == "storage_full"
     with monkeypatch.context() as m:           # free space that looks fine (a quota): SQLite refuses the insert
-        m.setattr(store_module, "disk_free_bytes", lambda path: 1 << 40)
+        m.setattr(stored_files, "disk_free_bytes", lambda path: 1 << 40)
         refused = http.post("/v1/videos", json={"prompt": "another", "size": "32x32", "num_frames": 4})
     assert refused.status_code == 507 and refused.json()["error"]["code"] == "storage_full", refused.text
     assert http.get("/v1/models").status_code == 200, "the server keeps serving"
