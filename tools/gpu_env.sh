@@ -18,3 +18,15 @@ done
 for pkg in engine pipelines server weights; do ln -sfn "$PWD/$pkg" "longserve/$pkg" || return 1; done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 longserve() { python3 -m longserve.server.cli "$@"; }
+
+# step NAME LIMIT_S COMMAND...: COMMAND under min(LIMIT_S, the time left before $DEADLINE (in $SECONDS)), its output
+# appended to $LOG, its exit status and time to the terminal: the session scripts (tools/gpu_session_*.sh) are steps
+step() {
+  local name=$1 limit=$2 t=$SECONDS; shift 2
+  local left=$((DEADLINE - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then echo "$name skipped (${left} s left)" | tee -a "$LOG"; return; fi
+  echo "== $name (limit $limit s): $*" >> "$LOG"
+  timeout "$limit" "$@" >> "$LOG" 2>&1
+  echo "$name rc=$? $((SECONDS - t)) s" | tee -a "$LOG"
+}

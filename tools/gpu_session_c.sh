@@ -10,15 +10,6 @@ OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 LOG=$OUT/session.log
 DEADLINE=$((SECONDS + ${DEADLINE_S:-520}))
 
-step() {  # step NAME LIMIT_S COMMAND...: COMMAND under min(LIMIT_S, the time left), its output appended to $LOG
-  local name=$1 limit=$2 t=$SECONDS; shift 2
-  local left=$((DEADLINE - SECONDS))
-  [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -lt 30 ]; then echo "$name skipped (${left} s left)" | tee -a "$LOG"; return; fi
-  echo "== $name (limit $limit s): $*" >> "$LOG"
-  timeout "$limit" "$@" >> "$LOG" 2>&1
-  echo "$name rc=$? $((SECONDS - t)) s" | tee -a "$LOG"
-}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, diffusers, transformers, fastapi, imageio_ffmpeg as f; print(torch.__version__, \
