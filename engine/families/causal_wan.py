@@ -245,7 +245,8 @@ class CausalWanFamily(WanParts, VideoFamily):
             tokenizer = transformers.AutoTokenizer.from_pretrained(base / "tokenizer")
             text_encoder = getattr(transformers, index["text_encoder"][1]).from_pretrained(
                 base / "text_encoder", dtype=self.dtype).to(device)
-        vae = diffusers.AutoencoderKLWan.from_pretrained(base / "vae", torch_dtype=torch.float32).to(device)
+        vae = diffusers.AutoencoderKLWan.from_pretrained(base / "vae", torch_dtype=self.component_dtypes()["vae"]
+                                                         ).to(device)   # float32 unless --vae-dtype says otherwise
         scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(base / "scheduler")
         self.pipe = diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                                           vae=vae, scheduler=scheduler)
@@ -277,8 +278,8 @@ class CausalWanFamily(WanParts, VideoFamily):
             return {}
         vae, device = self.pipe.vae, self.pg.device
         pixels = self.pipe.video_processor.preprocess(to_pil(spec.options["image"]), height=spec.height,
-                                                      width=spec.width).to(device, torch.float32)  # (1, 3, H, W)
-        latent = vae.encode(pixels[:, :, None]).latent_dist.mode()                             # (1, z, 1, h, w)
+                                                      width=spec.width).to(device, vae.dtype)  # (1, 3, H, W)
+        latent = vae.encode(pixels[:, :, None]).latent_dist.mode().float()                     # (1, z, 1, h, w)
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean, device=device).view(1, z, 1, 1, 1)
         std = torch.tensor(vae.config.latents_std, device=device).view(1, z, 1, 1, 1)

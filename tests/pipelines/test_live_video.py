@@ -261,11 +261,12 @@ def test_a_bfloat16_session_runs_and_follows_the_float32_one(causal_dir):
     parameter, `scale_shift_table`, is one): the KV cache and the RoPE rows must take the compute dtype, not the
     first parameter's, or the first chunk fails on mixed query / key dtypes."""
     want = latents_of(causal_dir, "float32")
-    got = latents_of(causal_dir, "bfloat16")
+    got = latents_of(causal_dir, "bfloat16", vae_dtype="bfloat16")   # and a bf16 VAE encoding the start image
     assert got.shape == want.shape and np.isfinite(got).all()
     assert np.abs(got - want).max() < 0.1 * np.abs(want).max()     # bf16 rounding, not another video
 
 
-def latents_of(causal_dir, dtype):
-    with VideoPipeline.from_pretrained(str(causal_dir), workers=1, dtype=dtype) as p:
-        return p("a red ball bouncing", seed=0, num_frames=9, height=H, width=W, output_type="latent").frames
+def latents_of(causal_dir, dtype, **kw):
+    with VideoPipeline.from_pretrained(str(causal_dir), workers=1, dtype=dtype, **kw) as p:
+        return p("a red ball bouncing", seed=0, num_frames=9, height=H, width=W, output_type="latent",
+                 image=blue_ball(H, W)).frames
