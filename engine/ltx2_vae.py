@@ -17,9 +17,11 @@ clip's two ends with copies of its first and last frame ("replicate"). Everythin
 So an output frame depends on the latent frames within a fixed radius, H, and a window [s, e) of the clip decodes
 the frames of its latent frames [s + H, e - H) exactly as the whole clip does; where the window starts or ends at
 the clip's own start or end, diffusers' replicate padding sees the same frame it sees in the whole decode, so no
-halo is needed there. `halo(decoder)` derives H from the modules (`temporal_ops`: every temporal kernel radius,
-divided by the temporal upsampling already done before it, with the depth-to-space's rounding, computed exactly
-on frame indices); tests/engine/test_ltx2_vae.py checks it by perturbing one latent frame.
+halo is needed there. `halos(decoder)` derives H, before and after, from the modules (`temporal_ops`: every
+temporal kernel radius, divided by the temporal upsampling already done before it, with the depth-to-space's
+rounding, computed exactly on frame indices): 7 and 7 on tiny-ltx2, 22 and 22 at the published shape (a causal
+decoder, `decoder_causal` true, reads only before: 44 and 0 there); tests/engine/test_ltx2_vae.py checks it by
+perturbing one latent frame.
 
 Frame indices: a window of n latent frames makes 1 + 8(n - 1) frames (three upsamplers, each dropping its first
 frame); the window starting at latent frame s > 0 starts at the whole clip's frame 8s (latent frame s's last
