@@ -19,10 +19,15 @@ the batch key, so a batch shares them).
 The distilled few-step schedule (`distilled: true`): diffusers' `DISTILLED_SIGMA_VALUES` (8 steps), no CFG, no STG,
 no modality guidance, as the distilled checkpoints are run.
 
-Output: the video decoded once every latent frame is final (the LTX-2 VAE's decoder is not causal in time, so the
-whole clip is one decode, on rank 0), and the sound: the audio latents through the audio VAE and the vocoder, handed
-out with the frames (`FramesChunk.info["audio"]`: float32 (B, channels, samples), `info["audio_rate"]`: Hz). A
-request with `audio: false` skips the audio decode (its latents are still denoised: the two streams are one model).
+Output: every latent frame is final when denoising ends; the video is decoded on rank 0 a window at a time and
+handed out window by window (engine/ltx2_vae.py: the LTX-2 VAE's decoder is not causal in time, so each window is
+decoded with a halo of H latent frames on either side, and its frames equal the one-call decode's). A window keeps
+2H latent frames, whatever `decode_chunk_frames` (the last one the rest); a clip no longer than a window plus its
+two halos is decoded whole, in one call, as diffusers does, and so is every clip where the VAE cannot be windowed
+(`engine.ltx2_vae.not_streamable`). The sound: the audio latents through the audio VAE and the vocoder, decoded
+before the first video window and handed out with it (`FramesChunk.info["audio"]`: float32 (B, channels, samples),
+`info["audio_rate"]`: Hz), so a streamed download knows the sound when it writes the first frames. A request with
+`audio: false` skips the audio decode (its latents are still denoised: the two streams are one model).
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class LTX2Request(WorkerRequest):
     stage: int = 0
     stage_start: int = 0                # steps done before this stage (its scheduler counts from there)
     fps_rate: float = 24.0              # the frame rate the positions are conditioned on
+    clip: torch.Tensor = None           # the final video latents (B, C, F, h, w) de-normalised, once denoised
 
 
 def guidance_settings(spec: GenerationSpec) -> dict:
@@ -234,6 +240,10 @@ class LTX2Family(VideoFamily):
 
             self.upsampler = LTX2LatentUpsamplerModel.from_pretrained(
                 Path(config.model_dir) / "latent_upsampler", dtype=self.dtype).to(self.pg.device).eval()
+        from longserve.engine.ltx2_vae import halos, not_streamable
+
+        self.vae_halos = halos(self.pipe.vae.decoder)         # (before, after): latent frames a window reads
+        self.vae_refused = not_streamable(self.pipe.vae)       # why the clip is decoded whole, or None
         self.set_plan(config.plan)
 
     def shard(self, denoiser):
@@ -356,9 +366,10 @@ class LTX2Family(VideoFamily):
                           fps_rate=rate)
         if upsample:
             req.num_steps += len(STAGE_2_SIGMAS)
-        # the whole clip is pushed once and decoded once (with its sound), by this request's decoder
-        req.frames = FrameStream(FramesPolicy(vae_t, whole=True), lambda _: LTX2Decoder(self, req), spec.output,
-                                 self.pg.rank, spec.num_frames)
+        # the whole clip is pushed once, when denoising ends, and decoded a window at a time (`decode_next`), the
+        # sound with the first; output "latent" hands the latents out in one piece
+        req.frames = FrameStream(FramesPolicy(vae_t, whole=spec.output == "latent"),
+                                 lambda _: LTX2Decoder(self, req), spec.output, self.pg.rank, spec.num_frames)
         req.batch_key = self.batch_key(req)
         return req
 
@@ -466,7 +477,25 @@ class LTX2Family(VideoFamily):
             self._start_stage_2(r)
         if r.denoised:
             info = {"audio_latents": self.final_audio_latents(r).cpu()} if r.spec.output == "latent" else {}
-            r.frames.push(self.final_latents(r), info=info, last=True)
+            r.clip = self.final_latents(r)
+            r.frames.push(r.clip, info=info, last=True)
+
+    def decode_next(self, r: LTX2Request, max_frames: int):
+        """The next window's frames, whatever the scheduler's `max_frames` (`window_frames`)."""
+        return super().decode_next(r, self.window_frames(r))
+
+    def window_frames(self, r: LTX2Request) -> int:
+        """The frames a decode call hands out (`FrameStream.next`'s max_frames): a window of 2H latent frames (fewer
+        would decode more halo than frames; more would hand out the first frames later), the last window taking the
+        rest (less than two windows); the whole clip in one call when it is no longer than a window and its two
+        halos (4H latent frames), or the VAE cannot be windowed."""
+        before, after = self.vae_halos
+        window = before + after                                       # latent frames kept per call
+        if r.spec.output == "latent" or self.vae_refused or r.latent_frames <= 2 * window:
+            return r.num_frames                                       # the whole clip, one call
+        if r.latent_frames - r.frames.latents_done < 2 * window:
+            return r.num_frames                                       # the rest: no window shorter than the others
+        return window * self.pipe.vae_temporal_compression_ratio
 
     def _start_stage_2(self, r: LTX2Request) -> None:
         """The latent upsampler's second stage, as diffusers' two-stage recipe runs it: the first stage's latents
@@ -532,31 +561,39 @@ class LTX2Family(VideoFamily):
 
 
 class LTX2Decoder:
-    """The whole clip's decode, on rank 0 (the LTX-2 VAE's decoder sees every latent frame at once), and the sound
-    with it."""
+    """A clip's decode on rank 0, a window of latent frames at a time as the frame stream hands them
+    (`engine.ltx2_vae.LTX2WindowedDecode`: each with its halo from the whole clip's latents; one window of the whole
+    clip is diffusers' one call), and the sound with the first window, decoded before it."""
 
     def __init__(self, family: LTX2Family, r: LTX2Request):
         self.family, self.r = family, r
+        self.window = None
+        self.start = 0                      # the clip's latent frames handed out so far
 
     def decode(self, latents: torch.Tensor, keep: slice):
         fam = self.family
         if fam.pg.rank != 0:
             return None
         from longserve.engine.decoding import to_pixels
+        from longserve.engine.ltx2_vae import LTX2WindowedDecode
 
         pipe, r = fam.pipe, self.r
         with torch.no_grad():
-            latents = latents.to(pipe.vae.dtype)
-            timestep = None
-            if pipe.vae.config.timestep_conditioning:
-                timestep = torch.zeros(latents.shape[0], device=latents.device, dtype=latents.dtype)
-            video = pipe.vae.decode(latents, timestep, return_dict=False)[0]
-            if r.spec.options.get("audio", True):          # handed out with the frames (the stream's info)
+            if self.start == 0 and r.spec.options.get("audio", True):   # the sound first, with the first frames
                 r.frames.info = {**r.frames.info, "audio": fam.decode_audio(r), "audio_rate": fam.desc.facts.audio_rate}
+            if self.window is None:
+                clip = r.clip.to(pipe.vae.dtype)
+                timestep = None
+                if pipe.vae.config.timestep_conditioning:
+                    timestep = torch.zeros(clip.shape[0], device=clip.device, dtype=clip.dtype)
+                self.window = LTX2WindowedDecode(pipe.vae, clip, timestep, fam.vae_halos)
+            a = self.start
+            self.start += latents.shape[2]
+            video = self.window.decode(a, self.start)
         return to_pixels(video[:, :, keep], pipe.video_processor, r.spec.output)
 
     def close(self) -> None:
-        pass
+        self.window, self.r.clip = None, None          # the clip is handed out: its latents are not kept
 
 
 FAMILY = LTX2Family

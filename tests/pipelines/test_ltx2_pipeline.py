@@ -237,3 +237,18 @@ def test_the_latent_upsamplers_second_stage_matches_diffusers_two_stage_recipe_o
         with pytest.raises(RequestError) as e:                    # the first stage is half the size: 64k pixels
             pipe.make_spec(PROMPT, seed=0, height=96, width=192, upsample=True)
         assert e.value.field == "height"
+
+
+def test_a_long_clip_is_decoded_window_by_window_as_diffusers_decodes_it_whole(pipe1, diffusers_pipe):
+    """30 latent frames are longer than a window and its halos on tiny-ltx2 (H = 7: 14 + 2 x 7), so the video comes
+    in two windows (14 latent frames, then the 16 left), each decoded with its halo (engine/ltx2_vae.py), and equals
+    diffusers' one-call decode; the sound comes with the first window (the 17-frame clips above are one window)."""
+    kw = dict(height=64, width=64, num_frames=233, num_inference_steps=2, guidance_scale=1.0,
+              audio_guidance_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0, **PLAIN)
+    want = reference(diffusers_pipe, **kw)
+    spec = pipe1.make_spec(PROMPT, NEGATIVE, seed=0, **kw)
+    chunks = [o for o in pipe1.engine.submit(spec) if isinstance(o, FramesChunk)]
+    assert [c.frames.shape[1] for c in chunks] == [1 + 8 * 13, 8 * 16]
+    assert "audio" in chunks[0].info and "audio" not in chunks[1].info
+    assert_close(np.concatenate([c.frames for c in chunks], axis=1), want.frames)
+    assert_close(chunks[0].info["audio"], want.audio.numpy())
