@@ -62,16 +62,18 @@ def test_one_worker_matches_diffusers_hunyuan_video15(pipe1):
     assert_close(got, want, ATOL)
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2, 3, 4])
 def test_n_workers_match_one_worker_under_each_plan_and_cfg_parallel(want_latents, workers):
     """Ulysses, Ring on 3 (the condition keys an extra block of the ring, the condition rows split over it) and,
-    with CFG-parallel, Ulysses per half. Ring on 2 workers is checked against diffusers' forward by the transformer
-    bench's test (tests/server/bench/test_bench_transformer.py; a pipeline run costs ~1.5 CPU-s); USP (Ulysses 2 x
-    Ring 2) by hand on 4 workers (docs/design.md)."""
-    plans = [("ulysses", False), ("ulysses", True)] if workers == 2 else [("ulysses", False), ("ring", False)]
+    with CFG-parallel, Ulysses per half; on 4, USP (Ulysses 2 x Ring 2) and Ring per CFG half. Ring on 2 workers
+    is checked against diffusers' forward by the transformer bench's test (tests/server/bench/
+    test_bench_transformer.py)."""
+    plans = {2: [("ulysses", None, False), ("ulysses", None, True)],
+             3: [("ulysses", None, False), ("ring", None, False)],
+             4: [("usp", 2, False), ("ring", None, True)]}[workers]
     with VideoPipeline.from_pretrained("tiny-hunyuan15", workers=workers, device="cpu") as pipe:
-        for parallel, cfg_parallel in plans:
-            pipe.engine.set_plan(parallel, None, cfg_parallel=cfg_parallel)
+        for parallel, degree, cfg_parallel in plans:
+            pipe.engine.set_plan(parallel, degree, cfg_parallel=cfg_parallel)
             got = pipe(PROMPT, negative_prompt=NEGATIVE, seed=0, **ODD).frames
             assert got.shape == want_latents.shape == (1, 4, 5, 5, 5)
             assert_close(got, want_latents, ATOL_WORKERS)
