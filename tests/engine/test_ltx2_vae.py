@@ -64,3 +64,20 @@ def test_a_halo_one_frame_short_differs(case):
     window = LTX2WindowedDecode(vae, z, halo_frames=(6, 6))
     got = torch.cat([window.decode(0, 10), window.decode(10, F)], dim=2)
     assert float((got - want).abs().max()) > 1e-4
+
+
+def test_a_vae_whose_windows_would_not_equal_its_whole_decode_is_refused_streaming(case):
+    """Tiling (diffusers blends its own tiles over the clip) and a decoder that draws noise per call: the family
+    then decodes the clip whole (`not_streamable` says why); the shipped tiny VAE streams."""
+    vae, _, _ = case
+    assert not_streamable(vae) is None
+    vae.enable_tiling()
+    try:
+        assert "tiled" in not_streamable(vae)
+    finally:
+        vae.disable_tiling()
+    from diffusers import AutoencoderKLLTX2Video
+
+    noisy = AutoencoderKLLTX2Video.from_config({**vae.config, "decoder_inject_noise": [True] * len(
+        vae.config.decoder_inject_noise)})
+    assert "noise" in not_streamable(noisy)
