@@ -1,0 +1,22 @@
+"""`longserve bench live` on tiny-live (docs/gpu.md section 7 is this command at LongLive's shape): the live row's
+first fragment, rate and a chunk's time by stage, flat memory rows and the switch row, in its JSON."""
+
+import json
+
+from longserve.server.cli import main
+
+
+def test_bench_live_reports_a_chunk_s_time_by_stage_flat_memory_and_the_switch(tmp_path):
+    out = tmp_path / "live.json"
+    assert main(["bench", "live", "--model", "tiny-live", "--seconds", "1.5", "--memory-chunks", "2,4", "--no-df",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    live = next(r for r in rows if r["kind"] == "live")
+    assert live["chunks"] >= 4 and 0 < live["first_fragment_s"] < live["seconds"] and live["fps"] > 0
+    stages = [live[f"{k}_ms_per_chunk"] for k in ("transformer", "vae", "mux")]
+    assert all(s > 0 for s in stages)                                  # each stage was timed
+    assert sum(stages) <= 1.05 * 1000 * live["seconds"] / live["chunks"]      # and they fit in a chunk's time
+    memory = [r for r in rows if r["kind"] == "memory"]
+    assert [r["chunks"] for r in memory] == [2, 4] and memory[1]["vs_first"] < 1.2
+    switch = next(r for r in rows if r["kind"] == "prompt switch")
+    assert switch["switch_chunks"] <= 1
