@@ -81,6 +81,8 @@ def add_arguments(parser) -> None:
                         help="keep the built checkpoints here and reuse them (wan-stages, levers; default: a "
                              "temporary directory)")
     parser.add_argument("--lever-steps", type=int, default=20, help="levers: steps per video")
+    parser.add_argument("--levers", default="exact,fp8,compile,fp8+compile",
+                        help="levers: which rows (comma-separated; exact is the reference of the frame difference)")
 
 
 class _Out:

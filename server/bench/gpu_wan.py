@@ -155,8 +155,14 @@ def levers(args, out, dev) -> None:
         defaults.write_text(json.dumps({k: kw[k] for k in ("height", "width", "num_frames")}) + "\n")
     rows = [("exact", {}), ("fp8", {"quantize": "fp8"}), ("compile", {"compile": "blocks"}),
             ("fp8+compile", {"quantize": "fp8", "compile": "blocks"})]
+    wanted = [x for x in getattr(args, "levers", "").split(",") if x] or [name for name, _ in rows]
+    unknown = sorted(set(wanted) - {name for name, _ in rows})
+    if unknown:
+        raise ValueError(f"--levers: unknown {', '.join(unknown)}; choose from {', '.join(n for n, _ in rows)}")
     exact = None
     for name, opts in rows:
+        if name not in wanted:
+            continue
         if out.over_budget():
             return
         if opts.get("quantize") and dev.type != "cuda":
