@@ -8,7 +8,8 @@ One run, one process, the same machine, side by side:
 - live: a `VideoPipeline.live` session of `--seconds` of video; time from the call to the first
   fMP4 fragment (the chunk decoded and muxed by `server.live_media.ChunkMuxer`, what the
   WebSocket sends first), sustained frames per second after the first chunk, seconds per chunk,
-  and a chunk's milliseconds by stage (the session's transformer and VAE timings, the muxer, the rest);
+  and a chunk's milliseconds by stage on the worker (the session's transformer and VAE timings, the rest of the
+  chunk's wall time) and the muxer's, which runs on the caller beside the worker's next chunk;
 - memory: peak tensor memory per worker over sessions of 10, 100, 1000 chunks (separate runs
   with the tracker on: engine/memory.py), and each against the first (flat: 1.0);
 - prompt switch: `switch()` called as a chunk arrives; the latency in chunks (from the chunk
@@ -112,11 +113,13 @@ def _live_row(pipe, seconds: float, width: int, height: int) -> dict:
         stages = session.timings               # the session's own (worker 0's), once it has finished
     total = time.perf_counter() - t0
     sustained = (frames - frames_first) / max(1e-9, time.perf_counter() - t_first) if chunks > 1 else 0.0
-    # where a chunk's time goes: the transformer (every step and the context pass), the VAE decode, the muxer (here,
-    # on the caller's side), and the rest (the pool's round trips, the sampler's own work)
-    per_chunk = {f"{k}_ms_per_chunk": 1000 * stages.get(f"{k}_s", 0.0) / max(1, chunks) for k in ("transformer", "vae")}
-    per_chunk["mux_ms_per_chunk"] = 1000 * mux_s / max(1, chunks)
-    per_chunk["rest_ms_per_chunk"] = 1000 * total / max(1, chunks) - sum(per_chunk.values())
+    # where a chunk's time goes on the worker: the transformer (every step and the context pass), the VAE decode, and
+    # the rest of the chunk's wall time (the pool's round trips, the sampler's own work, waiting on the caller); the
+    # muxer runs on the caller's side, beside the worker making the next chunk, so it is not part of that sum
+    n = max(1, chunks)
+    per_chunk = {f"{k}_ms_per_chunk": 1000 * stages.get(f"{k}_s", 0.0) / n for k in ("transformer", "vae")}
+    per_chunk["rest_ms_per_chunk"] = 1000 * total / n - sum(per_chunk.values())
+    per_chunk["mux_ms_per_chunk"] = 1000 * mux_s / n
     return dict(kind="live", chunks=chunks, frames=frames, seconds=total, first_fragment_s=first,
                 fps=sustained, s_per_chunk=(total - first) / max(1, chunks - 1), video_seconds=frames / fps,
                 **per_chunk)
@@ -213,8 +216,9 @@ COLUMNS = [
     Column("s to first fragment",
            lambda r: "" if r.get("first_fragment_s") is None else f"{r['first_fragment_s']:.2f}"),
     Column("frames / s", "fps", ".1f"),
-    Column("ms / chunk: transformer, VAE, mux, rest", lambda r: "" if "vae_ms_per_chunk" not in r else
-           " / ".join(f"{r[f'{k}_ms_per_chunk']:.0f}" for k in ("transformer", "vae", "mux", "rest"))),
+    Column("ms / chunk: transformer, VAE, rest; mux", lambda r: "" if "vae_ms_per_chunk" not in r else
+           " / ".join(f"{r[f'{k}_ms_per_chunk']:.0f}" for k in ("transformer", "vae", "rest"))
+           + f"; {r['mux_ms_per_chunk']:.0f}"),
     Column("vs diffusion forcing", lambda r: "" if r.get("vs_df") is None else f"{r['vs_df']:.1f}x"),
     Column("transformer forwards / frame", "forwards_per_frame", ".2f"),
     Column("self-attn q x k pairs / frame", lambda r: f"{r['self_pairs_per_frame']:,.0f}"),

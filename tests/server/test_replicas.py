@@ -222,7 +222,11 @@ def test_a_restart_of_both_keeps_completed_videos_runs_queued_ones_and_a_model_o
     queued = [survivor.create(seed=100 + i, num_inference_steps=8) for i in range(3)]    # 2 s each
     while lease(url, queued[0])[2] != "in_progress":
         time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while lease(url, queued[1])[0] is None and time.monotonic() < deadline:   # the next is claimed a claim tick later
+        time.sleep(0.05)
     assert [lease(url, v)[2] for v in queued[1:]] == ["queued", "queued"]
+    assert lease(url, queued[1])[0] is not None and lease(url, queued[2])[0] is None    # claimed to run next; not
     for name in ("A", "B"):
         cluster[name].kill()
     a = Replica("A", url, media, root / "a")
