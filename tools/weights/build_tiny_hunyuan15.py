@@ -38,16 +38,13 @@ files. The weights are meaningless.
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 
 import torch
 
-from longserve.weights.registry import TINY_MODELS
 from longserve.weights.seeded import redraw_
 from tools.weights.build_tiny_wan import save_pipeline
-from tools.weights.writing import report, write_whole
+from tools.weights.writing import build_kind, kinds_main
 
 SEED = 0
 LATENT_CHANNELS = 4
@@ -188,23 +185,11 @@ WRITERS = {"t2v": ("tiny-hunyuan15", write_tiny_hunyuan15), "i2v": ("tiny-hunyua
 
 
 def build(kind: str = "t2v", out: str | Path | None = None) -> Path:
-    name, write = WRITERS[kind]
-    return write_whole(TINY_MODELS[name] if out is None else out, write)
+    return build_kind(WRITERS, kind, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.weights.build_tiny_hunyuan15",
-                                 description=__doc__.split("\n")[0])
-    ap.add_argument("--kind", choices=sorted(WRITERS), default=None, help="one checkpoint (default: both)")
-    ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs --kind)")
-    args = ap.parse_args(argv)
-    if args.out is not None and args.kind is None:
-        ap.error("--out needs --kind")
-    for kind in [args.kind] if args.kind else sorted(WRITERS, reverse=True):
-        t0 = time.perf_counter()
-        report(build(kind, args.out), time.perf_counter() - t0, kind=kind)
-    return 0
-
+    return kinds_main("python -m tools.weights.build_tiny_hunyuan15", __doc__.split("\n")[0], WRITERS, build, argv)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -59,7 +59,7 @@ from longserve.weights.wan import WAN_2_1_I2V_MODEL_INDEX, WAN_2_1_I2V_SCHEDULER
 from tools.weights.build_tiny_wan import build_scheduler  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
 from tools.weights.loop import train_with_ema, training_main  # noqa: E402
-from tools.weights.train_tiny_latte import _versions, seed_everything  # noqa: E402
+from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
     Layout,
     compress_text,
@@ -354,7 +354,7 @@ def _train(out, *, seed, steps, clips_per_prompt, clip_frames, windows_per_clip,
                     "total": round(wall_s, 1)},
         "cpu_seconds": round(cpu_s, 1), "load_average_at_end": load,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
-        "versions": _versions(),
+        "versions": library_versions(),
         "files": file_digests(out),
         "command": " ".join(["python -m tools.weights.train_tiny_i2v", *sys.argv[1:]]),
     }

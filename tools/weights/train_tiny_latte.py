@@ -310,7 +310,7 @@ def plot_losses(vae_losses: list[float], losses: list[float], path: Path, title:
     plt.close(fig)
 
 
-def _versions() -> dict:
+def library_versions() -> dict:
     import diffusers
     import transformers
 
@@ -416,7 +416,7 @@ def _train(out, *, seed, vae_steps, steps, clips_per_prompt, threads, batch, lr,
         # when threads == 1, whatever else shared the cores while it ran
         "cpu_seconds": round(cpu_s, 1),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
-        "versions": _versions(),
+        "versions": library_versions(),
         "vae_from": None if vae_from is None else str(vae_from),
         "command": " ".join(["python -m tools.weights.train_tiny_latte", *sys.argv[1:]]),
     }

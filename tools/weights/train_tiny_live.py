@@ -88,7 +88,7 @@ from longserve.weights.prompts import COLOURS, SHAPES  # noqa: E402
 from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
 from tools.weights.clips import SIZE, render_long_clip  # noqa: E402
 from tools.weights.loop import cosine_lr, train_with_ema  # noqa: E402
-from tools.weights.train_tiny_latte import _versions, seed_everything  # noqa: E402
+from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
 from tools.weights.writing import file_digests, write_whole  # noqa: E402
 
 SEED = 0
@@ -698,7 +698,7 @@ def _train(out, *, seed, vae_steps, steps, n_clips, threads, lr, record_path, pl
                     "transformer": round(transformer_s, 1), "total": round(wall_s, 1)},
         "cpu_seconds": round(cpu_s, 1),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
-        "versions": _versions(),
+        "versions": library_versions(),
         "files": file_digests(out),
         "command": " ".join(["python -m tools.weights.train_tiny_live", *sys.argv[1:]]),
     }

@@ -71,3 +71,29 @@ def report(out: Path, seconds: float, **fields) -> None:
             print(f"{digest}  {rel}")
     total = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
     print(json.dumps({**fields, "out": str(out), "files": len(digests), "bytes": total, "seconds": round(seconds, 2)}))
+
+
+def build_kind(writers: dict, kind: str, out: str | Path | None = None) -> Path:
+    """Write the checkpoint `writers[kind]` = (shipped name, writer) makes: to `out`, or over the shipped one."""
+    from longserve.weights.registry import TINY_MODELS
+
+    name, write = writers[kind]
+    return write_whole(TINY_MODELS[name] if out is None else out, write)
+
+
+def kinds_main(prog: str, description: str, writers: dict, build: Callable, argv: list[str] | None = None) -> int:
+    """The command line of a builder that writes several shipped checkpoints (`--kind`, `--out`): each it writes,
+    reported."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--kind", choices=sorted(writers), default=None, help="one checkpoint (default: both)")
+    ap.add_argument("--out", default=None, help="output directory (default: the shipped one; needs --kind)")
+    args = ap.parse_args(argv)
+    if args.out is not None and args.kind is None:
+        ap.error("--out needs --kind")
+    for kind in [args.kind] if args.kind else sorted(writers, reverse=True):
+        t0 = time.perf_counter()
+        report(build(kind, args.out), time.perf_counter() - t0, kind=kind)
+    return 0
