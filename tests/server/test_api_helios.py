@@ -8,9 +8,7 @@ import time
 import httpx
 import imageio.v3 as iio
 import pytest
-
-from longserve.server.api.app import create_app, serve_in_thread
-from longserve.server.api.service import ServeConfig, VideoService
+from servers import serving
 
 # 4 chunks of 3 latent frames (9 frames each) at 48x80: 36 frames asked, 33 made
 HELIOS = {"prompt": "a red ball bouncing", "size": "80x48", "num_frames": 36, "num_inference_steps": 12, "seed": 1,
@@ -19,14 +17,9 @@ HELIOS = {"prompt": "a red ball bouncing", "size": "80x48", "num_frames": 36, "n
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = ServeConfig.from_options(warm_up=False, model="tiny-helios", workers=2, device="cpu", max_seconds=10,
-                                      data_dir=str(tmp_path_factory.mktemp("serve-helios")), decode_chunk_frames=8)
-    service = VideoService(config).start()
-    try:
-        with serve_in_thread(create_app(service, None, poll_after_ms=50)) as url:
-            yield url
-    finally:
-        service.close()
+    with serving(tmp_path_factory.mktemp("serve-helios"), model="tiny-helios", workers=2, max_seconds=10,
+                 decode_chunk_frames=8) as s:
+        yield s["url"]
 
 
 def test_a_helios_video_streams_chunk_by_chunk_with_progress_over_every_chunk(server):

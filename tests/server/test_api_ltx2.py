@@ -9,9 +9,8 @@ import warnings
 
 import httpx
 import pytest
+from servers import serving
 
-from longserve.server.api.app import create_app, serve_in_thread
-from longserve.server.api.service import ServeConfig, VideoService
 from tests.support.sound import tracks
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
@@ -23,14 +22,9 @@ LTX2 = {"num_frames": 17, "num_inference_steps": 2, "seed": 1, "stg_scale": 0, "
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = ServeConfig.from_options(warm_up=False, model="tiny-ltx2", workers=1, device="cpu", max_seconds=10,
-                                      max_frames=233, data_dir=str(tmp_path_factory.mktemp("serve-ltx2")))
-    service = VideoService(config).start()
-    try:
-        with serve_in_thread(create_app(service, None, poll_after_ms=50)) as url:
-            yield url
-    finally:
-        service.close()
+    with serving(tmp_path_factory.mktemp("serve-ltx2"), model="tiny-ltx2", workers=1, max_seconds=10,
+                 max_frames=233) as s:
+        yield s["url"]
 
 
 def test_the_openai_clients_download_carries_the_sound(server):
