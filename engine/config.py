@@ -30,6 +30,7 @@ DEVICES = (None, "cpu", "cuda")
 MAX_STEPS = 1000                    # most denoising steps a request may ask for, anywhere
 MAX_FPS = 1000                      # highest frames per second a request may ask for, anywhere
 ATTENTION = ("auto", "sdpa", "xformers")
+VAE_DTYPES = ("float32", "bfloat16", "float16")
 LAUNCHERS = ("auto", "local", "torchrun")
 COMPILE = ("none", "blocks")
 QUANTIZE = ("none", "fp8")
@@ -59,7 +60,7 @@ class EngineConfig:
     dtype: str = option("float32", "float32 | bfloat16 | float16 (the transformer's; the Wan VAE stays float32)")
     vae_dtype: str | None = option(None, "the Wan-family VAE's dtype (default float32, as diffusers' Wan examples "
                                          "load it; bfloat16 decodes faster with bf16 rounding, as a Wan pipeline "
-                                         "loaded whole in bfloat16 does)", choices=["float32", "bfloat16", "float16"])
+                                         "loaded whole in bfloat16 does)", choices=list(VAE_DTYPES))
     attention: str = option("auto", "auto | sdpa | xformers (Latte on CUDA)", choices=list(ATTENTION))
     attention_backend: str | None = option(None, "diffusers' attention dispatcher backend for the families that run "
                                                  "diffusers' forward (Wan family, Helios, LTX-2, HunyuanVideo-1.5): "
@@ -156,8 +157,8 @@ class EngineConfig:
         from longserve.engine.dist import parse_dtype
 
         parse_dtype(self.dtype)
-        if self.vae_dtype is not None and self.vae_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"vae_dtype must be float32, bfloat16 or float16; got {self.vae_dtype!r}")
+        if self.vae_dtype is not None and self.vae_dtype not in VAE_DTYPES:
+            raise ValueError(f"vae_dtype must be one of {', '.join(VAE_DTYPES)}; got {self.vae_dtype!r}")
         if self.cache is not None:
             from longserve.engine.cache import parse_cache
 

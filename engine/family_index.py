@@ -36,8 +36,6 @@ CLAIMS = {
 }
 
 
-
-
 def model_index(model_dir: str | Path) -> dict:
     """A checkpoint's `model_index.json` ({} when it has none or it cannot be read)."""
     try:
@@ -51,15 +49,3 @@ def hinted(model_dir: Path, index: dict, hint: tuple[str, str]) -> bool:
     """Does `model_dir` show what a claiming family's `CLAIMS` entry names?"""
     kind, what = hint
     return (model_dir / what).is_file() if kind == "file" else bool(index.get(what))
-
-
-def family_module(model_dir: str | Path) -> str | None:
-    """The module name (in `longserve.engine.families`) most likely to serve `model_dir`, by the table alone: a
-    claiming family whose hint holds, else the `_class_name`'s; None when the table does not know it. A hint is
-    not a claim: `detect_family` asks the family's `claims`."""
-    model_dir = Path(model_dir)
-    index = model_index(model_dir)
-    for module, hint in CLAIMS.items():
-        if hinted(model_dir, index, hint):
-            return module
-    return PIPELINE_MODULES.get(index.get("_class_name", "?"))

@@ -23,7 +23,6 @@ def fence_tag(fence: int | None) -> str:
     return "" if fence is None else f".f{int(fence)}"
 
 
-
 class StoredFiles:
     """A store's files: the videos under `video_dir` (<data-dir>/videos, or a shared directory every replica mounts:
     `--media-store file://...`), and the temp area of uploads (always this replica's own, under the data dir).
@@ -217,5 +216,3 @@ class StoredFiles:
             except FileNotFoundError:
                 pass
         return total
-
-

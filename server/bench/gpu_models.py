@@ -14,7 +14,6 @@ WAN_SMOKE = dict(num_attention_heads=3, attention_head_dim=12, ffn_dim=48, text_
                  out_channels=4, num_layers=2, freq_dim=32)
 
 
-
 def device_sync(dev) -> None:
     import torch
 
@@ -146,7 +145,6 @@ def wan_theirs(model):
     return lambda x, t, e: model(x, t, e, return_dict=False)[0]
 
 
-
 def build_sd_vae(smoke: bool):
     import torch
     from diffusers import AutoencoderKL
@@ -157,7 +155,6 @@ def build_sd_vae(smoke: bool):
                          up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=channels, layers_per_block=2,
                          latent_channels=4, norm_num_groups=8 if smoke else 32, sample_size=512,
                          scaling_factor=0.18215).eval()
-
 
 
 def copy_shared_parts(shipped: str, out_dir: Path) -> Path:
