@@ -79,7 +79,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="append every row here (JSON lines)")
     parser.add_argument("--work-dir", default=None, metavar="DIR",
                         help="keep the built checkpoints here and reuse them (wan-stages, levers; default: a "
-                             "temporary directory)")
+                             "temporary directory for the run, removed at its end)")
     parser.add_argument("--lever-steps", type=int, default=20, help="levers: steps per video")
     parser.add_argument("--levers", default="exact,fp8,compile,fp8+compile",
                         help="levers: which rows (comma-separated; exact is the reference of the frame difference)")
@@ -442,18 +442,22 @@ def run(args) -> int:
 
     funcs = {"numerics": numerics, "speed": speed, "memory": memory, "video": video, "wan-vae": wan_vae_memory,
              "wan-stages": wan_stages, "levers": levers, "backends": backends}
-    for s in sections:
-        if out.over_budget():
-            out.row(section=s, skipped="over --budget-s")
-            continue
-        t = time.perf_counter()
-        with contextlib.suppress(KeyboardInterrupt):
-            try:
-                funcs[s](args, out, dev)
-            except Exception as err:  # noqa: BLE001 - one section failing must not lose the others' figures
-                import traceback
+    # the checkpoints the sections build: kept in --work-dir, else in one temporary directory the sections share
+    with contextlib.ExitStack() as stack:
+        if args.work_dir is None:
+            args.work_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="longserve-gpu-"))
+        for s in sections:
+            if out.over_budget():
+                out.row(section=s, skipped="over --budget-s")
+                continue
+            t = time.perf_counter()
+            with contextlib.suppress(KeyboardInterrupt):
+                try:
+                    funcs[s](args, out, dev)
+                except Exception as err:  # noqa: BLE001 - one section failing must not lose the others' figures
+                    import traceback
 
-                traceback.print_exc()
-                out.row(section=s, error=f"{type(err).__name__}: {err}"[:400])
-        out.row(section=s, seconds=time.perf_counter() - t, done=True)
+                    traceback.print_exc()
+                    out.row(section=s, error=f"{type(err).__name__}: {err}"[:400])
+            out.row(section=s, seconds=time.perf_counter() - t, done=True)
     return 0

@@ -18,6 +18,8 @@ names the same directory.
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from pathlib import Path
 
@@ -30,15 +32,11 @@ def wan_video_kwargs(smoke: bool) -> dict:
 
 
 def checkpoint(args, name: str, build) -> Path:
-    """`build(dir, smoke)`'s directory under --work-dir (kept), or a fresh one in a temporary directory."""
-    import tempfile
-
-    root = Path(args.work_dir) if getattr(args, "work_dir", None) else Path(tempfile.mkdtemp(prefix="longserve-gpu-"))
+    """`build(dir, smoke)`'s directory under `args.work_dir`, built once (whole or not at all) and reused."""
+    root = Path(args.work_dir)
     d = root / (name + ("-smoke" if args.smoke else ""))
     if not (d / "model_index.json").is_file():
         work = root / f".{d.name}.partial"
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         build(work, args.smoke)
@@ -150,12 +148,10 @@ def levers(args, out, dev) -> None:
     # runs use the graphs compiled then (static shapes), as a server whose default is the size it serves would
     defaults = d / "generation_defaults.json"
     if not defaults.is_file():
-        import json
-
         defaults.write_text(json.dumps({k: kw[k] for k in ("height", "width", "num_frames")}) + "\n")
     rows = [("exact", {}), ("fp8", {"quantize": "fp8"}), ("compile", {"compile": "blocks"}),
             ("fp8+compile", {"quantize": "fp8", "compile": "blocks"})]
-    wanted = [x for x in getattr(args, "levers", "").split(",") if x] or [name for name, _ in rows]
+    wanted = [x for x in args.levers.split(",") if x] or [name for name, _ in rows]
     unknown = sorted(set(wanted) - {name for name, _ in rows})
     if unknown:
         raise ValueError(f"--levers: unknown {', '.join(unknown)}; choose from {', '.join(n for n, _ in rows)}")
