@@ -34,7 +34,7 @@ from longserve.engine import lora, worker
 from longserve.engine.config import EngineConfig, ModelInfo, WorkerConfig
 from longserve.engine.core import BatchStep, EngineCore
 from longserve.engine.families import detect_family
-from longserve.engine.outputs import CANCELLED, FINAL, RequestFailure, RequestOutput
+from longserve.engine.outputs import CANCELLED, FINAL, Finished, RequestFailure, RequestOutput
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.pool import WorkerError, launched_by_torchrun, make_pool
 from longserve.engine.request import (
@@ -363,21 +363,28 @@ class VideoEngine:
             self._notify()
         return found
 
-    def warm_up(self) -> float:
-        """One throw-away request at the model's default shape, run through every stage (encode, a denoising step,
-        the decode), so that what the first request would pay once (first calls into each module, allocator growth,
-        the VAE's first decode) is paid before a server says it is ready. One step when the model takes one (the
-        shape is what matters), else its default steps. -> wall time (s)."""
+    def warm_up(self, width: int | None = None, height: int | None = None, num_frames: int | None = None,
+                on_output: Callable[[RequestOutput], None] | None = None) -> float:
+        """One throw-away request at the model's default shape (or `width` x `height` x `num_frames`: the shape the
+        deployment will serve), run through every stage (encode, a denoising step, the decode), so that what the
+        first request would pay once (first calls into each module, allocator growth, the VAE's first decode) is
+        paid before a server says it is ready. One step when the model takes one (the shape is what matters), else
+        its default steps. `on_output` hears each of its outputs (progress). -> wall time (s). RequestError naming
+        the field for a shape the model refuses."""
         request = default_request(self.info.description, f"warm-up-{time.monotonic_ns()}")
+        request.width, request.height, request.num_frames = width, height, num_frames
         request.num_inference_steps = 1
         t0 = time.perf_counter()
         try:
             handle = self.submit(request)
-        except RequestError:
+        except RequestError:                   # a model that takes no single step: its default steps
             request.num_inference_steps = None
             handle = self.submit(request)
-        for _ in handle:
-            pass
+        for out in handle:
+            if on_output is not None:
+                on_output(out)
+        if isinstance(out, FINAL) and not isinstance(out, Finished):
+            raise RuntimeError(f"the warm-up video did not finish: {out}")
         return time.perf_counter() - t0
 
     def stats(self) -> EngineStats:

@@ -36,6 +36,9 @@ class ServeConfig:
     max_body_bytes: int = option(4 << 20, "largest request body (413 beyond)", group="http")
     log_level: str = option("info", "server log level", group="http",
                             choices=["debug", "info", "warning", "error"])
+    log_format: str = option("text", "the log's lines: text, or json (one JSON object a line, with each job "
+                                     "transition's fields: id, owner, replica, durations)", group="http",
+                             choices=["text", "json"])
     served_model_name: str | None = option(None, "the model id clients use (default: the model directory's name)",
                                            group="http")
     api_key_file: str | None = option(None, "read the API key(s) from this file, one per line (default: "
@@ -82,8 +85,12 @@ class ServeConfig:
 
     store: str | None = option(None, "the job store: none = a SQLite file under --data-dir (one server); "
                                      "postgresql://user@host:5432/db (a schema: libpq's options, search_path) = "
-                                     "one PostgreSQL that several replicas share (docs/serving.md)", group="jobs",
+                                     "one PostgreSQL that several replicas share (docs/serving.md); default "
+                                     "$LONGSERVE_STORE (keeps a password out of the process list)", group="jobs",
                                metavar="URL")
+    store_wait_s: float = option(30.0, "with a PostgreSQL store: at start, how long to keep trying a database that "
+                                       "does not answer (backoff up to 8 s between tries) before stopping with one "
+                                       "line naming --store", group="jobs", flag="--store-wait", metavar="SECONDS")
     media_store: str | None = option(None, "where the videos' files go: none = <data-dir>/videos; file:///path = a "
                                            "directory every replica mounts; s3://bucket/prefix = S3-compatible "
                                            "object storage (with --store postgresql://; AWS_ENDPOINT_URL_S3 and "
@@ -128,6 +135,9 @@ class ServeConfig:
     score_strategy: str = option("lss", "lss | ring", group="scoring", choices=["lss", "ring"])
     warm_up: bool = option(True, "run one video at the model's default shape before /health says ok, so that the "
                                  "first client's video costs what later ones do", group="jobs")
+    warm_up_shape: str | None = option(None, "the warm-up video's shape, WIDTHxHEIGHT[xFRAMES] (e.g. 832x480x81: the "
+                                             "shape the deployment will serve); default: the model's default",
+                                       group="jobs", metavar="WxH[xF]")
     score_preload: bool = option(False, "start the scoring pool now, not on first use", group="scoring")
     score_concurrency: int = option(1, "/v1/score calls run at once (on threads of their own, not the API's)",
                                     group="scoring")
@@ -165,6 +175,9 @@ class ServeConfig:
             raise ValueError(f"drain_seconds must be a non-negative number of seconds, got {self.drain_seconds!r}")
 
     def _check_replicas(self) -> None:
+        from longserve.server.api.startup import parse_shape
+
+        parse_shape(self.warm_up_shape)            # ValueError naming --warm-up-shape
         from longserve.server.api.media_store import check_media_store, is_object_store
 
         check_media_store(self.media_store)
@@ -178,6 +191,9 @@ class ServeConfig:
         if isinstance(self.lease_seconds, bool) or not isinstance(self.lease_seconds, (int, float)) \
                 or not math.isfinite(self.lease_seconds) or not self.lease_seconds >= 1:
             raise ValueError(f"lease_seconds must be a number of seconds >= 1, got {self.lease_seconds!r}")
+        if isinstance(self.store_wait_s, bool) or not isinstance(self.store_wait_s, (int, float)) \
+                or not math.isfinite(self.store_wait_s) or self.store_wait_s < 0:
+            raise ValueError(f"store_wait_s must be a non-negative number of seconds, got {self.store_wait_s!r}")
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be a positive integer, got {self.max_attempts!r}")
         if self.replica_id is not None and (not isinstance(self.replica_id, str)

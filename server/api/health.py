@@ -81,16 +81,27 @@ class ServerHealth:
     def metrics_text(self) -> str:
         return self.registry.render()
 
+    def live(self) -> dict:
+        """`/health/live`: the process answers (from the moment it listens, while it loads, while it drains); what
+        it is doing, so a probe's log says it."""
+        view = self.service.startup.view()
+        return {"status": "alive", "stage": view["stage"], "detail": view["detail"],
+                "uptime_s": view["elapsed_s"], "draining": self.service.shutdown.draining}
+
     def health(self) -> tuple[int, dict]:
-        """(HTTP status, body): 200 "ok" only while every worker is up with the model loaded; 503 "starting",
+        """(HTTP status, body): 200 "ok" only while every worker is up with the model loaded and warm (the
+        `/health/ready` and `/health` answer); 503 "starting" (with the start's stage in `startup`),
         "restarting" (after a failure), "unavailable" (the workers fail to load, or the engine stopped),
         "draining" or "degraded" (storage)."""
         service = self.service
         config = service.config
-        if service.engine is None:
-            return 503, {"status": "starting", "model": config.model, "workers": config.engine.workers,
-                         "workers_ready": False, "worker_state": "starting", "worker_restarts": 0,
-                         "setup_failures": 0, "queued": 0, "running": 0, "last_error": None}
+        startup = service.startup.view()
+        if not service.started:               # loading (the server listens first): the stage says where it is
+            failed = startup["error"] is not None
+            return 503, {"status": "unavailable" if failed else "starting", "model": config.model,
+                         "workers": config.engine.workers, "workers_ready": False, "worker_state": "starting",
+                         "worker_restarts": 0, "setup_failures": 0, "queued": 0, "running": 0, "last_error": None,
+                         "reason": startup["error"], "startup": startup}
         s = service.engine.stats()
         if not s.loop_alive or s.pool_state in ("unavailable", "closed") or s.setup_failures >= 3:
             status = "unavailable"
@@ -109,7 +120,8 @@ class ServerHealth:
                 "setup_failures": s.setup_failures, "queued": s.waiting, "running": s.running,
                 "last_error": None if error is None else {"kind": error.kind, "rank": error.rank,
                                                           "message": str(error).splitlines()[0][:500]},
-                "reason": reason, "disk_free_bytes": service.storage.free_bytes, "warm_up_s": service.warm_up_s}
+                "reason": reason, "disk_free_bytes": service.storage.free_bytes, "warm_up_s": service.warm_up_s,
+                "startup": startup}
         if getattr(service, "replica", None) is not None:     # a replica's capacity, for a router to choose by
             body["replica"] = service.replica.describe()
         return (200 if status == "ok" else 503), body

@@ -11,7 +11,11 @@ The video files are not in the database: they live in the media store (`StoredFi
 from __future__ import annotations
 
 import json
+import logging
+import re
+import time
 
+import psycopg
 from psycopg_pool import ConnectionPool
 
 from longserve.server.api.store import (
@@ -67,6 +71,51 @@ MIGRATIONS: list[tuple[int, tuple[str, ...]]] = [
 SWEEP_LOCK = MIGRATION_LOCK + 1
 
 
+log = logging.getLogger("longserve.server")
+
+#: a database that answers but refuses us: waiting will not help (a wrong password, user or database name)
+REFUSED = re.compile(r"authentication failed|role .* does not exist|database .* does not exist|no pg_hba\.conf entry|"
+                     r"password authentication|SSL", re.I)
+
+
+class StoreUnavailable(ValueError):
+    """The job store did not answer at start within `--store-wait` (or refused us): the server stops with this one
+    line (a ValueError: the CLI prints it without a traceback)."""
+
+
+def redacted(url: str) -> str:
+    """A database URL fit for a log: its password replaced by ***."""
+    url = re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+    return re.sub(r"(password=)[^&\s]*", r"\1***", url)
+
+
+def wait_for_database(url: str, wait_s: float) -> None:
+    """Connect once to `url`, trying again with backoff (0.5 s doubling, at most 8 s apart) while it does not answer,
+    for up to `wait_s` seconds; a line is logged per failed try. StoreUnavailable naming --store when it never
+    answers, or at once when it refuses (authentication, an unknown database)."""
+    deadline = time.monotonic() + wait_s
+    delay, tries = 0.5, 0
+    while True:
+        tries += 1
+        remaining = deadline - time.monotonic()
+        try:
+            psycopg.connect(url, connect_timeout=max(2, min(10, int(remaining) + 1))).close()
+            return
+        except psycopg.Error as e:
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            if REFUSED.search(reason):
+                raise StoreUnavailable(f"--store {redacted(url)}: the database refused the connection: {reason}") \
+                    from None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreUnavailable(f"--store {redacted(url)}: the database did not answer within --store-wait "
+                                       f"{wait_s:g} s ({tries} tries; last: {reason})") from None
+            log.warning("the job store %s does not answer (%s); trying again in %.1f s (gives up %.0f s from now)",
+                        redacted(url), reason, min(delay, remaining), remaining)
+            time.sleep(min(delay, remaining))
+            delay = min(8.0, delay * 2)
+
+
 class LeaseLost(RuntimeError):
     """A replica's write under a fence that is no longer the job's: another replica claimed it since."""
 
@@ -96,7 +145,8 @@ def migrate(pool: ConnectionPool) -> list[int]:
 class PostgresJobStore(StoredFiles):
     """Thread-safe: each call takes a connection from the pool (autocommit; a claim is its own transaction)."""
 
-    def __init__(self, url: str, data_dir, video_dir=None, pool_size: int = 8, objects=None):
+    def __init__(self, url: str, data_dir, video_dir=None, pool_size: int = 8, objects=None, wait_s: float = 30.0):
+        wait_for_database(url, wait_s)         # a database that is not up yet: bounded retries, then one line
         super().__init__(data_dir, video_dir, objects)
         self.url = url
         self.pool = ConnectionPool(url, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False,

@@ -251,6 +251,9 @@ class Health(BaseModel):
     reason: str | None = None               # why "degraded" (storage) or "draining" (SIGTERM)
     disk_free_bytes: int | None = None      # the data dir's file system, as last measured
     replica: dict | None = None             # with replicas: its id, models and capacity (server/api/replicas.py)
+    warm_up_s: float | None = None          # the warm-up video's time (--warm-up-shape; none without one)
+    #: the start's stages (store, workers, warm_up, recover): {"stage", "detail", "elapsed_s", "stages", "error"}
+    startup: dict | None = None
 
 
 # -- scoring ----------------------------------------------------------------------------------------

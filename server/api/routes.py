@@ -53,6 +53,17 @@ def require_api_key(request: Request) -> None:
     request.state.caller = Caller.of_key(key, request.app.state.admin_keys)
 
 
+def require_started(request: Request) -> None:
+    """503 `model_loading` (Retry-After) while the server still loads: it listens first (`/health/live` answers,
+    `/health/ready` tells the stage), and the API answers once the model is loaded and warm."""
+    videos = request.app.state.videos
+    if not videos.started:
+        stage = videos.startup.view()
+        raise APIError(503, f"the server is starting ({stage['stage']}: {stage['detail'] or '...'}); retry in a "
+                            f"moment (GET /health/ready says when it is ready)", code="model_loading",
+                       headers={"Retry-After": "5"})
+
+
 def json_body(model) -> dict:
     """The OpenAPI `requestBody` of a route that parses its own body (`parse_json_object`): `model`'s JSON schema, so
     the published schema says what the route takes (clients, and the suite's fuzzer, read it)."""
@@ -60,7 +71,7 @@ def json_body(model) -> dict:
 
 
 router = APIRouter()                                                     # no auth: probes and scrapers
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])   # the API
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key), Depends(require_started)])   # the API
 
 
 # -- body parsing ------------------------------------------------------------------------------------
@@ -174,6 +185,9 @@ async def parse_create_body(request: Request) -> dict:
 @router.websocket("/v1/videos/live")
 async def live_video(websocket: WebSocket):
     """A live session on a causal model (server/api/live.py): JSON events and one fMP4 fragment per chunk."""
+    if not websocket.app.state.videos.started:          # still loading: try again later (1013)
+        await websocket.close(code=1013, reason="the server is starting")
+        return
     await websocket.app.state.videos.live.run(websocket, websocket.app.state.api_keys)
 
 
@@ -322,10 +336,20 @@ async def score_text(request: Request):
 
 
 @router.get("/health")
+@router.get("/health/ready")
 async def health(request: Request):
+    """Ready: 200 only while the model is loaded and warm, the workers up and the store fine (a load balancer's and
+    Kubernetes' readiness probe); 503 with the reason, and while starting the start's stage, otherwise."""
     status, body = request.app.state.videos.health()
     body["warnings"] = request.app.state.edge_warnings
     return JSONResponse(Health(**body).model_dump(), status_code=status)
+
+
+@router.get("/health/live")
+async def health_live(request: Request):
+    """Live: 200 whenever the process answers (from the moment it listens, while it loads or drains): a liveness
+    probe that restarts only a server that stopped answering."""
+    return JSONResponse(request.app.state.videos.monitor.live())
 
 
 @router.get("/metrics")

@@ -25,16 +25,13 @@ completed videos stay until retention or the quota expire them. Replicas: leases
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import re
 import time
 from pathlib import Path
 
 from longserve.engine.engine import VideoEngine
-from longserve.engine.images import EncodedImage, is_encoded_video
-from longserve.engine.request import GenerationSpec
+from longserve.engine.request import GenerationSpec, RequestError
 from longserve.engine.scheduler import QueueFullError
 from longserve.server.api.admission import AdmissionGate
 from longserve.server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
@@ -45,7 +42,9 @@ from longserve.server.api.jobs import DELETED, VIDEO, Job, JobRegistry
 from longserve.server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoExtendRequest, VideoList
 from longserve.server.api.replicas import attach_replica
 from longserve.server.api.requests import Limits, VideoRequests
+from longserve.server.api.reuse import checkpoint_fingerprint, request_key, stored_params
 from longserve.server.api.runner import JobRunner
+from longserve.server.api.startup import StartupProgress, describe_store, parse_shape, warm_up_listener
 from longserve.server.api.storage import VideoStorage
 from longserve.server.api.store import VideoRecord
 from longserve.server.api.streaming import EventBroker
@@ -71,23 +70,45 @@ class VideoService:
         self.shutdown = Shutdown(self.jobs, self.broker)
         self.monitor = ServerHealth(self)
         self.replica = None               # with a shared store: this replica's claim cycle (replicas.py)
+        self.startup = StartupProgress()  # what the start is doing (/health/ready's body)
+        self.started = False              # the model is loaded and warmed: the API's routes answer
+        self._closing = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> "VideoService":
-        """Open the store, start the workers (loads the model), recover old jobs, follow them."""
+        """Open the store, start the workers (loads the model), warm up, recover old jobs, follow them: each stage
+        told to `self.startup` (a log line, and /health/ready's body). May run on a thread of its own while the
+        HTTP server already answers (`longserve serve`); `close()` meanwhile stops it after its current stage."""
+        try:
+            self._start()
+        except BaseException as e:
+            self.startup.failed(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise
+        self.started = True
+        self.startup.finish()
+        return self
+
+    def _start(self) -> None:
         from longserve.server.api.live import LiveSessions
 
-        cfg = self.config
+        cfg, progress = self.config, self.startup
+        progress.begin("store", f"jobs in {describe_store(cfg)}")
         self.storage = VideoStorage(cfg, self.runner.io, busy=lambda vid: self.jobs.get(vid) is not None,
                                     on_expired=self.monitor.expired.inc)
+        progress.done()
+        self._check_open()
+        progress.begin("workers", f"loading {cfg.model} on {cfg.engine.workers} worker(s)")
         engine = VideoEngine.start(cfg.engine)
-        if cfg.warm_up:              # /health says "starting" until this is done: ready means warm
-            try:
-                self.warm_up_s = engine.warm_up()
-            except BaseException:
-                engine.close()
-                raise
+        try:
+            progress.done(f"{engine.info.workers} worker(s) ready, {engine.info.device}")
+            if cfg.warm_up:              # /health/ready says "starting" until this is done: ready means warm
+                self._check_open()
+                self.warm_up_s = self._warm_up(engine)
+            self._check_open()
+        except BaseException:
+            engine.close()
+            raise
         self.engine = engine
         self.engine.add_batch_listener(self.monitor.on_batch)
         self.limits = Limits.of(self.engine, cfg)
@@ -100,13 +121,31 @@ class VideoService:
         self.live = LiveSessions(self)
         self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype, self.engine.config.loras)
         self.runner.start_loop()
+        progress.begin("recover", "the last run's queued jobs")
         self._recover()
+        progress.done()
         self.storage.measure_free()
         self.runner.spawn(self.storage.housekeeping())
         self.replica = attach_replica(self)                   # None unless the store is shared
-        return self
+
+    def _warm_up(self, engine) -> float:
+        shape = parse_shape(self.config.warm_up_shape) or (None, None, None)
+        d = engine.defaults
+        width, height, frames = (shape[0] or d.width, shape[1] or d.height, shape[2] or d.num_frames)
+        self.startup.begin("warm_up", f"one video at {width}x{height}, {frames} frames")
+        try:
+            seconds = engine.warm_up(*shape, on_output=warm_up_listener(self.startup))
+        except RequestError as e:
+            raise ValueError(f"--warm-up-shape {self.config.warm_up_shape}: {e}") from None
+        self.startup.done(f"{seconds:.1f} s")
+        return seconds
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise RuntimeError("the server stopped while it was starting")
 
     def close(self) -> None:
+        self._closing = True              # a start still running on its thread stops after its stage
         if self.replica is not None:
             self.replica.close()
         if self.engine is not None:
@@ -338,50 +377,6 @@ class VideoService:
 
     def metrics_text(self) -> str:
         return self.monitor.metrics_text()
-
-
-def stored_params(spec: GenerationSpec) -> dict:
-    """The spec's parameters as the record keeps them (JSON), with its fps: an image is kept as its size, a video as
-    its frame count and size, not their pixels. A queued job with either is therefore not run again after a
-    restart (its input lived in memory only)."""
-    params = {**spec.params(), "fps": spec.fps}
-    options = params["options"]
-    for name in ("image", "last_image"):
-        if name in options:
-            height, width = options.pop(name).shape[:2]
-            options[name] = f"{width}x{height}"
-    if "video" in options:
-        frames, height, width = options.pop("video").shape[:3]
-        options["video"] = f"{frames} frames {width}x{height}"
-    return params
-
-
-def checkpoint_fingerprint(model_dir, dtype: str, loras=()) -> str:
-    """What identifies the served weights for `request_key`: every file's path, size and modification time under
-    the checkpoint (a retrained or replaced checkpoint of the same name is another model), and the dtype; and the
-    LoRA adapters loaded at start (`engine.lora.LoraAdapter`s): a request names one, so its file and start scale
-    are part of what the name means."""
-    root = Path(model_dir)
-    files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                   for p in root.rglob("*") if p.is_file())
-    adapters = [(a.name, a.scale, [(path, Path(path).stat().st_size, Path(path).stat().st_mtime_ns)
-                                   for path in (a.path, a.path_2) if path is not None]) for a in loras]
-    return hashlib.sha256(json.dumps([str(root.resolve()), dtype, files, *([adapters] if adapters else [])]
-                                     ).encode()).hexdigest()
-
-
-def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:
-    """Two create requests with equal keys make the same video: the checkpoint, the prompt, every generation
-    parameter with the seed, the fps, and the input images by their pixels' digest."""
-    params = spec.params()
-    options = params["options"]
-    for name, value in list(options.items()):
-        if isinstance(value, EncodedImage) or is_encoded_video(value):   # an uploaded file: its digest
-            options[name] = f"file:{tuple(value.shape)}:{value.digest}"
-        elif hasattr(value, "shape") and hasattr(value, "tobytes"):     # an image (numpy array)
-            options[name] = f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(value.tobytes()).hexdigest()}"
-    payload = {"checkpoint": checkpoint, "prompt": spec.prompt, "params": params, "fps": fps}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def plausible_id(video_id: str) -> bool:

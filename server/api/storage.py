@@ -328,7 +328,8 @@ def open_store(config):
     if url and url.split(":", 1)[0] in ("postgresql", "postgres"):
         from longserve.server.api.pg_store import PostgresJobStore
 
-        return PostgresJobStore(url, config.data_dir, video_dir, objects=open_objects(config.media_store))
+        return PostgresJobStore(url, config.data_dir, video_dir, objects=open_objects(config.media_store),
+                                wait_s=config.store_wait_s)
     return JobStore(config.data_dir, video_dir)
 
 

@@ -1,0 +1,110 @@
+"""`StartupProgress`: what a starting server is doing, told as it goes (a log line per stage) and read by
+`/health/ready` and `/health/live` (their bodies' `startup`).
+
+`longserve serve` listens before it loads: `/health/live` answers from the first moment, `/health/ready` says 503
+`starting` with the stage until the model is loaded and warmed. The stages, in order:
+
+    store      open the job store (PostgreSQL: bounded retries while it does not answer, `--store-wait`)
+    workers    start the worker pool: each worker loads the checkpoint (the long part of a large model's start)
+    warm_up    one video at the warm-up shape (`--warm-up-shape`, default the model's), its steps and frames told
+    recover    the queued jobs of the last run, queued again
+
+A stage's detail (the warm-up's step, its frames) changes while it runs; only the stage's start and end are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger("longserve.server")
+
+
+class StartupProgress:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started_at = time.monotonic()
+        self.stages: list[dict] = []        # {"stage", "status": running|done|failed, "detail", "s"}
+        self.ready = False
+        self.error: str | None = None
+
+    def begin(self, stage: str, detail: str = "") -> None:
+        with self._lock:
+            self.stages.append({"stage": stage, "status": "running", "detail": detail, "s": None,
+                                "_t0": time.monotonic()})
+        log.info("starting: %s%s", stage, f": {detail}" if detail else "")
+
+    def note(self, detail: str) -> None:
+        """The running stage's detail changed (a warm-up step, frames decoded): read by the health bodies."""
+        with self._lock:
+            if self.stages and self.stages[-1]["status"] == "running":
+                self.stages[-1]["detail"] = detail
+
+    def done(self, detail: str | None = None) -> None:
+        with self._lock:
+            stage = self.stages[-1]
+            stage["status"], stage["s"] = "done", round(time.monotonic() - stage["_t0"], 3)
+            if detail is not None:
+                stage["detail"] = detail
+        log.info("started: %s in %.1f s%s", stage["stage"], stage["s"], f" ({detail})" if detail else "")
+
+    def failed(self, error: str) -> None:
+        with self._lock:
+            self.error = error
+            if self.stages and self.stages[-1]["status"] == "running":
+                stage = self.stages[-1]
+                stage["status"], stage["s"] = "failed", round(time.monotonic() - stage["_t0"], 3)
+
+    def finish(self) -> None:
+        with self._lock:
+            self.ready = True
+        log.info("started in %.1f s: ready", time.monotonic() - self.started_at)
+
+    def view(self) -> dict:
+        """{"stage", "detail", "elapsed_s", "stages": [{"stage", "status", "detail", "s"}, ...], "error"}."""
+        with self._lock:
+            stages = [{k: v for k, v in s.items() if not k.startswith("_")} for s in self.stages]
+            current = next((s for s in reversed(stages) if s["status"] != "done"), None)
+            return {"stage": "ready" if self.ready else (current or {"stage": "starting"})["stage"],
+                    "detail": current["detail"] if current else "", "error": self.error,
+                    "elapsed_s": round(time.monotonic() - self.started_at, 3), "stages": stages}
+
+
+def warm_up_listener(progress: StartupProgress):
+    """An `engine.warm_up(on_output=...)` listener telling the warm-up's steps and frames to `progress`."""
+    from longserve.engine.outputs import FramesChunk, StepProgress
+
+    def heard(out) -> None:
+        if isinstance(out, StepProgress):
+            progress.note(f"step {out.step}/{out.num_steps}")
+        elif isinstance(out, FramesChunk):
+            progress.note(f"decoded frames {out.stop}/{out.num_frames}")
+
+    return heard
+
+
+def parse_shape(text: str | None) -> tuple[int, int, int | None] | None:
+    """`--warm-up-shape`: "WxH" or "WxHxFRAMES" -> (width, height, frames or None); None or "default": the model's.
+    ValueError naming the flag otherwise."""
+    if text is None or str(text).strip().lower() in ("", "default"):
+        return None
+    parts = str(text).lower().replace(" ", "").split("x")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3) or any(v < 1 for v in values):
+        raise ValueError(f"--warm-up-shape must be WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES (e.g. 832x480x81), or "
+                         f"'default'; got {text!r}")
+    return values[0], values[1], values[2] if len(values) == 3 else None
+
+
+def describe_store(config) -> str:
+    """Where jobs live, for the start's lines: the SQLite file under --data-dir, or the shared PostgreSQL (its
+    password hidden), and where the videos go."""
+    from longserve.server.api.pg_store import redacted
+
+    where = f"PostgreSQL {redacted(config.store)} (shared by the replicas)" if config.store else \
+        f"SQLite under {config.data_dir}"
+    return where + (f", videos in {config.media_store}" if config.media_store else "")
