@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from longserve.engine.engine import VideoEngine
-from longserve.engine.request import GenerationSpec, RequestError
+from longserve.engine.request import GenerationSpec
 from longserve.engine.scheduler import QueueFullError
 from longserve.server.api.admission import AdmissionGate
 from longserve.server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
@@ -44,7 +44,7 @@ from longserve.server.api.replicas import attach_replica
 from longserve.server.api.requests import Limits, VideoRequests
 from longserve.server.api.reuse import checkpoint_fingerprint, request_key, stored_params
 from longserve.server.api.runner import JobRunner
-from longserve.server.api.startup import StartupProgress, describe_store, parse_shape, warm_up_listener
+from longserve.server.api.startup import StartupProgress, check_warm_up_shape, describe_store, warm_up
 from longserve.server.api.storage import VideoStorage
 from longserve.server.api.store import VideoRecord
 from longserve.server.api.streaming import EventBroker
@@ -98,13 +98,15 @@ class VideoService:
                                     on_expired=self.monitor.expired.inc)
         progress.done()
         self._check_open()
+        if cfg.warm_up and cfg.warm_up_shape:     # a shape the model refuses is said now, not after the load
+            check_warm_up_shape(cfg)
         progress.begin("workers", f"loading {cfg.model} on {cfg.engine.workers} worker(s)")
         engine = VideoEngine.start(cfg.engine)
         try:
             progress.done(f"{engine.info.workers} worker(s) ready, {engine.info.device}")
             if cfg.warm_up:              # /health/ready says "starting" until this is done: ready means warm
                 self._check_open()
-                self.warm_up_s = self._warm_up(engine)
+                self.warm_up_s = warm_up(engine, cfg, progress)
             self._check_open()
         except BaseException:
             engine.close()
@@ -127,18 +129,6 @@ class VideoService:
         self.storage.measure_free()
         self.runner.spawn(self.storage.housekeeping())
         self.replica = attach_replica(self)                   # None unless the store is shared
-
-    def _warm_up(self, engine) -> float:
-        shape = parse_shape(self.config.warm_up_shape) or (None, None, None)
-        d = engine.defaults
-        width, height, frames = (shape[0] or d.width, shape[1] or d.height, shape[2] or d.num_frames)
-        self.startup.begin("warm_up", f"one video at {width}x{height}, {frames} frames")
-        try:
-            seconds = engine.warm_up(*shape, on_output=warm_up_listener(self.startup))
-        except RequestError as e:
-            raise ValueError(f"--warm-up-shape {self.config.warm_up_shape}: {e}") from None
-        self.startup.done(f"{seconds:.1f} s")
-        return seconds
 
     def _check_open(self) -> None:
         if self._closing:
