@@ -103,6 +103,18 @@ class ServeConfig:
     replica_id: str | None = option(None, "this replica's name in the shared store (default: host name and process "
                                           "id)", group="jobs")
 
+    webhook_url: str | None = option(None, "POST video.completed and video.failed events of every video here, signed "
+                                           "as OpenAI signs them (the secret: $LONGSERVE_WEBHOOK_SECRET or "
+                                           "--webhook-secret-file); keys add their own endpoints with POST "
+                                           "/v1/webhook_endpoints", group="jobs", metavar="URL")
+    webhook_secret_file: str | None = option(None, "the --webhook-url endpoint's signing secret, read from this file "
+                                                   "(whsec_<base64>, or any text)", group="jobs", metavar="PATH")
+    webhook_allowed_hosts: str | None = option(None, "comma-separated hosts a key's webhook endpoint may name over "
+                                                     "http or at a private address (default: https to public "
+                                                     "addresses only; '*' any)", group="jobs")
+    webhook_attempts: int = option(6, "tries of a webhook delivery that fails (no answer or not 2xx), 1, 2, 4, ... s "
+                                      "apart", group="jobs")
+
     # -- request limits (they default from the model; the request defaults are the engine's) ---------------
     max_frames: int | None = option(None, "longest video in frames (default: 4 x the model's default frame count; "
                                           "for a long-video model, --max-seconds at its fps)", group="limits")
@@ -150,7 +162,7 @@ class ServeConfig:
         self._check_edge_and_admission()
         self._check_replicas()
         for name in ("max_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers",
-                     "max_image_pixels"):
+                     "max_image_pixels", "webhook_attempts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

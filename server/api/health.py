@@ -1,85 +1,18 @@
-"""`ServerHealth`: `GET /health` and `GET /metrics` of a video server, read from its parts' public state.
+"""`ServerHealth`: `GET /health/live`, `GET /health/ready` (and `/health`, the same) of a video server, read from its
+parts' public state.
 
-Health reads attributes only (the engine's stats, the store side's free space and faults, the drain),
-never waiting for a running job. The metric names are the API's (docs/serving.md lists them); the
-counters are bumped by the part that sees the event: `created`, `reused` by the service, `finished`,
-`requeued` by the video jobs' outputs, `expired` by the store side.
+Health reads attributes only (the engine's stats, the store side's free space and faults, the drain, the start's
+progress), never waiting for a running job. `/metrics` is `server/api/metrics.py`'s.
 """
 
 from __future__ import annotations
 
-from longserve.server.api.jobs import LIVE
-from longserve.server.api.metrics import Counter, Gauge, Histogram, Registry
-
 
 class ServerHealth:
-    """`service`: a `VideoService` (its `engine`, `jobs`, `storage`, `shutdown`, `config`, `model_name`)."""
+    """`service`: a `VideoService` (its `engine`, `jobs`, `storage`, `shutdown`, `config`, `model_name`, `startup`)."""
 
     def __init__(self, service):
         self.service = service
-        r = self.registry = Registry()
-        r.add(Gauge("longserve_queue_depth", "Video requests waiting to be admitted.",
-                    lambda: self._stat("waiting")))
-        r.add(Gauge("longserve_running_requests", "Admitted video requests (denoising or decoding).",
-                    lambda: self._stat("running")))
-        r.add(Gauge("longserve_live_sessions", "Open live sessions (WebSocket /v1/videos/live).",
-                    lambda: service.jobs.count(LIVE)))
-        r.add(Gauge("longserve_kv_cache_bytes", "KV cache held per worker by causal-model requests (counted against "
-                    "--live-kv-budget; freed when a request ends).",
-                    lambda: service.engine.kv_bytes_held() if service.engine is not None else 0))
-        r.add(Gauge("longserve_batch_size", "Requests in the most recent denoising step.",
-                    lambda: self._stat("last_batch_size")))
-        self.batch = r.add(Histogram("longserve_step_batch_size", "Requests per denoising step.",
-                                     (1, 2, 4, 8, 16, 32, 64, 128)))
-        self.step_latency = r.add(Histogram("longserve_step_latency_seconds", "Wall time of one denoising step.",
-                                            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)))
-        r.add(Gauge("longserve_jobs", "Video jobs in the store, by status.", self._jobs_by_status, labels=("status",)))
-        self.created = r.add(Counter("longserve_jobs_created_total", "Video jobs accepted."))
-        self.finished = r.add(Counter("longserve_jobs_finished_total", "Video jobs finished, by outcome.",
-                                      labels=("outcome",)))
-        self.requeued = r.add(Counter("longserve_jobs_requeued_total",
-                                      "Admitted jobs queued again after a worker pool restart."))
-        self.reused = r.add(Counter("longserve_jobs_reused_total",
-                                    "Video jobs completed at once with a stored video's content (an identical "
-                                    "request with an explicit seed; --reuse-completed)."))
-        self.expired = r.add(Counter("longserve_jobs_expired_total",
-                                     "Finished videos whose files were deleted (retention ran out, or the storage "
-                                     "quota evicted them); their records stay, marked expired."))
-        r.add(Gauge("longserve_stored_video_bytes", "Bytes of the completed videos kept (--max-storage-bytes "
-                    "counts these).", lambda: service.storage.stored_bytes() if service.storage is not None else 0))
-        r.add(Gauge("longserve_disk_free_bytes", "Free bytes on the data dir's file system, as last measured.",
-                    lambda: (service.storage.free_bytes or 0) if service.storage is not None else 0))
-        r.add(Gauge("longserve_worker_restarts", "Worker pool restarts since the server started.",
-                    lambda: self._stat("restarts")))
-        r.add(Gauge("longserve_workers_ready", "1 while the worker pool is up.",
-                    lambda: 1 if self._stat("workers_ready") else 0))
-        r.add(Gauge("longserve_replica_claimed_jobs", "Jobs this replica claimed from the shared store, by replica "
-                    "(--store postgresql://; none with the SQLite store).",
-                    lambda: self._replica("claimed"), labels=("replica",)))
-        r.add(Gauge("longserve_replica_work", "Work of this replica's active jobs in default requests, by replica.",
-                    lambda: self._replica("work"), labels=("replica",)))
-
-    def _stat(self, name: str):
-        engine = self.service.engine
-        return getattr(engine.stats(), name) if engine is not None else 0
-
-    def _replica(self, name: str) -> dict:
-        replica = getattr(self.service, "replica", None)
-        return {} if replica is None else {replica.id: replica.describe()[name]}
-
-    def on_batch(self, step) -> None:
-        """The engine's batch listener (its thread): one denoising step of a batch."""
-        self.batch.observe(step.batch_size)
-        self.step_latency.observe(step.step_s)
-
-    def _jobs_by_status(self) -> dict:
-        counts = {s: 0 for s in ("queued", "in_progress", "completed", "failed")}
-        if self.service.storage is not None:
-            counts.update(self.service.storage.store.counts_by_status())
-        return counts
-
-    def metrics_text(self) -> str:
-        return self.registry.render()
 
     def live(self) -> dict:
         """`/health/live`: the process answers (from the moment it listens, while it loads, while it drains); what

@@ -65,6 +65,12 @@ MIGRATIONS: list[tuple[int, tuple[str, ...]]] = [
     # the live replicas: what each serves and its capacity (`heartbeat`; /v1/models, a create's model check)
     (3, ("CREATE TABLE replicas (id TEXT PRIMARY KEY, models TEXT[] NOT NULL, info TEXT NOT NULL DEFAULT '{}', "
          "heartbeat TIMESTAMPTZ NOT NULL)",)),
+    # what clients change while the replicas run and all must share: webhook endpoints, LoRA adapters
+    # (`server/api/settings_store.py`); the version row moves on every write (a replica polls one number)
+    (4, ("CREATE TABLE longserve_settings (kind TEXT NOT NULL, id TEXT NOT NULL, owner TEXT, data TEXT NOT NULL, "
+         "created_at BIGINT NOT NULL, seq BIGINT NOT NULL, PRIMARY KEY (kind, id))",
+         "CREATE TABLE longserve_settings_version (one INTEGER PRIMARY KEY CHECK (one = 1), seq BIGINT NOT NULL)",
+         "INSERT INTO longserve_settings_version VALUES (1, 0)")),
 ]
 
 #: the retention and quota sweep: one replica of a schema sweeps at a time

@@ -12,7 +12,7 @@ import re
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, WebSocket
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
@@ -354,5 +354,5 @@ async def health_live(request: Request):
 
 @router.get("/metrics")
 async def prometheus_metrics(request: Request):
-    text = await run_in_threadpool(request.app.state.videos.metrics_text)   # reads job counts from SQLite
-    return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+    text = await run_in_threadpool(request.app.state.videos.metrics_text)   # reads job counts from the store
+    return Response(text, media_type=metrics.CONTENT_TYPE)

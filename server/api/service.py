@@ -39,17 +39,21 @@ from longserve.server.api.drain import Shutdown
 from longserve.server.api.errors import APIError
 from longserve.server.api.health import ServerHealth
 from longserve.server.api.jobs import DELETED, VIDEO, Job, JobRegistry
+from longserve.server.api.lifecycle import JobLifecycle
+from longserve.server.api.metrics import ServerMetrics
 from longserve.server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoExtendRequest, VideoList
 from longserve.server.api.replicas import attach_replica
 from longserve.server.api.requests import Limits, VideoRequests
 from longserve.server.api.reuse import checkpoint_fingerprint, request_key, stored_params
 from longserve.server.api.runner import JobRunner
+from longserve.server.api.settings_store import open_settings
 from longserve.server.api.startup import StartupProgress, check_warm_up_shape, describe_store, warm_up
 from longserve.server.api.storage import VideoStorage
 from longserve.server.api.store import VideoRecord
 from longserve.server.api.streaming import EventBroker
 from longserve.server.api.tenants import NO_KEY, Caller
 from longserve.server.api.video_jobs import VideoOutputs, event, video_view
+from longserve.server.api.webhooks import Webhooks
 from longserve.server.media import FragmentedMP4Writer
 
 log = logging.getLogger("longserve.server")
@@ -69,6 +73,8 @@ class VideoService:
         self.runner = JobRunner(self.jobs)
         self.shutdown = Shutdown(self.jobs, self.broker)
         self.monitor = ServerHealth(self)
+        self.metrics = ServerMetrics(self)
+        self.lifecycle = None             # a job's transitions: log lines, metrics, webhooks (lifecycle.py)
         self.replica = None               # with a shared store: this replica's claim cycle (replicas.py)
         self.startup = StartupProgress()  # what the start is doing (/health/ready's body)
         self.started = False              # the model is loaded and warmed: the API's routes answer
@@ -95,7 +101,9 @@ class VideoService:
         cfg, progress = self.config, self.startup
         progress.begin("store", f"jobs in {describe_store(cfg)}")
         self.storage = VideoStorage(cfg, self.runner.io, busy=lambda vid: self.jobs.get(vid) is not None,
-                                    on_expired=self.monitor.expired.inc)
+                                    on_expired=self.metrics.expired.inc)
+        self.settings = open_settings(self.storage.store)
+        self.webhooks = Webhooks(cfg, self.settings, self.runner, self.metrics.webhooks)
         progress.done()
         self._check_open()
         if cfg.warm_up and cfg.warm_up_shape:     # a shape the model refuses is said now, not after the load
@@ -112,13 +120,14 @@ class VideoService:
             engine.close()
             raise
         self.engine = engine
-        self.engine.add_batch_listener(self.monitor.on_batch)
+        self.engine.add_batch_listener(self.metrics.on_batch)
         self.limits = Limits.of(self.engine, cfg)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
         self.requests = VideoRequests(self.engine, cfg, self.limits, self.model_name, self.storage.store.tmp_dir)
         self.admission = AdmissionGate(self.jobs, self.storage, self.shutdown, self.limits, cfg.max_queued_work,
                                        cfg.max_work_per_key, self.engine.info.capabilities.frames_per_chunk)
-        self.outputs = VideoOutputs(self.jobs, self.storage, self.broker, self.runner, self.monitor,
+        self.lifecycle = JobLifecycle(self.metrics, self.model_name, self.replica_id, self.webhooks)
+        self.outputs = VideoOutputs(self.jobs, self.storage, self.broker, self.runner, self.lifecycle,
                                     keyframe_interval=cfg.engine.decode_chunk_frames)
         self.live = LiveSessions(self)
         self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype, self.engine.config.loras)
@@ -210,7 +219,7 @@ class VideoService:
                           params=params, request_key=key, extended_from=extended_from, owner=owner)
         job = Job(spec.request_id, VIDEO, self.admission.cost(spec, VIDEO), owner, record=rec, sink=self.outputs)
         if self.replica is not None and self.replica.enqueue(job, spec):   # stored for a replica to claim
-            self.monitor.created.inc()
+            self.lifecycle.created(job)
             return video_view(rec)
         self.admission.admit(job)                                     # 429 past the work limits
         try:
@@ -230,7 +239,7 @@ class VideoService:
             job.handle.abort(DELETED)           # nothing was stored: nothing to follow
             self.jobs.remove(job)
             raise
-        self.monitor.created.inc()
+        self.lifecycle.created(job)
         self.runner.start(job)
         return video_view(rec)
 
@@ -243,9 +252,7 @@ class VideoService:
                           seconds="", size="", params={}, request_key=key, extended_from=extended_from, owner=owner)
         if self.storage.reuse(key, rec) is None:
             return None
-        self.monitor.created.inc()
-        self.monitor.reused.inc()
-        self.monitor.finished.inc(outcome="completed")
+        self.lifecycle.reused(Job(rec.id, VIDEO, 0.0, owner, record=rec))
         try:                                              # the quota counts its bytes as a video's of its own
             self.storage.quota()
         except Exception:
@@ -292,7 +299,7 @@ class VideoService:
             raise
         if taken:
             job.handle.abort(DELETED)
-            self.monitor.finished.inc(outcome="cancelled")
+            self.lifecycle.cancelled(job, DELETED)
             if self.storage.store.shared:                           # its uploads, in the shared media store
                 self.storage.store.remove_inputs(video_id)
         else:
@@ -365,8 +372,11 @@ class VideoService:
     def health(self) -> tuple[int, dict]:
         return self.monitor.health()
 
-    def metrics_text(self) -> str:
-        return self.monitor.metrics_text()
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def replica_id(self) -> str | None:
+        return self.replica.id if self.replica is not None else None
 
 
 def plausible_id(video_id: str) -> bool:

@@ -39,10 +39,12 @@ DENOISE_SHARE = 90   # progress points for denoising steps; decoded frames take 
 
 
 class VideoOutputs:
-    """The sink of every video job (`runner.JobSink`). `health`: the counters (`server/api/health.py`)."""
+    """The sink of every video job (`runner.JobSink`). `lifecycle`: what its transitions mean besides its record
+    (log lines, metrics, webhooks: `server/api/lifecycle.py`)."""
 
-    def __init__(self, jobs: JobRegistry, storage, broker: EventBroker, runner, health, keyframe_interval: int):
-        self.jobs, self.storage, self.broker, self.runner, self.health = jobs, storage, broker, runner, health
+    def __init__(self, jobs: JobRegistry, storage, broker: EventBroker, runner, lifecycle, keyframe_interval: int):
+        self.jobs, self.storage, self.broker, self.runner = jobs, storage, broker, runner
+        self.lifecycle = lifecycle
         self.keyframe_interval = keyframe_interval
 
     # -- the outputs on the way ---------------------------------------------------------------------------
@@ -53,10 +55,12 @@ class VideoOutputs:
             if self.broker.has_subscribers(rec.id):
                 self.broker.publish(rec.id, "video.queued", event(rec, queue_position=out.position))
         elif isinstance(out, Admitted):
+            self.lifecycle.started(job, out.num_steps, out.admissions)
             await self.update(job, status="in_progress", progress=0)
             self.broker.publish(rec.id, "video.in_progress", event(rec, step=0, num_steps=out.num_steps))
         elif isinstance(out, StepProgress):
             self.set(rec, progress=progress(job))
+            self.lifecycle.step(job, out.step, out.num_steps, out.batch_size)
             if job.fence is not None and time.monotonic() - job.saved_at >= 1.0:   # other replicas read it
                 job.saved_at = time.monotonic()
                 await self.update(job, progress=rec.progress)
@@ -67,9 +71,12 @@ class VideoOutputs:
                 self.broker.publish(rec.id, "video.decoding", event(rec, frames_done=0,
                                                                     num_frames=job.handle.status().num_frames))
         elif isinstance(out, FramesChunk):
+            self.lifecycle.frames(job)
             try:
                 await self.runner.run_io(self.write_frames, job, out)
+                t0 = time.perf_counter()
                 await job.writer.write_async(out.frames[0])     # (n, H, W, 3) uint8: this job's own hand-off
+                job.times["mux_s"] = job.times.get("mux_s", 0.0) + time.perf_counter() - t0
                 if out.info.get("audio") is not None:             # a sound that came after the first frames: muxed
                     job.writer.add_audio(out.info["audio"][0], out.info["audio_rate"])   # in when the picture is done
             except OSError as e:                                  # the thumbnail, or the writer's part file
@@ -81,7 +88,8 @@ class VideoOutputs:
         elif isinstance(out, Requeued):
             await self.drop_output(job)
             await self.update(job, status="queued", progress=0)
-            self.health.requeued.inc()
+            job.times.pop("mux_s", None)
+            self.lifecycle.requeued(job)
         return None
 
     def _write_failed(self, code: str, message: str) -> RequestFailure:
@@ -113,10 +121,12 @@ class VideoOutputs:
             await self.failed(job, RequestFailure("encoding_failed", "no frames were decoded", kind=ABORTED))
             return
         loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
         written: asyncio.Future = loop.create_future()
         job.writer.finish(lambda ok, err: loop.call_soon_threadsafe(
             lambda: written.done() or written.set_result((ok, err))))
         ok, error = await written
+        job.times["mux_s"] = job.times.get("mux_s", 0.0) + time.perf_counter() - t0     # the encode's tail
         if not self.jobs.holds(job):
             await self.drop_output(job)             # deleted while its file was finished
             return
@@ -145,8 +155,8 @@ class VideoOutputs:
         if not self.jobs.holds(job):                # deleted while its record was written: cancelled, not completed
             await self.drop_output(job)
             return
-        self.health.finished.inc(outcome="completed")
         self.broker.publish(job.record.id, "video.completed", video_view(job.record).model_dump())
+        self.lifecycle.finished(job, timings or {})
         if self.storage.config.max_storage_bytes is not None:
             try:
                 await self.runner.run_io(self.storage.quota)
@@ -158,7 +168,7 @@ class VideoOutputs:
         fields = {"status": "failed", "error": {"code": error.code, "message": error.message},
                   "expires_at": self.storage.expiry(int(time.time()))}
         self.set(job.record, **fields)
-        self.health.finished.inc(outcome="failed")
+        self.lifecycle.failed(job, error.code, error.message)
         self.broker.publish(job.record.id, "video.failed", video_view(job.record).model_dump())
         try:
             await self.drop_output(job)
