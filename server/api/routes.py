@@ -139,8 +139,9 @@ def unflatten_form(fields: list[tuple[str, object]]) -> dict:
     return out
 
 
-async def parse_create_body(request: Request) -> dict:
-    """JSON, multipart/form-data or urlencoded form -> a dict for `VideoCreateRequest` (file parts as `Upload`s)."""
+async def parse_create_body(request: Request, file_fields: tuple[str, ...] = FILE_FIELDS) -> dict:
+    """JSON, multipart/form-data or urlencoded form -> a dict for `VideoCreateRequest` (file parts as `Upload`s;
+    `file_fields`: the fields that may be files)."""
     ctype = _content_type(request)
     try:
         body = await read_body(request)
@@ -164,7 +165,7 @@ async def parse_create_body(request: Request) -> dict:
         try:
             for key, value in form.multi_items():
                 if isinstance(value, UploadFile):
-                    if key not in FILE_FIELDS:
+                    if key not in file_fields:
                         raise APIError(400, f"{key} must be a text field, not a file upload", param=key,
                                        code="invalid_value")
                     fields.append((key, Upload(await value.read(), value.filename, value.content_type)))
@@ -252,12 +253,19 @@ async def delete_video(request: Request, video_id: str):
 
 @v1.get("/videos/{video_id}/content")
 async def download_content(request: Request, video_id: str, variant: str = "video", stream: bool = False):
-    """The MP4 (or the PNG thumbnail) of a completed video; with stream=true the MP4 of a video that is
-    still being generated, sent while its frames are decoded (a fragmented MP4)."""
+    """The MP4, the PNG thumbnail (its first frame) or the spritesheet (a PNG grid of its frames) of a completed
+    video; with stream=true the MP4 of a video that is still being generated, sent while its frames are decoded (a
+    fragmented MP4)."""
     service = request.app.state.videos
-    if variant not in ("video", "thumbnail"):
-        raise APIError(400, f"variant must be 'video' or 'thumbnail'; got {variant!r}", param="variant",
-                       code="invalid_value")
+    if variant not in ("video", "thumbnail", "spritesheet"):
+        raise APIError(400, f"variant must be 'video', 'thumbnail' or 'spritesheet'; got {variant!r}",
+                       param="variant", code="invalid_value")
+    if variant == "spritesheet":
+        from longserve.server.api.stored_frames import spritesheet
+
+        path = await run_in_threadpool(service.content_path, video_id, "video", request.state.caller)
+        return Response(await run_in_threadpool(spritesheet, path), media_type="image/png",
+                        headers={"Content-Disposition": f'attachment; filename="{video_id}.sprites.png"'})
     rec = await run_in_threadpool(service.record, video_id, request.state.caller)
     if stream and variant == "video" and rec.status in ("queued", "in_progress"):
         writer = await service.live_writer(video_id, request.is_disconnected)   # wakes when the writer exists

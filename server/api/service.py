@@ -195,8 +195,25 @@ class VideoService:
         spec = self.requests.extend(source, self.content_path(video_id, "video", caller), req)
         return self._submit(spec, caller.owner, seeded=req.seed is not None, extended_from=video_id)
 
+    def remix(self, video_id: str, req: VideoExtendRequest, caller: Caller = NO_KEY) -> Video:
+        """`POST /v1/videos/{id}/remix`: a new video from the completed `video_id` under a new prompt (an extension
+        on a model that extends, else a video from its last frame; `VideoRequests.remix`), `remixed_from_video_id`
+        set. 400 naming `model` where the model can do neither, 404 / 409 as extend."""
+        self.admission.check_open()
+        source = self.record(video_id, caller)
+        caps = self.engine.info.capabilities
+        if caps.extends or caps.takes_image:
+            if source.status != "completed":
+                raise not_ready(source)
+            path = self.content_path(video_id, "video", caller)
+        else:
+            path = None                               # refused by the door, naming model
+        spec, how = self.requests.remix(source, path, req)
+        return self._submit(spec, caller.owner, seeded=req.seed is not None, remixed_from=video_id,
+                            extended_from=video_id if how == "extension" else None)
+
     def _submit(self, spec: GenerationSpec, owner: str | None, seeded: bool, extended_from: str | None = None,
-                asked_seconds: str | None = None):
+                asked_seconds: str | None = None, remixed_from: str | None = None):
         """Admit a complete request, queue it and store its record; with an explicit seed (`seeded`), a repeat of a
         completed request of the same owner reuses its content (`--reuse-completed`). The record's `seconds` is
         the caller's own text where a create gave one (`num_frames` has the count made, by the model's frame rule),
@@ -210,6 +227,8 @@ class VideoService:
         # an extension's content is the video it continues and the new frames: what seconds and num_frames say
         frames = self.engine.content_frames(spec)
         params = stored_params(spec)
+        if remixed_from is not None:
+            params["remixed_from"] = remixed_from
         if frames != spec.num_frames:
             params["content_frames"] = frames
         seconds = asked_seconds.strip() if asked_seconds is not None and frames == spec.num_frames else None

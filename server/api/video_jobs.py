@@ -242,6 +242,7 @@ def video_view(rec: VideoRecord) -> Video:
                  completed_at=rec.completed_at, expires_at=rec.expires_at,
                  error=VideoError(**rec.error) if rec.error else None,
                  prompt=rec.prompt, seconds=rec.seconds, size=rec.size, extended_from=rec.extended_from,
+                 remixed_from_video_id=p.get("remixed_from"),
                  num_frames=p.get("content_frames", p["num_frames"]), fps=p["fps"],
                  num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
                  seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {},

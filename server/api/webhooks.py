@@ -180,6 +180,17 @@ class Webhooks:
         self._count("failed")
         return status
 
+    async def test_delivery(self, url: str, secret: str, event_type: str) -> int | None:
+        """`POST /v1/webhook_endpoints/{id}/test`: one sample event (data.id a made-up video), tried once."""
+        parts = urlsplit(url)
+        problem = await asyncio.get_running_loop().run_in_executor(
+            None, self._private, (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80))
+        if problem is not None:
+            raise APIError(400, f"url: {problem}", param="url", code="invalid_value")
+        event = {"id": f"evt_{uuid.uuid4().hex}", "object": "event", "created_at": int(time.time()),
+                 "type": event_type, "data": {"id": "video_test"}}
+        return await self._post(url, secret, event["id"], json.dumps(event, separators=(",", ":")).encode())
+
     async def _post(self, url: str, secret: str, webhook_id: str, body: bytes) -> int | None:
         import httpx
 
