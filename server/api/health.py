@@ -8,6 +8,7 @@ counters are bumped by the part that sees the event: `created`, `reused` by the 
 
 from __future__ import annotations
 
+from longserve.server.api.errors import StoreUnavailable
 from longserve.server.api.jobs import LIVE
 from longserve.server.api.metrics import Counter, Gauge, Histogram, Registry
 
@@ -17,6 +18,7 @@ class ServerHealth:
 
     def __init__(self, service):
         self.service = service
+        self._last: dict = {}                 # the store's gauges as last read
         r = self.registry = Registry()
         r.add(Gauge("longserve_queue_depth", "Video requests waiting to be admitted.",
                     lambda: self._stat("waiting")))
@@ -46,7 +48,7 @@ class ServerHealth:
                                      "Finished videos whose files were deleted (retention ran out, or the storage "
                                      "quota evicted them); their records stay, marked expired."))
         r.add(Gauge("longserve_stored_video_bytes", "Bytes of the completed videos kept (--max-storage-bytes "
-                    "counts these).", lambda: service.storage.stored_bytes() if service.storage is not None else 0))
+                    "counts these).", lambda: self._from_store("stored", lambda s: s.stored_bytes(), 0)))
         r.add(Gauge("longserve_disk_free_bytes", "Free bytes on the data dir's file system, as last measured.",
                     lambda: (service.storage.free_bytes or 0) if service.storage is not None else 0))
         r.add(Gauge("longserve_worker_restarts", "Worker pool restarts since the server started.",
@@ -74,9 +76,20 @@ class ServerHealth:
 
     def _jobs_by_status(self) -> dict:
         counts = {s: 0 for s in ("queued", "in_progress", "completed", "failed")}
-        if self.service.storage is not None:
-            counts.update(self.service.storage.store.counts_by_status())
+        counts.update(self._from_store("by_status", lambda s: s.store.counts_by_status(), {}))
         return counts
+
+    def _from_store(self, name: str, read, default):
+        """A gauge read from the job store; while it does not answer, the last value read (/metrics still
+        answers: /health says why the store is degraded)."""
+        storage = self.service.storage
+        if storage is None:
+            return default
+        try:
+            self._last[name] = read(storage)
+        except StoreUnavailable:
+            pass
+        return self._last.get(name, default)
 
     def metrics_text(self) -> str:
         return self.registry.render()
