@@ -154,7 +154,7 @@ def run(args) -> int:
     if videos.warm_up_s is not None:
         print(f"warmed up: one video at the model's default shape in {videos.warm_up_s:.1f} s (--no-warm-up skips "
               f"it)", file=sys.stderr)
-    from longserve.server.api.edge import uvicorn_options
+    from longserve.server.api.edge import log_config, uvicorn_options
     lim = videos.limits
     print(f"serving {videos.model_name} on http://{args.host}:{args.port} (data in {args.data_dir}; "
           f"max batch {args.max_batch}; frames <= {lim.max_frames}, sides <= {lim.max_size} px, "
@@ -162,8 +162,10 @@ def run(args) -> int:
     # a SIGTERM before uvicorn takes the signals over: an orderly exit (the workers and the job store are
     # closed below) instead of the default action
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    # (its access log with credentials in query strings redacted: edge.log_config)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **uvicorn_options(videos.config))
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=log_config(args.log_level),
+                            **uvicorn_options(videos.config))
     server = _draining_server_class()(config, videos, videos.config.drain_seconds)
     try:
         server.run()
