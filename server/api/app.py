@@ -18,7 +18,14 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 
-from longserve.server.api.edge import EdgeGuard, default_allowed_hosts, exposure_warnings, parse_list, uvicorn_options
+from longserve.server.api.edge import (
+    EdgeGuard,
+    default_allowed_hosts,
+    exposure_warnings,
+    log_config,
+    parse_list,
+    uvicorn_options,
+)
 from longserve.server.api.errors import install_error_handlers
 from longserve.server.api.openai_routes import v1 as openai_v1
 from longserve.server.api.routes import router, v1
@@ -65,13 +72,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 30.0):
-    """Run uvicorn in a background thread of this process; yields the base URL ("http://host:port")."""
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 30.0,
+                    log_level: str = "warning"):
+    """Run uvicorn in a background thread of this process (its logs as `longserve serve` configures them:
+    `edge.log_config`); yields the base URL ("http://host:port")."""
     import uvicorn
 
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=5, **uvicorn_options(app.state.videos.config)))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                                           timeout_graceful_shutdown=5, log_config=log_config(log_level),
+                                           **uvicorn_options(app.state.videos.config)))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

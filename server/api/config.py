@@ -95,6 +95,11 @@ class ServeConfig:
                                            "directory every replica mounts; s3://bucket/prefix = S3-compatible "
                                            "object storage (with --store postgresql://; AWS_ENDPOINT_URL_S3 and "
                                            "the AWS credentials as boto3 reads them)", group="jobs", metavar="URL")
+    store_timeout_s: float = option(3.0, "with a PostgreSQL store: how long a request waits for the database "
+                                         "(a pooled connection, or a new one) before it is answered 503 "
+                                         "storage_unavailable with Retry-After; /health says degraded while it "
+                                         "does not answer", group="jobs", flag="--store-timeout",
+                                    metavar="SECONDS")
     lease_seconds: float = option(10.0, "with a PostgreSQL store: a replica renews its running jobs' leases every "
                                         "third of this; a job whose lease lapses (its replica died) is queued again",
                                   group="jobs", metavar="SECONDS")
@@ -206,6 +211,9 @@ class ServeConfig:
         if isinstance(self.store_wait_s, bool) or not isinstance(self.store_wait_s, (int, float)) \
                 or not math.isfinite(self.store_wait_s) or self.store_wait_s < 0:
             raise ValueError(f"store_wait_s must be a non-negative number of seconds, got {self.store_wait_s!r}")
+        if isinstance(self.store_timeout_s, bool) or not isinstance(self.store_timeout_s, (int, float)) \
+                or not 0.5 <= self.store_timeout_s <= 60:
+            raise ValueError(f"store_timeout_s must be a number of seconds in [0.5, 60], got {self.store_timeout_s!r}")
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be a positive integer, got {self.max_attempts!r}")
         if self.replica_id is not None and (not isinstance(self.replica_id, str)

@@ -11,14 +11,19 @@
   uvicorn 0.54 has none (its `timeout_keep_alive` only runs between requests), so a client that trickles
   a header line every few seconds would hold a connection for ever (slowloris). Past the deadline the
   client gets 408 if its headers were incomplete, and the connection is closed.
+- `log_config(level)`: uvicorn's logging, with every query parameter whose name says it is a credential
+  (`api_key`, `token`, `secret`, `password`, ...) written as `[redacted]` in the access log and the WebSocket
+  lines: a key a client put in a URL never reaches the log.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import ipaddress
 import json
 import logging
+import re
 import secrets
 from urllib.parse import urlsplit
 
@@ -229,3 +234,39 @@ def uvicorn_options(config) -> dict:
     """The connection settings of `uvicorn.Config` from a `ServeConfig` (the CLI's and the tests' servers)."""
     return {"timeout_keep_alive": config.timeout_keep_alive, "limit_concurrency": config.limit_concurrency,
             "http": read_deadline_protocol(config.request_read_timeout_s)}
+
+
+# -- credentials out of the logs -----------------------------------------------------------------------------
+
+#: a query parameter whose name says it holds a credential, and its value
+_SECRET_PARAM = re.compile(r"([?&][^=&#\s\"]*(?:key|token|secret|passw|auth|signature|credential)[^=&#\s\"]*=)"
+                           r"[^&#\s\"]*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with the values of credential-looking query parameters replaced by `[redacted]`."""
+    return _SECRET_PARAM.sub(r"\1[redacted]", text) if "=" in text else text
+
+
+class RedactSecrets(logging.Filter):
+    """On uvicorn's loggers: a record's message and arguments redacted (`redact`) before any handler sees them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def log_config(level: str = "info") -> dict:
+    """uvicorn's logging configuration with `RedactSecrets` on its access and error loggers (`uvicorn.Config`'s
+    `log_config`; its `log_level` still sets the level)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["filters"] = {**config.get("filters", {}), "redact_secrets": {"()": RedactSecrets}}
+    for name in ("uvicorn.error", "uvicorn.access"):
+        config["loggers"].setdefault(name, {})["filters"] = ["redact_secrets"]
+        config["loggers"][name]["level"] = level.upper()
+    return config

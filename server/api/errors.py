@@ -56,6 +56,20 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+class StoreUnavailable(RuntimeError):
+    """The job store does not answer (a database that refuses or drops connections, no connection within
+    `--store-timeout`): the API answers 503 `storage_unavailable` with Retry-After, /health says degraded."""
+
+
+#: what a client is told to wait before trying again while the job store does not answer
+STORE_RETRY_AFTER_S = 5
+
+
+def store_unavailable_response(exc: Exception) -> JSONResponse:
+    return error_response(503, f"the server's job store does not answer; retry in a few seconds ({exc})", None,
+                          "storage_unavailable", {"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+
 def validation_error(exc: ValidationError | RequestValidationError, prefix: tuple = ()) -> APIError:
     """The first problem of a pydantic validation, as a 400 naming the field."""
     errors = exc.errors()
@@ -104,6 +118,11 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail)
             code = None
         return error_response(exc.status_code, message, None, code, getattr(exc, "headers", None))
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(request: Request, exc: StoreUnavailable):
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        return store_unavailable_response(exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

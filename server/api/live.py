@@ -1,6 +1,8 @@
 """`WebSocket /v1/videos/live`: a live video session on a causal model, chunk by chunk, with prompt switching.
 
-    client -> server   {"type": "start", "prompt": "...", "size": "64x64", "seed": 0, "fps": 16}   (first; optional
+    client -> server   {"type": "auth", "api_key": "..."}   first, with --api-key, unless the socket was opened with
+                       an Authorization header (a browser cannot set one; a key in the URL is refused)
+                       {"type": "start", "prompt": "...", "size": "64x64", "seed": 0, "fps": 16}   (then; optional
                        "input_reference": a start image as a data URL, on a model that takes one; "webrtc": the
                        browser's offer, for the frames as a WebRTC track instead: server/api/webrtc.py)
                        {"type": "prompt", "prompt": "..."}        any time: applies at the next chunk
@@ -39,8 +41,8 @@ still pending and the one applied last: a session's prompt history is bounded.
 A slow client never slows the others: the engine hands this session's chunks to a queue of
 `--live-buffer-chunks` fragments; when the client has not taken them, a new fragment is dropped
 (the next chunk event counts it in `dropped`) instead of waiting. With --api-key, the socket
-needs the key too: an `Authorization: Bearer KEY` header, or `?api_key=KEY` (browsers cannot
-set headers on a WebSocket).
+needs the key too: an `Authorization: Bearer KEY` header, or the first message `{"type": "auth", "api_key": KEY}`
+(browsers cannot set headers on a WebSocket); never the URL, which proxies and servers log.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ from longserve.server.api.json_input import load_object
 log = logging.getLogger("longserve.live")
 
 START_TIMEOUT_S = 30.0
+#: a socket must say its key this soon (an unauthenticated socket holds a connection slot meanwhile)
+AUTH_TIMEOUT_S = 10.0
 CLOSE_TRY_LATER = 1013
 CLOSE_POLICY = 1008
 CLOSE_SERVICE_RESTART = 1012
@@ -73,11 +77,10 @@ CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_INVALID_PAYLOAD = 1007
 
 
-def socket_key(ws: WebSocket, keys: tuple[str, ...]) -> str | None:
-    """The API key the socket carries, if it is one of `keys` (None otherwise)."""
+def header_key(ws: WebSocket, keys: tuple[str, ...]) -> str | None:
+    """The API key of the socket's Authorization header, if it is one of `keys` (None otherwise)."""
     scheme, _, token = ws.headers.get("authorization", "").partition(" ")
-    given = token.strip() if scheme.lower() == "bearer" else ws.query_params.get("api_key", "")
-    return matching_key(given, keys)
+    return matching_key(token.strip(), keys) if scheme.lower() == "bearer" else None
 
 
 class LiveSessions:
@@ -94,10 +97,23 @@ class LiveSessions:
 
     async def run(self, ws: WebSocket, api_keys: tuple[str, ...]) -> None:
         await ws.accept()
-        key = socket_key(ws, api_keys) if api_keys else None
-        if api_keys and key is None:
-            await self._refuse(ws, "invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                                      "or ?api_key=<key>", CLOSE_POLICY)
+        if "api_key" in ws.query_params:            # it is in a URL already: logged by whatever relays it
+            await self._refuse(ws, "invalid_api_key", "an API key in the URL is refused (URLs are written to logs): "
+                                                      "send {\"type\": \"auth\", \"api_key\": ...} as the first "
+                                                      "message, or the header 'Authorization: Bearer <key>'",
+                               CLOSE_POLICY, "api_key")
+            return
+        try:
+            key = await self._authenticate(ws, api_keys)
+        except (asyncio.TimeoutError, WebSocketDisconnect):
+            with contextlib.suppress(Exception):
+                await ws.close(CLOSE_POLICY)
+            return
+        except ProtocolError as e:
+            await self._refuse(ws, e.code, e.message, e.close_code, e.param)
+            return
+        except APIError as e:
+            await self._refuse(ws, e.code, e.message, CLOSE_POLICY, e.param)
             return
         if not self.supported:
             await self._refuse(ws, "unsupported_model", "this model does not stream live video (a causal model "
@@ -111,6 +127,8 @@ class LiveSessions:
         peer = None
         try:
             msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
+            if msg.get("type") == "auth":           # not needed here (no keys, or the header's): the next one
+                msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
             offer = self._offer(msg.pop("webrtc", None))
             spec = service.requests.live(msg, self.max_seconds)
             peer = None if offer is None else await self._peer(spec, offer)     # answered before any admission
@@ -147,6 +165,24 @@ class LiveSessions:
             await self._refuse(ws, "live_capacity", str(e), CLOSE_TRY_LATER)
             return
         await self._session(ws, job, spec, peer)
+
+    async def _authenticate(self, ws: WebSocket, api_keys: tuple[str, ...]) -> str | None:
+        """The socket's key (None when the server has none): in the Authorization header or, from a browser (which
+        cannot set headers on a WebSocket), as the first message {"type": "auth", "api_key": KEY}, within
+        AUTH_TIMEOUT_S."""
+        if not api_keys:
+            return None
+        key = header_key(ws, api_keys)
+        if key is not None:
+            return key
+        msg = await asyncio.wait_for(read_message(ws), AUTH_TIMEOUT_S)
+        given = msg.get("api_key") if msg.get("type") == "auth" else None
+        key = matching_key(given, api_keys) if isinstance(given, str) else None
+        if key is None:
+            raise APIError(401, "missing or wrong API key: send {\"type\": \"auth\", \"api_key\": <key>} as the "
+                                "first message, or the header 'Authorization: Bearer <key>'",
+                           param="api_key", code="invalid_api_key")
+        return key
 
     @staticmethod
     def _offer(offer) -> dict | None:

@@ -40,7 +40,8 @@ class JsonFormatter(logging.Formatter):
 
 def configure_logging(level: str = "info", fmt: str = "text") -> None:
     """The root logger for a `longserve serve` process: every logger (uvicorn's too, whose own configuration the
-    server does not install) writes through it, as text or JSON lines, to stderr."""
+    server does not install: its access and error lines keep `edge.RedactSecrets`) writes through it, as text or
+    JSON lines, to stderr."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -49,9 +50,14 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    from longserve.server.api.edge import RedactSecrets
+
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).handlers.clear()
-        logging.getLogger(name).propagate = True
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+        if name != "uvicorn" and not any(isinstance(f, RedactSecrets) for f in logger.filters):
+            logger.addFilter(RedactSecrets())     # credentials in a URL's query never reach the log (edge.py)
 
 
 def job_event(event: str, job_id: str, owner: str | None, replica: str | None = None, **fields) -> None:

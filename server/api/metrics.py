@@ -66,6 +66,7 @@ class ServerMetrics:
 
     def __init__(self, service):
         self.service = service
+        self._last: dict = {}                 # the store's gauges as last read
         r = self.registry = CollectorRegistry()
         g = self.gauges = CallbackGauges()
         r.register(g)
@@ -81,12 +82,13 @@ class ServerMetrics:
               lambda: self._stat("last_batch_size"))
         g.add("longserve_jobs", "Video jobs in the store, by status.", self._jobs_by_status, ("status",))
         g.add("longserve_cluster_jobs", "Jobs not finished in the whole cluster (every replica's, from the shared "
-              "store; this server's with SQLite), by status.", lambda: self._cluster()[0], ("status",))
+              "store; this server's with SQLite), by status.",
+              lambda: self._from_store("cluster", self._cluster, ({}, {}))[0], ("status",))
         g.add("longserve_cluster_work", "Work of the jobs not finished in the whole cluster, in default requests (the "
               "admission's unit; a replica takes --max-batch of it), by status: the metric to scale replicas on.",
-              lambda: self._cluster()[1], ("status",))
+              lambda: self._from_store("cluster", self._cluster, ({}, {}))[1], ("status",))
         g.add("longserve_stored_video_bytes", "Bytes of the completed videos kept (--max-storage-bytes counts these).",
-              lambda: service.storage.stored_bytes() if service.storage is not None else 0)
+              lambda: self._from_store("stored", lambda: service.storage.stored_bytes(), 0))
         g.add("longserve_disk_free_bytes", "Free bytes on the data dir's file system, as last measured.",
               lambda: (service.storage.free_bytes or 0) if service.storage is not None else 0)
         g.add("longserve_worker_restarts", "Worker pool restarts since the server started.",
@@ -142,19 +144,28 @@ class ServerMetrics:
 
     def _jobs_by_status(self) -> dict:
         counts = {s: 0 for s in ("queued", "in_progress", "completed", "failed")}
-        if self.service.storage is not None:
-            counts.update(self.service.storage.store.counts_by_status())
+        counts.update(self._from_store("by_status", lambda: self.service.storage.store.counts_by_status(), {}))
         return counts
+
+    def _from_store(self, name: str, read, default):
+        """A gauge read from the job store; while it does not answer, the value last read (/metrics still answers;
+        /health says why the store is degraded)."""
+        if self.service.storage is None:
+            return default
+        try:
+            self._last[name] = read()
+        except Exception:  # noqa: BLE001 - StoreUnavailable, or the database's own error during an outage
+            pass
+        return self._last.get(name, default)
 
     def _cluster(self) -> tuple[dict, dict]:
         """({status: jobs}, {status: work}) of the queued and running jobs: the shared store's (every replica's),
         else this server's registry."""
         jobs = {"queued": 0, "in_progress": 0}
         work = {"queued": 0.0, "in_progress": 0.0}
-        store = self.service.storage.store if self.service.storage is not None else None
-        pool = getattr(store, "pool", None)
-        if pool is not None:
-            with pool.connection() as conn:
+        store = self.service.storage.store
+        if getattr(store, "pool", None) is not None:
+            with store._connection() as conn:    # the store's own: an outage is its StoreUnavailable
                 for status, n, cost in conn.execute("SELECT status, COUNT(*), COALESCE(SUM(cost), 0) FROM videos "
                                                     "WHERE status IN ('queued', 'in_progress') GROUP BY status"):
                     jobs[status], work[status] = n, float(cost)

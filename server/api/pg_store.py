@@ -10,22 +10,25 @@ The video files are not in the database: they live in the media store (`StoredFi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import time
 
 import psycopg
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from longserve.server.api.store import (
     COLUMNS,
     StoredFiles,
+    StoreUnavailable,
     VideoRecord,
     check_storable,
     dump_json,
     page_clause,
     record_from_row,
+    safe_url,
 )
 
 #: advisory lock keys (with the schema's hash as the second key: replicas of one schema agree on them): migrations
@@ -84,17 +87,6 @@ REFUSED = re.compile(r"authentication failed|role .* does not exist|database .* 
                      r"password authentication|SSL", re.I)
 
 
-class StoreUnavailable(ValueError):
-    """The job store did not answer at start within `--store-wait` (or refused us): the server stops with this one
-    line (a ValueError: the CLI prints it without a traceback)."""
-
-
-def redacted(url: str) -> str:
-    """A database URL fit for a log: its password replaced by ***."""
-    url = re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
-    return re.sub(r"(password=)[^&\s]*", r"\1***", url)
-
-
 def wait_for_database(url: str, wait_s: float) -> None:
     """Connect once to `url`, trying again with backoff (0.5 s doubling, at most 8 s apart) while it does not answer,
     for up to `wait_s` seconds; a line is logged per failed try. StoreUnavailable naming --store when it never
@@ -110,14 +102,14 @@ def wait_for_database(url: str, wait_s: float) -> None:
         except psycopg.Error as e:
             reason = " ".join(str(e).split())[:300] or type(e).__name__
             if REFUSED.search(reason):
-                raise StoreUnavailable(f"--store {redacted(url)}: the database refused the connection: {reason}") \
+                raise StoreUnavailable(f"the database refused the connection: {reason}") \
                     from None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StoreUnavailable(f"--store {redacted(url)}: the database did not answer within --store-wait "
+                raise StoreUnavailable(f"the database did not answer within --store-wait "
                                        f"{wait_s:g} s ({tries} tries; last: {reason})") from None
             log.warning("the job store %s does not answer (%s); trying again in %.1f s (gives up %.0f s from now)",
-                        redacted(url), reason, min(delay, remaining), remaining)
+                        safe_url(url), reason, min(delay, remaining), remaining)
             time.sleep(min(delay, remaining))
             delay = min(8.0, delay * 2)
 
@@ -148,20 +140,44 @@ def migrate(pool: ConnectionPool) -> list[int]:
     return applied
 
 
-class PostgresJobStore(StoredFiles):
-    """Thread-safe: each call takes a connection from the pool (autocommit; a claim is its own transaction)."""
+#: what a database that does not answer raises: refused or cut connections, a pool with none to give in time
+UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 
-    def __init__(self, url: str, data_dir, video_dir=None, pool_size: int = 8, objects=None, wait_s: float = 30.0):
-        wait_for_database(url, wait_s)         # a database that is not up yet: bounded retries, then one line
+
+class PostgresJobStore(StoredFiles):
+    """Thread-safe: each call takes a connection from the pool (autocommit; a claim is its own transaction).
+
+    `timeout_s` (`--store-timeout`) bounds how long a call waits for a connection (the pool's wait, and each new
+    connection's connect timeout): a database that refuses or drops connections is `StoreUnavailable` within it,
+    never a hang. A connection is checked when it is taken (one empty round trip), so one the database dropped
+    is replaced, not failed on; and a failed reconnection gives up after about `timeout_s`, so the next call tries
+    again at once: the pool recovers by itself seconds after the database is back. `unavailable` says why the last
+    call failed, until one succeeds (`/health`'s reason). At start, `wait_s` (`--store-wait`) is how long a
+    database that does not answer yet is tried again (`wait_for_database`)."""
+
+    def __init__(self, url: str, data_dir, video_dir=None, pool_size: int = 8, objects=None,
+                 timeout_s: float = 3.0, wait_s: float = 0.0):
+        wait_for_database(url, wait_s)         # a database that is not up yet: bounded retries (--store-wait)
         super().__init__(data_dir, video_dir, objects)
         self.url = url
-        self.pool = ConnectionPool(url, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False,
-                                   name="longserve-store")
-        self.pool.open(wait=True, timeout=30)
+        self.timeout_s = float(timeout_s)
+        self.unavailable: str | None = None
+        self.failed_at: float | None = None      # time.monotonic() of the first failure of this outage
+        try:                       # one connection first: its error says what is wrong (the pool's only "timeout")
+            psycopg.connect(url, connect_timeout=max(2, round(self.timeout_s))).close()
+        except psycopg.Error as e:
+            raise StoreUnavailable(f"cannot connect: {first_line(e)}") from None
+        self.pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=False, name="longserve-store",
+                                   kwargs={"autocommit": True, "connect_timeout": max(2, round(self.timeout_s))},
+                                   timeout=self.timeout_s, reconnect_timeout=max(1.0, self.timeout_s),
+                                   check=ConnectionPool.check_connection)
         try:
+            self.pool.open(wait=True, timeout=max(5.0, 2 * self.timeout_s))
             self.migrated = migrate(self.pool)
-        except BaseException:
+        except BaseException as e:
             self.pool.close()
+            if isinstance(e, UNREACHABLE):
+                raise StoreUnavailable(f"cannot use the database: {first_line(e)}") from None
             raise
 
     def close(self) -> None:
@@ -170,18 +186,36 @@ class PostgresJobStore(StoredFiles):
     def schema_version(self) -> int:
         return self._one("SELECT COALESCE(MAX(version), 0) FROM longserve_schema")[0]
 
+    def ping(self) -> None:
+        """One round trip (the health probe): StoreUnavailable when the database does not answer."""
+        self._one("SELECT 1")
+
     # -- helpers ---------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _connection(self):
+        """A pooled connection; what an unreachable database raises becomes StoreUnavailable (503)."""
+        try:
+            with self.pool.connection() as conn:
+                yield conn
+        except UNREACHABLE as e:
+            if self.unavailable is None:
+                self.failed_at = time.monotonic()
+            self.unavailable = first_line(e) or type(e).__name__
+            raise StoreUnavailable(f"the job store does not answer: {self.unavailable}") from None
+        if self.unavailable is not None:
+            self.unavailable = self.failed_at = None
+
     def _all(self, sql: str, args=()) -> list[tuple]:
-        with self.pool.connection() as conn:
+        with self._connection() as conn:
             return conn.execute(sql, args).fetchall()
 
     def _one(self, sql: str, args=()) -> tuple | None:
-        with self.pool.connection() as conn:
+        with self._connection() as conn:
             return conn.execute(sql, args).fetchone()
 
     def _run(self, sql: str, args=()) -> int:
-        with self.pool.connection() as conn:
+        with self._connection() as conn:
             return conn.execute(sql, args).rowcount
 
     # -- rows (the SQLite store's interface) ----------------------------------------------------------
@@ -216,7 +250,7 @@ class PostgresJobStore(StoredFiles):
         """Claim queued jobs of `models`, oldest first, whose work fits `budget` (at least one when `idle`): each
         gets this replica's lease for `lease_s`, an attempt and a new fence. Rows another replica is claiming are
         skipped (FOR UPDATE SKIP LOCKED). Returns (record, fence, attempts, cost) of each."""
-        with self.pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             rows = conn.execute("SELECT id, cost FROM videos WHERE status = 'queued' AND lease_owner IS NULL AND "
                                 "model = ANY(%s) ORDER BY seq LIMIT %s FOR UPDATE SKIP LOCKED",
                                 (list(models), look_ahead)).fetchall()
@@ -271,7 +305,7 @@ class PostgresJobStore(StoredFiles):
     def requeue_lapsed(self, max_attempts: int) -> tuple[list[str], list[str]]:
         """Jobs whose lease lapsed (their replica stopped renewing): queued again while they have attempts left,
         else failed (`replica_lost`). Returns (requeued ids, failed ids)."""
-        with self.pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             lapsed = conn.execute("SELECT id, attempts, fence FROM videos WHERE lease_owner IS NOT NULL AND "
                                   "lease_until < now() AND status IN ('queued', 'in_progress') FOR UPDATE SKIP LOCKED"
                                   ).fetchall()
@@ -301,7 +335,7 @@ class PostgresJobStore(StoredFiles):
         `<id>.*` (`publish_files`: renamed, atomic on one file system; or put whole as objects) and the fields are
         written, the lease let go. False, with nothing published, when another claim holds the job. (A lapsed lease
         is not requeued while the row is locked: `requeue_lapsed` skips locked rows.)"""
-        with self.pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             row = conn.execute("SELECT fence FROM videos WHERE id = %s FOR UPDATE", (video_id,)).fetchone()
             if row is None or row[0] != fence:
                 return False
@@ -336,9 +370,18 @@ class PostgresJobStore(StoredFiles):
     def leave(self, replica: str) -> None:
         self._run("DELETE FROM replicas WHERE id = %s", (replica,))
 
+    @contextlib.contextmanager
     def sweep_lock(self):
         """A context: True inside it for the one replica that sweeps now (a session advisory lock), else False."""
-        return _SweepLock(self.pool)
+        with self._connection() as conn:
+            held = conn.execute("SELECT pg_try_advisory_lock(%s, hashtext(COALESCE(current_schema(), '')))",
+                                (SWEEP_LOCK,)).fetchone()[0]
+            try:
+                yield held
+            finally:
+                if held:
+                    conn.execute("SELECT pg_advisory_unlock(%s, hashtext(COALESCE(current_schema(), '')))",
+                                 (SWEEP_LOCK,))
 
 
     def delete(self, video_id: str) -> bool:
@@ -378,23 +421,8 @@ class PostgresJobStore(StoredFiles):
         return [record_from_row(r) for r in self._all(f"{_SELECT} WHERE status = %s ORDER BY seq", (status,))]
 
 
-class _SweepLock:
-    def __init__(self, pool):
-        self.pool, self.conn, self.held = pool, None, False
-
-    def __enter__(self) -> bool:
-        self.conn = self.pool.getconn()
-        self.held = self.conn.execute("SELECT pg_try_advisory_lock(%s, hashtext(COALESCE(current_schema(), '')))",
-                                      (SWEEP_LOCK,)).fetchone()[0]
-        return self.held
-
-    def __exit__(self, *exc) -> None:
-        try:
-            if self.held:
-                self.conn.execute("SELECT pg_advisory_unlock(%s, hashtext(COALESCE(current_schema(), '')))",
-                                  (SWEEP_LOCK,))
-        finally:
-            self.pool.putconn(self.conn)
+def first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _update_sql(video_id: str, fields: dict, where: str = "", args=()) -> tuple[str, tuple]:

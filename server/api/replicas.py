@@ -37,7 +37,7 @@ import time
 
 from longserve.engine.request import GenerationSpec
 from longserve.engine.scheduler import QueueFullError
-from longserve.server.api.errors import APIError
+from longserve.server.api.errors import APIError, StoreUnavailable
 from longserve.server.api.job_inputs import INPUTS, pack_inputs, read_inputs
 from longserve.server.api.jobs import VIDEO, Job
 from longserve.server.api.object_media import ObjectTail, piece_name
@@ -82,6 +82,7 @@ class Replica:
         self.claimed = 0
         self.claim_latency_s: list[float] = []           # created -> claimed, of the jobs this replica claimed
         self.closed = False
+        self._store_down = False
         self._watched: set[str] = set()                  # jobs of other replicas followed for SSE subscribers here
 
     @property
@@ -164,8 +165,13 @@ class Replica:
                 if not self.service.shutdown.draining:
                     for claim in await loop.run_in_executor(io, self.claim):
                         self.start(*claim)
+                self._store_down = False
             except asyncio.CancelledError:
                 raise
+            except StoreUnavailable as e:      # said once an outage (and by /health); the next tick tries again
+                if not self._store_down:
+                    log.warning("replica %s: the claim cycle waits for the job store: %s", self.id, e)
+                self._store_down = True
             except Exception:  # noqa: BLE001 - the database may be away for a moment: the next tick tries again
                 log.exception("replica %s: the claim cycle failed", self.id)
             await asyncio.sleep(TICK_S)

@@ -9,6 +9,7 @@ polls one number to see that something changed (`server/api/lora_sync.py`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -123,12 +124,20 @@ class PostgresSettings(Settings):
     def __init__(self, pool):
         self.pool = pool
 
-    def _run(self, sql, args=()):
-        with self.pool.connection() as conn:
-            return conn.execute(sql, args)
+    @contextlib.contextmanager
+    def _connection(self):
+        """A pooled connection; a database that does not answer is the store's StoreUnavailable (503)."""
+        from longserve.server.api.pg_store import UNREACHABLE
+        from longserve.server.api.store import StoreUnavailable
+
+        try:
+            with self._connection() as conn:
+                yield conn
+        except UNREACHABLE as e:
+            raise StoreUnavailable(f"the job store does not answer: {e}") from None
 
     def put(self, kind, id, data, owner=None):
-        with self.pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             seq = conn.execute("UPDATE longserve_settings_version SET seq = seq + 1 RETURNING seq").fetchone()[0]
             conn.execute("INSERT INTO longserve_settings (kind, id, owner, data, created_at, seq) VALUES (%s, %s, %s, "
                          "%s, %s, %s) ON CONFLICT (kind, id) DO UPDATE SET owner = EXCLUDED.owner, data = "
@@ -136,7 +145,7 @@ class PostgresSettings(Settings):
                          (kind, id, owner, json.dumps(data), int(time.time()), seq))
 
     def get(self, kind, id):
-        with self.pool.connection() as conn:
+        with self._connection() as conn:
             row = conn.execute("SELECT owner, data, created_at FROM longserve_settings WHERE kind = %s AND id = %s",
                                (kind, id)).fetchone()
         return None if row is None else (row[0], json.loads(row[1]), row[2])
@@ -145,17 +154,17 @@ class PostgresSettings(Settings):
         sql, args = "SELECT id, owner, data, created_at FROM longserve_settings WHERE kind = %s", [kind]
         if owner is not ...:
             sql, args = sql + " AND owner IS NOT DISTINCT FROM %s", [kind, owner]
-        with self.pool.connection() as conn:
+        with self._connection() as conn:
             rows = conn.execute(sql + " ORDER BY created_at, id", args).fetchall()
         return [(i, o, json.loads(d), c) for i, o, d, c in rows]
 
     def delete(self, kind, id):
-        with self.pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             n = conn.execute("DELETE FROM longserve_settings WHERE kind = %s AND id = %s", (kind, id)).rowcount
             if n:
                 conn.execute("UPDATE longserve_settings_version SET seq = seq + 1")
         return n > 0
 
     def version(self):
-        with self.pool.connection() as conn:
+        with self._connection() as conn:
             return conn.execute("SELECT seq FROM longserve_settings_version").fetchone()[0]

@@ -23,7 +23,7 @@ from typing import Callable
 
 from longserve.server.api.errors import APIError
 from longserve.server.api.media_store import media_dir, open_objects
-from longserve.server.api.store import JobStore, VideoRecord
+from longserve.server.api.store import JobStore, StoreUnavailable, VideoRecord, safe_url
 from longserve.server.media import storage_error_code
 
 log = logging.getLogger("longserve.server")
@@ -83,6 +83,10 @@ class VideoStorage:
         if floor and free is not None and free < floor:
             problems.append(f"{free} bytes free in {self.store.data_dir}, below --min-free-bytes ({floor}): new "
                             f"videos are refused")
+        unreachable = getattr(self.store, "unavailable", None)
+        if unreachable is not None:
+            problems.append(f"the job store does not answer ({unreachable}): requests that need it get 503 "
+                            f"storage_unavailable")
         if self.error is not None:
             problems.append(f"a write failed: {self.error}")
         if self._pending:
@@ -298,9 +302,12 @@ class VideoStorage:
         sweep_s = 60.0 if retention is None else max(1.0, min(60.0, retention / 2))
         last_sweep = last_free = last_trim = float("-inf")
         loop = asyncio.get_running_loop()
+        ping = getattr(self.store, "ping", None)
         while True:
             now = time.monotonic()
             try:
+                if ping is not None:       # /health's view of the database; a reachable one lets the pool reconnect
+                    await loop.run_in_executor(self.io, ping)
                 if self._pending:
                     await loop.run_in_executor(self.io, self.flush_pending)
                 if now - last_free >= 2.0:
@@ -312,6 +319,8 @@ class VideoStorage:
                 if now - last_sweep >= sweep_s:
                     last_sweep = now
                     await loop.run_in_executor(self.io, self.sweep)
+            except StoreUnavailable:       # /health says so (`problem`); the next round tries again
+                pass
             except Exception as e:  # noqa: BLE001 - the next round tries again
                 log.exception("housekeeping failed")
                 if storage_error_code(e) is not None:
@@ -328,8 +337,11 @@ def open_store(config):
     if url and url.split(":", 1)[0] in ("postgresql", "postgres"):
         from longserve.server.api.pg_store import PostgresJobStore
 
-        return PostgresJobStore(url, config.data_dir, video_dir, objects=open_objects(config.media_store),
-                                wait_s=config.store_wait_s)
+        try:
+            return PostgresJobStore(url, config.data_dir, video_dir, objects=open_objects(config.media_store),
+                                    timeout_s=config.store_timeout_s, wait_s=config.store_wait_s)
+        except StoreUnavailable as e:        # at start: one line naming the flag (the CLI prints ValueErrors)
+            raise ValueError(f"--store {safe_url(url)}: {e}") from None
     return JobStore(config.data_dir, video_dir)
 
 
@@ -338,6 +350,8 @@ def retried(write):
     for wait in (*WRITE_RETRY_S, None):
         try:
             return write()
+        except StoreUnavailable:        # the pool already waited --store-timeout: answer now (503)
+            raise
         except Exception:  # noqa: BLE001 - the last failure is raised
             if wait is None:
                 raise

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longserve.engine.request import text_problem
+from longserve.server.api.errors import StoreUnavailable  # noqa: F401 - the stores raise it (one name for both)
 from longserve.server.api.json_input import safe_text
 from longserve.server.api.stored_files import StoredFiles
 
@@ -87,6 +88,17 @@ class VideoRecord:
     request_key: str | None = None  # what an identical request has in common with it (service.request_key)
     extended_from: str | None = None   # the video an extension continues (its content starts with that video's)
     owner: str | None = None       # the creating API key's id (None: no key, or a row from before owners)
+
+
+def safe_url(url: str) -> str:
+    """A store URL as it may be shown (logs, errors): its password replaced."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def check_storable(rec: VideoRecord) -> None:

@@ -2,7 +2,8 @@
 
 The page is static HTML, CSS and JavaScript modules shipped in `longserve/server/ui/` (no build step, no CDN: it
 works offline). It is same-origin, so it needs no exception from the edge's Host/Origin rules; it sends the API
-key the way the API takes it (`Authorization: Bearer`, and `?api_key=` on the live socket). Its form is built
+key the way the API takes it (`Authorization: Bearer`, and the live socket's first message: never in a URL). Its
+CSP lets it connect to its own origin only (`connect-src 'self'`, its socket included). Its form is built
 from the model's capabilities, which `GET /v1/models/{model}` (OpenAI's retrieve-model, with two more fields)
 publishes: what inputs the model takes and its defaults.
 """
@@ -22,9 +23,10 @@ from longserve.server.api.routes import require_api_key, require_started
 UI_DIR = Path(__file__).resolve().parent.parent / "ui"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                ".css": "text/css; charset=utf-8", ".png": "image/png"}
-#: what the page may load and talk to: itself only (its socket included), media from blobs it builds
+#: what the page may load and talk to: itself only ('self' covers its own ws:// and wss:// socket), media from blobs
+#: it builds
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
-       "media-src 'self' blob:; connect-src 'self' ws: wss:; object-src 'none'; base-uri 'none'; "
+       "media-src 'self' blob:; connect-src 'self'; object-src 'none'; base-uri 'none'; "
        "frame-ancestors 'none'; form-action 'none'")
 
 router = APIRouter(include_in_schema=False)                                   # the page: no key needed to load it

@@ -165,7 +165,7 @@ def run(args) -> int:
     from longserve.server.api.edge import uvicorn_options
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,    # logs.configure_logging
                             **uvicorn_options(videos.config))
     server = _draining_server_class()(config, videos, videos.config.drain_seconds)
     outcome: dict = {}

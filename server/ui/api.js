@@ -1,5 +1,6 @@
 // The API as the page calls it: the key kept for this tab only (sessionStorage), sent as the API takes it
-// (Authorization: Bearer; ?api_key= on the live socket), and the server's error envelope shown, never a blank page.
+// (Authorization: Bearer; the live socket's first message, never a URL), and the server's error envelope shown,
+// never a blank page.
 
 const KEY = "longserve.api_key";
 

@@ -142,8 +142,7 @@ export function setupLive(page) {
     else live.feed = new MediaFeed(video);
     const url = new URL("/v1/videos/live", location.href);
     url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
-    if (apiKey()) url.searchParams.set("api_key", apiKey());
-    const socket = new WebSocket(url);
+    const socket = new WebSocket(url);            // the key goes in the first message, never in the URL (logged)
     socket.binaryType = "arraybuffer";
     live.socket = socket;
     $("live-latency").textContent = "–";
@@ -154,7 +153,10 @@ export function setupLive(page) {
     $("live-ttff").textContent = "–";
     buttons(true);
     setState("starting");
-    socket.addEventListener("open", () => socket.send(JSON.stringify(msg)));
+    socket.addEventListener("open", () => {
+      if (apiKey()) socket.send(JSON.stringify({ type: "auth", api_key: apiKey() }));
+      socket.send(JSON.stringify(msg));
+    });
     socket.addEventListener("message", (e) => {
       if (typeof e.data !== "string") {
         if (live.feed) live.feed.push(new Uint8Array(e.data)).then(keepUp);

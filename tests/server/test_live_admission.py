@@ -47,7 +47,8 @@ class Session:
     """A live client that reads everything on a thread of its own (a reader never holds the server up)."""
 
     def __init__(self, server, key: str, prompt: str = "a red ball bouncing"):
-        self.ws = connect(server["ws"] + f"?api_key={key}", open_timeout=30, max_size=None)
+        self.ws = connect(server["ws"], open_timeout=30, max_size=None)
+        self.ws.send(json.dumps({"type": "auth", "api_key": key}))      # as the page sends it
         self.ws.send(json.dumps({"type": "start", "prompt": prompt, "size": SIZE, "seed": 0}))
         self.first = json.loads(self.ws.recv(timeout=60))
         self.chunks: list[float] = []          # when each chunk event came

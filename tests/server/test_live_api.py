@@ -117,13 +117,21 @@ def test_a_session_plays_as_one_mp4_switches_its_prompt_and_stops(server, tmp_pa
 
 
 def test_the_socket_needs_the_api_key_and_bad_starts_are_named(server):
-    ws = connect(server["ws"], open_timeout=30)           # no key: refused before any message
+    ws = connect(server["ws"], open_timeout=30)           # no key: a start is refused, the key was not said first
+    ws.send(json.dumps({"type": "start", "prompt": "a red ball"}))
     e = event(ws)
     assert e["type"] == "error" and e["code"] == "invalid_api_key"
     with pytest.raises(ConnectionClosed) as closed:
         ws.recv(timeout=10)
     assert closed.value.rcvd.code == 1008
-    ws = connect(server["ws"] + f"?api_key={KEY}", open_timeout=30)       # browsers: the key in the query
+    ws = connect(server["ws"] + f"?api_key={KEY}", open_timeout=30)       # a key in the URL (logged): refused
+    e = event(ws)
+    assert e["type"] == "error" and e["code"] == "invalid_api_key" and e["param"] == "api_key"
+    ws = connect(server["ws"], open_timeout=30)
+    ws.send(json.dumps({"type": "auth", "api_key": "sk-wrong"}))
+    assert event(ws)["code"] == "invalid_api_key"
+    ws = connect(server["ws"], open_timeout=30)                           # browsers: the key in the first message
+    ws.send(json.dumps({"type": "auth", "api_key": KEY}))
     ws.send(json.dumps({"type": "start", "prompt": "a red ball", "size": "33x32"}))
     e = event(ws)
     assert e["type"] == "error" and e["param"] == "width" and "multiple of 16" in e["message"]

@@ -5,6 +5,8 @@ queries; PostgreSQL's migrations apply once and are recorded."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from postgres import fresh_schema
 
@@ -236,3 +238,53 @@ def test_shared_work_replicas_deletes_and_the_one_sweeper(pg):
         assert (first, second) == (True, False)
     with pg.sweep_lock() as again:
         assert again
+
+
+def test_a_database_that_goes_away_is_unavailable_within_the_timeout_and_the_pool_recovers(pg_url, tmp_path):
+    """A PostgreSQL that refuses connections (a proxy in front of the real one, closed: the shared server is not
+    touched): every call is StoreUnavailable within --store-timeout, `unavailable` says why (/health's reason),
+    and the pool serves again within seconds of the proxy reopening, with no new store. A store URL that cannot
+    connect at start is one line naming --store."""
+    from urllib.parse import urlsplit
+
+    from tcp_proxy import TCPProxy
+
+    from longserve.server.api.errors import StoreUnavailable
+    from longserve.server.api.pg_store import PostgresJobStore
+    from longserve.server.api.storage import open_store
+
+    real = urlsplit(pg_url)
+    proxy = TCPProxy((real.hostname, real.port or 5432))
+    url = pg_url.replace(real.netloc, f"{real.hostname}:{proxy.port}", 1)
+    store = PostgresJobStore(url, tmp_path / "data", timeout_s=2)
+    try:
+        store.insert(record("video_gone"))
+        proxy.close()
+        for call in (lambda: store.get("video_gone"), lambda: store.page(None, 5, "desc"), store.ping):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                call()
+            assert time.monotonic() - started < 5
+        assert store.unavailable
+        proxy.open()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert store.get("video_gone").id == "video_gone"
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline, "the pool did not reconnect"
+                time.sleep(0.2)
+        assert store.unavailable is None
+    finally:
+        store.close()
+        proxy.close()
+    proxy_url = url                                  # nothing listens there now
+    config = type("Config", (), {"media_store": None, "store": proxy_url, "data_dir": str(tmp_path / "d2"),
+                                 "store_timeout_s": 2})
+    started = time.monotonic()
+    with pytest.raises(ValueError) as bad:
+        open_store(config)
+    assert time.monotonic() - started < 5
+    message = str(bad.value)
+    assert message.startswith("--store postgresql://") and "\n" not in message and "refused" in message, message

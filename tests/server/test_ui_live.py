@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import re
 import time
 
@@ -32,12 +33,35 @@ def browser():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     with serving(tmp_path_factory.mktemp("data"), poll_after_ms=250, api_key=KEY, model="tiny-live", workers=1,
-                 max_live_seconds=30, warm_up=False) as s:
+                 max_live_seconds=30, warm_up=False, log_level="info") as s:
         yield s
 
 
+class ServerLog(logging.Handler):
+    """Every line the in-process server logs (uvicorn's access and error logs, longserve's), as its handlers write
+    them (after the filters on those loggers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+
+    def emit(self, record):
+        self.lines.append(self.format(record))
+
+
 @pytest.fixture(scope="module")
-def server(browser, served):
+def server_log(served):
+    log, names = ServerLog(), ("uvicorn.access", "uvicorn.error", "longserve")   # (after uvicorn configured them)
+    for name in names:
+        logging.getLogger(name).addHandler(log)
+    yield log
+    for name in names:
+        logging.getLogger(name).removeHandler(log)
+
+
+@pytest.fixture(scope="module")
+def server(browser, served, server_log):
     return served["url"]
 
 
@@ -88,6 +112,19 @@ def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(
         assert tab.errors == []
     finally:
         tab.close()
+
+
+def test_no_api_key_is_in_the_servers_log_after_the_pages_live_session(server, server_log):
+    """(After the page's session above: its socket authenticated in its first message.) The server's log (uvicorn's
+    access and WebSocket lines at info, longserve's) has no key, and a key a client puts in a URL is written
+    redacted; a socket with one in its URL is refused."""
+    httpx.get(server + f"/v1/videos?limit=1&api_key={KEY}")             # a client that puts it in the URL
+    with connect(server.replace("http", "ws") + f"/v1/videos/live?api_key={KEY}", open_timeout=30) as ws:
+        refused = json.loads(ws.recv(timeout=30))
+    assert refused["code"] == "invalid_api_key" and refused["param"] == "api_key"
+    text = "\n".join(server_log.lines)
+    assert '"WebSocket /v1/videos/live' in text and "api_key=[redacted]" in text, text[-2000:]
+    assert KEY not in text
 
 
 def test_a_webrtc_session_paints_red_switches_to_blue_and_shows_its_latency(browser, server):
@@ -156,16 +193,17 @@ def test_a_session_starts_from_an_image_chosen_on_the_page_and_bad_starts_are_re
         assert tab.errors == []
     finally:
         tab.close()
-    with connect(server.replace("http", "ws") + f"/v1/videos/live?api_key={KEY}", open_timeout=30) as ws:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with connect(server.replace("http", "ws") + "/v1/videos/live", open_timeout=30, additional_headers=auth) as ws:
         bad = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
         ws.send(json.dumps({"type": "start", "prompt": "a red ball", "input_reference": bad}))
         event = json.loads(ws.recv(timeout=30))
     assert event["type"] == "error" and event["param"] == "input_reference", event
-    with connect(server.replace("http", "ws") + f"/v1/videos/live?api_key={KEY}", open_timeout=30) as ws:
+    with connect(server.replace("http", "ws") + "/v1/videos/live", open_timeout=30, additional_headers=auth) as ws:
         offer = {"type": "offer", "sdp": "v=0 nonsense"}
         ws.send(json.dumps({"type": "start", "prompt": "a red ball", "webrtc": offer}))
         event = json.loads(ws.recv(timeout=30))
-    assert event["type"] == "error" and event["param"] == "webrtc", event        # an offer aiortc cannot answer
+    assert event["type"] == "error" and event["param"] == "webrtc", event        # not a session description
     time.sleep(0.5)
     assert live_sessions(server) == 0                                   # refused before any admission
 

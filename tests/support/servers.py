@@ -35,7 +35,7 @@ def serve_command(port, data_dir, workers: int = 2, max_batch: int = 1):
 
 
 @contextlib.contextmanager
-def serving(data_dir, score=None, poll_after_ms: int = 50, api_key=None, **options):
+def serving(data_dir, score=None, poll_after_ms: int = 50, api_key=None, log_level: str = "warning", **options):
     """An in-process server: `VideoService(ServeConfig.from_options(**options))` behind uvicorn on a free port
     (with `api_key`: /v1 needs it). Yields {"url", "service", "data_dir", "app"}; everything is closed on exit."""
     from longserve.server.api.app import create_app, serve_in_thread
@@ -48,7 +48,7 @@ def serving(data_dir, score=None, poll_after_ms: int = 50, api_key=None, **optio
     service = VideoService(ServeConfig.from_options(data_dir=str(data_dir), **options)).start()
     app = create_app(service, score, api_key=api_key, poll_after_ms=poll_after_ms)
     try:
-        with serve_in_thread(app) as url:
+        with serve_in_thread(app, log_level=log_level) as url:
             yield {"url": url, "service": service, "data_dir": data_dir, "app": app}
     finally:
         if score is not None:
