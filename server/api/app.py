@@ -27,6 +27,7 @@ from longserve.server.api.edge import (
     uvicorn_options,
 )
 from longserve.server.api.errors import install_error_handlers
+from longserve.server.api.loras import v1 as loras_v1
 from longserve.server.api.openai_routes import v1 as openai_v1
 from longserve.server.api.routes import router, v1
 from longserve.server.api.ui import router as ui_router
@@ -57,6 +58,7 @@ def create_app(videos, score=None, *, api_key: str | Sequence[str] | None = None
     app.include_router(router)
     app.include_router(v1)
     app.include_router(openai_v1)                  # extensions, remix, webhook endpoints
+    app.include_router(loras_v1)                   # LoRA adapters loaded while serving
     app.include_router(ui_router)                  # the page at /ui (/ redirects there)
     app.include_router(ui_v1)
     allowed_hosts = parse_list(config.allowed_hosts) or default_allowed_hosts(config.host)

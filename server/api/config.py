@@ -108,6 +108,9 @@ class ServeConfig:
     replica_id: str | None = option(None, "this replica's name in the shared store (default: host name and process "
                                           "id)", group="jobs")
 
+    lora_dir: str | None = option(None, "the directory LoRA adapters may be loaded from while serving (POST /v1/loras, "
+                                        "admin key; every replica loads it); none = only --lora at start",
+                                  group="jobs", metavar="DIR")
     webhook_url: str | None = option(None, "POST video.completed and video.failed events of every video here, signed "
                                            "as OpenAI signs them (the secret: $LONGSERVE_WEBHOOK_SECRET or "
                                            "--webhook-secret-file); keys add their own endpoints with POST "

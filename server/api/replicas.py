@@ -224,6 +224,10 @@ class Replica:
             return
         except ValueError as e:
             service.jobs.remove(job)
+            if getattr(e, "field", None) == "lora" and any(service.loras.sync.wanted(a["name"])
+                                                           for a in rec.params.get("lora") or []):
+                self.store.unclaim(rec.id, fence)      # an adapter this replica is still loading: another, or later
+                return
             self._fail(rec, fence, str(e))
             return
         service.runner.start(job)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from longserve.engine.images import EncodedImage, is_encoded_video
@@ -41,7 +42,7 @@ def checkpoint_fingerprint(model_dir, dtype: str, loras=()) -> str:
                                      ).encode()).hexdigest()
 
 
-def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:
+def request_key(checkpoint: str, spec: GenerationSpec, fps: int, adapters=()) -> str:
     """Two create requests with equal keys make the same video: the checkpoint, the prompt, every generation
     parameter with the seed, the fps, and the input images by their pixels' digest."""
     params = spec.params()
@@ -52,4 +53,8 @@ def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:
         elif hasattr(value, "shape") and hasattr(value, "tobytes"):     # an image (numpy array)
             options[name] = f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(value.tobytes()).hexdigest()}"
     payload = {"checkpoint": checkpoint, "prompt": spec.prompt, "params": params, "fps": fps}
+    named = {e["name"] for e in spec.lora}
+    if named:      # the files behind the names it uses (an adapter loaded over HTTP may be replaced under its name)
+        payload["adapters"] = [(a.name, a.path, a.path_2, *(os.stat(p).st_mtime_ns for p in (a.path, a.path_2) if p))
+                               for a in adapters if a.name in named]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -40,6 +40,7 @@ from longserve.server.api.errors import APIError
 from longserve.server.api.health import ServerHealth
 from longserve.server.api.jobs import DELETED, VIDEO, Job, JobRegistry
 from longserve.server.api.lifecycle import JobLifecycle
+from longserve.server.api.loras import LoraAdmin
 from longserve.server.api.metrics import ServerMetrics
 from longserve.server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoExtendRequest, VideoList
 from longserve.server.api.replicas import attach_replica
@@ -138,6 +139,8 @@ class VideoService:
         self.storage.measure_free()
         self.runner.spawn(self.storage.housekeeping())
         self.replica = attach_replica(self)                   # None unless the store is shared
+        self.loras = LoraAdmin(self)                          # adapters loaded while serving (POST /v1/loras)
+        self.runner.spawn(self.loras.sync.run())
 
     def _check_open(self) -> None:
         if self._closing:
@@ -220,7 +223,7 @@ class VideoService:
         else the content's length."""
         key = None
         if seeded and self.config.reuse_completed == "seeded":
-            key = request_key(self._checkpoint, spec, spec.fps)     # an input video counts by its pixels' digest
+            key = request_key(self._checkpoint, spec, spec.fps, self.engine.config.loras)   # inputs by digest
             reused = self._reuse(key, spec, owner, extended_from)
             if reused is not None:
                 return reused

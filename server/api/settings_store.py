@@ -131,7 +131,7 @@ class PostgresSettings(Settings):
         from longserve.server.api.store import StoreUnavailable
 
         try:
-            with self._connection() as conn:
+            with self.pool.connection() as conn:
                 yield conn
         except UNREACHABLE as e:
             raise StoreUnavailable(f"the job store does not answer: {e}") from None
