@@ -88,3 +88,14 @@ def test_the_warm_up_s_steps_and_frames_are_the_running_stage_s_detail():
     progress.done("1.0 s")
     progress.finish()
     assert progress.view()["stage"] == "ready" and progress.view()["stages"][0]["detail"] == "1.0 s"
+
+
+def test_the_start_line_says_where_jobs_live_without_the_database_password(tmp_path):
+    from longserve.server.api.startup import describe_store
+
+    replica = ServeConfig.from_options(data_dir=str(tmp_path), store="postgresql://ls:hunter2@db:5432/ls",
+                                       media_store="s3://bucket/videos")
+    line = describe_store(replica)
+    assert "PostgreSQL postgresql://ls:***@db:5432/ls (shared by the replicas)" in line and "hunter2" not in line
+    assert line.endswith("videos in s3://bucket/videos")
+    assert describe_store(ServeConfig.from_options(data_dir=str(tmp_path))) == f"SQLite under {tmp_path}"
