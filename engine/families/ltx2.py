@@ -135,8 +135,13 @@ class LTX2Family(VideoFamily):
         cfg = read_json(model_dir / "transformer" / "config.json")
         vae = read_json(model_dir / "vae" / "config.json")
         vocoder = read_json(model_dir / "vocoder" / "config.json")
+        audio_vae = read_json(model_dir / "audio_vae" / "config.json")
         spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 8
         temporal = vae.get("temporal_compression_ratio") or 8
+        # the audio latent's frames a second, as LTX2Pipeline.prepare_audio_latents counts them (the audio VAE
+        # compresses 4x in time): one transformer token each
+        sound_tokens = audio_vae.get("sample_rate", 16000) / audio_vae.get("mel_hop_length", 160) / 4
+        pixels_per_token = spatial ** 2 * temporal * cfg.get("patch_size", 1) ** 2 * cfg.get("patch_size_t", 1)
         i2v = index["_class_name"] in IMAGE_PIPELINES
         upsampler = (model_dir / "latent_upsampler" / "config.json").is_file()
         options = (*OPTIONS, *(I2V_OPTIONS if i2v else ()), *(("upsample",) if upsampler else ()))
@@ -144,7 +149,9 @@ class LTX2Family(VideoFamily):
             family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
             size_multiple=spatial * cfg.get("patch_size", 1), frame_multiple=temporal * cfg.get("patch_size_t", 1),
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
-            options=options, capabilities=cls.capabilities(options, image=REQUIRED if i2v else REFUSED),
+            options=options, capabilities=cls.capabilities(options, image=REQUIRED if i2v else REFUSED,
+                                                           sound_tokens_per_second=sound_tokens,
+                                                           pixels_per_token=pixels_per_token),
             facts=LTX2Facts(layers=cfg["num_layers"], audio_rate=vocoder.get("output_sampling_rate", 24000),
                             upsampler=upsampler))
 

@@ -2,7 +2,8 @@
 
 In order: 503 `server_shutdown` while draining; 507 `storage_full` below `--min-free-bytes` (for videos,
 which are written to disk); then work. A job's cost is frames x height x width x steps relative to the
-model's default request (its default frames, size and steps), so the default request costs 1 and the most
+model's default request (its default frames, size and steps; with a model's sound, its sound's tokens by the
+seconds it lasts, `request_cost`), so the default request costs 1 and the most
 expensive one the limits allow costs (max_frames / default_frames) x (max_size^2 / default area) x
 (max_steps / default_steps). A live session counts like any other job: its frames are its longest length
 (`--max-live-seconds`) in whole chunks. A job that would push the work of every active job (the registry,
@@ -25,10 +26,16 @@ from longserve.server.api.jobs import LIVE, Job, JobRegistry
 SHUTDOWN_RETRY_AFTER_S = 10
 
 
-def request_cost(limits, num_frames: int, width: int, height: int, steps: int) -> float:
-    """Work of one request in default requests (the default request of `limits` costs 1)."""
-    default = limits.default_frames * limits.default_width * limits.default_height * limits.default_steps
-    return num_frames * width * height * steps / default
+def request_cost(limits, num_frames: int, width: int, height: int, steps: int, fps: int | None = None) -> float:
+    """Work of one request in default requests (the default request of `limits` costs 1): its transformer tokens
+    times its steps. A model's video tokens are its frames x pixels (over `pixels_per_token`); a model that makes
+    sound (LTX-2) has its sound's tokens too, seconds x `sound_tokens_per_second`, so the same frames at a lower
+    `fps` (more seconds of sound) cost more."""
+    def tokens(frames: int, w: int, h: int, at_fps: int) -> float:
+        return frames * w * h / limits.pixels_per_token + frames / at_fps * limits.sound_tokens_per_second
+
+    default = tokens(limits.default_frames, limits.default_width, limits.default_height, limits.fps)
+    return tokens(num_frames, width, height, fps or limits.fps) * steps / (default * limits.default_steps)
 
 
 def input_cost(limits, nbytes: int) -> float:
@@ -39,7 +46,10 @@ def input_cost(limits, nbytes: int) -> float:
 
 
 def most_expensive_cost(limits) -> float:
-    return request_cost(limits, limits.max_frames, limits.max_size, limits.max_size, limits.max_steps)
+    """The cost of the largest request the limits allow (at 1 fps, for a model whose sound is longer the lower
+    the fps)."""
+    return request_cost(limits, limits.max_frames, limits.max_size, limits.max_size, limits.max_steps,
+                        fps=1 if limits.sound_tokens_per_second else None)
 
 
 class AdmissionGate:
@@ -71,7 +81,7 @@ class AdmissionGate:
         frames = spec.num_frames
         if kind == LIVE and self.frames_per_chunk:       # a session runs whole chunks
             frames = math.ceil(frames / self.frames_per_chunk) * self.frames_per_chunk
-        return request_cost(self.limits, frames, spec.width, spec.height, spec.num_inference_steps) + \
+        return request_cost(self.limits, frames, spec.width, spec.height, spec.num_inference_steps, spec.fps) + \
             input_cost(self.limits, input_bytes(getattr(spec, "options", None) or {}))
 
     def admit(self, job: Job) -> None:

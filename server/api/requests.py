@@ -48,6 +48,8 @@ class Limits:
     max_steps: int
     default_steps: int
     fps: int
+    sound_tokens_per_second: float = 0.0   # a model that makes sound: its cost counts the sound's tokens too
+    pixels_per_token: int = 1
 
     @classmethod
     def of(cls, engine, config) -> "Limits":
@@ -72,7 +74,9 @@ class Limits:
         fit = lambda v: max(m, min(v, max_size) // m * m)  # noqa: E731
         return cls(size_multiple=m, default_width=fit(d.width), default_height=fit(d.height), max_size=max_size,
                    frame_multiple=rule, default_frames=min(d.num_frames, max_frames), max_frames=max_frames,
-                   max_steps=config.max_steps, default_steps=d.num_inference_steps, fps=d.fps)
+                   max_steps=config.max_steps, default_steps=d.num_inference_steps, fps=d.fps,
+                   sound_tokens_per_second=info.capabilities.sound_tokens_per_second,
+                   pixels_per_token=max(1, info.capabilities.pixels_per_token))
 
 
 class VideoRequests:

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from longserve.server.api import metrics
 from longserve.server.api.edge import matching_key
 from longserve.server.api.errors import APIError, validation_error
-from longserve.server.api.json_input import load_object
+from longserve.server.api.json_input import check_field_text, load_object
 from longserve.server.api.protocol import (
     Health,
     ModelCard,
@@ -173,6 +173,8 @@ async def parse_create_body(request: Request, file_fields: tuple[str, ...] = FIL
                     fields.append((key, value))
         finally:
             await form.close()             # starlette's spooled temporary files go with it
+        for key, value in fields:          # a form's text is held to what a JSON body's is (`json_input`)
+            check_field_text(key, value)
         return unflatten_form(fields)
     if ctype in ("", "application/json", "text/json") or ctype.endswith("+json"):
         return parse_json_object(body)

@@ -29,9 +29,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from longserve.engine.request import text_problem
 from longserve.server.api.errors import StoreUnavailable  # noqa: F401 - the stores raise it (one name for both)
-from longserve.server.api.json_input import safe_text
+from longserve.server.api.json_input import door_text_problem, safe_text
 from longserve.server.api.stored_files import StoredFiles
 
 SCHEMA = """
@@ -102,9 +101,11 @@ def safe_url(url: str) -> str:
 
 
 def check_storable(rec: VideoRecord) -> None:
-    """The doors refuse text that does not encode; a record that holds some is never stored (either store)."""
-    for name, text in (("prompt", rec.prompt or ""), ("params", json.dumps(rec.params, ensure_ascii=False))):
-        problem = text_problem(text)
+    """The doors refuse text that does not encode or holds a NUL; a record that holds some is never stored (either
+    store: both refuse the same)."""
+    for name, text in (("prompt", rec.prompt or ""), ("params", json.dumps(rec.params, ensure_ascii=False)),
+                       ("seconds", rec.seconds or ""), ("size", rec.size or ""), ("model", rec.model or "")):
+        problem = door_text_problem(text)
         if problem is not None:
             raise ValueError(f"video {rec.id}: its {name} {problem}")
 

@@ -21,10 +21,34 @@ LTX2 = {"num_frames": 17, "num_inference_steps": 2, "seed": 1, "stg_scale": 0, "
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def served(tmp_path_factory):
     with serving(tmp_path_factory.mktemp("serve-ltx2"), model="tiny-ltx2", workers=1, max_seconds=10,
                  max_frames=233) as s:
-        yield s["url"]
+        yield s
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served["url"]
+
+
+def test_the_admission_cost_counts_the_sound_so_a_lower_fps_costs_more(served):
+    """Issue 42, finding 12: the same 17 frames at fps 1 are 17 s of sound (24x the sound of fps 24), which the
+    transformer denoises beside the picture; their cost says so, in the tokens of both streams (tiny-ltx2: 25 sound
+    tokens a second, a video token per 32 x 32 x 8 pixels)."""
+    from longserve.server.api.protocol import VideoCreateRequest
+
+    service = served["service"]
+    caps = service.engine.info.capabilities
+    assert (caps.sound_tokens_per_second, caps.pixels_per_token) == (25.0, 32 * 32 * 8)
+
+    def cost(fps):
+        body = {"prompt": "a red ball bouncing", "size": "160x96", "fps": fps, **LTX2}
+        return service.admission.cost(service.requests.create(VideoCreateRequest.model_validate(body)), "video")
+
+    video_tokens = 17 * 160 * 96 / (32 * 32 * 8)
+    assert cost(1) / cost(24) == pytest.approx((video_tokens + 17 * 25) / (video_tokens + 17 / 24 * 25))
+    assert cost(1) > 5 * cost(24) and cost(12) > cost(24)
 
 
 def test_the_openai_clients_download_carries_the_sound(server):
