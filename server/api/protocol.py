@@ -194,6 +194,8 @@ class Video(BaseModel):
     lora: list[dict[str, Any]] = Field(default_factory=list)  # the LoRA adapters applied: [{"name", "scale"}]
     #: once completed: transformer block evaluations made and skipped by step caching (the `cache` option)
     transformer_blocks: dict[str, int] | None = None
+    #: where it stands (`video_jobs.progress_state`): stage, percent, step, frames, queue position, elapsed, ETA
+    state: dict[str, Any] | None = None
 
 
 class VideoList(BaseModel):

@@ -291,7 +291,7 @@ class VideoService:
         return rec
 
     def get(self, video_id: str, caller: Caller = NO_KEY) -> Video:
-        return video_view(self.record(video_id, caller))
+        return video_view(self.record(video_id, caller), self.jobs.get(video_id, VIDEO))
 
     def list(self, after: str | None, limit: int, order: str, caller: Caller = NO_KEY) -> VideoList:
         """A page of the videos `caller` sees (its own; every one for an admin key or no key)."""
@@ -302,8 +302,8 @@ class VideoService:
                 raise APIError(404, f"after: no video with id {after!r}", param="after", code="video_not_found")
             after_seq = rec.seq
         records, has_more = self.storage.page(after_seq, limit, order, caller.scope)
-        active = {j.id: j.record for j in self.jobs.jobs(VIDEO)}
-        data = [video_view(active.get(r.id, r)) for r in records]
+        active = {j.id: j for j in self.jobs.jobs(VIDEO)}
+        data = [video_view(active[r.id].record, active[r.id]) if r.id in active else video_view(r) for r in records]
         return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
                          has_more=has_more)
 
@@ -365,12 +365,12 @@ class VideoService:
             return f"video.{rec.status}", video_view(rec).model_dump()
         status = job.handle.status() if job is not None and job.handle is not None else None
         if rec.status == "queued":
-            return "video.queued", event(rec, queue_position=status.queue_position if status else None)
+            return "video.queued", event(rec, job, queue_position=status.queue_position if status else None)
         if status is None:
-            return "video.in_progress", event(rec)
+            return "video.in_progress", event(rec, job)
         if status.frames_done and status.step >= status.num_steps:
-            return "video.decoding", event(rec, frames_done=status.frames_done, num_frames=status.num_frames)
-        return "video.in_progress", event(rec, step=status.step, num_steps=status.num_steps)
+            return "video.decoding", event(rec, job, frames_done=status.frames_done, num_frames=status.num_frames)
+        return "video.in_progress", event(rec, job, step=status.step, num_steps=status.num_steps)
 
     # -- the parts' doors the routes and the CLI use ---------------------------------------------------
 
