@@ -65,10 +65,15 @@ class ServeConfig:
                                                             "after it finished (its expires_at; the record stays, "
                                                             "marked expired); none = keep them",
                                        group="jobs", flag="--retention", metavar="SECONDS")
-    max_storage_bytes: int | None = option(None, "quota on the stored videos' bytes: over it, the oldest completed "
-                                                 "videos' files are deleted first (marked expired; running jobs "
-                                                 "are never touched); none = no quota", group="jobs",
-                                           metavar="BYTES")
+    max_storage_bytes: int | None = option(None, "quota on each API key's stored bytes (its videos, a reused copy "
+                                                 "counted once, and its queued jobs' uploads): over it, that key's "
+                                                 "own videos used longest ago are deleted first (marked expired; "
+                                                 "running jobs and its newest video are never touched; another "
+                                                 "key's never); without keys, the server's; none = no quota",
+                                           group="jobs", metavar="BYTES")
+    max_total_storage_bytes: int | None = option(None, "cap on everyone's stored bytes together: over it, the key "
+                                                       "keeping the most loses its oldest videos first; none = no "
+                                                       "cap", group="jobs", metavar="BYTES")
     min_free_bytes: int = option(DEFAULT_MIN_FREE_BYTES, "refuse new videos (HTTP 507, Retry-After) while the data "
                                                          "dir's file system has less free space than this; "
                                                          "/health says degraded", group="jobs", metavar="BYTES")
@@ -159,10 +164,10 @@ class ServeConfig:
                                              or not isinstance(self.retention_s, (int, float))
                                              or not self.retention_s > 0 or not math.isfinite(self.retention_s)):
             raise ValueError(f"retention_s must be a positive number of seconds or None, got {self.retention_s!r}")
-        if self.max_storage_bytes is not None and (isinstance(self.max_storage_bytes, bool)
-                                                   or not isinstance(self.max_storage_bytes, int)
-                                                   or self.max_storage_bytes < 1):
-            raise ValueError(f"max_storage_bytes must be a positive integer or None, got {self.max_storage_bytes!r}")
+        for name in ("max_storage_bytes", "max_total_storage_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if isinstance(self.min_free_bytes, bool) or not isinstance(self.min_free_bytes, int) or self.min_free_bytes < 0:
             raise ValueError(f"min_free_bytes must be a non-negative integer, got {self.min_free_bytes!r}")
         if (isinstance(self.drain_seconds, bool) or not isinstance(self.drain_seconds, (int, float))

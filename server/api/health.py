@@ -85,6 +85,8 @@ class ServerHealth:
         storage = self.service.storage
         if storage is None:
             return default
+        if getattr(storage.store, "unavailable", None) is not None:     # known down: no wait for the pool
+            return self._last.get(name, default)
         try:
             self._last[name] = read(storage)
         except StoreUnavailable:
