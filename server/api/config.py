@@ -54,6 +54,28 @@ class ServeConfig:
     timeout_keep_alive: int = option(5, "close an idle kept-alive connection after this many seconds", group="http")
     limit_concurrency: int | None = option(1024, "most open connections and requests at once (503 beyond)",
                                            group="http")
+    header_read_timeout_s: float = option(5.0, "a client must send a request's headers within this many seconds of "
+                                               "its first byte (of connecting, for the first request), or it gets "
+                                               "408 and is disconnected: slow-header sockets hold no slot for "
+                                               "long", group="http", flag="--header-read-timeout",
+                                          metavar="SECONDS")
+    max_streams_per_key: int | None = option(16, "most streams one API key (or, without keys, one address) holds "
+                                                 "open at once: event streams, streamed downloads and live "
+                                                 "sessions (429 too_many_streams beyond); none = no cap",
+                                             group="http")
+    rate_per_key: float | None = option(20.0, "requests a second one API key (or, without keys, one address) may "
+                                              "make on /v1, on average (a token bucket; 429 rate_limited with "
+                                              "Retry-After beyond); none = no limit", group="http",
+                                        metavar="PER_SECOND")
+    rate_burst: int = option(40, "requests one key may make at once before --rate-per-key applies (the bucket's "
+                                 "size)", group="http")
+    docs: bool = option(False, "serve the API's reference at /docs (a plain page made here, no script; with keys it "
+                               "needs one, like the API); /openapi.json follows the same key rules", group="http")
+    webrtc_networks: str | None = option(None, "comma-separated networks (10.0.0.0/8,fd00::/8) whose addresses a "
+                                               "WebRTC offer's candidates may have, besides the client's own, and "
+                                               "where the server's own addresses are offered in answers, besides "
+                                               "the one the client reached (docs/serving.md, security)",
+                                         group="http", metavar="CIDRS")
     request_read_timeout_s: float = option(30.0, "a client must send a whole request (headers and body) within "
                                                  "this many seconds, or it gets 408 and is disconnected",
                                            group="http", flag="--request-read-timeout", metavar="SECONDS")
@@ -198,20 +220,24 @@ class ServeConfig:
             raise ValueError(f"replica_id must be 1-100 letters, digits or _.:-, got {self.replica_id!r}")
 
     def _check_edge_and_admission(self) -> None:
-        for name in ("timeout_keep_alive", "score_concurrency"):
+        from longserve.server.api.webrtc import parse_networks
+
+        parse_networks(self.webrtc_networks)
+        for name in ("timeout_keep_alive", "score_concurrency", "rate_burst"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("limit_concurrency", "score_max_bytes"):
+        for name in ("limit_concurrency", "score_max_bytes", "max_streams_per_key"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if isinstance(self.score_max_queue, bool) or not isinstance(self.score_max_queue, int) \
                 or self.score_max_queue < 0:
             raise ValueError(f"score_max_queue must be a non-negative integer, got {self.score_max_queue!r}")
-        for name in ("request_read_timeout_s", "max_queued_work", "max_work_per_key"):
+        for name in ("request_read_timeout_s", "header_read_timeout_s", "max_queued_work", "max_work_per_key",
+                     "rate_per_key"):
             value = getattr(self, name)
-            if value is None and name != "request_read_timeout_s":
+            if value is None and name not in ("request_read_timeout_s", "header_read_timeout_s"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
                     or not math.isfinite(value):
