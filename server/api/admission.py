@@ -12,7 +12,9 @@ pushes its API key's past `--max-work-per-key` (`key_work_limit`). A job is alwa
 else is active (of its key, for the per-key limit): a request within the limits can always run eventually.
 
 The check and the registration happen under the registry's lock, so two requests never both take the last
-room; the work is freed when the job leaves the registry (it ended, or was deleted).
+room; the work is freed when the job leaves the registry (it ended, or was deleted). With replicas the same check
+counts every replica's videos and live sessions in the shared store, and the check and the insert are one
+transaction under an advisory lock (`server/api/pg_admission.py`): one accounting path on every store.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ class AdmissionGate:
         self.max_work_per_key = max_work_per_key
         self.frames_per_chunk = frames_per_chunk
         self.retry_after_s = retry_after_s
-        #: work of the active jobs (of one owner, or all for None): the registry's, or with replicas every replica's
-        #: queued and running work in the shared store (`server/api/replicas.py`)
-        self.work_of = jobs.work
+        #: with replicas: the shared store's ledger of every replica's work (`pg_admission.SharedLedger`), set by
+        #: `server/api/replicas.py`; None: this server's registry is all the work there is
+        self.shared = None
 
     def check_open(self, writes_files: bool = True) -> None:
         """503 while shutting down; 507 while the data dir's disk is below --min-free-bytes (`writes_files`)."""
@@ -84,20 +86,27 @@ class AdmissionGate:
         return request_cost(self.limits, frames, spec.width, spec.height, spec.num_inference_steps, spec.fps) + \
             input_cost(self.limits, input_bytes(getattr(spec, "options", None) or {}))
 
-    def admit(self, job: Job) -> None:
-        """Register `job` if its cost fits (429 naming the limit otherwise)."""
-        with self.jobs.lock:
-            self._check(job.cost, job.owner)
+    def admit(self, job: Job, here: bool = True) -> None:
+        """Let `job` in if its cost fits (429 naming the limit otherwise), and register it when it runs `here`.
+        With replicas it is stored in the same step: a video's record (`job.record`: queued for any replica, or
+        claimed by this one when `here`), a live session's row."""
+        if self.shared is None:
+            with self.jobs.lock:
+                self._check(job.cost, job.owner, self.jobs.work)
+                self.jobs.add(job)
+            return
+        self.shared.admit(job, lambda work_of: self._check(job.cost, job.owner, work_of), here)
+        if here:
             self.jobs.add(job)
 
-    def check(self, job: Job) -> None:
-        """429 naming the limit if `job`'s cost does not fit (a job stored for the replicas, not registered here)."""
-        with self.jobs.lock:
-            self._check(job.cost, job.owner)
+    def release(self, job: Job) -> None:
+        """A job admitted here ended (a live session: a video's record ends with its status)."""
+        if self.shared is not None:
+            self.shared.release(job)
 
-    def _check(self, cost: float, key: str | None) -> None:
+    def _check(self, cost: float, key: str | None, work_of) -> None:
         if self.max_work is not None:
-            total = self.work_of(None)
+            total = work_of(None)
             if total > 0 and total + cost > self.max_work:
                 raise APIError(429, f"the server's queue is full of work: this request costs {cost:.3g} default "
                                     f"requests and {total:.3g} are queued or running, the limit is "
@@ -105,7 +114,7 @@ class AdmissionGate:
                                     f"pixels or steps", code="queue_full",
                                headers={"Retry-After": str(self.retry_after_s)})
         if self.max_work_per_key is not None and key is not None:
-            mine = self.work_of(key)
+            mine = work_of(key)
             if mine > 0 and mine + cost > self.max_work_per_key:
                 raise APIError(429, f"this API key has {mine:.3g} default requests of work queued or running and "
                                     f"this request costs {cost:.3g}; the limit per key is {self.max_work_per_key:g} "

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 
+from longserve.server.api.docs import docs_router
 from longserve.server.api.edge import (
     EdgeGuard,
     default_allowed_hosts,
@@ -27,6 +28,7 @@ from longserve.server.api.edge import (
     uvicorn_options,
 )
 from longserve.server.api.errors import install_error_handlers
+from longserve.server.api.fairness import Fairness
 from longserve.server.api.loras import v1 as loras_v1
 from longserve.server.api.openai_routes import v1 as openai_v1
 from longserve.server.api.routes import router, v1
@@ -44,9 +46,11 @@ def create_app(videos, score=None, *, api_key: str | Sequence[str] | None = None
     `server.api.score_service.ScoreService` or None; api_key: one key or several (one per client: each a tenant,
     `server/api/tenants.py`); admin_api_key: keys that see every tenant's videos (they are valid keys too)."""
     config = videos.config
+    # /docs and /openapi.json are routes of ours (server/api/docs.py): behind the key like the API, no CDN script
     app = FastAPI(title="longserve", description="OpenAI-compatible video generation (and text scoring) server",
-                  version="0.1.0", docs_url="/docs", redoc_url=None)
+                  version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.videos = videos
+    app.state.fairness = Fairness(config.max_streams_per_key, config.rate_per_key, config.rate_burst)
     app.state.score = score
     keys, admins = ((k,) if isinstance(k, str) else tuple(k or ()) for k in (api_key, admin_api_key))
     app.state.admin_keys = tuple(k for k in admins if k)
@@ -61,6 +65,7 @@ def create_app(videos, score=None, *, api_key: str | Sequence[str] | None = None
     app.include_router(loras_v1)                   # LoRA adapters loaded while serving
     app.include_router(ui_router)                  # the page at /ui (/ redirects there)
     app.include_router(ui_v1)
+    app.include_router(docs_router(config.docs))
     allowed_hosts = parse_list(config.allowed_hosts) or default_allowed_hosts(config.host)
     app.add_middleware(EdgeGuard, allowed_hosts=allowed_hosts, allowed_origins=parse_list(config.allowed_origins),
                        keyed=lambda: bool(app.state.api_keys))

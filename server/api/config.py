@@ -57,6 +57,28 @@ class ServeConfig:
     timeout_keep_alive: int = option(5, "close an idle kept-alive connection after this many seconds", group="http")
     limit_concurrency: int | None = option(1024, "most open connections and requests at once (503 beyond)",
                                            group="http")
+    header_read_timeout_s: float = option(5.0, "a client must send a request's headers within this many seconds of "
+                                               "its first byte (of connecting, for the first request), or it gets "
+                                               "408 and is disconnected: slow-header sockets hold no slot for "
+                                               "long", group="http", flag="--header-read-timeout",
+                                          metavar="SECONDS")
+    max_streams_per_key: int | None = option(16, "most streams one API key (or, without keys, one address) holds "
+                                                 "open at once: event streams, streamed downloads and live "
+                                                 "sessions (429 too_many_streams beyond); none = no cap",
+                                             group="http")
+    rate_per_key: float | None = option(20.0, "requests a second one API key (or, without keys, one address) may "
+                                              "make on /v1, on average (a token bucket; 429 rate_limited with "
+                                              "Retry-After beyond); none = no limit", group="http",
+                                        metavar="PER_SECOND")
+    rate_burst: int = option(40, "requests one key may make at once before --rate-per-key applies (the bucket's "
+                                 "size)", group="http")
+    docs: bool = option(False, "serve the API's reference at /docs (a plain page made here, no script; with keys it "
+                               "needs one, like the API); /openapi.json follows the same key rules", group="http")
+    webrtc_networks: str | None = option(None, "comma-separated networks (10.0.0.0/8,fd00::/8) whose addresses a "
+                                               "WebRTC offer's candidates may have, besides the client's own, and "
+                                               "where the server's own addresses are offered in answers, besides "
+                                               "the one the client reached (docs/serving.md, security)",
+                                         group="http", metavar="CIDRS")
     request_read_timeout_s: float = option(30.0, "a client must send a whole request (headers and body) within "
                                                  "this many seconds, or it gets 408 and is disconnected",
                                            group="http", flag="--request-read-timeout", metavar="SECONDS")
@@ -68,10 +90,15 @@ class ServeConfig:
                                                             "after it finished (its expires_at; the record stays, "
                                                             "marked expired); none = keep them",
                                        group="jobs", flag="--retention", metavar="SECONDS")
-    max_storage_bytes: int | None = option(None, "quota on the stored videos' bytes: over it, the oldest completed "
-                                                 "videos' files are deleted first (marked expired; running jobs "
-                                                 "are never touched); none = no quota", group="jobs",
-                                           metavar="BYTES")
+    max_storage_bytes: int | None = option(None, "quota on each API key's stored bytes (its videos, a reused copy "
+                                                 "counted once, and its queued jobs' uploads): over it, that key's "
+                                                 "own videos used longest ago are deleted first (marked expired; "
+                                                 "running jobs and its newest video are never touched; another "
+                                                 "key's never); without keys, the server's; none = no quota",
+                                           group="jobs", metavar="BYTES")
+    max_total_storage_bytes: int | None = option(None, "cap on everyone's stored bytes together: over it, the key "
+                                                       "keeping the most loses its oldest videos first; none = no "
+                                                       "cap", group="jobs", metavar="BYTES")
     min_free_bytes: int = option(DEFAULT_MIN_FREE_BYTES, "refuse new videos (HTTP 507, Retry-After) while the data "
                                                          "dir's file system has less free space than this; "
                                                          "/health says degraded", group="jobs", metavar="BYTES")
@@ -184,10 +211,10 @@ class ServeConfig:
                                              or not isinstance(self.retention_s, (int, float))
                                              or not self.retention_s > 0 or not math.isfinite(self.retention_s)):
             raise ValueError(f"retention_s must be a positive number of seconds or None, got {self.retention_s!r}")
-        if self.max_storage_bytes is not None and (isinstance(self.max_storage_bytes, bool)
-                                                   or not isinstance(self.max_storage_bytes, int)
-                                                   or self.max_storage_bytes < 1):
-            raise ValueError(f"max_storage_bytes must be a positive integer or None, got {self.max_storage_bytes!r}")
+        for name in ("max_storage_bytes", "max_total_storage_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if isinstance(self.min_free_bytes, bool) or not isinstance(self.min_free_bytes, int) or self.min_free_bytes < 0:
             raise ValueError(f"min_free_bytes must be a non-negative integer, got {self.min_free_bytes!r}")
         if (isinstance(self.drain_seconds, bool) or not isinstance(self.drain_seconds, (int, float))
@@ -224,20 +251,24 @@ class ServeConfig:
             raise ValueError(f"replica_id must be 1-100 letters, digits or _.:-, got {self.replica_id!r}")
 
     def _check_edge_and_admission(self) -> None:
-        for name in ("timeout_keep_alive", "score_concurrency"):
+        from longserve.server.api.webrtc import parse_networks
+
+        parse_networks(self.webrtc_networks)
+        for name in ("timeout_keep_alive", "score_concurrency", "rate_burst"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("limit_concurrency", "score_max_bytes"):
+        for name in ("limit_concurrency", "score_max_bytes", "max_streams_per_key"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if isinstance(self.score_max_queue, bool) or not isinstance(self.score_max_queue, int) \
                 or self.score_max_queue < 0:
             raise ValueError(f"score_max_queue must be a non-negative integer, got {self.score_max_queue!r}")
-        for name in ("request_read_timeout_s", "max_queued_work", "max_work_per_key"):
+        for name in ("request_read_timeout_s", "header_read_timeout_s", "max_queued_work", "max_work_per_key",
+                     "rate_per_key"):
             value = getattr(self, name)
-            if value is None and name != "request_read_timeout_s":
+            if value is None and name not in ("request_read_timeout_s", "header_read_timeout_s"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
                     or not math.isfinite(value):

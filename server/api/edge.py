@@ -6,10 +6,11 @@
   is neither the server's own nor in `--allowed-origins` gets 403. Browsers send urlencoded, multipart and
   typeless bodies cross-origin without a CORS preflight, so without this any page the operator visits
   could create jobs; with a key, a page cannot send it (no CORS here), so the key is the defence.
-- `read_deadline_protocol(seconds)`: uvicorn's h11 protocol with a deadline on reading one request (its
-  headers and its body, from its first byte; from the connection's start for the first request).
+- `read_deadline_protocol(seconds, header_seconds)`: uvicorn's h11 protocol with deadlines on reading one
+  request: its headers within `--header-read-timeout`, and the whole of it (headers and body) within
+  `--request-read-timeout`, from its first byte (from the connection's start for the first request).
   uvicorn 0.54 has none (its `timeout_keep_alive` only runs between requests), so a client that trickles
-  a header line every few seconds would hold a connection for ever (slowloris). Past the deadline the
+  a header line every few seconds would hold a connection for ever (slowloris). Past a deadline the
   client gets 408 if its headers were incomplete, and the connection is closed.
 - `log_config(level)`: uvicorn's logging, with every query parameter whose name says it is a credential
   (`api_key`, `token`, `secret`, `password`, ...) written as `[redacted]` in the access log and the WebSocket
@@ -180,17 +181,24 @@ REQUEST_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text
                             b"content-length: 25\r\nconnection: close\r\n\r\nrequest not sent in time\n")
 
 
-def read_deadline_protocol(timeout_s: float):
-    """uvicorn's h11 protocol class with a deadline of `timeout_s` on reading each request (headers and body)."""
+def read_deadline_protocol(timeout_s: float, header_timeout_s: float | None = None):
+    """uvicorn's h11 protocol class with a deadline of `timeout_s` on reading each request (headers and body), and
+    of `header_timeout_s` on its headers."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    header_s = min(timeout_s, header_timeout_s or timeout_s)
 
     class ReadDeadlineH11Protocol(H11Protocol):
         _deadline = None          # asyncio.TimerHandle while a request is being read
         _armed_cycle = None       # the request cycle that existed when the deadline was armed
+        _started = 0.0            # when the request's reading began (the loop's clock)
+        _in_headers = False       # the deadline running is the headers' (the app has not seen the request)
 
         def _arm(self) -> None:
             self._armed_cycle = self.cycle
-            self._deadline = self.loop.call_later(timeout_s, self._read_timed_out)
+            self._in_headers = True
+            self._started = self.loop.time()
+            self._deadline = self.loop.call_at(self._started + header_s, self._read_timed_out)
 
         def _disarm(self) -> None:
             if self._deadline is not None:
@@ -206,8 +214,13 @@ def read_deadline_protocol(timeout_s: float):
                 self._arm()             # the first bytes of the next request on a kept-alive connection
             super().data_received(data)
             cycle = self.cycle
-            if cycle is not None and cycle is not self._armed_cycle and not cycle.more_body:
-                self._disarm()          # this request is read in full: the app has it
+            if cycle is not None and cycle is not self._armed_cycle and self._deadline is not None:
+                self._disarm()          # its headers are in: the app has it
+                if cycle.more_body:     # its body has what is left of the whole request's time
+                    self._deadline = self.loop.call_at(self._started + timeout_s, self._read_timed_out)
+                    self._armed_cycle, self._in_headers = cycle, False
+            elif not self._in_headers and cycle is not None and cycle is self._armed_cycle and not cycle.more_body:
+                self._disarm()          # the body is read in full
 
         def handle_websocket_upgrade(self, event) -> None:
             self._disarm()              # the socket belongs to the WebSocket protocol from here on
@@ -221,7 +234,7 @@ def read_deadline_protocol(timeout_s: float):
             self._deadline = None
             if self.transport.is_closing() or self.transport.get_protocol() is not self:
                 return
-            if self.cycle is self._armed_cycle:        # the headers never came
+            if self._in_headers:                       # the headers never came (the app never saw it)
                 self.transport.write(REQUEST_TIMEOUT_RESPONSE)
             self.logger.info("closed a connection from %s: the request was not read within %g s",
                              self.client, timeout_s)
@@ -233,7 +246,7 @@ def read_deadline_protocol(timeout_s: float):
 def uvicorn_options(config) -> dict:
     """The connection settings of `uvicorn.Config` from a `ServeConfig` (the CLI's and the tests' servers)."""
     return {"timeout_keep_alive": config.timeout_keep_alive, "limit_concurrency": config.limit_concurrency,
-            "http": read_deadline_protocol(config.request_read_timeout_s)}
+            "http": read_deadline_protocol(config.request_read_timeout_s, config.header_read_timeout_s)}
 
 
 # -- credentials out of the logs -----------------------------------------------------------------------------

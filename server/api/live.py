@@ -44,7 +44,11 @@ A slow client never slows the others: the engine hands this session's chunks to 
 `--live-buffer-chunks` fragments; when the client has not taken them, a new fragment is dropped
 (the next chunk event counts it in `dropped`) instead of waiting. With --api-key, the socket
 needs the key too: an `Authorization: Bearer KEY` header, or the first message `{"type": "auth", "api_key": KEY}`
-(browsers cannot set headers on a WebSocket); never the URL, which proxies and servers log.
+(browsers cannot set headers on a WebSocket); never the URL, which proxies and servers log. A session is one of
+its key's open streams (`--max-streams-per-key`) and takes a token of its rate (`server/api/fairness.py`).
+
+A WebRTC offer is checked for its size, m-sections and candidates before admission (bounded scans), and read only
+after the session was admitted, on a worker thread: `server/api/webrtc.py` says what its candidates may be.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import json
 import logging
 import time
 
+from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from longserve.engine.errors import public_message
@@ -63,7 +68,7 @@ from longserve.engine.request import GenerationSpec, RequestError
 from longserve.engine.scheduler import KVBudgetError, QueueFullError
 from longserve.server.api import webrtc
 from longserve.server.api.edge import client_id, matching_key
-from longserve.server.api.errors import APIError
+from longserve.server.api.errors import APIError, StoreUnavailable
 from longserve.server.api.jobs import DISCONNECTED, LIVE, Job
 from longserve.server.api.json_input import load_object
 
@@ -92,6 +97,7 @@ class LiveSessions:
         self.service = service
         self.max_seconds = service.config.max_live_seconds
         self.buffer_chunks = service.config.live_buffer_chunks
+        self.networks = webrtc.parse_networks(service.config.webrtc_networks)
 
     @property
     def supported(self) -> bool:
@@ -105,82 +111,34 @@ class LiveSessions:
                                                       "message, or the header 'Authorization: Bearer <key>'",
                                CLOSE_POLICY, "api_key")
             return
+        fairness, slot = ws.app.state.fairness, None
         try:
-            key = await self._authenticate(ws, api_keys)
+            key, msg = await self._authenticate(ws, api_keys)
+            client = client_id(key) if key else "addr:" + (ws.client.host if ws.client else "unknown")
+            fairness.take(client)                   # 429 past the key's request rate
+            slot = fairness.open_stream(client, "a live session")       # 429 past its open streams
+            await self._start(ws, key, msg)
         except (asyncio.TimeoutError, WebSocketDisconnect):
             with contextlib.suppress(Exception):
                 await ws.close(CLOSE_POLICY)
-            return
-        except ProtocolError as e:
-            await self._refuse(ws, e.code, e.message, e.close_code, e.param)
-            return
-        except APIError as e:
-            await self._refuse(ws, e.code, e.message, CLOSE_POLICY, e.param)
-            return
-        if not self.supported:
-            await self._refuse(ws, "unsupported_model", "this model does not stream live video (a causal model "
-                                                        "does); use POST /v1/videos", CLOSE_POLICY)
-            return
-        service = self.service
-        if service.draining:
-            await self._refuse(ws, "server_shutdown", "the server is shutting down and starts no new sessions",
-                               CLOSE_SERVICE_RESTART)
-            return
-        peer = None
-        try:
-            msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
-            if msg.get("type") == "auth":           # not needed here (no keys, or the header's): the next one
-                msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
-            offer = self._offer(msg.pop("webrtc", None))
-            record = msg.pop("record", False)           # kept as a video (server/api/live_recording.py)
-            if not isinstance(record, bool):
-                raise APIError(400, f"record must be true or false; got {record!r}", param="record",
-                               code="invalid_value")
-            spec = service.requests.live(msg, self.max_seconds)
-            peer = None if offer is None else await self._peer(spec, offer)     # answered before any admission
-            try:
-                job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
-                service.admission.check_open(writes_files=record)
-                service.admission.admit(job)
-                try:
-                    job.handle = service.engine.submit(spec)
-                except BaseException:
-                    service.jobs.remove(job)
-                    raise
-            except BaseException:
-                if peer is not None:
-                    await peer.close()
-                raise
-        except (asyncio.TimeoutError, WebSocketDisconnect):
-            with contextlib.suppress(Exception):
-                await ws.close(CLOSE_POLICY)
-            return
         except ProtocolError as e:                      # a binary frame, JSON too deep or not an object
             await self._refuse(ws, e.code, e.message, e.close_code, e.param)
-            return
-        except (ValueError, KeyError) as e:            # bad JSON, RequestError (a ValueError) included
-            param = getattr(e, "field", None)
-            await self._refuse(ws, "invalid_request", str(e) if param else f"not a valid start message: {e}",
-                               CLOSE_POLICY, param)
-            return
-        except APIError as e:                           # the door's 4xx; admission's 429 and 503: try later
+        except APIError as e:                           # the key, the rate, the stream cap
             await self._refuse(ws, e.code or "invalid_request", e.message,
                                CLOSE_TRY_LATER if e.status in (429, 503) else CLOSE_POLICY, e.param)
-            return
-        except (KVBudgetError, QueueFullError) as e:
-            await self._refuse(ws, "live_capacity", str(e), CLOSE_TRY_LATER)
-            return
-        await self._session(ws, job, spec, peer, record)
+        finally:
+            if slot is not None:
+                slot.release()
 
-    async def _authenticate(self, ws: WebSocket, api_keys: tuple[str, ...]) -> str | None:
-        """The socket's key (None when the server has none): in the Authorization header or, from a browser (which
-        cannot set headers on a WebSocket), as the first message {"type": "auth", "api_key": KEY}, within
-        AUTH_TIMEOUT_S."""
+    async def _authenticate(self, ws: WebSocket, api_keys: tuple[str, ...]) -> tuple[str | None, dict | None]:
+        """(the socket's key, None when the server has none; a message read that `_start` is to take, or None). The
+        key comes in the Authorization header or, from a browser (which cannot set headers on a WebSocket), as the
+        first message {"type": "auth", "api_key": KEY}, within AUTH_TIMEOUT_S."""
         if not api_keys:
-            return None
+            return None, None
         key = header_key(ws, api_keys)
         if key is not None:
-            return key
+            return key, None
         msg = await asyncio.wait_for(read_message(ws), AUTH_TIMEOUT_S)
         given = msg.get("api_key") if msg.get("type") == "auth" else None
         key = matching_key(given, api_keys) if isinstance(given, str) else None
@@ -188,7 +146,54 @@ class LiveSessions:
             raise APIError(401, "missing or wrong API key: send {\"type\": \"auth\", \"api_key\": <key>} as the "
                                 "first message, or the header 'Authorization: Bearer <key>'",
                            param="api_key", code="invalid_api_key")
-        return key
+        return key, None
+
+    async def _start(self, ws: WebSocket, key: str | None, msg: dict | None) -> None:
+        """The start message (`msg`, or the next one), admission, then a WebRTC offer's answer, then the engine."""
+        if not self.supported:
+            raise APIError(400, "this model does not stream live video (a causal model does); use POST /v1/videos",
+                           code="unsupported_model")
+        service = self.service
+        if service.draining:
+            await self._refuse(ws, "server_shutdown", "the server is shutting down and starts no new sessions",
+                               CLOSE_SERVICE_RESTART)
+            return
+        peer, job = None, None
+        try:
+            if msg is None:
+                msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
+            if msg.get("type") == "auth":           # not needed here (no keys, or the header's): the next one
+                msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
+            offer = self._offer(msg.pop("webrtc", None))            # bounded checks only: no SDP read yet
+            record = msg.pop("record", False)           # kept as a video (server/api/live_recording.py)
+            if not isinstance(record, bool):
+                raise APIError(400, f"record must be true or false; got {record!r}", param="record",
+                               code="invalid_value")
+            spec = service.requests.live(msg, self.max_seconds)
+            job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
+            service.admission.check_open(writes_files=record)
+            await run_in_threadpool(service.admission.admit, job)  # (with replicas: the shared store's transaction)
+            if offer is not None:                                   # admitted: now the SDP work, off the loop
+                peer = await self._peer(spec, offer, ws)
+            job.handle = service.engine.submit(spec)
+        except BaseException as e:
+            if peer is not None:
+                await peer.close()
+            if job is not None and service.jobs.remove(job):
+                await run_in_threadpool(service.admission.release, job)
+            if isinstance(e, (ValueError, KeyError)) and not isinstance(e, APIError):   # RequestError included
+                param = getattr(e, "field", None)
+                raise APIError(400, str(e) if param else f"not a valid start message: {e}", param=param,
+                               code="invalid_request") from None
+            if isinstance(e, StoreUnavailable):
+                raise APIError(503, str(e), code="storage_unavailable") from None
+            if isinstance(e, (KVBudgetError, QueueFullError)):
+                raise APIError(503, str(e), code="live_capacity") from None
+            raise
+        try:
+            await self._session(ws, job, spec, peer, record)
+        finally:
+            await run_in_threadpool(service.admission.release, job)
 
     @staticmethod
     def _offer(offer) -> dict | None:
@@ -203,12 +208,23 @@ class LiveSessions:
         except ValueError as e:
             raise APIError(400, str(e), param="webrtc", code="invalid_value") from None
 
-    async def _peer(self, spec: GenerationSpec, offer: dict) -> webrtc.WebRTCPeer:
-        """A WebRTC session's peer connection, its answer made (APIError naming webrtc when it cannot be)."""
+    async def _peer(self, spec: GenerationSpec, offer: dict, ws: WebSocket) -> webrtc.WebRTCPeer:
+        """A WebRTC session's peer connection, its answer made (APIError naming webrtc when it cannot be): the offer
+        screened on a worker thread (only candidates at the client's own address or in --webrtc-networks stay), the
+        answer's candidates on the address the client reached and the server's own in those networks."""
+        client = ws.client.host if ws.client else None
+        local = (ws.scope.get("server") or (None,))[0]
+        try:
+            sdp, removed = await run_in_threadpool(webrtc.screen_offer, offer["sdp"], client, self.networks)
+        except ValueError as e:
+            raise APIError(400, str(e), param="webrtc", code="invalid_value") from None
+        if removed:
+            log.info("%s: %d WebRTC candidate(s) outside the client's address and --webrtc-networks ignored",
+                     spec.request_id, removed)
         per_chunk = self.service.engine.info.capabilities.frames_per_chunk
         peer = webrtc.WebRTCPeer(spec.fps, max(spec.fps, per_chunk))
         try:
-            await peer.answer(offer)
+            await peer.answer({"type": "offer", "sdp": sdp}, webrtc.host_candidates(local, self.networks))
         except Exception as e:                          # an offer aiortc cannot answer (no video, no codec)
             await peer.close()
             raise APIError(400, f"webrtc: the offer cannot be answered: {e}", param="webrtc",
@@ -226,7 +242,10 @@ class LiveSessions:
         stopped = asyncio.Event()
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.buffer_chunks)
         per_chunk = service.engine.info.capabilities.frames_per_chunk
-        job.sink = LiveOutputs(service.runner, spec, queue, prompts, stopped, peer.track if peer else None, recording)
+        # made on the runner's thread: the fMP4 muxer starts an encoder process, which takes the event loop
+        # hundreds of milliseconds in a large process
+        job.sink = await service.runner.run_io(LiveOutputs, service.runner, spec, queue, prompts, stopped,
+                                               peer.track if peer else None, recording)
         if peer is not None:
             def sent(index: int, pts: int) -> None:         # a chunk's first frame left on the track
                 if not queue.full():
@@ -276,7 +295,8 @@ class LiveSessions:
             try:
                 await service.runner.follow(job)
             finally:
-                await service.runner.run_io(job.sink.muxer.close)
+                if job.sink.muxer is not None:
+                    await service.runner.run_io(job.sink.muxer.close)
                 await queue.put(None)
 
         async def send() -> None:
@@ -321,7 +341,8 @@ class LiveOutputs:
         from longserve.server.live_media import ChunkMuxer
 
         self.runner, self.queue, self.prompts, self.stopped = runner, queue, prompts, stopped
-        self.muxer = ChunkMuxer(spec.width, spec.height, spec.fps)
+        # (a WebRTC session's frames go to its track: no fMP4)
+        self.muxer = ChunkMuxer(spec.width, spec.height, spec.fps) if track is None else None
         self.track = track                      # a WebRTC session's track (server/api/webrtc.py), else None
         self.recording = recording              # `"record": true`: every chunk kept as a video (live_recording.py)
         self.last_prompt = self.dropped = self.chunks = self.frames = 0

@@ -82,8 +82,8 @@ class LiveRecording:
             log.exception("recording live session %s failed", self.spec.request_id)
             self.store.remove_files(self.spec.request_id, FENCE)
             return None
-        if self.service.config.max_storage_bytes is not None:
-            self.service.storage.quota()
+        if self.service.storage.quotas.on:          # its owner's quota counts it as any video
+            self.service.storage.quota(self.owner)
         return vid
 
     def abort(self) -> None:

@@ -150,8 +150,11 @@ class ServerMetrics:
     def _from_store(self, name: str, read, default):
         """A gauge read from the job store; while it does not answer, the value last read (/metrics still answers;
         /health says why the store is degraded)."""
-        if self.service.storage is None:
+        storage = self.service.storage
+        if storage is None:
             return default
+        if getattr(storage.store, "unavailable", None) is not None:     # known down: no wait for the pool
+            return self._last.get(name, default)
         try:
             self._last[name] = read()
         except Exception:  # noqa: BLE001 - StoreUnavailable, or the database's own error during an outage

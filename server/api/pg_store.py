@@ -6,30 +6,36 @@ The schema is versioned: `MIGRATIONS` are applied in order, each once, in one tr
 the libpq way, in the URL: `postgresql://host/db?options=-csearch_path%3Dlongserve`.
 
 The video files are not in the database: they live in the media store (`StoredFiles`, `server/api/media_store.py`).
+What only replicas do with the rows (claims, leases, publication, the live replicas) is `pg_leases.ReplicaRows`; the
+admission over every replica's work is `pg_admission.SharedLedger`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
-import re
 import time
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from longserve.server.api.pg_leases import LeaseLost, ReplicaRows, update_sql
 from longserve.server.api.store import (
+    ANY_OWNER,
     COLUMNS,
+    INPUTS_SQL,
+    INSERTED,
+    KEPT_SQL,
+    Kept,
     StoredFiles,
     StoreUnavailable,
     VideoRecord,
     check_storable,
-    dump_json,
+    inserted_values,
+    owner_clause,
     page_clause,
     record_from_row,
-    safe_url,
 )
+from longserve.server.api.store_wait import wait_for_database
 
 #: advisory lock keys (with the schema's hash as the second key: replicas of one schema agree on them): migrations
 MIGRATION_LOCK = 0x6C6F6E67          # "long"
@@ -68,58 +74,21 @@ MIGRATIONS: list[tuple[int, tuple[str, ...]]] = [
     # the live replicas: what each serves and its capacity (`heartbeat`; /v1/models, a create's model check)
     (3, ("CREATE TABLE replicas (id TEXT PRIMARY KEY, models TEXT[] NOT NULL, info TEXT NOT NULL DEFAULT '{}', "
          "heartbeat TIMESTAMPTZ NOT NULL)",)),
+    # storage per owner (a reuse's shared files counted once, uploads counted while their job is active), and the
+    # live sessions every replica's admission counts (each renewed by its replica; a lapsed one counts no more)
+    (4, ("ALTER TABLE videos ADD COLUMN content TEXT, ADD COLUMN input_bytes BIGINT NOT NULL DEFAULT 0",
+         "CREATE INDEX videos_kept ON videos(owner, completed_at) WHERE status = 'completed' AND expired = 0",
+         "CREATE TABLE sessions (id TEXT PRIMARY KEY, owner TEXT, cost DOUBLE PRECISION NOT NULL, replica TEXT NOT "
+         "NULL, lease_until TIMESTAMPTZ NOT NULL)")),
     # what clients change while the replicas run and all must share: webhook endpoints, LoRA adapters
     # (`server/api/settings_store.py`); the version row moves on every write (a replica polls one number)
-    (4, ("CREATE TABLE longserve_settings (kind TEXT NOT NULL, id TEXT NOT NULL, owner TEXT, data TEXT NOT NULL, "
+    (5, ("CREATE TABLE longserve_settings (kind TEXT NOT NULL, id TEXT NOT NULL, owner TEXT, data TEXT NOT NULL, "
          "created_at BIGINT NOT NULL, seq BIGINT NOT NULL, PRIMARY KEY (kind, id))",
          "CREATE TABLE longserve_settings_version (one INTEGER PRIMARY KEY CHECK (one = 1), seq BIGINT NOT NULL)",
          "INSERT INTO longserve_settings_version VALUES (1, 0)")),
 ]
 
-#: the retention and quota sweep: one replica of a schema sweeps at a time
-SWEEP_LOCK = MIGRATION_LOCK + 1
-
-
-log = logging.getLogger("longserve.server")
-
-#: a database that answers but refuses us: waiting will not help (a wrong password, user or database name)
-REFUSED = re.compile(r"authentication failed|role .* does not exist|database .* does not exist|no pg_hba\.conf entry|"
-                     r"password authentication|SSL", re.I)
-
-
-def wait_for_database(url: str, wait_s: float) -> None:
-    """Connect once to `url`, trying again with backoff (0.5 s doubling, at most 8 s apart) while it does not answer,
-    for up to `wait_s` seconds; a line is logged per failed try. StoreUnavailable naming --store when it never
-    answers, or at once when it refuses (authentication, an unknown database)."""
-    deadline = time.monotonic() + wait_s
-    delay, tries = 0.5, 0
-    while True:
-        tries += 1
-        remaining = deadline - time.monotonic()
-        try:
-            psycopg.connect(url, connect_timeout=max(2, min(10, int(remaining) + 1))).close()
-            return
-        except psycopg.Error as e:
-            reason = " ".join(str(e).split())[:300] or type(e).__name__
-            if REFUSED.search(reason):
-                raise StoreUnavailable(f"the database refused the connection: {reason}") \
-                    from None
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise StoreUnavailable(f"the database did not answer within --store-wait "
-                                       f"{wait_s:g} s ({tries} tries; last: {reason})") from None
-            log.warning("the job store %s does not answer (%s); trying again in %.1f s (gives up %.0f s from now)",
-                        safe_url(url), reason, min(delay, remaining), remaining)
-            time.sleep(min(delay, remaining))
-            delay = min(8.0, delay * 2)
-
-
-class LeaseLost(RuntimeError):
-    """A replica's write under a fence that is no longer the job's: another replica claimed it since."""
-
-
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM videos"
-_WRITABLE = frozenset(COLUMNS) - {"seq", "id"}
 
 
 def migrate(pool: ConnectionPool) -> list[int]:
@@ -144,7 +113,7 @@ def migrate(pool: ConnectionPool) -> list[int]:
 UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 
 
-class PostgresJobStore(StoredFiles):
+class PostgresJobStore(ReplicaRows, StoredFiles):
     """Thread-safe: each call takes a connection from the pool (autocommit; a claim is its own transaction).
 
     `timeout_s` (`--store-timeout`) bounds how long a call waits for a connection (the pool's wait, and each new
@@ -206,6 +175,16 @@ class PostgresJobStore(StoredFiles):
         if self.unavailable is not None:
             self.unavailable = self.failed_at = None
 
+    @contextlib.contextmanager
+    def transaction(self):
+        """A connection in a transaction (committed when the block ends, rolled back when it raises)."""
+        with self._connection() as conn, conn.transaction():
+            yield conn
+
+    def execute(self, sql: str, args=()) -> int:
+        """One statement of the store's own SQL (its modules': `pg_admission.py`); the rows it touched."""
+        return self._run(sql, args)
+
     def _all(self, sql: str, args=()) -> list[tuple]:
         with self._connection() as conn:
             return conn.execute(sql, args).fetchall()
@@ -220,169 +199,33 @@ class PostgresJobStore(StoredFiles):
 
     # -- rows (the SQLite store's interface) ----------------------------------------------------------
 
-    def insert(self, rec: VideoRecord, cost: float = 1.0) -> int:
+    def insert(self, rec: VideoRecord, cost: float = 1.0, conn=None, lease: tuple[str, float] | None = None) -> int:
+        """Store a new record with its work (`cost`); in `conn`'s transaction when given (admission's); with `lease`
+        (replica, seconds) claimed at once by that replica (its fence, 1, is the record's `fence`)."""
         check_storable(rec)
-        row = self._one(
-            "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size, params,"
-            " error, request_key, extended_from, owner, cost) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
-            "%s, %s, %s) RETURNING seq",
-            (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt, rec.seconds,
-             rec.size, json.dumps(rec.params), dump_json(rec.error), rec.request_key, rec.extended_from, rec.owner,
-             float(cost)))
-        rec.seq = row[0]
+        names, values = [*INSERTED, "cost"], [*inserted_values(rec), float(cost)]
+        marks = ["%s"] * len(names)
+        if lease is not None:
+            names += ["lease_owner", "lease_until", "attempts", "fence"]
+            values += [lease[0], float(lease[1]), 1, 1]
+            marks += ["%s", "now() + make_interval(secs => %s)", "%s", "%s"]
+        sql = f"INSERT INTO videos ({', '.join(names)}) VALUES ({', '.join(marks)}) RETURNING seq"
+        if conn is not None:
+            rec.seq = conn.execute(sql, values).fetchone()[0]
+        else:
+            rec.seq = self._one(sql, values)[0]
         return rec.seq
 
     def update(self, video_id: str, fence: int | None = None, **fields) -> None:
         """With `fence`: only while that claim still holds the job (LeaseLost otherwise: another replica has it)."""
         if fence is None:
-            self._run(*_update_sql(video_id, fields))
+            self._run(*update_sql(video_id, fields))
             return
-        sql, args = _update_sql(video_id, fields, " AND fence = %s", (fence,))
+        sql, args = update_sql(video_id, fields, " AND fence = %s", (fence,))
         if fields.get("status") in ("completed", "failed"):       # the claim's last write lets the lease go
             sql = sql.replace("SET ", "SET lease_owner = NULL, lease_until = NULL, ", 1)
         if self._run(sql, args) == 0:
             raise LeaseLost(f"{video_id}: its lease (fence {fence}) was lost; another replica runs it")
-
-    # -- leases (replicas) ---------------------------------------------------------------------------
-
-    def claim(self, replica: str, models, budget: float, lease_s: float, idle: bool,
-              look_ahead: int = 16) -> list[tuple[VideoRecord, int, int, float]]:
-        """Claim queued jobs of `models`, oldest first, whose work fits `budget` (at least one when `idle`): each
-        gets this replica's lease for `lease_s`, an attempt and a new fence. Rows another replica is claiming are
-        skipped (FOR UPDATE SKIP LOCKED). Returns (record, fence, attempts, cost) of each."""
-        with self._connection() as conn, conn.transaction():
-            rows = conn.execute("SELECT id, cost FROM videos WHERE status = 'queued' AND lease_owner IS NULL AND "
-                                "model = ANY(%s) ORDER BY seq LIMIT %s FOR UPDATE SKIP LOCKED",
-                                (list(models), look_ahead)).fetchall()
-            chosen, total = [], 0.0
-            for video_id, cost in rows:
-                if total + cost > budget and not (idle and not chosen):
-                    break
-                chosen.append(video_id)
-                total += cost
-            if not chosen:
-                return []
-            claimed = conn.execute(
-                f"UPDATE videos SET lease_owner = %s, lease_until = now() + make_interval(secs => %s), "
-                f"attempts = attempts + 1, fence = fence + 1 WHERE id = ANY(%s) RETURNING "
-                f"{', '.join(COLUMNS)}, fence, attempts, cost", (replica, float(lease_s), chosen)).fetchall()
-        n = len(COLUMNS)
-        out = [(record_from_row(r[:n]), r[n], r[n + 1], r[n + 2]) for r in claimed]
-        return sorted(out, key=lambda c: c[0].seq)
-
-    def claim_now(self, video_id: str, replica: str, lease_s: float) -> int:
-        """Claim one queued job for this replica at once (a job whose input lives in this process's memory); its
-        fence."""
-        row = self._one("UPDATE videos SET lease_owner = %s, lease_until = now() + make_interval(secs => %s), "
-                        "attempts = attempts + 1, fence = fence + 1 WHERE id = %s AND lease_owner IS NULL "
-                        "RETURNING fence", (replica, float(lease_s), video_id))
-        if row is None:
-            raise LeaseLost(f"{video_id} could not be claimed")
-        return row[0]
-
-    def renew(self, replica: str, fences: dict[str, int], lease_s: float) -> set[str]:
-        """Extend this replica's leases of these jobs (id -> fence); the ids whose lease still held."""
-        if not fences:
-            return set()
-        rows = self._all("UPDATE videos v SET lease_until = now() + make_interval(secs => %s) FROM "
-                         "unnest(%s::text[], %s::bigint[]) AS h(id, fence) WHERE v.id = h.id AND v.fence = h.fence "
-                         "AND v.lease_owner = %s RETURNING v.id",
-                         (float(lease_s), list(fences), list(fences.values()), replica))
-        return {r[0] for r in rows}
-
-    def release(self, video_id: str, fence: int, **fields) -> bool:
-        """A claim's last write: the fields, and the lease let go, only while `fence` holds; False otherwise."""
-        sql, args = _update_sql(video_id, fields, " AND fence = %s", (fence,))
-        sql = sql.replace("UPDATE videos SET ", "UPDATE videos SET lease_owner = NULL, lease_until = NULL, " if fields
-                          else "UPDATE videos SET lease_owner = NULL, lease_until = NULL", 1)
-        return self._run(sql, args) > 0
-
-    def unclaim(self, video_id: str, fence: int) -> bool:
-        """Give a claim back untried (its replica could not queue it): queued for any replica, the attempt undone."""
-        return self._run("UPDATE videos SET lease_owner = NULL, lease_until = NULL, attempts = attempts - 1 WHERE id = "
-                         "%s AND fence = %s AND status = 'queued'", (video_id, fence)) > 0
-
-    def requeue_lapsed(self, max_attempts: int) -> tuple[list[str], list[str]]:
-        """Jobs whose lease lapsed (their replica stopped renewing): queued again while they have attempts left,
-        else failed (`replica_lost`). Returns (requeued ids, failed ids)."""
-        with self._connection() as conn, conn.transaction():
-            lapsed = conn.execute("SELECT id, attempts, fence FROM videos WHERE lease_owner IS NOT NULL AND "
-                                  "lease_until < now() AND status IN ('queued', 'in_progress') FOR UPDATE SKIP LOCKED"
-                                  ).fetchall()
-            again = [i for i, attempts, _ in lapsed if attempts < max_attempts]
-            lost = [i for i, attempts, _ in lapsed if attempts >= max_attempts]
-            if again:
-                conn.execute("UPDATE videos SET status = 'queued', progress = 0, lease_owner = NULL, lease_until = "
-                             "NULL WHERE id = ANY(%s)", (again,))
-            if lost:
-                error = dump_json({"code": "replica_lost", "message": f"the replica running this video stopped "
-                                                                  f"{max_attempts} times; it was not retried again"})
-                conn.execute("UPDATE videos SET status = 'failed', lease_owner = NULL, lease_until = NULL, error = "
-                             "%s, completed_at = EXTRACT(EPOCH FROM now())::bigint WHERE id = ANY(%s)", (error, lost))
-        for video_id, _, fence in lapsed:          # what the lost claims wrote: their own files only
-            self.remove_files(video_id, fence)
-        return again, lost
-
-    def lease_of(self, video_id: str) -> tuple[str | None, int, int] | None:
-        """(lease owner, fence, attempts) of a job; None when there is no such job."""
-        return self._one("SELECT lease_owner, fence, attempts FROM videos WHERE id = %s", (video_id,))
-
-    def set_cost(self, video_id: str, cost: float) -> None:
-        self._run("UPDATE videos SET cost = %s WHERE id = %s", (float(cost), video_id))
-
-    def publish(self, video_id: str, fence: int, **fields) -> bool:
-        """Complete a claim's video: while `fence` still holds the row (locked), its files `<id>.f<fence>.*` become
-        `<id>.*` (`publish_files`: renamed, atomic on one file system; or put whole as objects) and the fields are
-        written, the lease let go. False, with nothing published, when another claim holds the job. (A lapsed lease
-        is not requeued while the row is locked: `requeue_lapsed` skips locked rows.)"""
-        with self._connection() as conn, conn.transaction():
-            row = conn.execute("SELECT fence FROM videos WHERE id = %s FOR UPDATE", (video_id,)).fetchone()
-            if row is None or row[0] != fence:
-                return False
-            self.publish_files(video_id, fence)
-            sql, args = _update_sql(video_id, fields, " AND fence = %s", (fence,))
-            conn.execute(sql.replace("SET ", "SET lease_owner = NULL, lease_until = NULL, ", 1), args)
-        self.published(video_id, fence)
-        return True
-
-    def existing(self, ids) -> set[str]:
-        """Which of these jobs still have a record (a DELETE on any replica removes it)."""
-        ids = list(ids)
-        return {r[0] for r in self._all("SELECT id FROM videos WHERE id = ANY(%s)", (ids,))} if ids else set()
-
-    def active_work(self, owner: str | None = None) -> float:
-        """Work of the queued and running jobs of every replica (of `owner`, when given)."""
-        sql = "SELECT COALESCE(SUM(cost), 0) FROM videos WHERE status IN ('queued', 'in_progress')"
-        row = self._one(sql + " AND owner = %s", (owner,)) if owner is not None else self._one(sql)
-        return float(row[0])
-
-    def heartbeat(self, replica: str, models, info: dict) -> None:
-        self._run("INSERT INTO replicas (id, models, info, heartbeat) VALUES (%s, %s, %s, now()) ON CONFLICT (id) "
-                  "DO UPDATE SET models = EXCLUDED.models, info = EXCLUDED.info, heartbeat = now()",
-                  (replica, list(models), json.dumps(info)))
-
-    def live_replicas(self, within_s: float) -> list[tuple[str, list[str], dict]]:
-        """(id, models, info) of the replicas that beat within `within_s` seconds."""
-        rows = self._all("SELECT id, models, info FROM replicas WHERE heartbeat > now() - make_interval(secs => %s) "
-                         "ORDER BY id", (float(within_s),))
-        return [(i, list(models), json.loads(info)) for i, models, info in rows]
-
-    def leave(self, replica: str) -> None:
-        self._run("DELETE FROM replicas WHERE id = %s", (replica,))
-
-    @contextlib.contextmanager
-    def sweep_lock(self):
-        """A context: True inside it for the one replica that sweeps now (a session advisory lock), else False."""
-        with self._connection() as conn:
-            held = conn.execute("SELECT pg_try_advisory_lock(%s, hashtext(COALESCE(current_schema(), '')))",
-                                (SWEEP_LOCK,)).fetchone()[0]
-            try:
-                yield held
-            finally:
-                if held:
-                    conn.execute("SELECT pg_advisory_unlock(%s, hashtext(COALESCE(current_schema(), '')))",
-                                 (SWEEP_LOCK,))
-
 
     def delete(self, video_id: str) -> bool:
         return self._run("DELETE FROM videos WHERE id = %s", (video_id,)) > 0
@@ -409,9 +252,13 @@ class PostgresJobStore(StoredFiles):
         return [r[0] for r in self._all("SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at <= %s "
                                         "AND expired = 0 ORDER BY seq", (now,))]
 
-    def stored(self) -> list[tuple[str, int, int | None]]:
-        return [tuple(r) for r in self._all("SELECT id, COALESCE(bytes, 0), expires_at FROM videos WHERE status = "
-                                            "'completed' AND expired = 0 ORDER BY completed_at, seq")]
+    def stored(self, owner=ANY_OWNER) -> list[Kept]:
+        where, args = owner_clause(owner, "%s")
+        return [Kept(*r) for r in self._all(KEPT_SQL.format(where=where), args)]
+
+    def active_inputs(self, owner=ANY_OWNER) -> int:
+        where, args = owner_clause(owner, "%s")
+        return int(self._one(INPUTS_SQL.format(where=where), args)[0])
 
     def unmeasured(self) -> list[str]:
         return [r[0] for r in self._all("SELECT id FROM videos WHERE status = 'completed' AND expired = 0 AND "
@@ -423,18 +270,3 @@ class PostgresJobStore(StoredFiles):
 
 def first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
-def _update_sql(video_id: str, fields: dict, where: str = "", args=()) -> tuple[str, tuple]:
-    """UPDATE of a record's fields (JSON columns dumped), with more conditions after the id's."""
-    unknown = set(fields) - _WRITABLE
-    if unknown:
-        raise ValueError(f"not a writable column of videos: {sorted(unknown)}")
-    values = dict(fields)
-    for name in ("error", "params"):
-        if name in values:
-            values[name] = dump_json(values[name])
-    if "expired" in values:
-        values["expired"] = int(values["expired"])
-    sets = ", ".join(f"{k} = %s" for k in values)
-    return f"UPDATE videos SET {sets} WHERE id = %s{where}", (*values.values(), video_id, *args)

@@ -39,14 +39,12 @@ from longserve.engine.request import GenerationSpec
 from longserve.engine.scheduler import QueueFullError
 from longserve.server.api.errors import APIError, StoreUnavailable
 from longserve.server.api.job_inputs import INPUTS, pack_inputs, read_inputs
-from longserve.server.api.jobs import VIDEO, Job
-from longserve.server.api.object_media import ObjectTail, piece_name
+from longserve.server.api.jobs import LIVE, VIDEO, Job
+from longserve.server.api.remote_jobs import RemoteJobs
 
 log = logging.getLogger("longserve.server")
 
 TICK_S = 0.2
-#: how often a job that runs on another replica is looked at for this replica's SSE and stream clients
-REMOTE_POLL_S = 0.25
 #: options whose value is an upload (`service.stored_params` keeps their shape; the media store their files)
 IN_MEMORY = INPUTS
 
@@ -56,8 +54,11 @@ def attach_replica(service) -> "Replica | None":
     replica's work."""
     if not service.storage.replicated:
         return None
+    from longserve.server.api.pg_admission import SharedLedger
+
     replica = Replica(service)
-    service.admission.work_of = service.storage.store.active_work
+    service.admission.shared = replica.ledger = SharedLedger(service.storage.store, replica.id, replica.lease_s,
+                                                             whole=service.config.max_queued_work is not None)
     service.requests.elsewhere = replica.check_model
     service.runner.spawn(replica.run())
     return replica
@@ -82,8 +83,9 @@ class Replica:
         self.claimed = 0
         self.claim_latency_s: list[float] = []           # created -> claimed, of the jobs this replica claimed
         self.closed = False
+        self.ledger = None                               # its admission's ledger (`attach_replica`)
+        self.remote = RemoteJobs(service)                # the jobs other replicas run, as clients here follow them
         self._store_down = False
-        self._watched: set[str] = set()                  # jobs of other replicas followed for SSE subscribers here
 
     @property
     def models(self) -> list[str]:
@@ -98,26 +100,23 @@ class Replica:
         uploads = set(IN_MEMORY) & set(spec.options or {})
         if uploads and not self.store.shared:
             return False
-        self.service.admission.check(job)                     # 429 past the work of every replica
         if uploads:
             files = pack_inputs(spec.options)
+            job.record.input_bytes = sum(len(data) for data in files.values())
+            self.service.storage.make_room(job.owner, job.record.input_bytes)     # its owner's quota counts them
             try:
                 self.store.put_inputs(job.id, files)
             except Exception as e:
                 self.service.storage.failed(f"storing the inputs of {job.id} failed: {e}")
                 raise APIError(503, f"the job's input could not be stored ({e}); retry later",
                                code="storage_error", headers={"Retry-After": "30"}) from None
-        try:
-            self.service.storage.insert(job.record, "the job", cost=job.cost)
+        try:               # 429 past the work of every replica; stored in the same transaction
+            self.service.admission.admit(job, here=False)
         except BaseException:
             if uploads:
                 self.store.remove_inputs(job.id)
             raise
         return True
-
-    def hold(self, job: Job) -> None:
-        """Claim a just-stored job for this replica at once (it runs here)."""
-        job.fence = self.store.claim_now(job.id, self.id, self.lease_s)
 
     def check_model(self, model: str) -> None:
         """A model not served here: 400 naming `model`, saying which live replicas serve it, if any (a request is
@@ -236,6 +235,8 @@ class Replica:
         self.store.update(rec.id, fence=fence, status="failed", completed_at=int(time.time()),
                           error={"code": "replica_lost", "message": message},
                           expires_at=self.service.storage.expiry(int(time.time())))
+        if self.store.shared:                   # what is left of its uploads: it never runs again
+            self.store.remove_inputs(rec.id)
 
     def _mine(self) -> dict[str, Job]:
         return {j.id: j for j in self.service.jobs.jobs(VIDEO)     # (a finished one lets its lease go itself)
@@ -243,6 +244,8 @@ class Replica:
 
     async def renew(self, loop, io) -> None:
         mine = self._mine()
+        sessions = [j.id for j in self.service.jobs.jobs(LIVE)]
+        await loop.run_in_executor(io, self.ledger.renew, sessions)      # counted by every replica's admission
         held = await loop.run_in_executor(io, lambda: self.store.renew(self.id, {i: j.fence for i, j in mine.items()},
                                                                        self.lease_s))
         for video_id in set(mine) - held:
@@ -263,103 +266,25 @@ class Replica:
     # -- any replica answers for any job: events and streams of a job that runs on another ------------------
 
     def watch(self, video_id: str) -> None:
-        """An SSE subscriber here for a job that is not: its record is polled (status, progress) and its changes
-        published to this replica's subscribers, until it ends or they all leave."""
-        if self.service.jobs.get(video_id) is None and video_id not in self._watched:
-            self._watched.add(video_id)
-            self.service.runner.spawn(self._follow_record(video_id))
+        """An SSE subscriber here for a job that is not: the job's one watcher on this replica publishes its
+        changes to every subscriber here, until it ends or they all leave (`remote_jobs.py`)."""
+        if self.service.jobs.get(video_id) is None:
+            self.remote.watch(video_id)
 
-    async def _follow_record(self, video_id: str) -> None:
-        from longserve.server.api.video_jobs import event, video_view
-
-        broker, loop, last = self.service.broker, asyncio.get_running_loop(), None
-        try:
-            while broker.has_subscribers(video_id) and self.service.jobs.get(video_id) is None:
-                rec = await loop.run_in_executor(self.service.runner.io, self.store.get, video_id)
-                if rec is None:
-                    broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted",
-                                                               "deleted": True})
-                    return
-                if (rec.status, rec.progress) != last:
-                    last = (rec.status, rec.progress)
-                    if rec.status in ("completed", "failed"):
-                        broker.publish(video_id, f"video.{rec.status}", video_view(rec).model_dump())
-                        return
-                    broker.publish(video_id, f"video.{rec.status}", event(rec))
-                await asyncio.sleep(REMOTE_POLL_S)
-        finally:
-            self._watched.discard(video_id)
-
-    async def remote_writer(self, video_id: str, disconnected) -> "RemoteFile | ObjectTail | None":
-        """The file another replica writes for a running job (`?stream=true` here), once it exists (on an object
-        store: its first piece); None when the job ends first, runs here, or the client leaves."""
-        loop = asyncio.get_running_loop()
-        while self.service.jobs.get(video_id) is None and not await disconnected():
-            row = await loop.run_in_executor(None, self.store.lease_of, video_id)
-            rec = await loop.run_in_executor(None, self.store.get, video_id)
-            if row is None or rec is None or rec.status not in ("queued", "in_progress"):
-                return None
-            if row[0] is not None and await loop.run_in_executor(None, self._writing, video_id, row[1]):
-                if self.store.objects is None:
-                    return RemoteFile(self.store, video_id, row[1])
-                return ObjectTail(self.store.objects, video_id, row[1],
-                                  lambda fence=row[1]: self._claim_state(video_id, fence))
-            await asyncio.sleep(REMOTE_POLL_S)
-        return None
-
-    def _writing(self, video_id: str, fence: int) -> bool:
-        if self.store.objects is None:
-            return self.store.partial_path(video_id, fence).exists()
-        return self.store.objects.size(piece_name(video_id, fence, 0)) is not None
-
-    def _claim_state(self, video_id: str, fence: int) -> str:
-        """'running' while this claim runs the job, 'completed' once it published it, else 'gone'."""
-        row, rec = self.store.lease_of(video_id), self.store.get(video_id)
-        if row is None or rec is None or row[1] != fence:
-            return "gone"
-        if rec.status == "completed":
-            return "completed"
-        return "running" if rec.status in ("queued", "in_progress") else "gone"
+    async def remote_writer(self, video_id: str, disconnected):
+        """The file (or object pieces) another replica writes for a running job (`?stream=true` here), once it
+        exists; None when the job ends first, runs here, or the client leaves (`RemoteJobs.writer`)."""
+        return await self.remote.writer(video_id, disconnected)
 
     def close(self) -> None:
         """Stop claiming and leave the live replicas (the jobs still here lapse and are queued again)."""
         self.closed = True
         try:
             self.store.leave(self.id)
+            self.ledger.leave()
         except Exception:  # noqa: BLE001 - the database may be gone; the heartbeat lapses anyway
             log.exception("replica %s: leaving failed", self.id)
 
 
 def median(values: list[float]) -> float | None:
     return sorted(values)[len(values) // 2] if values else None
-
-
-class RemoteFile:
-    """What `streaming.tail_file` reads a writer through, for a file another replica writes (`<id>.f<fence>.mp4.part`,
-    renamed when done; an open handle reads on): polled, as no notification crosses replicas."""
-
-    def __init__(self, store, video_id: str, fence: int):
-        self.store, self.video_id, self.fence = store, video_id, fence
-        self.part_path, self.final_path = store.partial_path(video_id, fence), store.video_path(video_id, fence)
-        self.grown, self.done = _Poll(), self
-        self._checked, self._done = float("-inf"), False
-
-    def is_set(self) -> bool:
-        """Done: the record says the job ended (or another claim, or a DELETE, took it); looked up at most every
-        REMOTE_POLL_S."""
-        if not self._done and time.monotonic() - self._checked >= REMOTE_POLL_S:
-            self._checked = time.monotonic()
-            row, rec = self.store.lease_of(self.video_id), self.store.get(self.video_id)
-            self._done = row is None or rec is None or row[1] != self.fence or \
-                rec.status not in ("queued", "in_progress")
-        return self._done
-
-
-class _Poll:
-    """A notifier's face that wakes every REMOTE_POLL_S."""
-
-    version = 0
-
-    async def wait_after(self, version: int, timeout: float | None = None) -> bool:
-        await asyncio.sleep(REMOTE_POLL_S)
-        return True

@@ -12,7 +12,7 @@ import re
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, WebSocket
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
@@ -30,7 +30,7 @@ from longserve.server.api.protocol import (
     VideoCreateRequest,
     VideoExtendRequest,
 )
-from longserve.server.api.streaming import TERMINAL_EVENTS, shutdown_envelope, sse_stream, tail_file
+from longserve.server.api.streaming import TERMINAL_EVENTS, SlotStream, shutdown_envelope, sse_stream, tail_file
 from longserve.server.api.tenants import NO_KEY, Caller
 from longserve.server.api.uploads import Upload
 
@@ -40,17 +40,30 @@ FILE_FIELDS = ("input_reference", "last_image")
 
 
 def require_api_key(request: Request) -> None:
-    """401 without a valid key (when the server has keys); `request.state.caller`: who it is (`tenants.Caller`)."""
+    """401 without a valid key (when the server has keys); `request.state.caller`: who it is (`tenants.Caller`).
+    Every request takes a token of its client's rate (`fairness.py`): its key's, or its address's without one."""
     keys = request.app.state.api_keys
+    fairness = request.app.state.fairness
     request.state.caller = NO_KEY
     if not keys:
+        fairness.take(client_of(request))
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     key = matching_key(token.strip(), keys) if scheme.lower() == "bearer" else None
     if key is None:
+        fairness.take(client_of(request))        # wrong keys count where they come from
         raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
     request.state.caller = Caller.of_key(key, request.app.state.admin_keys)
+    fairness.take(client_of(request))
+
+
+def client_of(request) -> str:
+    """Who a request (or a WebSocket) counts against for fairness: its key's id, else its address."""
+    caller = getattr(request.state, "caller", NO_KEY)
+    if caller.owner is not None:
+        return caller.owner
+    return "addr:" + (request.client.host if request.client is not None else "unknown")
 
 
 def require_started(request: Request) -> None:
@@ -68,6 +81,18 @@ def json_body(model) -> dict:
     """The OpenAPI `requestBody` of a route that parses its own body (`parse_json_object`): `model`'s JSON schema, so
     the published schema says what the route takes (clients, and the suite's fuzzer, read it)."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+#: OpenAPI links from a response that is a video to what may be done with it next (the fuzzer's stateful runs
+#: follow them: create, then read, stream, extend or delete that video)
+def video_links(what: str, pointer: str) -> dict:
+    return {"responses": {"200": {"description": what, "links": {
+        name: {"operationId": operation, "parameters": {"video_id": f"$response.body#{pointer}"}}
+        for name, operation in (("RetrieveVideo", "retrieveVideo"), ("DeleteVideo", "deleteVideo"),
+                                ("DownloadContent", "downloadVideoContent"), ("ExtendVideo", "extendVideo"))}}}}
+
+
+VIDEO_LINKS = video_links("The video.", "/id")
 
 
 router = APIRouter()                                                     # no auth: probes and scrapers
@@ -202,7 +227,7 @@ async def live_video_without_upgrade():
                    code="upgrade_required", headers={"Upgrade": "websocket", "Connection": "Upgrade"})
 
 
-@v1.post("/videos", openapi_extra=json_body(VideoCreateRequest))
+@v1.post("/videos", operation_id="createVideo", openapi_extra={**json_body(VideoCreateRequest), **VIDEO_LINKS})
 async def create_video(request: Request):
     data = await parse_create_body(request)
     try:
@@ -213,7 +238,8 @@ async def create_video(request: Request):
     return JSONResponse(video.model_dump())
 
 
-@v1.post("/videos/{video_id}/extend", openapi_extra=json_body(VideoExtendRequest))
+@v1.post("/videos/{video_id}/extend", operation_id="extendVideo",
+         openapi_extra={**json_body(VideoExtendRequest), **VIDEO_LINKS})
 async def extend_video(request: Request, video_id: str):
     """Continue a completed video (a diffusion-forcing model): a new video whose content is the whole extended
     video, streamed like any other (`/content?stream=true`)."""
@@ -230,7 +256,7 @@ async def extend_video(request: Request, video_id: str):
     return JSONResponse(video.model_dump())
 
 
-@v1.get("/videos")
+@v1.get("/videos", operation_id="listVideos", openapi_extra=video_links("A page of videos.", "/first_id"))
 async def list_videos(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100),
                       order: Literal["asc", "desc"] = "desc"):
     page = await run_in_threadpool(request.app.state.videos.list, after, limit, order,
@@ -238,7 +264,7 @@ async def list_videos(request: Request, after: str | None = None, limit: int = Q
     return JSONResponse(page.model_dump())
 
 
-@v1.get("/videos/{video_id}")
+@v1.get("/videos/{video_id}", operation_id="retrieveVideo")
 async def retrieve_video(request: Request, video_id: str):
     video = await run_in_threadpool(request.app.state.videos.get, video_id, request.state.caller)
     headers = {}
@@ -247,13 +273,13 @@ async def retrieve_video(request: Request, video_id: str):
     return JSONResponse(video.model_dump(), headers=headers)
 
 
-@v1.delete("/videos/{video_id}")
+@v1.delete("/videos/{video_id}", operation_id="deleteVideo")
 async def delete_video(request: Request, video_id: str):
     deleted = await run_in_threadpool(request.app.state.videos.delete, video_id, request.state.caller)
     return JSONResponse(deleted.model_dump())
 
 
-@v1.get("/videos/{video_id}/content")
+@v1.get("/videos/{video_id}/content", operation_id="downloadVideoContent")
 async def download_content(request: Request, video_id: str, variant: str = "video", stream: bool = False):
     """The MP4, the PNG thumbnail (its first frame) or the spritesheet (a PNG grid of its frames) of a completed
     video; with stream=true the MP4 of a video that is still being generated, sent while its frames are decoded (a
@@ -270,12 +296,19 @@ async def download_content(request: Request, video_id: str, variant: str = "vide
                         headers={"Content-Disposition": f'attachment; filename="{video_id}.sprites.png"'})
     rec = await run_in_threadpool(service.record, video_id, request.state.caller)
     if stream and variant == "video" and rec.status in ("queued", "in_progress"):
-        writer = await service.live_writer(video_id, request.is_disconnected)   # wakes when the writer exists
-        if writer is None and service.replica is not None:                     # written by another replica
-            writer = await service.replica.remote_writer(video_id, request.is_disconnected)
+        slot = request.app.state.fairness.open_stream(client_of(request), "a streamed download")   # 429 past it
+        try:
+            writer = await service.live_writer(video_id, request.is_disconnected)   # wakes when the writer exists
+            if writer is None and service.replica is not None:                     # written by another replica
+                writer = await service.replica.remote_writer(video_id, request.is_disconnected)
+        except BaseException:
+            slot.release()
+            raise
         if writer is not None:
             body = writer.stream() if hasattr(writer, "stream") else tail_file(writer)   # (object storage's pieces)
-            return StreamingResponse(body, media_type="video/mp4", headers={"Cache-Control": "no-store"})
+            releases = [slot.release, *([writer.release] if hasattr(writer, "release") else [])]
+            return SlotStream(body, releases, media_type="video/mp4", headers={"Cache-Control": "no-store"})
+        slot.release()
         if await request.is_disconnected():
             return PlainTextResponse("", status_code=204)
         if service.draining:
@@ -291,20 +324,21 @@ async def video_events(request: Request, video_id: str):
     """Server-Sent Events: queue position, every denoising step, decoding, then completed or failed."""
     service = request.app.state.videos
     await run_in_threadpool(service.record, video_id, request.state.caller)  # 404 before subscribing
+    slot = request.app.state.fairness.open_stream(client_of(request), "an event stream")    # 429 past the cap
     sub = service.broker.subscribe(video_id)
     try:
         first = await run_in_threadpool(service.event_snapshot, video_id, request.state.caller)
-    except APIError:
+    except BaseException:
         service.broker.unsubscribe(sub)
+        slot.release()
         raise
     events = [first]
     if first[0] not in TERMINAL_EVENTS and service.replica is not None:   # it may run on another replica
         service.replica.watch(video_id)
     if first[0] not in TERMINAL_EVENTS and service.stream_ends_now(video_id):   # no more events will come
         events.append(("error", shutdown_envelope()))
-    return StreamingResponse(sse_stream(sub, events, lambda: service.broker.unsubscribe(sub)),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return SlotStream(sse_stream(sub, events, lambda: service.broker.unsubscribe(sub)), [slot.release],
+                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 # -- models, scoring ------------------------------------------------------------------------------------------

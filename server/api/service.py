@@ -243,24 +243,26 @@ class VideoService:
         if self.replica is not None and self.replica.enqueue(job, spec):   # stored for a replica to claim
             self.lifecycle.created(job)
             return video_view(rec)
-        self.admission.admit(job)                                     # 429 past the work limits
+        # 429 past the work limits; with replicas (an upload with no shared media store: its input is in this
+        # process's memory) stored at once, claimed by this replica
+        self.admission.admit(job)
         try:
             job.handle = self.engine.submit(spec)
-        except QueueFullError:
+        except BaseException as e:
             self.jobs.remove(job)
-            raise APIError(429, f"the queue is full ({self.config.engine.max_queue} videos waiting); retry later",
-                           code="queue_full", headers={"Retry-After": "5"}) from None
-        except BaseException:
-            self.jobs.remove(job)
-            raise
-        try:
-            self.storage.insert(rec, "the job")
             if self.replica is not None:
-                self.replica.hold(job)          # its input is in this process's memory: it runs here
-        except BaseException:
-            job.handle.abort(DELETED)           # nothing was stored: nothing to follow
-            self.jobs.remove(job)
+                self.storage.delete(rec.id)
+            if isinstance(e, QueueFullError):
+                raise APIError(429, f"the queue is full ({self.config.engine.max_queue} videos waiting); retry "
+                                    f"later", code="queue_full", headers={"Retry-After": "5"}) from None
             raise
+        if self.replica is None:
+            try:
+                self.storage.insert(rec, "the job")
+            except BaseException:
+                job.handle.abort(DELETED)           # nothing was stored: nothing to follow
+                self.jobs.remove(job)
+                raise
         self.lifecycle.created(job)
         self.runner.start(job)
         return video_view(rec)
@@ -275,8 +277,8 @@ class VideoService:
         if self.storage.reuse(key, rec) is None:
             return None
         self.lifecycle.reused(Job(rec.id, VIDEO, 0.0, owner, record=rec))
-        try:                                              # the quota counts its bytes as a video's of its own
-            self.storage.quota()
+        try:                                              # its owner's quota: the copy it shares is used anew
+            self.storage.quota(owner)
         except Exception:
             log.exception("enforcing the storage quota failed")
         return video_view(rec)

@@ -8,8 +8,8 @@ while the data dir's file system has less than `--min-free-bytes` free, and /hea
 (`problem`) until writes go through again.
 
 Retention (`--retention`): a finished video's files expire at `expires_at`; the sweep deletes them and marks
-the record `expired` (it stays readable). The quota (`--max-storage-bytes`) evicts the oldest completed
-videos' files the same way, never a job still active (`busy`) and never the newest completed one.
+the record `expired` (it stays readable). The quotas (`--max-storage-bytes` per owner, `--max-total-storage-bytes`:
+`server/api/quota.py`) evict completed videos' files the same way, an owner's own first.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Callable
 
 from longserve.server.api.errors import APIError
 from longserve.server.api.media_store import media_dir, open_objects
-from longserve.server.api.store import JobStore, StoreUnavailable, VideoRecord, safe_url
+from longserve.server.api.quota import StorageQuota
+from longserve.server.api.store import ANY_OWNER, JobStore, StoreUnavailable, VideoRecord, safe_url
 from longserve.server.media import storage_error_code
 
 log = logging.getLogger("longserve.server")
@@ -48,6 +49,8 @@ class VideoStorage:
         self.replicated = hasattr(self.store, "claim")  # a store replicas share (PostgreSQL): jobs are claimed
         self.error: str | None = None              # the last failed write, until a write succeeds again
         self.free_bytes: int | None = None         # the data dir's free space, as last measured
+        self.quotas = StorageQuota(self.store, config.max_storage_bytes, config.max_total_storage_bytes,
+                                   busy=busy, expire=self._expire_at)
 
     def close(self) -> None:
         self.store.close()
@@ -205,9 +208,11 @@ class VideoStorage:
         if source is None:
             return None
         try:
-            self.store.link_files(source.id, rec.id)
+            linked = self.store.link_files(source.id, rec.id)
         except FileNotFoundError:           # expired or deleted since the lookup
             return None
+        if linked:                          # one copy on disk: the quota counts it once
+            rec.content = source.content or source.id
         rec.prompt, rec.seconds, rec.size, rec.params = source.prompt, source.seconds, source.size, dict(source.params)
         rec.status, rec.progress, rec.completed_at = "completed", 100, rec.created_at
         try:
@@ -243,28 +248,22 @@ class VideoStorage:
             gone.append(video_id)
         return gone
 
-    def enforce_quota(self) -> list[str]:
-        """Over --max-storage-bytes: expire completed videos, oldest completed first, until the rest fit. The
-        newest completed video is kept (its client has not had a chance to fetch it) and active jobs are never
-        touched. Returns the ids evicted."""
-        limit = self.config.max_storage_bytes
-        if limit is None:
-            return []
-        stored = self.store.stored()
-        total = sum(size for _, size, _ in stored)
-        evicted = []
-        for video_id, size, expires_at in stored[:-1]:
-            if total <= limit:
-                break
-            if self.busy(video_id):
-                continue
-            now = int(time.time())
-            self._expire_files(video_id, expires_at=now if expires_at is None else min(expires_at, now))
-            total -= size
-            evicted.append(video_id)
-        if evicted:
-            log.info("storage quota (%d bytes): expired %d oldest video(s)", limit, len(evicted))
-        return evicted
+    def enforce_quota(self, owner=ANY_OWNER) -> list[str]:
+        """The quotas (`server/api/quota.py`): `owner`'s (every owner's by default), then the total cap. Returns
+        the ids evicted."""
+        return self.quotas.enforce(owner)
+
+    def make_room(self, owner, nbytes: int) -> None:
+        """Room in `owner`'s quota for `nbytes` of uploads (its own oldest videos evicted); 507 storage_quota when
+        its active jobs' uploads alone are over it."""
+        if not self.quotas.make_room(owner, nbytes):
+            raise APIError(507, f"this API key's active jobs keep more uploads than its storage quota "
+                                f"(--max-storage-bytes {self.config.max_storage_bytes}) allows; retry when one has "
+                                f"finished", param="input_reference", code="storage_quota",
+                           headers={"Retry-After": str(STORAGE_RETRY_AFTER_S)})
+
+    def _expire_at(self, video_id: str, now: int) -> None:
+        self._expire_files(video_id, expires_at=now)
 
     def _expire_files(self, video_id: str, **fields) -> None:
         self.store.remove_files(video_id)
@@ -284,16 +283,18 @@ class VideoStorage:
                 self.expire()
                 self.enforce_quota()
 
-    def quota(self) -> list[str]:
-        """`enforce_quota`, by one replica at a time with a shared store (a replica that finds the lock taken
-        leaves it to the one sweeping)."""
+    def quota(self, owner=ANY_OWNER) -> list[str]:
+        """`enforce_quota` (of `owner`), by one replica at a time with a shared store (a replica that finds the
+        lock taken leaves it to the one sweeping)."""
+        if not self.quotas.on:
+            return []
         if not self.replicated:
-            return self.enforce_quota()
+            return self.enforce_quota(owner)
         with self.store.sweep_lock() as mine:
-            return self.enforce_quota() if mine else []
+            return self.enforce_quota(owner) if mine else []
 
     def stored_bytes(self) -> int:
-        return sum(size for _, size, _ in self.store.stored())
+        return self.quotas.stored_bytes()
 
     async def housekeeping(self) -> None:
         """Every second: write the records SQLite could not take; every few seconds: measure the free space;

@@ -28,6 +28,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from longserve.server.api.errors import StoreUnavailable  # noqa: F401 - the stores raise it (one name for both)
 from longserve.server.api.json_input import door_text_problem, safe_text
@@ -52,17 +53,24 @@ CREATE TABLE IF NOT EXISTS videos (
     bytes        INTEGER,
     request_key  TEXT,
     extended_from TEXT,
-    owner        TEXT
+    owner        TEXT,
+    content      TEXT,
+    input_bytes  INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS videos_status ON videos(status);
 """
 
 COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
             "params", "error", "expires_at", "expired", "bytes", "request_key",
-            "extended_from", "owner")
+            "extended_from", "owner", "content", "input_bytes")
 #: columns added after the first release, with their declarations (a data dir written before gets them)
 _ADDED = {"expires_at": "INTEGER", "expired": "INTEGER NOT NULL DEFAULT 0", "bytes": "INTEGER",
-          "request_key": "TEXT", "extended_from": "TEXT", "owner": "TEXT"}
+          "request_key": "TEXT", "extended_from": "TEXT", "owner": "TEXT", "content": "TEXT",
+          "input_bytes": "INTEGER NOT NULL DEFAULT 0"}
+
+
+#: `stored` and `active_inputs` of every owner (the default of their `owner`)
+ANY_OWNER = "*"
 
 
 @dataclass
@@ -87,6 +95,19 @@ class VideoRecord:
     request_key: str | None = None  # what an identical request has in common with it (service.request_key)
     extended_from: str | None = None   # the video an extension continues (its content starts with that video's)
     owner: str | None = None       # the creating API key's id (None: no key, or a row from before owners)
+    content: str | None = None     # a reuse's files are hard links to this video's: one copy on disk (the quota's)
+    input_bytes: int = 0           # its uploads kept in a shared media store while it is active (the quota's)
+
+
+class Kept(NamedTuple):
+    """A completed video whose files are kept, as the quota sees it: `content` names its files' copy on disk (the
+    video itself, or the one a reuse's hard links share)."""
+
+    id: str
+    owner: str | None
+    content: str
+    bytes: int
+    expires_at: int | None
 
 
 def safe_url(url: str) -> str:
@@ -142,11 +163,8 @@ class JobStore(StoredFiles):
         check_storable(rec)
         with self._lock:
             cur = self._db.execute(
-                "INSERT INTO videos (id, created_at, completed_at, status, progress, model, prompt, seconds, size,"
-                " params, error, request_key, extended_from, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt,
-                 rec.seconds, rec.size, json.dumps(rec.params), dump_json(rec.error), rec.request_key,
-                 rec.extended_from, rec.owner))
+                f"INSERT INTO videos ({', '.join(INSERTED)}) VALUES ({', '.join('?' * len(INSERTED))})",
+                inserted_values(rec))
             rec.seq = cur.lastrowid
             return rec.seq
 
@@ -201,12 +219,19 @@ class JobStore(StoredFiles):
                                     "AND expired = 0 ORDER BY seq", (now,)).fetchall()
         return [r[0] for r in rows]
 
-    def stored(self) -> list[tuple[str, int, int | None]]:
-        """(id, bytes, expires_at) of every completed video whose files are kept, oldest completed first."""
+    def stored(self, owner=ANY_OWNER) -> list[Kept]:
+        """Every completed video whose files are kept (`owner`'s only, when given: None is the rows without one),
+        oldest completed first."""
+        where, args = owner_clause(owner, "?")
         with self._lock:
-            rows = self._db.execute("SELECT id, COALESCE(bytes, 0), expires_at FROM videos WHERE status = "
-                                    "'completed' AND expired = 0 ORDER BY completed_at, seq").fetchall()
-        return [tuple(r) for r in rows]
+            rows = self._db.execute(KEPT_SQL.format(where=where), args).fetchall()
+        return [Kept(*r) for r in rows]
+
+    def active_inputs(self, owner=ANY_OWNER) -> int:
+        """Bytes of the uploads the active jobs keep in the media store (`owner`'s only, when given)."""
+        where, args = owner_clause(owner, "?")
+        with self._lock:
+            return self._db.execute(INPUTS_SQL.format(where=where), args).fetchone()[0]
 
     def unmeasured(self) -> list[str]:
         """Completed videos kept from before `bytes` was recorded."""
@@ -220,6 +245,29 @@ class JobStore(StoredFiles):
             rows = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos WHERE status = ? ORDER BY seq",
                                     (status,)).fetchall()
         return [record_from_row(r) for r in rows]
+
+
+#: the columns a new record is stored with, and their values (both stores)
+INSERTED = ("id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size", "params",
+            "error", "request_key", "extended_from", "owner", "content", "input_bytes")
+KEPT_SQL = ("SELECT id, owner, COALESCE(content, id), COALESCE(bytes, 0), expires_at FROM videos WHERE status = "
+            "'completed' AND expired = 0{where} ORDER BY completed_at, seq")
+INPUTS_SQL = "SELECT COALESCE(SUM(input_bytes), 0) FROM videos WHERE status IN ('queued', 'in_progress'){where}"
+
+
+def inserted_values(rec: VideoRecord) -> tuple:
+    return (rec.id, rec.created_at, rec.completed_at, rec.status, rec.progress, rec.model, rec.prompt, rec.seconds,
+            rec.size, json.dumps(rec.params), dump_json(rec.error), rec.request_key, rec.extended_from, rec.owner,
+            rec.content, int(rec.input_bytes))
+
+
+def owner_clause(owner, mark: str) -> tuple[str, tuple]:
+    """" AND owner ..." for one owner (None: the rows without one), "" for ANY_OWNER; and its arguments."""
+    if owner == ANY_OWNER:
+        return "", ()
+    if owner is None:
+        return " AND owner IS NULL", ()
+    return f" AND owner = {mark}", (owner,)
 
 
 def page_clause(after_seq: int | None, order: str, owner: str | None, mark: str) -> tuple[str, str, list]:

@@ -186,10 +186,10 @@ class StoredFiles:
                 pass
         return removed
 
-    def link_files(self, source_id: str, video_id: str) -> None:
+    def link_files(self, source_id: str, video_id: str) -> bool:
         """`video_id`'s MP4 and thumbnail, the same bytes as `source_id`'s: hard links where the file system has
-        them (no second copy on disk), else copies (server-side on an object store). FileNotFoundError when the
-        source's files are gone."""
+        them (no second copy on disk: True), else copies (server-side on an object store: False).
+        FileNotFoundError when the source's files are gone."""
         if self.objects is not None:
             for ext in ("png", "mp4"):
                 try:
@@ -197,7 +197,8 @@ class StoredFiles:
                 except FileNotFoundError:
                     self.remove_files(video_id)
                     raise
-            return
+            return False
+        linked = True
         for path in (self.video_path, self.thumbnail_path):
             src, dst = path(source_id), path(video_id)
             try:
@@ -207,6 +208,8 @@ class StoredFiles:
                 raise
             except OSError:
                 shutil.copyfile(src, dst)
+                linked = False
+        return linked
 
     def files_bytes(self, video_id: str, fence: int | None = None) -> int:
         total = 0

@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from starlette.responses import StreamingResponse
+
 #: events after which a stream ends; "error" (the OpenAI error envelope) ends every open stream at shutdown
 TERMINAL_EVENTS = ("video.completed", "video.failed", "video.deleted", "error")
 
@@ -63,6 +65,23 @@ class EventBroker:
                 sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (event, data))
             except RuntimeError:  # that connection's loop is gone
                 self.unsubscribe(sub)
+
+
+class SlotStream(StreamingResponse):
+    """A streamed response that holds what it was given (one of its client's stream slots, `fairness.StreamSlot`;
+    a watch of another replica's job) until it ends, however it ends (finished, the client gone, the server
+    stopping): `releases` are called then."""
+
+    def __init__(self, content, releases, **kwargs):
+        super().__init__(content, **kwargs)
+        self.releases = list(releases)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for release in self.releases:
+                release()
 
 
 def shutdown_envelope() -> dict:

@@ -158,9 +158,9 @@ class VideoOutputs:
             return
         self.broker.publish(job.record.id, "video.completed", video_view(job.record).model_dump())
         self.lifecycle.finished(job, timings or {})
-        if self.storage.config.max_storage_bytes is not None:
+        if self.storage.quotas.on:
             try:
-                await self.runner.run_io(self.storage.quota)
+                await self.runner.run_io(self.storage.quota, job.owner)
             except Exception:
                 log.exception("enforcing the storage quota failed")
 
@@ -173,6 +173,8 @@ class VideoOutputs:
         self.broker.publish(job.record.id, "video.failed", video_view(job.record).model_dump())
         try:
             await self.drop_output(job)
+            if self.storage.store.shared:          # it never runs again: its uploads go from the media store
+                await self.runner.run_io(self.storage.store.remove_inputs, job.record.id)
         except Exception:          # noqa: BLE001 - the record must still be written
             log.exception("removing the files of failed %s failed", job.record.id)
         if self.jobs.holds(job):

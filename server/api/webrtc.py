@@ -8,6 +8,19 @@ Signalling runs over the live WebSocket (server/api/live.py): the start message 
 and the socket keeps its JSON events (chunk, prompt.applied, done, ...) and control (prompt, stop); only the
 binary fragments are replaced by the track. No STUN or TURN server is used (same machine or LAN: host candidates).
 
+An offer is bounded before anything reads it and answered only after the session was admitted
+(`server/api/live.py`), so it cannot make the server send packets anywhere, nor stall it:
+
+- `check_offer` (a few bounded string scans, before admission): at most `MAX_SDP_CHARS`, `MAX_MEDIA_SECTIONS`
+  m-sections and `MAX_CANDIDATES` candidates; past them 400 naming webrtc, with no SDP parsed.
+- `screen_offer` (on a worker thread, after admission): the SDP read line by line (a clear 400 for one that is not
+  a session description), and every candidate that is not an IP literal at an allowed address removed: the
+  client's own address (the socket's peer) or a network of `--webrtc-networks`. A `.local` name is never resolved
+  (no mDNS query leaves the server); a browser that hides its addresses that way is still reached, by the checks
+  it sends to the server's candidate.
+- The answer gathers host candidates only on allowed local addresses (`host_candidates`): the one the client
+  reached the server on, and the server's own addresses inside `--webrtc-networks`; no other interface is listed.
+
 The track is paced on the wall clock: a frame is sent at most one frame time (1/fps) after the one before, its
 timestamp the moment it is sent (90 kHz from the first frame), so a session slower than real time plays as it
 comes and one faster is smoothed to its fps; past `max_frames` queued (a second of video) the oldest go, so the
@@ -20,6 +33,8 @@ timestamp less the first frame's).
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import ipaddress
 import time
 from fractions import Fraction
 
@@ -27,6 +42,13 @@ import numpy as np
 
 CLOCK = 90_000
 MAX_SDP_CHARS = 64 * 1024
+#: a live session is one video track: a browser's offer has one m-section (a few more leave room for a client that
+#: also offers audio or a data channel, which the answer rejects)
+MAX_MEDIA_SECTIONS = 4
+#: candidates in one offer: a browser's host candidates on its interfaces (two or four, each per protocol)
+MAX_CANDIDATES = 16
+#: the local addresses an answer gathers its host candidates on (`host_candidates`), for the peer being answered
+_LOCAL_ADDRESSES: contextvars.ContextVar = contextvars.ContextVar("longserve_webrtc_addresses", default=None)
 
 
 def available() -> bool:
@@ -38,12 +60,127 @@ def available() -> bool:
 
 
 def check_offer(offer) -> dict:
-    """The start message's `webrtc` field -> {"type": "offer", "sdp"}; ValueError naming the problem otherwise."""
+    """The start message's `webrtc` field -> {"type": "offer", "sdp"}; ValueError naming the problem otherwise.
+    Bounded scans only (no parsing): it runs before admission, on the event loop."""
     if not isinstance(offer, dict) or offer.get("type") != "offer" or not isinstance(offer.get("sdp"), str):
         raise ValueError("webrtc must be the browser's offer: {\"type\": \"offer\", \"sdp\": \"...\"}")
-    if len(offer["sdp"]) > MAX_SDP_CHARS:
-        raise ValueError(f"webrtc.sdp is {len(offer['sdp'])} characters; the limit is {MAX_SDP_CHARS}")
-    return {"type": "offer", "sdp": offer["sdp"]}
+    sdp = offer["sdp"]
+    if len(sdp) > MAX_SDP_CHARS:
+        raise ValueError(f"webrtc.sdp is {len(sdp)} characters; the limit is {MAX_SDP_CHARS}")
+    if sdp[:5].rstrip("\r\n") != "v=0" or "\nm=video " not in sdp:
+        raise ValueError("webrtc.sdp is not a session description with a video section: it starts with the line "
+                         "v=0 and has an m=video line")
+    sections = sdp.count("\nm=") + sdp.startswith("m=")
+    if sections > MAX_MEDIA_SECTIONS:
+        raise ValueError(f"webrtc.sdp has {sections} media sections; a live session takes at most "
+                         f"{MAX_MEDIA_SECTIONS}")
+    candidates = sdp.count("a=candidate:")
+    if candidates > MAX_CANDIDATES:
+        raise ValueError(f"webrtc.sdp lists {candidates} candidates; the limit is {MAX_CANDIDATES}")
+    return {"type": "offer", "sdp": sdp}
+
+
+def parse_networks(text: str | None) -> tuple:
+    """`--webrtc-networks` ("10.0.0.0/8,fd00::/8") -> ip_network objects; ValueError naming the bad one."""
+    networks = []
+    for item in (text or "").split(","):
+        if item.strip():
+            try:
+                networks.append(ipaddress.ip_network(item.strip(), strict=False))
+            except ValueError:
+                raise ValueError(f"webrtc_networks: {item.strip()!r} is not a network (e.g. 10.0.0.0/8)") from None
+    return tuple(networks)
+
+
+def candidate_allowed(host: str, client: str | None, networks=()) -> bool:
+    """May the server send to a remote candidate at `host`: an IP literal (never a name: no DNS or mDNS lookup) that
+    is the client's own address, or inside one of the operator's `networks`."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if client is not None:
+        try:
+            if address == ipaddress.ip_address(client):
+                return True
+        except ValueError:
+            pass
+    return any(address in net for net in networks)
+
+
+def screen_offer(sdp: str, client: str | None, networks=()) -> tuple[str, int]:
+    """(blocking: run it on a worker thread) An offer's SDP with only the candidates `candidate_allowed` keeps, and
+    how many were removed; ValueError with a clear message for text that is not a session description with a
+    video section."""
+    lines = sdp.replace("\r\n", "\n").split("\n")
+    while lines and not lines[-1]:
+        lines.pop()
+    if not lines or lines[0].strip() != "v=0":
+        raise ValueError("webrtc.sdp is not a session description: it must start with the line v=0")
+    kept, removed, video = [], 0, False
+    for number, line in enumerate(lines, 1):
+        if len(line) < 2 or line[1] != "=" or not line[0].isalpha():
+            raise ValueError(f"webrtc.sdp line {number} is not a type=value line of a session description")
+        if line.startswith("m=video "):
+            video = True
+        if line.startswith("a=candidate:"):
+            fields = line.split()
+            if len(fields) < 8 or fields[6] != "typ":
+                raise ValueError(f"webrtc.sdp line {number} is not a candidate (foundation component protocol "
+                                 f"priority address port typ type)")
+            if not candidate_allowed(fields[4], client, networks):
+                removed += 1
+                continue
+        kept.append(line)
+    if not video:
+        raise ValueError("webrtc.sdp has no video section (m=video): a live session is a video track")
+    from aiortc.sdp import SessionDescription
+
+    text = "\r\n".join(kept) + "\r\n"
+    try:
+        SessionDescription.parse(text)            # what aiortc will read, read once here off the event loop
+    except Exception as e:  # noqa: BLE001 - aiortc's parser raises whatever its code meets
+        raise ValueError(f"webrtc.sdp is not an offer this server can read ({type(e).__name__})") from None
+    return text, removed
+
+
+def host_candidates(local: str | None, networks=()) -> list[str]:
+    """The local addresses an answer may list: the one the client reached the server on (`local`, the socket's),
+    and the server's interface addresses inside `networks`."""
+    addresses = []
+    if local is not None:
+        try:
+            addresses.append(str(ipaddress.ip_address(local)))
+        except ValueError:
+            pass
+    if networks:
+        _limit_gathering()
+        for address in _all_host_addresses(use_ipv4=True, use_ipv6=True):
+            if any(ipaddress.ip_address(address) in net for net in networks) and address not in addresses:
+                addresses.append(address)
+    return addresses
+
+
+def _gathered_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+    """aioice's host addresses, limited to those `WebRTCPeer.answer` allows for the peer being answered."""
+    allowed = _LOCAL_ADDRESSES.get()
+    if allowed is None:
+        return _all_host_addresses(use_ipv4, use_ipv6)
+    return [a for a in allowed if (":" in a and use_ipv6) or (":" not in a and use_ipv4)]
+
+
+_all_host_addresses = None
+
+
+def _limit_gathering() -> None:
+    """aioice gathers on every interface it finds (`aioice.ice.get_host_addresses`): make it ask
+    `_gathered_addresses`, which answers as before unless an answer being made set its addresses."""
+    global _all_host_addresses
+    import aioice.ice
+
+    if _all_host_addresses is None:
+        _all_host_addresses = aioice.ice.get_host_addresses
+        aioice.ice.get_host_addresses = _gathered_addresses
 
 
 def make_track(fps: int, max_frames: int):
@@ -107,16 +244,22 @@ class WebRTCPeer:
     def __init__(self, fps: int, max_frames: int):
         from aiortc import RTCConfiguration, RTCPeerConnection
 
+        _limit_gathering()
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.track = make_track(fps, max_frames)
         self.pc.addTrack(self.track)
         self.local: dict | None = None          # the answer, once made
 
-    async def answer(self, offer: dict) -> dict:
+    async def answer(self, offer: dict, addresses: list[str]) -> dict:
+        """The answer to a screened offer (`screen_offer`), its host candidates on `addresses` only."""
         from aiortc import RTCSessionDescription
 
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer["sdp"], type="offer"))
-        await self.pc.setLocalDescription(await self.pc.createAnswer())     # gathers the host candidates
+        token = _LOCAL_ADDRESSES.set(list(addresses))
+        try:
+            await self.pc.setLocalDescription(await self.pc.createAnswer())     # gathers the host candidates
+        finally:
+            _LOCAL_ADDRESSES.reset(token)
         self.local = {"type": "answer", "sdp": self.pc.localDescription.sdp}
         return self.local
 

@@ -61,7 +61,7 @@ def test_a_data_dir_from_before_retention_gets_the_new_columns(tmp_path):
         assert store.unmeasured() == ["video_old"]
         store.update("video_old", expires_at=5, bytes=10)
         assert store.expired(now=5) == ["video_old"] and store.expired(now=4) == []
-        assert store.stored() == [("video_old", 10, 5)]
+        assert store.stored() == [("video_old", None, "video_old", 10, 5)]
         store.update("video_old", expired=True)
         assert store.expired(now=5) == [] and store.stored() == [] and store.get("video_old").expired is True
     finally:

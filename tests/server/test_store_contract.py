@@ -95,16 +95,36 @@ def test_retention_and_quota_queries(store):
     store.update("video_a", completed_at=20, bytes=100, expires_at=50)
     store.update("video_b", completed_at=10, bytes=None, expires_at=None)
     store.update("video_c", completed_at=5, expires_at=40)
-    assert store.stored() == [("video_b", 0, None), ("video_a", 100, 50)]     # oldest completed first
+    assert store.stored() == [("video_b", None, "video_b", 0, None), ("video_a", None, "video_a", 100, 50)]
+    # (oldest completed first)
     assert store.expired(now=45) == ["video_c"] and store.expired(now=50) == ["video_a", "video_c"]
     store.update("video_c", expired=True)
     assert store.expired(now=50) == ["video_a"] and store.get("video_c").expired is True
 
 
+def test_quota_queries_are_per_owner_count_shared_copies_by_their_content_and_active_uploads(store):
+    store.insert(record("video_a", owner="k", status="completed"))
+    reuse = record("video_b", owner="k", status="completed")
+    reuse.content = "video_a"                          # a reuse: hard links to video_a's files
+    store.insert(reuse)
+    store.insert(record("video_c", owner="other", status="completed"))
+    up = record("video_d", owner="k")
+    up.input_bytes = 1000                              # a queued job's uploads in the media store
+    store.insert(up)
+    for i, vid in enumerate(("video_a", "video_b", "video_c")):
+        store.update(vid, completed_at=10 + i, bytes=100)
+    assert store.stored("k") == [("video_a", "k", "video_a", 100, None), ("video_b", "k", "video_a", 100, None)]
+    assert [k.id for k in store.stored("other")] == ["video_c"] and store.stored(None) == []
+    assert store.active_inputs("k") == 1000 and store.active_inputs("other") == 0 and store.active_inputs() == 1000
+    store.update("video_d", status="failed")
+    assert store.active_inputs("k") == 0
+    assert store.get("video_b").content == "video_a" and store.get("video_d").input_bytes == 1000
+
+
 def test_files_live_in_the_media_directory_and_are_linked_for_reuse(store):
     store.video_path("video_a").write_bytes(b"mp4")
     store.thumbnail_path("video_a").write_bytes(b"png")
-    store.link_files("video_a", "video_b")
+    assert store.link_files("video_a", "video_b") is True          # hard links: one copy on disk
     assert store.files_bytes("video_b") == 6 and store.video_path("video_b").read_bytes() == b"mp4"
     store.remove_files("video_a")
     assert store.files_bytes("video_a") == 0 and store.files_bytes("video_b") == 6
@@ -221,10 +241,14 @@ def test_publication_renames_a_claims_files_only_while_its_fence_holds(pg):
 
 
 def test_shared_work_replicas_deletes_and_the_one_sweeper(pg):
+    from longserve.server.api.pg_admission import SharedLedger
+
     pg.insert(record("video_a", owner="k"), cost=2.5)
     pg.insert(record("video_b"), cost=1.0)
     pg.insert(record("video_c", status="completed"), cost=7.0)
-    assert pg.active_work() == 3.5 and pg.active_work("k") == 2.5
+    ledger = SharedLedger(pg, "A", lease_s=30, whole=True)
+    with pg.transaction() as conn:
+        assert ledger.work(conn) == 3.5 and ledger.work(conn, "k") == 2.5
     assert pg.existing(["video_a", "video_x"]) == {"video_a"}
     (_, fence, attempts, cost), = pg.claim("A", ["tiny-latte"], 9, lease_s=30, idle=True, look_ahead=1)
     assert (attempts, cost) == (1, 2.5)

@@ -45,6 +45,8 @@ def serving(data_dir, score=None, poll_after_ms: int = 50, api_key=None, log_lev
     # the warm-up video (ready means warm) costs every server start a video; the suite's servers skip it, and
     # tests/server/test_drain.py's warm-up test runs it
     options.setdefault("warm_up", False)
+    # tests poll as fast as they like: the per-key request rate is tested where it is the subject
+    options.setdefault("rate_per_key", None)
     service = VideoService(ServeConfig.from_options(data_dir=str(data_dir), **options)).start()
     app = create_app(service, score, api_key=api_key, poll_after_ms=poll_after_ms)
     try:
