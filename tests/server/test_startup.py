@@ -99,3 +99,28 @@ def test_the_start_line_says_where_jobs_live_without_the_database_password(tmp_p
     assert "PostgreSQL postgresql://ls:***@db:5432/ls (shared by the replicas)" in line and "hunter2" not in line
     assert line.endswith("videos in s3://bucket/videos")
     assert describe_store(ServeConfig.from_options(data_dir=str(tmp_path))) == f"SQLite under {tmp_path}"
+
+
+def test_log_format_json_writes_one_object_a_line_with_the_transition_s_fields_and_no_key():
+    """`--log-format json` (logs.configure_logging, in a process of its own: it replaces the root logger's handlers):
+    every line is a JSON object; a job transition's fields are its fields; uvicorn's access line keeps the edge's
+    redaction of a key put in a URL."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import logging\n"
+            "from longserve.server.api.logs import configure_logging, job_event\n"
+            "configure_logging('info', 'json')\n"
+            "logging.getLogger('uvicorn.access').info('%s - \"%s %s HTTP/%s\" %d', '127.0.0.1:5', 'GET', "
+            "'/v1/videos?api_key=sk-secret', '1.1', 200)\n"
+            "job_event('finished', 'video_1', 'key-0123', 'a', e2e_s=1.23456, mux_s=0.1)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stderr.strip().splitlines()]
+    access, job = lines
+    assert access["logger"] == "uvicorn.access" and "api_key=[redacted]" in access["message"]
+    assert "sk-secret" not in run.stderr
+    assert (job["event"], job["job"], job["owner"], job["replica"], job["e2e_s"]) == (
+        "finished", "video_1", "key-0123", "a", 1.2346)
+    assert job["message"] == "job video_1 finished owner=key-0123 replica=a e2e_s=1.2346 mux_s=0.1"
