@@ -184,8 +184,10 @@ class VideoRequests:
         model takes (one of the openai client's values where one fits)."""
         lim, fps = self.limits, self.engine.defaults.fps
         frames = lambda rate: frame_count(seconds * rate, lim.frame_multiple)  # noqa: E731
-        if not seconds > 0 or frames(fps) <= lim.max_frames:
-            return None                              # (the engine refuses a seconds that is not positive)
+        if self.engine.info.capabilities.long_video:
+            return None                              # its limit is --max-seconds: a lower fps would not keep it
+        if not 0 < seconds * fps < 1e7 or frames(fps) <= lim.max_frames:
+            return None                              # (the engine refuses a seconds not positive, or past 10^7 frames)
         lowest = max(1, math.ceil(fps / 2))
         for rate in range(fps - 1, lowest - 1, -1):
             if frames(rate) <= lim.max_frames:
