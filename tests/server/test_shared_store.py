@@ -54,7 +54,7 @@ def replicas(tmp_path_factory):
         proxy = TCPProxy((real.hostname, real.port or 5432))
         stack.callback(proxy.close)
         common = dict(api_key=(KEY_A, KEY_B), model="tiny-live", workers=1, media_store=f"file://{root / 'media'}",
-                      lease_seconds=5, max_live_seconds=30, store_timeout_s=2)
+                      lease_seconds=5, max_live_seconds=30, store_timeout_s=1)
         a = stack.enter_context(serving(root / "a", replica_id="A", **common,
                                         store=url.replace(real.netloc, f"{real.hostname}:{proxy.port}", 1)))
         b = stack.enter_context(serving(root / "b", replica_id="B", store=url, **common))
