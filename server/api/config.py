@@ -258,3 +258,14 @@ class ServeConfig:
     @property
     def model(self) -> str:
         return self.engine.model
+
+
+def safe_url(url: str) -> str:
+    """A store URL as it may be shown (logs, errors): its password replaced."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

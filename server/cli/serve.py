@@ -44,6 +44,22 @@ def add_arguments(p) -> None:
                         "workers, max_batch or max-batch, ...); a flag given on the command line wins")
 
 
+def check(args) -> None:
+    """What is refused before the fork server and the heavy imports start: a `--store` that does not answer (one
+    line naming the flag, within --store-timeout, instead of after the model's imports)."""
+    if not getattr(args, "store", None) or args.store.split(":", 1)[0] not in ("postgresql", "postgres"):
+        return
+    import psycopg
+
+    from longserve.server.api.config import safe_url
+
+    try:
+        psycopg.connect(args.store, connect_timeout=max(2, round(args.store_timeout_s))).close()
+    except psycopg.Error as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--store {safe_url(args.store)}: cannot connect: {reason}") from None
+
+
 def config_file_defaults(path: str, parser) -> dict:
     """`--config PATH` -> {field: value} for `parser.set_defaults`: a mapping whose keys are the command's own
     settings (ValueError naming the file and the key otherwise; an API key belongs in --api-key-file)."""
