@@ -115,7 +115,7 @@ class ServeConfig:
                                      "one PostgreSQL that several replicas share (docs/serving.md); default "
                                      "$LONGSERVE_STORE (keeps a password out of the process list)", group="jobs",
                                metavar="URL")
-    store_wait_s: float = option(30.0, "with a PostgreSQL store: at start, how long to keep trying a database that "
+    store_wait_s: float = option(10.0, "with a PostgreSQL store: at start, how long to keep trying a database that "
                                        "does not answer (backoff up to 8 s between tries) before stopping with one "
                                        "line naming --store", group="jobs", flag="--store-wait", metavar="SECONDS")
     media_store: str | None = option(None, "where the videos' files go: none = <data-dir>/videos; file:///path = a "
@@ -289,3 +289,14 @@ class ServeConfig:
     @property
     def model(self) -> str:
         return self.engine.model
+
+
+def safe_url(url: str) -> str:
+    """A store URL as it may be shown (logs, errors): its password replaced."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

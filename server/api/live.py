@@ -164,7 +164,7 @@ class LiveSessions:
                 msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
             if msg.get("type") == "auth":           # not needed here (no keys, or the header's): the next one
                 msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
-            offer = self._offer(msg.pop("webrtc", None))            # bounded checks only: no SDP read yet
+            offer = webrtc.start_offer(msg.pop("webrtc", None))     # bounded checks only: no SDP read yet
             record = msg.pop("record", False)           # kept as a video (server/api/live_recording.py)
             if not isinstance(record, bool):
                 raise APIError(400, f"record must be true or false; got {record!r}", param="record",
@@ -174,7 +174,8 @@ class LiveSessions:
             service.admission.check_open(writes_files=record)
             await run_in_threadpool(service.admission.admit, job)  # (with replicas: the shared store's transaction)
             if offer is not None:                                   # admitted: now the SDP work, off the loop
-                peer = await self._peer(spec, offer, ws)
+                per_chunk = service.engine.info.capabilities.frames_per_chunk
+                peer = await webrtc.answer_offer(offer, spec, per_chunk, ws, self.networks)
             job.handle = service.engine.submit(spec)
         except BaseException as e:
             if peer is not None:
@@ -194,42 +195,6 @@ class LiveSessions:
             await self._session(ws, job, spec, peer, record)
         finally:
             await run_in_threadpool(service.admission.release, job)
-
-    @staticmethod
-    def _offer(offer) -> dict | None:
-        """The start message's WebRTC offer (server/api/webrtc.py), checked; None for the fMP4 fragments."""
-        if offer is None:
-            return None
-        if not webrtc.available():
-            raise APIError(400, "webrtc is not available on this server (it needs aiortc: pip install aiortc); "
-                                "leave it out to receive fMP4 fragments", param="webrtc", code="unsupported_parameter")
-        try:
-            return webrtc.check_offer(offer)
-        except ValueError as e:
-            raise APIError(400, str(e), param="webrtc", code="invalid_value") from None
-
-    async def _peer(self, spec: GenerationSpec, offer: dict, ws: WebSocket) -> webrtc.WebRTCPeer:
-        """A WebRTC session's peer connection, its answer made (APIError naming webrtc when it cannot be): the offer
-        screened on a worker thread (only candidates at the client's own address or in --webrtc-networks stay), the
-        answer's candidates on the address the client reached and the server's own in those networks."""
-        client = ws.client.host if ws.client else None
-        local = (ws.scope.get("server") or (None,))[0]
-        try:
-            sdp, removed = await run_in_threadpool(webrtc.screen_offer, offer["sdp"], client, self.networks)
-        except ValueError as e:
-            raise APIError(400, str(e), param="webrtc", code="invalid_value") from None
-        if removed:
-            log.info("%s: %d WebRTC candidate(s) outside the client's address and --webrtc-networks ignored",
-                     spec.request_id, removed)
-        per_chunk = self.service.engine.info.capabilities.frames_per_chunk
-        peer = webrtc.WebRTCPeer(spec.fps, max(spec.fps, per_chunk))
-        try:
-            await peer.answer({"type": "offer", "sdp": sdp}, webrtc.host_candidates(local, self.networks))
-        except Exception as e:                          # an offer aiortc cannot answer (no video, no codec)
-            await peer.close()
-            raise APIError(400, f"webrtc: the offer cannot be answered: {e}", param="webrtc",
-                           code="invalid_value") from None
-        return peer
 
     async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec, peer=None, record: bool = False) -> None:
         service, handle = self.service, job.handle

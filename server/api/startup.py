@@ -105,7 +105,7 @@ def parse_shape(text: str | None) -> tuple[int, int, int | None] | None:
 def describe_store(config) -> str:
     """Where jobs live, for the start's lines: the SQLite file under --data-dir, or the shared PostgreSQL (its
     password hidden), and where the videos go."""
-    from longserve.server.api.store import safe_url
+    from longserve.server.api.config import safe_url
 
     where = f"PostgreSQL {safe_url(config.store)} (shared by the replicas)" if config.store else \
         f"SQLite under {config.data_dir}"

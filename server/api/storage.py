@@ -21,10 +21,11 @@ import threading
 import time
 from typing import Callable
 
+from longserve.server.api.config import safe_url
 from longserve.server.api.errors import APIError
 from longserve.server.api.media_store import media_dir, open_objects
 from longserve.server.api.quota import StorageQuota
-from longserve.server.api.store import ANY_OWNER, JobStore, StoreUnavailable, VideoRecord, safe_url
+from longserve.server.api.store import ANY_OWNER, JobStore, StoreUnavailable, VideoRecord
 from longserve.server.media import storage_error_code
 
 log = logging.getLogger("longserve.server")

@@ -110,17 +110,6 @@ class Kept(NamedTuple):
     expires_at: int | None
 
 
-def safe_url(url: str) -> str:
-    """A store URL as it may be shown (logs, errors): its password replaced."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 def check_storable(rec: VideoRecord) -> None:
     """The doors refuse text that does not encode or holds a NUL; a record that holds some is never stored (either
     store: both refuse the same)."""

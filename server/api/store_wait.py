@@ -10,7 +10,7 @@ import time
 
 import psycopg
 
-from longserve.server.api.store import StoreUnavailable, safe_url
+from longserve.server.api.config import safe_url
 
 log = logging.getLogger("longserve.server")
 
@@ -21,8 +21,10 @@ REFUSED = re.compile(r"authentication failed|role .* does not exist|database .* 
 
 def wait_for_database(url: str, wait_s: float) -> None:
     """Connect once to `url`, trying again with backoff (0.5 s doubling, at most 8 s apart) while it does not answer,
-    for up to `wait_s` seconds; a line is logged per failed try. StoreUnavailable naming --store when it never
+    for up to `wait_s` seconds (a debug line per failed try: the failure is told once, by the caller). StoreUnavailable naming --store when it never
     answers, or at once when it refuses (authentication, an unknown database)."""
+    from longserve.server.api.errors import StoreUnavailable
+
     deadline = time.monotonic() + wait_s
     delay, tries = 0.5, 0
     while True:
@@ -40,7 +42,7 @@ def wait_for_database(url: str, wait_s: float) -> None:
             if remaining <= 0:
                 raise StoreUnavailable(f"the database did not answer within --store-wait "
                                        f"{wait_s:g} s ({tries} tries; last: {reason})") from None
-            log.warning("the job store %s does not answer (%s); trying again in %.1f s (gives up %.0f s from now)",
+            log.debug("the job store %s does not answer (%s); trying again in %.1f s (gives up %.0f s from now)",
                         safe_url(url), reason, min(delay, remaining), remaining)
             time.sleep(min(delay, remaining))
             delay = min(8.0, delay * 2)

@@ -35,10 +35,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import ipaddress
+import logging
 import time
 from fractions import Fraction
 
 import numpy as np
+
+log = logging.getLogger("longserve.live")
 
 CLOCK = 90_000
 MAX_SDP_CHARS = 64 * 1024
@@ -78,6 +81,50 @@ def check_offer(offer) -> dict:
     if candidates > MAX_CANDIDATES:
         raise ValueError(f"webrtc.sdp lists {candidates} candidates; the limit is {MAX_CANDIDATES}")
     return {"type": "offer", "sdp": sdp}
+
+
+def start_offer(offer) -> dict | None:
+    """The live start message's `webrtc` field, checked (`check_offer`); None for the fMP4 fragments. APIError 400
+    naming webrtc otherwise."""
+    from longserve.server.api.errors import APIError
+
+    if offer is None:
+        return None
+    if not available():
+        raise APIError(400, "webrtc is not available on this server (it needs aiortc: pip install aiortc); "
+                            "leave it out to receive fMP4 fragments", param="webrtc", code="unsupported_parameter")
+    try:
+        return check_offer(offer)
+    except ValueError as e:
+        raise APIError(400, str(e), param="webrtc", code="invalid_value") from None
+
+
+async def answer_offer(offer: dict, spec, frames_per_chunk: int, ws, networks=()) -> "WebRTCPeer":
+    """An admitted session's peer connection, its answer made (APIError 400 naming webrtc when it cannot be): the
+    offer screened on a worker thread (`screen_offer`: only candidates at the socket's peer address or in
+    `networks` stay), the answer's candidates on the address the client reached and the server's own in those
+    networks (`host_candidates`)."""
+    from starlette.concurrency import run_in_threadpool
+
+    from longserve.server.api.errors import APIError
+
+    client = ws.client.host if ws.client else None
+    local = (ws.scope.get("server") or (None,))[0]
+    try:
+        sdp, removed = await run_in_threadpool(screen_offer, offer["sdp"], client, networks)
+    except ValueError as e:
+        raise APIError(400, str(e), param="webrtc", code="invalid_value") from None
+    if removed:
+        log.info("%s: %d WebRTC candidate(s) outside the client's address and --webrtc-networks ignored",
+                 spec.request_id, removed)
+    peer = WebRTCPeer(spec.fps, max(spec.fps, frames_per_chunk))
+    try:
+        await peer.answer({"type": "offer", "sdp": sdp}, host_candidates(local, networks))
+    except Exception as e:                          # an offer aiortc cannot answer (no video, no codec)
+        await peer.close()
+        raise APIError(400, f"webrtc: the offer cannot be answered: {e}", param="webrtc", code="invalid_value") \
+            from None
+    return peer
 
 
 def parse_networks(text: str | None) -> tuple:

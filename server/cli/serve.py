@@ -45,6 +45,21 @@ def add_arguments(p) -> None:
                         "workers, max_batch or max-batch, ...); a flag given on the command line wins")
 
 
+def check(args) -> None:
+    """What is refused before the fork server and the heavy imports start: a `--store` that does not answer (tried
+    again with backoff for --store-wait, quietly: a database starting beside the replicas; then one line naming the
+    flag, instead of after the model's imports)."""
+    if not getattr(args, "store", None) or args.store.split(":", 1)[0] not in ("postgresql", "postgres"):
+        return
+    from longserve.server.api.config import safe_url
+    from longserve.server.api.store_wait import wait_for_database
+
+    try:
+        wait_for_database(args.store, args.store_wait_s)
+    except RuntimeError as e:                   # errors.StoreUnavailable
+        raise ValueError(f"--store {safe_url(args.store)}: {e}") from None
+
+
 def config_file_defaults(path: str, parser) -> dict:
     """`--config PATH` -> {field: value} for `parser.set_defaults`: a mapping whose keys are the command's own
     settings (ValueError naming the file and the key otherwise; an API key belongs in --api-key-file)."""

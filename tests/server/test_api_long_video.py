@@ -24,7 +24,8 @@ def server(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("serve-long")
     config = ServeConfig.from_options(warm_up=False,  # the warm-up video: tests/server/test_drain.py
                                       model="tiny-skyreels-df", workers=2, device="cpu", data_dir=str(data_dir),
-                                      max_batch=4, default_steps=4, decode_chunk_frames=8, max_seconds=10)
+                                      max_batch=4, default_steps=4, decode_chunk_frames=8, max_seconds=10,
+                                      rate_per_key=None)       # (the tests poll every 10 ms)
     service = VideoService(config).start()
     app = create_app(service, None, poll_after_ms=50)
     try:

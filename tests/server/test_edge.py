@@ -413,10 +413,11 @@ def test_one_gate_counts_a_live_session_in_whole_chunks_like_any_video():
     from longserve.server.api.errors import APIError
     from longserve.server.api.jobs import LIVE, VIDEO, Job, JobRegistry
 
-    limits = SimpleNamespace(default_frames=12, default_width=64, default_height=64, default_steps=4)
+    limits = SimpleNamespace(default_frames=12, default_width=64, default_height=64, default_steps=4, fps=8,
+                             pixels_per_token=1, sound_tokens_per_second=0.0)
     jobs, shutdown = JobRegistry(), SimpleNamespace(draining=False)
     gate = AdmissionGate(jobs, None, shutdown, limits, max_work=5, max_work_per_key=None, frames_per_chunk=12)
-    session = SimpleNamespace(num_frames=13, width=64, height=64, num_inference_steps=4)
+    session = SimpleNamespace(num_frames=13, width=64, height=64, num_inference_steps=4, fps=8)
     assert gate.cost(session, VIDEO) == pytest.approx(13 / 12) and gate.cost(session, LIVE) == 2, "two chunks"
     gate.admit(Job("live_a", LIVE, gate.cost(session, LIVE)))
     gate.admit(Job("video_b", VIDEO, 2.5))

@@ -54,7 +54,7 @@ def replicas(tmp_path_factory):
         proxy = TCPProxy((real.hostname, real.port or 5432))
         stack.callback(proxy.close)
         common = dict(api_key=(KEY_A, KEY_B), model="tiny-live", workers=1, media_store=f"file://{root / 'media'}",
-                      lease_seconds=5, max_live_seconds=30, store_timeout_s=2)
+                      lease_seconds=5, max_live_seconds=30, store_timeout_s=1)
         a = stack.enter_context(serving(root / "a", replica_id="A", **common,
                                         store=url.replace(real.netloc, f"{real.hostname}:{proxy.port}", 1)))
         b = stack.enter_context(serving(root / "b", replica_id="B", store=url, **common))
@@ -369,3 +369,23 @@ def test_a_database_that_refuses_connections_is_503_within_5_s_on_every_route_an
         time.sleep(0.2)
     assert http.get(f"/v1/videos/{vid}").json()["status"] == "completed"
     assert http.delete(f"/v1/videos/{vid}").status_code == 200
+
+
+def test_a_store_that_cannot_connect_at_start_is_one_line_naming_store_before_the_model_loads(tmp_path):
+    import subprocess
+    import sys
+
+    from servers import ROOT
+
+    from longserve.server.api.app import free_port
+
+    script = [sys.executable, "-m", "longserve.server.cli"]
+    url = f"postgresql://longserve:secret@127.0.0.1:{free_port()}/longserve"       # nothing listens there
+    started = time.monotonic()
+    done = subprocess.run(script + ["serve", "--model", "tiny-latte", "--store", url, "--data-dir", str(tmp_path),
+                                    "--store-timeout", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("longserve serve: error: --store postgresql://longserve:***@127.0.0.1:"), lines
+    assert "secret" not in done.stderr and "refused" in lines[0] and took < 30, took
