@@ -21,8 +21,8 @@ REFUSED = re.compile(r"authentication failed|role .* does not exist|database .* 
 
 def wait_for_database(url: str, wait_s: float) -> None:
     """Connect once to `url`, trying again with backoff (0.5 s doubling, at most 8 s apart) while it does not answer,
-    for up to `wait_s` seconds (a debug line per failed try: the failure is told once, by the caller). StoreUnavailable naming --store when it never
-    answers, or at once when it refuses (authentication, an unknown database)."""
+    for up to `wait_s` seconds (a debug line per failed try: the failure is told once, by the caller). StoreUnavailable
+    when it never answers, or at once when it refuses (authentication, an unknown database)."""
     from longserve.server.api.errors import StoreUnavailable
 
     deadline = time.monotonic() + wait_s
