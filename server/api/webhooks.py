@@ -18,7 +18,8 @@ HMAC-SHA256 over `"{webhook-id}.{webhook-timestamp}.{body}"` with the secret (ba
 
 A key's endpoint URL is checked (a webhook is a request the server makes on a client's behalf): https to a public
 address, unless its host is in `--webhook-allowed-hosts` (then http and any address: a receiver on the operator's
-own network). The address is checked again when delivering (a name may be re-pointed).
+own network). At registration the URL is read as written (an address that is not public, a local name); a name is
+resolved, and its addresses checked, at every delivery (a name may be re-pointed), never looked up at registration.
 """
 
 from __future__ import annotations
@@ -103,10 +104,23 @@ class Webhooks:
         if parts.scheme != "https":
             raise APIError(400, f"url must be https (http only to a host in --webhook-allowed-hosts); got "
                                 f"{url[:200]!r}", param="url", code="invalid_value")
-        problem = self._private(host, parts.port or 443)
-        if problem:
+        problem = self._literal_problem(host)      # a name is resolved when delivering, never here: no lookup
+        if problem:                                 # on a client's behalf at registration
             raise APIError(400, f"url: {problem}", param="url", code="invalid_value")
         return url.strip()
+
+    @staticmethod
+    def _literal_problem(host: str) -> str | None:
+        """Why `host` as written is not a public destination: an address that is not global, or a local name."""
+        try:
+            address = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            if host == "localhost" or host.endswith((".localhost", ".local", ".internal", ".lan")):
+                return f"{host} is a local name (the operator may allow it with --webhook-allowed-hosts)"
+            return None
+        if not address.is_global:
+            return (f"{address} is not a public address (the operator may allow it with --webhook-allowed-hosts)")
+        return None
 
     def _private(self, host: str, port: int) -> str | None:
         """Why `host` may not be delivered to (it resolves to a non-public address), or None."""

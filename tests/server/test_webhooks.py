@@ -74,10 +74,14 @@ def test_the_server_s_endpoint_gets_a_failed_video_signed_and_a_dead_one_is_give
 
 def test_a_key_s_endpoint_is_public_https_unless_its_host_is_allowed(runner):
     hooks = Webhooks(config(), NoSettings(), runner)
-    for url in ("http://example.com/h", "https://127.0.0.1/h", "https://10.1.2.3/h", "ftp://x/h", "nonsense"):
+    for url in ("http://example.com/h", "https://127.0.0.1/h", "https://10.1.2.3/h", "https://[::1]/h",
+                "https://localhost/h", "https://box.internal/h", "ftp://x/h", "nonsense"):
         with pytest.raises(APIError) as e:
             hooks.check_url(url)
         assert e.value.param == "url", url
+    assert hooks.check_url("https://hooks.example.com/h") == "https://hooks.example.com/h"    # no lookup here
+    # a name is resolved when delivering: one that points at loopback is not delivered to (localhost: /etc/hosts)
+    assert "not a public address" in hooks._private("localhost", 443)
     allowed = Webhooks(config(webhook_allowed_hosts="127.0.0.1,hooks.internal"), NoSettings(), runner)
     assert allowed.check_url("http://127.0.0.1:9/h") == "http://127.0.0.1:9/h"
     assert allowed.check_url("http://hooks.internal/h") == "http://hooks.internal/h"
