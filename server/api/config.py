@@ -222,8 +222,6 @@ class ServeConfig:
             raise ValueError(f"drain_seconds must be a non-negative number of seconds, got {self.drain_seconds!r}")
 
     def _check_replicas(self) -> None:
-        from longserve.server.api.startup import parse_shape
-
         parse_shape(self.warm_up_shape)            # ValueError naming --warm-up-shape
         from longserve.server.api.media_store import check_media_store, is_object_store
 
@@ -300,3 +298,19 @@ def safe_url(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def parse_shape(text: str | None) -> tuple[int, int, int | None] | None:
+    """`--warm-up-shape`: "WxH" or "WxHxFRAMES" -> (width, height, frames or None); None or "default": the model's.
+    ValueError naming the flag otherwise."""
+    if text is None or str(text).strip().lower() in ("", "default"):
+        return None
+    parts = str(text).lower().replace(" ", "").split("x")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3) or any(v < 1 for v in values):
+        raise ValueError(f"--warm-up-shape must be WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES (e.g. 832x480x81), or "
+                         f"'default'; got {text!r}")
+    return values[0], values[1], values[2] if len(values) == 3 else None

@@ -95,7 +95,7 @@ class JobLifecycle:
     def failed(self, job, code: str, message: str) -> None:
         self.metrics.finished.labels(outcome="failed").inc()
         now = time.time()
-        self._line("failed", job, code=code, e2e_s=now - job.times.get("created", now), message=message[:200])
+        self._line("failed", job, code=code, e2e_s=now - job.times.get("created", now), reason=message[:200])
         self._webhook(job, "failed")
 
     def cancelled(self, job, reason: str) -> None:

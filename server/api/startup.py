@@ -18,6 +18,8 @@ import logging
 import threading
 import time
 
+from longserve.server.api.config import parse_shape
+
 log = logging.getLogger("longserve.server")
 
 
@@ -84,22 +86,6 @@ def warm_up_listener(progress: StartupProgress):
             progress.note(f"decoded frames {out.stop}/{out.num_frames}")
 
     return heard
-
-
-def parse_shape(text: str | None) -> tuple[int, int, int | None] | None:
-    """`--warm-up-shape`: "WxH" or "WxHxFRAMES" -> (width, height, frames or None); None or "default": the model's.
-    ValueError naming the flag otherwise."""
-    if text is None or str(text).strip().lower() in ("", "default"):
-        return None
-    parts = str(text).lower().replace(" ", "").split("x")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        values = []
-    if len(values) not in (2, 3) or any(v < 1 for v in values):
-        raise ValueError(f"--warm-up-shape must be WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES (e.g. 832x480x81), or "
-                         f"'default'; got {text!r}")
-    return values[0], values[1], values[2] if len(values) == 3 else None
 
 
 def describe_store(config) -> str:

@@ -438,7 +438,7 @@ MALFORMED = [
     ("unknown id", "GET", "/v1/videos/video_doesnotexist", {}, 404, "video_id"),
     ("unknown id content", "GET", "/v1/videos/video_doesnotexist/content", {}, 404, "video_id"),
     ("unknown id events", "GET", "/v1/videos/video_doesnotexist/events", {}, 404, "video_id"),
-    ("bad variant", "GET", "/v1/videos/video_doesnotexist/content?variant=spritesheet", {}, 400, "variant"),
+    ("bad variant", "GET", "/v1/videos/video_doesnotexist/content?variant=poster", {}, 400, "variant"),
     ("bad stream flag", "GET", "/v1/videos/video_doesnotexist/content?stream=maybe", {}, 400, "stream"),
     ("delete unknown", "DELETE", "/v1/videos/video_doesnotexist", {}, 404, "video_id"),
     ("limit zero", "GET", "/v1/videos?limit=0", {}, 400, "limit"),

@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from longserve.server.api.app import create_app, serve_in_thread
+from longserve.server.api.config import parse_shape
 from longserve.server.api.service import ServeConfig, VideoService
-from longserve.server.api.startup import StartupProgress, parse_shape, warm_up_listener
+from longserve.server.api.startup import StartupProgress, warm_up_listener
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
