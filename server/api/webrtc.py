@@ -70,7 +70,7 @@ def check_offer(offer) -> dict:
     sdp = offer["sdp"]
     if len(sdp) > MAX_SDP_CHARS:
         raise ValueError(f"webrtc.sdp is {len(sdp)} characters; the limit is {MAX_SDP_CHARS}")
-    if sdp[:5].rstrip("\r\n") != "v=0" or "\nm=video " not in sdp:
+    if sdp.split("\n", 1)[0].strip() != "v=0" or "\nm=video " not in sdp:
         raise ValueError("webrtc.sdp is not a session description with a video section: it starts with the line "
                          "v=0 and has an m=video line")
     sections = sdp.count("\nm=") + sdp.startswith("m=")

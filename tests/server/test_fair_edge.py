@@ -97,6 +97,7 @@ def test_an_offer_past_the_bounds_is_refused_by_a_scan_before_any_parse():
     many = offer_sdp([("127.0.0.1", 5000 + i) for i in range(40)])
     with pytest.raises(ValueError, match="40 candidates"):
         check_offer({"type": "offer", "sdp": many})
+    assert check_offer({"type": "offer", "sdp": offer_sdp().replace("\r\n", "\n")})        # bare newlines: taken
     for garbage in ("v=0 nonsense", "hello", "v=0\r\nm=audio 9 RTP/AVP 0\r\n"):
         with pytest.raises(ValueError, match="not a session description"):
             check_offer({"type": "offer", "sdp": garbage})
