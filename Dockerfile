@@ -1,7 +1,7 @@
 # longserve for GPU machines: the OpenAI-compatible video server on CUDA PyTorch.
 #
 #   make docker                       # docker build -t longserve:latest .
-#   docker run --gpus all -p 8000:8000 \
+#   docker run --gpus all --stop-timeout 30 -p 8000:8000 \
 #       -v /path/to/checkpoints:/models:ro -v longserve-data:/data \
 #       longserve:latest --model /models/Wan2.1-T2V-1.3B-Diffusers --workers 4    # bf16, /data, 0.0.0.0:8000
 #
@@ -16,7 +16,12 @@
 #   docker run ... -v /srv/keys:/run/secrets:ro -e LONGSERVE_API_KEY_FILE=/run/secrets/longserve_keys ...
 # (a key file holds one key per line, one per client). See docs/serving.md, "Deployment and security".
 
-ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# Several replicas, PostgreSQL and an S3-compatible store on one machine: deploy/compose.yaml; a cluster: the Kubernetes
+# base in deploy/kubernetes/ (docs/serving.md, "Deployment").
+#
+# The base image's torch is the release the GPU figures of docs/gpu.md were measured on (PyTorch 2.11.0, CUDA 13.0);
+# tests/server/test_docker.py keeps the two equal.
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \
@@ -50,8 +55,10 @@ USER longserve
 
 VOLUME ["/data"]
 EXPOSE 8000
-HEALTHCHECK --interval=30s --timeout=5s --start-period=300s CMD \
-    python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)" || exit 1
+# Ready (/health/ready: the model loaded and warmed, the store reachable) on the port the server was given: the probe
+# reads the server's own command line (process 1: the entrypoint, the arguments after the image name, a --config
+# file), so `docker run IMAGE ... --port 9000` is probed on 9000. The start period covers a large model's load.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=600s CMD ["python", "-m", "longserve.server.cli.probe"]
 
 # Stopping: SIGTERM drains (no new videos; running ones get --drain-seconds, default 20, to finish; the rest
 # fail with server_shutdown), then the server exits. Docker's default 10 s stop timeout would kill a drain:

@@ -69,7 +69,8 @@ demo-i2v: install
 # needs chromium: .ci/run installs it); docs/ui_video.png and docs/ui_live.png are copies
 screenshots: install
 	$(PY) -m pytest -q -p no:randomly tests/server/test_ui_video.py tests/server/test_ui_live.py
-	cp out/ui/ui_video.png out/ui/ui_live.png docs/
+	cp out/ui/ui_video.png out/ui/ui_live.png out/ui/ui_video_phone.png out/ui/ui_live_phone.png \
+		out/ui/ui_live_recorded.png docs/
 
 bench: install
 	$(VENV)/bin/longserve bench transformer --strategies dsp,ulysses,ring,megatron-sp \

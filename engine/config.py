@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from longserve.weights.registry import TINY_MODELS
+from longserve.weights.registry import TINY_MODELS, tiny_label
 
 if typing.TYPE_CHECKING:
     from longserve.engine.parallel import ParallelPlan
@@ -49,8 +49,8 @@ class EngineConfig:
     """How a video engine is built: the model, its workers and plan, the numerics, the scheduler's limits."""
 
     # -- the model and its workers --------------------------------------------------------------------
-    model: str = option("tiny-latte", f"a shipped model ({', '.join(TINY_MODELS)}) or a local diffusers "
-                                      "checkpoint directory")
+    model: str = option("tiny-latte", f"a shipped model ({', '.join(map(tiny_label, TINY_MODELS))}) or a local "
+                                      "diffusers checkpoint directory")
     workers: int = option(1, "worker processes (one GPU each with CUDA)")
     parallel: str = option("auto", "auto | dsp | ulysses | ring | megatron-sp (Latte) | ulysses | ring | usp "
                                    "(Wan family)")

@@ -20,6 +20,7 @@ What it owns:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -34,7 +35,8 @@ from longserve.engine import lora, worker
 from longserve.engine.config import EngineConfig, ModelInfo, WorkerConfig
 from longserve.engine.core import BatchStep, EngineCore
 from longserve.engine.families import detect_family
-from longserve.engine.outputs import CANCELLED, FINAL, RequestFailure, RequestOutput
+from longserve.engine.lora_runtime import LoraLoads
+from longserve.engine.outputs import CANCELLED, FINAL, Finished, RequestFailure, RequestOutput
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.pool import WorkerError, launched_by_torchrun, make_pool
 from longserve.engine.request import (
@@ -213,6 +215,7 @@ class VideoEngine:
         self.worker_config = worker_config
         self._batch_listeners: list[Callable[[BatchStep], None]] = []
         self.core = EngineCore(pool, config, on_batch=self._on_batch)
+        self.loras = LoraLoads(self)          # adapters loaded and unloaded while serving (engine/lora_runtime.py)
         self._wake = threading.Condition()
         self._stopping = False
         self._closed = False
@@ -314,11 +317,25 @@ class VideoEngine:
         when `max_queue` requests wait). Its outputs come through the returned handle."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        spec = self.complete(request)
-        kv = self.family.kv_bytes(self.info.description, spec, self.config)
-        req = self.core.add_request(spec, kv)
+        with self.loras.lock:                 # its adapters stay loaded until it is queued (an unload waits)
+            spec = self.complete(request)
+            kv = self.family.kv_bytes(self.info.description, spec, self.config)
+            req = self.core.add_request(spec, kv)
         self._notify()
         return RequestHandle(self, req)
+
+    def load_lora(self, adapter) -> "concurrent.futures.Future":
+        """Load a LoRA adapter (`engine.lora.LoraAdapter`, or "NAME=PATH[:SCALE]") on every worker while serving,
+        between step boundaries (engine/lora_runtime.py); its future resolves once requests may name it. ValueError
+        naming it for one the coordinator can refuse at once."""
+        if isinstance(adapter, str):
+            adapter = lora.parse_adapter(adapter)
+        return self.loras.load(adapter)
+
+    def unload_lora(self, name: str) -> "concurrent.futures.Future":
+        """Unload an adapter (KeyError for an unknown name; the future fails with `LoraInUse` while a queued or
+        running request names it)."""
+        return self.loras.unload(name)
 
     def kv_bytes_held(self) -> int:
         """KV cache bytes per worker that unfinished requests hold (counted against `live_kv_budget`)."""
@@ -363,21 +380,28 @@ class VideoEngine:
             self._notify()
         return found
 
-    def warm_up(self) -> float:
-        """One throw-away request at the model's default shape, run through every stage (encode, a denoising step,
-        the decode), so that what the first request would pay once (first calls into each module, allocator growth,
-        the VAE's first decode) is paid before a server says it is ready. One step when the model takes one (the
-        shape is what matters), else its default steps. -> wall time (s)."""
+    def warm_up(self, width: int | None = None, height: int | None = None, num_frames: int | None = None,
+                on_output: Callable[[RequestOutput], None] | None = None) -> float:
+        """One throw-away request at the model's default shape (or `width` x `height` x `num_frames`: the shape the
+        deployment will serve), run through every stage (encode, a denoising step, the decode), so that what the
+        first request would pay once (first calls into each module, allocator growth, the VAE's first decode) is
+        paid before a server says it is ready. One step when the model takes one (the shape is what matters), else
+        its default steps. `on_output` hears each of its outputs (progress). -> wall time (s). RequestError naming
+        the field for a shape the model refuses."""
         request = default_request(self.info.description, f"warm-up-{time.monotonic_ns()}")
+        request.width, request.height, request.num_frames = width, height, num_frames
         request.num_inference_steps = 1
         t0 = time.perf_counter()
         try:
             handle = self.submit(request)
-        except RequestError:
+        except RequestError:                   # a model that takes no single step: its default steps
             request.num_inference_steps = None
             handle = self.submit(request)
-        for _ in handle:
-            pass
+        for out in handle:
+            if on_output is not None:
+                on_output(out)
+        if isinstance(out, FINAL) and not isinstance(out, Finished):
+            raise RuntimeError(f"the warm-up video did not finish: {out}")
         return time.perf_counter() - t0
 
     def stats(self) -> EngineStats:
@@ -411,11 +435,13 @@ class VideoEngine:
         core = self.core
         while True:
             with self._wake:
-                while not self._stopping and not core.scheduler.has_work and self.pool.ready:
+                while not self._stopping and not core.scheduler.has_work and self.pool.ready \
+                        and not self.loras.busy:
                     self._wake.wait(timeout=1.0)
                 if self._stopping:
                     return
             try:
+                self.loras.tick()             # a pending adapter load or unload: one worker job, between boundaries
                 if not core.step():
                     # the workers are down (wait for the next attempt, or a cancellation), or nothing to do yet
                     wait = max(0.05, min(1.0, core.retry_in_s)) if not self.pool.ready else 0.05

@@ -280,19 +280,62 @@ class LoraSet:
     """The adapters on this worker's transformer(s), and their per-row application (see the module docstring)."""
 
     def __init__(self, pipe, adapters: tuple[LoraAdapter, ...]):
+        self.pipe = pipe
         self.adapters = {a.name: a for a in adapters}
         self.experts = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
         for a in adapters:
             for i, model in enumerate(self.experts):
                 self._load(pipe, a, a.path_2 if i == 1 and a.path_2 else a.path, i, model)
         self.layers = []
+        self._hooked: set[int] = set()
+        self._hook_new_layers()
+        self._plan: _Plan | None = None
+        self._rows: list | None = None
+
+    def _hook_new_layers(self, first: bool = False) -> None:
         for model in self.experts:
             model.disable_lora()                   # peft's forward adds nothing; the hooks below add per row
             for layer in _lora_layers(model):
+                if id(layer) in self._hooked:
+                    continue
+                self._hooked.add(id(layer))
                 self.layers.append(layer)
-                layer.base_layer.register_forward_hook(self._hook(layer))
-        self._plan: _Plan | None = None
-        self._rows: list | None = None
+                # first among the base layer's hooks: a layer wrapped while serving kept the hooks the shard plan
+                # put on it (an output gather), which must see base + adapter, as they do on a wrapper made at start
+                layer.base_layer.register_forward_hook(self._hook(layer), prepend=True)
+
+    def add(self, a: LoraAdapter) -> None:
+        """Load one more adapter while serving (between two steps: no forward runs): the same load as at start
+        (`_load`: diffusers' loader, its checks), on a model whose shard plan and hooks are in place; a load that
+        fails leaves the model as it was (ValueError naming the adapter)."""
+        if a.name in self.adapters:
+            raise ValueError(f"{a.flag()}: an adapter named {a.name!r} is loaded already")
+        try:
+            for i, model in enumerate(self.experts):
+                self._load(self.pipe, a, a.path_2 if i == 1 and a.path_2 else a.path, i, model)
+        except BaseException:
+            self._drop(a.name)
+            raise
+        self.adapters[a.name] = a
+        self._hook_new_layers()
+        from longserve.engine.sharding import sharded_of
+
+        for model in self.experts:               # the shard plan's hooks onto the layers peft just wrapped
+            sharded = sharded_of(model)
+            if sharded is not None:
+                sharded.rehook()
+
+    def remove(self, name: str) -> None:
+        """Unload an adapter (between two steps): its weights leave every wrapped layer; a layer left with none
+        computes its base layer alone, as before the adapter came."""
+        self._drop(name)
+        self.adapters.pop(name, None)
+
+    def _drop(self, name: str) -> None:
+        for model in self.experts:
+            if any(name in getattr(layer, "lora_A", {}) for layer in _lora_layers(model)):
+                model.delete_adapters(name)
+            model.disable_lora()
 
     @staticmethod
     def _load(pipe, a: LoraAdapter, path: str, expert: int, model) -> None:

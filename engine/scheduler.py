@@ -280,6 +280,11 @@ class Scheduler:
         with self._lock:
             return self._requests.get(request_id)
 
+    def unfinished(self) -> list[ScheduledRequest]:
+        """Every request queued or running (any thread)."""
+        with self._lock:
+            return list(self._requests.values())
+
     def waiting_ids(self) -> list[str]:
         """Queued request ids, next to be admitted first."""
         with self._lock:

@@ -201,6 +201,11 @@ def _sharded(model: torch.nn.Module) -> "ShardedModel | None":
     return None if ref is None else ref()
 
 
+def sharded_of(model: torch.nn.Module) -> "ShardedModel | None":
+    """The plan applied to `model` (its `ShardedModel`), if any."""
+    return _sharded(model)
+
+
 def current_shard(model: torch.nn.Module) -> TokenShard | None:
     """The geometry of the sharded forward running on `model` now; None outside one (or if never sharded)."""
     sharded = _sharded(model)
@@ -310,6 +315,14 @@ class ShardedModel:
         self._hooked, self._processors = [], []
         if _sharded(self.model) is self:
             del _SHARDED[self.model]
+
+    def rehook(self) -> None:
+        """Hook the plan's modules again, found by name: after a module of the plan was replaced in its parent (a
+        LoRA adapter loaded while serving wraps a linear layer: the plan's hooks belong on the wrapper, as on one
+        made before the plan was applied)."""
+        plan = self.plan
+        self.remove()
+        self.__init__(self.model, plan)
 
     def __call__(self, shard: TokenShard, *args, **kwargs):
         self.shard = shard

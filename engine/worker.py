@@ -124,6 +124,53 @@ def update(ctx, request_id: str, payload: dict) -> dict:
     return ctx.state["family"].update(ctx.state["requests"][request_id], payload)
 
 
+def prefetch_lora(ctx, paths: list[str]) -> None:
+    """Read a LoRA file into the page cache on a thread of this worker (returns at once): the load that follows
+    (`load_lora`, between two steps) then reads memory, not a disk, however slow the volume."""
+    import threading
+
+    def read() -> None:
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    while f.read(8 << 20):
+                        pass
+            except OSError:
+                pass                 # the load itself says what is wrong with the file
+
+    thread = threading.Thread(target=read, name="lora-prefetch", daemon=True)
+    thread.start()
+    ctx.state.setdefault("lora_prefetch", []).append(thread)
+
+
+def prefetched_lora(ctx) -> bool:
+    """Whether this worker's LoRA file reads are done."""
+    threads = [t for t in ctx.state.get("lora_prefetch", []) if t.is_alive()]
+    ctx.state["lora_prefetch"] = threads
+    return not threads
+
+
+def load_lora(ctx, adapter) -> str | None:
+    """Load a LoRA adapter into this worker's transformer(s) while serving (`engine.lora.LoraSet.add`): None, or
+    why it did not fit (the model is left as it was; the pool stays up)."""
+    from longserve.engine.lora import LoraSet
+
+    family = ctx.state["family"]
+    try:
+        if family.lora is None:
+            family.lora = LoraSet(family.pipe, ())
+        family.lora.add(adapter)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def unload_lora(ctx, name: str) -> None:
+    family = ctx.state["family"]
+    if family.lora is not None:
+        family.lora.remove(name)
+
+
 def release(ctx, request_ids: list[str]) -> None:
     for rid in request_ids:
         ctx.state["requests"].pop(rid, None)

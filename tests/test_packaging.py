@@ -7,9 +7,8 @@ from __future__ import annotations
 import ast
 import glob
 import re
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ("engine", "pipelines", "server", "weights")      # the repository's folders, `longserve.<folder>` installed

@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 #: a line that is a bare expression (attributes, names, tuples of them), with what the README says of it
 CLAIM = re.compile(r"^(?P<indent>\s*)(?P<expr>[A-Za-z_][\w.]*(\s*,\s*[A-Za-z_][\w.]*)*)\s*(#\s*(?P<said>.*))?$")
@@ -77,20 +75,10 @@ for path in sys.argv[1:]:
 
 def test_the_readme_snippets_run_as_files_with_no_main_guard_and_print_what_they_say(tmp_path):
     """Each snippet is a file run as `__main__` (no `if __name__ == "__main__":`; the workers must not re-run it),
-    one after the other in one fresh process: the inputs they open (cat.png, ship.png, blue_ball.png, ship.mp4,
-    book.txt) are made first."""
-    import imageio.v3 as iio
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for name in ("cat.png", "ship.png"):
-        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(tmp_path / name)
-    ball, (yy, xx) = np.full((64, 64, 3), 128, np.uint8), np.mgrid[:64, :64]
-    ball[(yy - 32) ** 2 + (xx - 32) ** 2 <= 64] = (0, 0, 255)
-    Image.fromarray(ball).save(tmp_path / "blue_ball.png")
-    iio.imwrite(tmp_path / "ship.mp4", rng.integers(0, 255, (17, 64, 64, 3), dtype=np.uint8), fps=16)
-    (tmp_path / "book.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    one after the other in one fresh process, in an empty directory: they make their own inputs (issue 46)."""
     snippets = [s for s in python_snippets() if "from openai" not in s]
+    assert not re.search(r"open\(\s*[\"'][^\"']+\.(png|jpg|mp4|txt)", "\n".join(snippets)), \
+        "the snippets make their inputs (issue 46: cat.png, ship.mp4 and book.txt existed nowhere)"
     assert len(snippets) >= 2
     paths, claims = [], []
     for i, code in enumerate(snippets):
@@ -104,6 +92,10 @@ def test_the_readme_snippets_run_as_files_with_no_main_guard_and_print_what_they
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-4000:]}"
     outputs = run.stdout.split("README-SNIPPET ")[1:]
     assert len(outputs) == len(snippets), run.stdout
+    check_claims(snippets, claims, outputs)
+
+
+def check_claims(snippets, claims, outputs) -> None:
     for i, (code, said, out) in enumerate(zip(snippets, claims, outputs)):
         printed = [line.split(" ", 2) for line in out.splitlines() if line.startswith("README-CLAIM ")]
         seen = {int(number) for _, number, _ in printed}
@@ -128,8 +120,52 @@ def test_the_readme_s_model_list_and_the_help_texts_come_from_the_registry_and_t
     listed = re.search(r"`weights/` ships tiny\s+checkpoints \((.*?)\)\.", text, re.S)
     assert listed, "README: the sentence listing the shipped checkpoints"
     assert re.findall(r"`(tiny-[\w-]+)`", listed.group(1)) == [*TINY_MODELS, TINY_LM]
+    from longserve.weights import TRAINED_MODELS
+
+    for name in TINY_MODELS:                # issue 46: the random ones are marked wherever models are listed
+        entry = re.search(rf"`{name}`(\s+\([^)]*\))?", listed.group(1)).group(1) or ""
+        assert ("random" in entry) == (name not in TRAINED_MODELS), (name, entry)
     parser = build_parser()
     top = parser.format_help()
     assert all(name in top for name in BENCHES), top
     generate = parser._subparsers._group_actions[0].choices["generate"].format_help()
     assert all(name in " ".join(generate.split()).replace("- ", "-") for name in TINY_MODELS), generate
+
+
+def test_the_readme_s_http_quick_start_runs_as_written_and_draws_a_red_ball_bouncing(tmp_path, monkeypatch):
+    """Issue 46: the HTTP quick start served tiny-wan (random weights: its "red ball" was coloured noise). The
+    README's `longserve serve` line is parsed by serve's own parser and served in this process (its port taken from
+    a free one: the one thing changed); the client block runs as a script against it, and its MP4 must show a red
+    ball bouncing (the procedural clips' recogniser, tests/support/content.py)."""
+    import shlex
+
+    import imageio.v3 as iio
+    from content import recognises
+
+    from longserve.server.api.app import free_port, serve_in_thread
+    from longserve.server.cli import build_parser
+    from longserve.server.cli.serve import build
+
+    text = (ROOT / "README.md").read_text().split("### HTTP server", 1)[1]
+    line = re.search(r"```bash\n(longserve serve [^\n]*)\n```", text).group(1)
+    argv = shlex.split(line.split("#", 1)[0])
+    [client] = [s for s in python_snippets() if "from openai" in s]
+    monkeypatch.chdir(tmp_path)                      # its data dir (the default, relative) lands here
+    args = build_parser().parse_args(argv[1:])
+    assert args.model == "tiny-latte"
+    videos, score, app = build(args)
+    try:
+        with serve_in_thread(app, port=free_port()) as url:
+            script, said = instrumented(client.replace(f"http://{args.host}:{args.port}", url))
+            (tmp_path / "client.py").write_text(script)
+            run = subprocess.run([sys.executable, "client.py"], cwd=tmp_path, capture_output=True, text=True,
+                                 timeout=300)
+    finally:
+        videos.close()
+        if score is not None:
+            score.close()
+    assert run.returncode == 0, run.stderr[-4000:]
+    check_claims([client], [said], [run.stdout])
+    clip = iio.imread(tmp_path / "ball.mp4", extension=".mp4")
+    assert clip.shape == (16, 64, 64, 3) and recognises(clip, "a red ball bouncing")
+    assert iio.imread(tmp_path / "ball_frames.png").shape == (4 * 64, 5 * 64, 3)     # 16 frames, 5 a row

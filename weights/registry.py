@@ -54,6 +54,16 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-ltx2-upsample": _HERE / "tiny-ltx2-upsample",
 }
 
+#: The shipped checkpoints trained to draw their prompts (procedural clips: weights/README.md); every other one keeps
+#: random weights (it checks structure: diffusers parity, parallel plans, the API), so its videos are coloured noise.
+TRAINED_MODELS: tuple[str, ...] = ("tiny-latte", "tiny-skyreels-df", "tiny-live", "tiny-i2v")
+
+
+def tiny_label(name: str) -> str:
+    """A shipped model's name as listings write it: the random ones marked."""
+    return name if name in TRAINED_MODELS else f"{name} (random weights)"
+
+
 #: Shipped LoRA adapters for tiny-wan (tools/weights/build_tiny_lora.py): a short name -> its file, usable wherever a
 #: LoRA path is (``--lora style=tiny-wan-lora``). One in diffusers' format, one in kohya / musubi tuner's.
 TINY_LORAS: dict[str, Path] = {
@@ -354,6 +364,8 @@ __all__ = [
     "REBUILD_COMMANDS",
     "TINY_LORAS",
     "TINY_MODELS",
+    "TRAINED_MODELS",
+    "tiny_label",
     "component_kind",
     "components",
     "generation_defaults",

@@ -29,6 +29,8 @@ from longserve.server.api.edge import (
 )
 from longserve.server.api.errors import install_error_handlers
 from longserve.server.api.fairness import Fairness
+from longserve.server.api.loras import v1 as loras_v1
+from longserve.server.api.openai_routes import v1 as openai_v1
 from longserve.server.api.routes import router, v1
 from longserve.server.api.ui import router as ui_router
 from longserve.server.api.ui import v1 as ui_v1
@@ -59,6 +61,8 @@ def create_app(videos, score=None, *, api_key: str | Sequence[str] | None = None
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(v1)
+    app.include_router(openai_v1)                  # extensions, remix, webhook endpoints
+    app.include_router(loras_v1)                   # LoRA adapters loaded while serving
     app.include_router(ui_router)                  # the page at /ui (/ redirects there)
     app.include_router(ui_v1)
     app.include_router(docs_router(config.docs))

@@ -36,6 +36,9 @@ class ServeConfig:
     max_body_bytes: int = option(4 << 20, "largest request body (413 beyond)", group="http")
     log_level: str = option("info", "server log level", group="http",
                             choices=["debug", "info", "warning", "error"])
+    log_format: str = option("text", "the log's lines: text, or json (one JSON object a line, with each job "
+                                     "transition's fields: id, owner, replica, durations)", group="http",
+                             choices=["text", "json"])
     served_model_name: str | None = option(None, "the model id clients use (default: the model directory's name)",
                                            group="http")
     api_key_file: str | None = option(None, "read the API key(s) from this file, one per line (default: "
@@ -109,8 +112,12 @@ class ServeConfig:
 
     store: str | None = option(None, "the job store: none = a SQLite file under --data-dir (one server); "
                                      "postgresql://user@host:5432/db (a schema: libpq's options, search_path) = "
-                                     "one PostgreSQL that several replicas share (docs/serving.md)", group="jobs",
+                                     "one PostgreSQL that several replicas share (docs/serving.md); default "
+                                     "$LONGSERVE_STORE (keeps a password out of the process list)", group="jobs",
                                metavar="URL")
+    store_wait_s: float = option(10.0, "with a PostgreSQL store: at start, how long to keep trying a database that "
+                                       "does not answer (backoff up to 8 s between tries) before stopping with one "
+                                       "line naming --store", group="jobs", flag="--store-wait", metavar="SECONDS")
     media_store: str | None = option(None, "where the videos' files go: none = <data-dir>/videos; file:///path = a "
                                            "directory every replica mounts; s3://bucket/prefix = S3-compatible "
                                            "object storage (with --store postgresql://; AWS_ENDPOINT_URL_S3 and "
@@ -127,6 +134,21 @@ class ServeConfig:
                                   "(replica_lost) instead of being queued again", group="jobs")
     replica_id: str | None = option(None, "this replica's name in the shared store (default: host name and process "
                                           "id)", group="jobs")
+
+    lora_dir: str | None = option(None, "the directory LoRA adapters may be loaded from while serving (POST /v1/loras, "
+                                        "admin key; every replica loads it); none = only --lora at start",
+                                  group="jobs", metavar="DIR")
+    webhook_url: str | None = option(None, "POST video.completed and video.failed events of every video here, signed "
+                                           "as OpenAI signs them (the secret: $LONGSERVE_WEBHOOK_SECRET or "
+                                           "--webhook-secret-file); keys add their own endpoints with POST "
+                                           "/v1/webhook_endpoints", group="jobs", metavar="URL")
+    webhook_secret_file: str | None = option(None, "the --webhook-url endpoint's signing secret, read from this file "
+                                                   "(whsec_<base64>, or any text)", group="jobs", metavar="PATH")
+    webhook_allowed_hosts: str | None = option(None, "comma-separated hosts a key's webhook endpoint may name over "
+                                                     "http or at a private address (default: https to public "
+                                                     "addresses only; '*' any)", group="jobs")
+    webhook_attempts: int = option(6, "tries of a webhook delivery that fails (no answer or not 2xx), 1, 2, 4, ... s "
+                                      "apart", group="jobs")
 
     # -- request limits (they default from the model; the request defaults are the engine's) ---------------
     max_frames: int | None = option(None, "longest video in frames (default: 4 x the model's default frame count; "
@@ -160,6 +182,9 @@ class ServeConfig:
     score_strategy: str = option("lss", "lss | ring", group="scoring", choices=["lss", "ring"])
     warm_up: bool = option(True, "run one video at the model's default shape before /health says ok, so that the "
                                  "first client's video costs what later ones do", group="jobs")
+    warm_up_shape: str | None = option(None, "the warm-up video's shape, WIDTHxHEIGHT[xFRAMES] (e.g. 832x480x81: the "
+                                             "shape the deployment will serve); default: the model's default",
+                                       group="jobs", metavar="WxH[xF]")
     score_preload: bool = option(False, "start the scoring pool now, not on first use", group="scoring")
     score_concurrency: int = option(1, "/v1/score calls run at once (on threads of their own, not the API's)",
                                     group="scoring")
@@ -172,7 +197,7 @@ class ServeConfig:
         self._check_edge_and_admission()
         self._check_replicas()
         for name in ("max_steps", "max_fps", "max_prompt_chars", "max_body_bytes", "score_workers",
-                     "max_image_pixels"):
+                     "max_image_pixels", "webhook_attempts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -197,6 +222,7 @@ class ServeConfig:
             raise ValueError(f"drain_seconds must be a non-negative number of seconds, got {self.drain_seconds!r}")
 
     def _check_replicas(self) -> None:
+        parse_shape(self.warm_up_shape)            # ValueError naming --warm-up-shape
         from longserve.server.api.media_store import check_media_store, is_object_store
 
         check_media_store(self.media_store)
@@ -210,6 +236,9 @@ class ServeConfig:
         if isinstance(self.lease_seconds, bool) or not isinstance(self.lease_seconds, (int, float)) \
                 or not math.isfinite(self.lease_seconds) or not self.lease_seconds >= 1:
             raise ValueError(f"lease_seconds must be a number of seconds >= 1, got {self.lease_seconds!r}")
+        if isinstance(self.store_wait_s, bool) or not isinstance(self.store_wait_s, (int, float)) \
+                or not math.isfinite(self.store_wait_s) or self.store_wait_s < 0:
+            raise ValueError(f"store_wait_s must be a non-negative number of seconds, got {self.store_wait_s!r}")
         if isinstance(self.store_timeout_s, bool) or not isinstance(self.store_timeout_s, (int, float)) \
                 or not 0.5 <= self.store_timeout_s <= 60:
             raise ValueError(f"store_timeout_s must be a number of seconds in [0.5, 60], got {self.store_timeout_s!r}")
@@ -269,3 +298,19 @@ def safe_url(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def parse_shape(text: str | None) -> tuple[int, int, int | None] | None:
+    """`--warm-up-shape`: "WxH" or "WxHxFRAMES" -> (width, height, frames or None); None or "default": the model's.
+    ValueError naming the flag otherwise."""
+    if text is None or str(text).strip().lower() in ("", "default"):
+        return None
+    parts = str(text).lower().replace(" ", "").split("x")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3) or any(v < 1 for v in values):
+        raise ValueError(f"--warm-up-shape must be WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES (e.g. 832x480x81), or "
+                         f"'default'; got {text!r}")
+    return values[0], values[1], values[2] if len(values) == 3 else None

@@ -116,7 +116,7 @@ class EdgeGuard:
         for name, value in scope.get("headers") or ():
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
         host = headers.get("host", "")
-        if not self.host_allowed(host):
+        if not self.host_allowed(host) and not is_probe(scope, host):
             return await self._refuse(scope, receive, send, 400, "invalid_host",
                                       f"Host {host!r} is not served here (--allowed-hosts)", "host")
         state_changing = scope["type"] == "websocket" or scope.get("method", "GET").upper() not in SAFE_METHODS
@@ -154,6 +154,25 @@ class EdgeGuard:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+#: what kubelet's probes and Prometheus' scrapes GET by the pod's address: read-only, no tenant's data
+PROBE_PATHS = ("/health", "/health/live", "/health/ready", "/metrics")
+
+
+def is_probe(scope, host_header: str) -> bool:
+    """A probe or a scrape by address (kubelet's httpGet and Prometheus send the pod's IP as the Host, never the
+    public name --allowed-hosts lists). A Host that is an IP literal cannot come from a DNS-rebinding page (the
+    browser sends the attacker's name), so the Host rule lets these through."""
+    import ipaddress
+
+    if scope["type"] != "http" or scope.get("method") not in ("GET", "HEAD") or scope.get("path") not in PROBE_PATHS:
+        return False
+    try:
+        ipaddress.ip_address(split_host_header(host_header))
+    except ValueError:
+        return False
+    return True
 
 
 # -- slow clients ------------------------------------------------------------------------------------------

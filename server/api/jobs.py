@@ -39,6 +39,8 @@ class Job:
     changed: Notifier = field(default_factory=Notifier)   # a writer exists, or the job ended
     fence: int | None = None           # a replica's claim of the job (shared store: server/api/replicas.py)
     saved_at: float = 0.0              # when a replica last wrote its progress (time.monotonic)
+    times: dict = field(default_factory=dict)   # its transitions' epoch times, mux_s (server/api/lifecycle.py)
+    sampler: Any = None                # which of its steps get a progress line (logs.ProgressSampler)
 
 
 class JobRegistry:

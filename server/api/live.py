@@ -7,6 +7,7 @@
                        browser's offer, for the frames as a WebRTC track instead: server/api/webrtc.py)
                        {"type": "prompt", "prompt": "..."}        any time: applies at the next chunk
                        {"type": "stop"}                           ends after the chunk being made
+                       ("record": true in the start message keeps the session as a video: server/api/live_recording.py)
     server -> client   {"type": "session.created", "id", "fps", "size", "max_seconds", "frames_per_chunk"}
                        {"type": "webrtc.answer", "answer": {"type": "answer", "sdp"}}   with a WebRTC offer
                        per chunk: {"type": "chunk", "index", "frames", "start_frame", "prompt_index", "bytes",
@@ -20,6 +21,7 @@
                        replaced by a newer one: it never applies
                        {"type": "error", "code", "message", "param"}   (the API's error codes)
                        {"type": "done", "reason": "stopped" | "max_live_seconds" | "error", "chunks", "frames"}
+                       (recorded: and "video_id", the stored video's id, the session's)
 
 The start message is mapped by the server's request door (`VideoRequests.live`: its size string
 and limits) to an engine request (`options["live"]`, `seconds` = --max-live-seconds, rounded down
@@ -163,9 +165,13 @@ class LiveSessions:
             if msg.get("type") == "auth":           # not needed here (no keys, or the header's): the next one
                 msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
             offer = webrtc.start_offer(msg.pop("webrtc", None))     # bounded checks only: no SDP read yet
+            record = msg.pop("record", False)           # kept as a video (server/api/live_recording.py)
+            if not isinstance(record, bool):
+                raise APIError(400, f"record must be true or false; got {record!r}", param="record",
+                               code="invalid_value")
             spec = service.requests.live(msg, self.max_seconds)
             job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
-            service.admission.check_open(writes_files=False)
+            service.admission.check_open(writes_files=record)
             await run_in_threadpool(service.admission.admit, job)  # (with replicas: the shared store's transaction)
             if offer is not None:                                   # admitted: now the SDP work, off the loop
                 per_chunk = service.engine.info.capabilities.frames_per_chunk
@@ -186,12 +192,17 @@ class LiveSessions:
                 raise APIError(503, str(e), code="live_capacity") from None
             raise
         try:
-            await self._session(ws, job, spec, peer)
+            await self._session(ws, job, spec, peer, record)
         finally:
             await run_in_threadpool(service.admission.release, job)
 
-    async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec, peer=None) -> None:
+    async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec, peer=None, record: bool = False) -> None:
         service, handle = self.service, job.handle
+        recording = None
+        if record:
+            from longserve.server.api.live_recording import LiveRecording
+
+            recording = await service.runner.run_io(LiveRecording, service, spec, job.owner, peer is not None)
         prompts = {0: spec.prompt[0]}           # prompt index -> text: the pending switch and the last applied
         stopped = asyncio.Event()
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.buffer_chunks)
@@ -199,7 +210,7 @@ class LiveSessions:
         # made on the runner's thread: the fMP4 muxer starts an encoder process, which takes the event loop
         # hundreds of milliseconds in a large process
         job.sink = await service.runner.run_io(LiveOutputs, service.runner, spec, queue, prompts, stopped,
-                                               peer.track if peer else None)
+                                               peer.track if peer else None, recording)
         if peer is not None:
             def sent(index: int, pts: int) -> None:         # a chunk's first frame left on the track
                 if not queue.full():
@@ -208,7 +219,8 @@ class LiveSessions:
             peer.track.on_first = sent
         await self._send(ws, {"type": "session.created", "id": spec.request_id, "fps": spec.fps,
                               "size": f"{spec.width}x{spec.height}", "max_seconds": self.max_seconds,
-                              "frames_per_chunk": per_chunk, "transport": "webrtc" if peer else "fmp4"})
+                              "frames_per_chunk": per_chunk, "transport": "webrtc" if peer else "fmp4",
+                              "record": record})
         if peer is not None:                            # a client gone meanwhile is found by the receive loop
             with contextlib.suppress(Exception):
                 await self._send(ws, {"type": "webrtc.answer", "answer": peer.local})
@@ -269,6 +281,8 @@ class LiveSessions:
             await asyncio.gather(*tasks, return_exceptions=True)
             if peer is not None:
                 await peer.close()
+            if recording is not None and not recording.closed:     # the client left first: what was made is kept
+                await service.runner.run_io(recording.finish)
         if tasks[2] in done and ws.application_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 await ws.close(1000)
@@ -287,13 +301,15 @@ class LiveOutputs:
     """What a live session's outputs become (`runner.JobSink`): one fMP4 fragment per chunk for the socket's send
     queue, which drops a chunk rather than wait when the client is behind; and the session's last events."""
 
-    def __init__(self, runner, spec: GenerationSpec, queue: asyncio.Queue, prompts: dict, stopped, track=None):
+    def __init__(self, runner, spec: GenerationSpec, queue: asyncio.Queue, prompts: dict, stopped, track=None,
+                 recording=None):
         from longserve.server.live_media import ChunkMuxer
 
         self.runner, self.queue, self.prompts, self.stopped = runner, queue, prompts, stopped
         # (a WebRTC session's frames go to its track: no fMP4)
         self.muxer = ChunkMuxer(spec.width, spec.height, spec.fps) if track is None else None
         self.track = track                      # a WebRTC session's track (server/api/webrtc.py), else None
+        self.recording = recording              # `"record": true`: every chunk kept as a video (live_recording.py)
         self.last_prompt = self.dropped = self.chunks = self.frames = 0
 
     async def take(self, job: Job, out) -> None:
@@ -307,6 +323,8 @@ class LiveOutputs:
         else:
             data = await self.runner.run_io(self.muxer.push, pixels)
         p = out.info.get("prompt_index", 0)
+        if self.recording is not None:          # before any drop: the recording has every chunk
+            await self.runner.run_io(self.recording.add, data, pixels, self.prompts.get(p))
         items = []
         if p != self.last_prompt:
             items.append(("event", {"type": "prompt.applied", "prompt_index": p, "prompt": self.prompts.get(p),
@@ -336,8 +354,11 @@ class LiveOutputs:
         await self._done("cancelled")
 
     async def _done(self, reason: str) -> None:
+        recorded = {}
+        if self.recording is not None:          # its video: listed, downloadable (GET /v1/videos/{id}/content)
+            recorded["video_id"] = await self.runner.run_io(self.recording.finish)
         await self.queue.put(("event", {"type": "done", "reason": reason, "chunks": self.chunks,
-                                        "frames": self.frames, "dropped": self.dropped}))
+                                        "frames": self.frames, "dropped": self.dropped, **recorded}))
 
 
 class ProtocolError(Exception):

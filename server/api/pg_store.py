@@ -35,6 +35,7 @@ from longserve.server.api.store import (
     page_clause,
     record_from_row,
 )
+from longserve.server.api.store_wait import wait_for_database
 
 #: advisory lock keys (with the schema's hash as the second key: replicas of one schema agree on them): migrations
 MIGRATION_LOCK = 0x6C6F6E67          # "long"
@@ -79,8 +80,13 @@ MIGRATIONS: list[tuple[int, tuple[str, ...]]] = [
          "CREATE INDEX videos_kept ON videos(owner, completed_at) WHERE status = 'completed' AND expired = 0",
          "CREATE TABLE sessions (id TEXT PRIMARY KEY, owner TEXT, cost DOUBLE PRECISION NOT NULL, replica TEXT NOT "
          "NULL, lease_until TIMESTAMPTZ NOT NULL)")),
+    # what clients change while the replicas run and all must share: webhook endpoints, LoRA adapters
+    # (`server/api/settings_store.py`); the version row moves on every write (a replica polls one number)
+    (5, ("CREATE TABLE longserve_settings (kind TEXT NOT NULL, id TEXT NOT NULL, owner TEXT, data TEXT NOT NULL, "
+         "created_at BIGINT NOT NULL, seq BIGINT NOT NULL, PRIMARY KEY (kind, id))",
+         "CREATE TABLE longserve_settings_version (one INTEGER PRIMARY KEY CHECK (one = 1), seq BIGINT NOT NULL)",
+         "INSERT INTO longserve_settings_version VALUES (1, 0)")),
 ]
-
 
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM videos"
 
@@ -115,10 +121,12 @@ class PostgresJobStore(ReplicaRows, StoredFiles):
     never a hang. A connection is checked when it is taken (one empty round trip), so one the database dropped
     is replaced, not failed on; and a failed reconnection gives up after about `timeout_s`, so the next call tries
     again at once: the pool recovers by itself seconds after the database is back. `unavailable` says why the last
-    call failed, until one succeeds (`/health`'s reason)."""
+    call failed, until one succeeds (`/health`'s reason). At start, `wait_s` (`--store-wait`) is how long a
+    database that does not answer yet is tried again (`wait_for_database`)."""
 
     def __init__(self, url: str, data_dir, video_dir=None, pool_size: int = 8, objects=None,
-                 timeout_s: float = 3.0):
+                 timeout_s: float = 3.0, wait_s: float = 0.0):
+        wait_for_database(url, wait_s)         # a database that is not up yet: bounded retries (--store-wait)
         super().__init__(data_dir, video_dir, objects)
         self.url = url
         self.timeout_s = float(timeout_s)

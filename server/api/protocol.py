@@ -194,6 +194,8 @@ class Video(BaseModel):
     lora: list[dict[str, Any]] = Field(default_factory=list)  # the LoRA adapters applied: [{"name", "scale"}]
     #: once completed: transformer block evaluations made and skipped by step caching (the `cache` option)
     transformer_blocks: dict[str, int] | None = None
+    #: where it stands (`video_jobs.progress_state`): stage, percent, step, frames, queue position, elapsed, ETA
+    state: dict[str, Any] | None = None
 
 
 class VideoList(BaseModel):
@@ -251,6 +253,9 @@ class Health(BaseModel):
     reason: str | None = None               # why "degraded" (storage) or "draining" (SIGTERM)
     disk_free_bytes: int | None = None      # the data dir's file system, as last measured
     replica: dict | None = None             # with replicas: its id, models and capacity (server/api/replicas.py)
+    warm_up_s: float | None = None          # the warm-up video's time (--warm-up-shape; none without one)
+    #: the start's stages (store, workers, warm_up, recover): {"stage", "detail", "elapsed_s", "stages", "error"}
+    startup: dict | None = None
 
 
 # -- scoring ----------------------------------------------------------------------------------------

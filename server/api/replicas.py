@@ -205,13 +205,13 @@ class Replica:
         service = self.service
         self.claimed += 1
         self.claim_latency_s.append(max(0.0, time.time() - rec.created_at))
-        log.info("replica %s claimed %s (attempt %d, fence %d)", self.id, rec.id, attempts, fence)
         if inputs is None:
             self._fail(rec, fence, "its input (an image, or the video it extends) was held in the memory of the "
                                    "replica that took the request, which stopped, or could not be read from the "
                                    "media store; create it again")
             return
         job = Job(rec.id, VIDEO, cost, rec.owner, record=rec, sink=service.outputs, fence=fence)
+        service.lifecycle.claimed(job, attempts, fence)
         service.jobs.add(job)
         try:
             spec = GenerationSpec.from_params(rec.id, rec.prompt, rec.params)
@@ -223,6 +223,10 @@ class Replica:
             return
         except ValueError as e:
             service.jobs.remove(job)
+            if getattr(e, "field", None) == "lora" and any(service.loras.sync.wanted(a["name"])
+                                                           for a in rec.params.get("lora") or []):
+                self.store.unclaim(rec.id, fence)      # an adapter this replica is still loading: another, or later
+                return
             self._fail(rec, fence, str(e))
             return
         service.runner.start(job)
@@ -255,7 +259,7 @@ class Replica:
         present = await loop.run_in_executor(io, lambda: self.store.existing(mine))
         for video_id in set(mine) - present:
             self.service.outputs.lost(mine[video_id])
-            self.service.monitor.finished.inc(outcome="cancelled")
+            self.service.lifecycle.cancelled(mine[video_id], "deleted")
             self.service.broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted",
                                                                     "deleted": True})
 

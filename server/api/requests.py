@@ -11,9 +11,12 @@ The server's limits are applied to the filled-in spec before the model's checks 
 
 from __future__ import annotations
 
+import io
 import math
 import uuid
 from dataclasses import dataclass
+
+import PIL.Image
 
 from longserve.engine.config import REQUIRED
 from longserve.engine.errors import public_message
@@ -26,6 +29,9 @@ from longserve.server.api.uploads import decode_image, image_bytes
 
 #: inputs that come as files, or from the source video, never as option fields
 MEDIA_OPTIONS = ("image", "video", "last_image")
+#: the `seconds` values the openai client's types allow (`VideoSeconds`; an extension's also 16 and 20): the ones a
+#: refusal names as the nearest a model takes
+SDK_SECONDS = (4, 8, 12)
 
 
 @dataclass(frozen=True)
@@ -96,14 +102,16 @@ class VideoRequests:
         self._check_schedule(options)
         width, height = self._size(req.size)
         seconds = None if req.seconds is None else parse_seconds(req.seconds)
-        num_frames = req.num_frames
+        num_frames, fps = req.num_frames, req.fps
+        if seconds is not None and fps is None and num_frames is None and "video" not in refs:
+            fps = self.fps_for(seconds)              # past the frame limit at the model's fps: a lower fps
         if seconds is None and num_frames is None and "video" not in refs \
                 and self.limits.default_frames != self.engine.defaults.num_frames:
             num_frames = self.limits.default_frames             # the model's default is past --max-frames
         request = RequestInput(prompt=req.prompt, negative_prompt=req.negative_prompt, num_frames=num_frames,
                                seconds=seconds, height=height, width=width,
                                num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
-                               seed=req.seed, fps=req.fps, output="uint8", options={**options, **refs},
+                               seed=req.seed, fps=fps, output="uint8", options={**options, **refs},
                                lora=req.lora, request_id=f"video_{uuid.uuid4().hex}")
         return self._complete(request, "input_reference", given_frames="num_frames" if seconds is None else None)
 
@@ -131,6 +139,68 @@ class VideoRequests:
                                options={**options, "video": self.read_video(path, "video_id")},
                                lora=pick(req.lora, p.get("lora") or []), request_id=f"video_{uuid.uuid4().hex}")
         return self._complete(request, "video_id")
+
+    def remix(self, source: VideoRecord, path, req: VideoExtendRequest) -> tuple[GenerationSpec, str]:
+        """`POST /v1/videos/{id}/remix` of the completed `source` (its MP4 at `path`) with a new prompt -> (spec,
+        how): on a model that extends ("extension"), the source continued under the new prompt; on one that takes
+        an image ("image"), a video of the source's size, length and settings whose first frame is the source's
+        last; elsewhere 400 naming `model`."""
+        caps = self.engine.info.capabilities
+        if caps.extends:
+            return self.extend(source, path, req), "extension"
+        if not caps.takes_image:
+            raise APIError(400, f"this model ({self.model_name}, a {self.engine.info.family} model) cannot remix a "
+                                f"video: a remix continues it (a diffusion-forcing model) or starts from its last "
+                                f"frame (an image-to-video model); this one makes video from text only",
+                           param="model", code="unsupported_operation")
+        self._check_model(req.model)
+        self.check_text("prompt", req.prompt)
+        self.check_text("negative_prompt", req.negative_prompt)
+        if req.seconds is not None:
+            raise APIError(400, "seconds: a remix has the length of the video it remixes", param="seconds",
+                           code="invalid_value")
+        from longserve.server.api.stored_frames import last_frame
+
+        p = source.params
+        options = {k: v for k, v in (p.get("options") or {}).items() if k not in MEDIA_OPTIONS}
+        options.update(req.options())
+        buffer = io.BytesIO()
+        PIL.Image.fromarray(last_frame(path)).save(buffer, format="PNG")
+        pick = lambda given, stored: stored if given is None else given  # noqa: E731
+        request = RequestInput(prompt=req.prompt, negative_prompt=pick(req.negative_prompt, p["negative_prompt"]),
+                               num_frames=p["num_frames"], height=p["height"], width=p["width"],
+                               num_inference_steps=pick(req.num_inference_steps, p["num_inference_steps"]),
+                               guidance_scale=pick(req.guidance_scale, p["guidance_scale"]), seed=req.seed,
+                               fps=p["fps"], output="uint8",
+                               options={**options, "image": decode_image(buffer.getvalue(), "video_id",
+                                                                         self.config.max_image_pixels)},
+                               lora=pick(req.lora, p.get("lora") or []), request_id=f"video_{uuid.uuid4().hex}")
+        return self._complete(request, "video_id", params={"image": "video_id"}), "image"
+
+    def fps_for(self, seconds: float) -> int | None:
+        """The fps a create asking for `seconds` (and no fps or frame count) gets: None (the model's) while its
+        frames fit --max-frames, else the highest lower fps, down to half the model's, at which they do (the MP4
+        lasts `seconds`; the model makes fewer frames). Past that, 400 naming `seconds` and the nearest value this
+        model takes (one of the openai client's values where one fits)."""
+        lim, fps = self.limits, self.engine.defaults.fps
+        frames = lambda rate: frame_count(seconds * rate, lim.frame_multiple)  # noqa: E731
+        if self.engine.info.capabilities.long_video:
+            return None                              # its limit is --max-seconds: a lower fps would not keep it
+        if not 0 < seconds * fps < 1e7 or frames(fps) <= lim.max_frames:
+            return None                              # (the engine refuses a seconds not positive, or past 10^7 frames)
+        lowest = max(1, math.ceil(fps / 2))
+        for rate in range(fps - 1, lowest - 1, -1):
+            if frames(rate) <= lim.max_frames:
+                return rate
+        fits = [v for v in SDK_SECONDS if frame_count(v * lowest, lim.frame_multiple) <= lim.max_frames]
+        most = math.floor(4 * lim.max_frames / lowest) / 4          # the longest, in quarter seconds, that fits
+        while most > 0.25 and frame_count(most * lowest, lim.frame_multiple) > lim.max_frames:
+            most -= 0.25
+        nearest = f"{max(fits)}" if fits else f"{most:g}"
+        raise APIError(400, f"seconds={seconds:g} is {frames(fps)} frames at the model's {fps} fps and "
+                            f"{frames(lowest)} at {lowest} fps (the lowest it is lowered to); this server makes at "
+                            f"most {lim.max_frames} frames: the nearest seconds it takes is \"{nearest}\"",
+                       param="seconds", code="invalid_value")
 
     def live(self, msg: dict, max_seconds: float) -> GenerationSpec:
         """A live session's start message -> its spec: a request as long as `max_seconds` (--max-live-seconds)."""

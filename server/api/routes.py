@@ -12,7 +12,7 @@ import re
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, WebSocket
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
@@ -66,6 +66,17 @@ def client_of(request) -> str:
     return "addr:" + (request.client.host if request.client is not None else "unknown")
 
 
+def require_started(request: Request) -> None:
+    """503 `model_loading` (Retry-After) while the server still loads: it listens first (`/health/live` answers,
+    `/health/ready` tells the stage), and the API answers once the model is loaded and warm."""
+    videos = request.app.state.videos
+    if not getattr(videos, "started", True):      # (a stand-in service of a test has no start)
+        stage = videos.startup.view()
+        raise APIError(503, f"the server is starting ({stage['stage']}: {stage['detail'] or '...'}); retry in a "
+                            f"moment (GET /health/ready says when it is ready)", code="model_loading",
+                       headers={"Retry-After": "5"})
+
+
 def json_body(model) -> dict:
     """The OpenAPI `requestBody` of a route that parses its own body (`parse_json_object`): `model`'s JSON schema, so
     the published schema says what the route takes (clients, and the suite's fuzzer, read it)."""
@@ -85,7 +96,7 @@ VIDEO_LINKS = video_links("The video.", "/id")
 
 
 router = APIRouter()                                                     # no auth: probes and scrapers
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])   # the API
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key), Depends(require_started)])   # the API
 
 
 # -- body parsing ------------------------------------------------------------------------------------
@@ -153,8 +164,9 @@ def unflatten_form(fields: list[tuple[str, object]]) -> dict:
     return out
 
 
-async def parse_create_body(request: Request) -> dict:
-    """JSON, multipart/form-data or urlencoded form -> a dict for `VideoCreateRequest` (file parts as `Upload`s)."""
+async def parse_create_body(request: Request, file_fields: tuple[str, ...] = FILE_FIELDS) -> dict:
+    """JSON, multipart/form-data or urlencoded form -> a dict for `VideoCreateRequest` (file parts as `Upload`s;
+    `file_fields`: the fields that may be files)."""
     ctype = _content_type(request)
     try:
         body = await read_body(request)
@@ -178,7 +190,7 @@ async def parse_create_body(request: Request) -> dict:
         try:
             for key, value in form.multi_items():
                 if isinstance(value, UploadFile):
-                    if key not in FILE_FIELDS:
+                    if key not in file_fields:
                         raise APIError(400, f"{key} must be a text field, not a file upload", param=key,
                                        code="invalid_value")
                     fields.append((key, Upload(await value.read(), value.filename, value.content_type)))
@@ -201,6 +213,9 @@ async def parse_create_body(request: Request) -> dict:
 @router.websocket("/v1/videos/live")
 async def live_video(websocket: WebSocket):
     """A live session on a causal model (server/api/live.py): JSON events and one fMP4 fragment per chunk."""
+    if not getattr(websocket.app.state.videos, "started", True):          # still loading: try again later (1013)
+        await websocket.close(code=1013, reason="the server is starting")
+        return
     await websocket.app.state.videos.live.run(websocket, websocket.app.state.api_keys)
 
 
@@ -266,12 +281,19 @@ async def delete_video(request: Request, video_id: str):
 
 @v1.get("/videos/{video_id}/content", operation_id="downloadVideoContent")
 async def download_content(request: Request, video_id: str, variant: str = "video", stream: bool = False):
-    """The MP4 (or the PNG thumbnail) of a completed video; with stream=true the MP4 of a video that is
-    still being generated, sent while its frames are decoded (a fragmented MP4)."""
+    """The MP4, the PNG thumbnail (its first frame) or the spritesheet (a PNG grid of its frames) of a completed
+    video; with stream=true the MP4 of a video that is still being generated, sent while its frames are decoded (a
+    fragmented MP4)."""
     service = request.app.state.videos
-    if variant not in ("video", "thumbnail"):
-        raise APIError(400, f"variant must be 'video' or 'thumbnail'; got {variant!r}", param="variant",
-                       code="invalid_value")
+    if variant not in ("video", "thumbnail", "spritesheet"):
+        raise APIError(400, f"variant must be 'video', 'thumbnail' or 'spritesheet'; got {variant!r}",
+                       param="variant", code="invalid_value")
+    if variant == "spritesheet":
+        from longserve.server.api.stored_frames import spritesheet
+
+        path = await run_in_threadpool(service.content_path, video_id, "video", request.state.caller)
+        return Response(await run_in_threadpool(spritesheet, path), media_type="image/png",
+                        headers={"Content-Disposition": f'attachment; filename="{video_id}.sprites.png"'})
     rec = await run_in_threadpool(service.record, video_id, request.state.caller)
     if stream and variant == "video" and rec.status in ("queued", "in_progress"):
         slot = request.app.state.fairness.open_stream(client_of(request), "a streamed download")   # 429 past it
@@ -358,13 +380,23 @@ async def score_text(request: Request):
 
 
 @router.get("/health")
+@router.get("/health/ready")
 async def health(request: Request):
+    """Ready: 200 only while the model is loaded and warm, the workers up and the store fine (a load balancer's and
+    Kubernetes' readiness probe); 503 with the reason, and while starting the start's stage, otherwise."""
     status, body = request.app.state.videos.health()
     body["warnings"] = request.app.state.edge_warnings
     return JSONResponse(Health(**body).model_dump(), status_code=status)
 
 
+@router.get("/health/live")
+async def health_live(request: Request):
+    """Live: 200 whenever the process answers (from the moment it listens, while it loads or drains): a liveness
+    probe that restarts only a server that stopped answering."""
+    return JSONResponse(request.app.state.videos.monitor.live())
+
+
 @router.get("/metrics")
 async def prometheus_metrics(request: Request):
-    text = await run_in_threadpool(request.app.state.videos.metrics_text)   # reads job counts from SQLite
-    return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+    text = await run_in_threadpool(request.app.state.videos.metrics_text)   # reads job counts from the store
+    return Response(text, media_type=metrics.CONTENT_TYPE)

@@ -25,15 +25,12 @@ completed videos stay until retention or the quota expire them. Replicas: leases
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import re
 import time
 from pathlib import Path
 
 from longserve.engine.engine import VideoEngine
-from longserve.engine.images import EncodedImage, is_encoded_video
 from longserve.engine.request import GenerationSpec
 from longserve.engine.scheduler import QueueFullError
 from longserve.server.api.admission import AdmissionGate
@@ -42,15 +39,22 @@ from longserve.server.api.drain import Shutdown
 from longserve.server.api.errors import APIError
 from longserve.server.api.health import ServerHealth
 from longserve.server.api.jobs import DELETED, VIDEO, Job, JobRegistry
+from longserve.server.api.lifecycle import JobLifecycle
+from longserve.server.api.loras import LoraAdmin
+from longserve.server.api.metrics import ServerMetrics
 from longserve.server.api.protocol import Video, VideoCreateRequest, VideoDeleted, VideoExtendRequest, VideoList
 from longserve.server.api.replicas import attach_replica
 from longserve.server.api.requests import Limits, VideoRequests
+from longserve.server.api.reuse import checkpoint_fingerprint, request_key, stored_params
 from longserve.server.api.runner import JobRunner
+from longserve.server.api.settings_store import open_settings
+from longserve.server.api.startup import StartupProgress, check_warm_up_shape, describe_store, warm_up
 from longserve.server.api.storage import VideoStorage
 from longserve.server.api.store import VideoRecord
 from longserve.server.api.streaming import EventBroker
 from longserve.server.api.tenants import NO_KEY, Caller
 from longserve.server.api.video_jobs import VideoOutputs, event, video_view
+from longserve.server.api.webhooks import Webhooks
 from longserve.server.media import FragmentedMP4Writer
 
 log = logging.getLogger("longserve.server")
@@ -70,43 +74,80 @@ class VideoService:
         self.runner = JobRunner(self.jobs)
         self.shutdown = Shutdown(self.jobs, self.broker)
         self.monitor = ServerHealth(self)
+        self.metrics = ServerMetrics(self)
+        self.lifecycle = None             # a job's transitions: log lines, metrics, webhooks (lifecycle.py)
         self.replica = None               # with a shared store: this replica's claim cycle (replicas.py)
+        self.startup = StartupProgress()  # what the start is doing (/health/ready's body)
+        self.started = False              # the model is loaded and warmed: the API's routes answer
+        self._closing = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> "VideoService":
-        """Open the store, start the workers (loads the model), recover old jobs, follow them."""
+        """Open the store, start the workers (loads the model), warm up, recover old jobs, follow them: each stage
+        told to `self.startup` (a log line, and /health/ready's body). May run on a thread of its own while the
+        HTTP server already answers (`longserve serve`); `close()` meanwhile stops it after its current stage."""
+        try:
+            self._start()
+        except BaseException as e:
+            self.startup.failed(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise
+        self.started = True
+        self.startup.finish()
+        return self
+
+    def _start(self) -> None:
         from longserve.server.api.live import LiveSessions
 
-        cfg = self.config
+        cfg, progress = self.config, self.startup
+        progress.begin("store", f"jobs in {describe_store(cfg)}")
         self.storage = VideoStorage(cfg, self.runner.io, busy=lambda vid: self.jobs.get(vid) is not None,
-                                    on_expired=self.monitor.expired.inc)
+                                    on_expired=self.metrics.expired.inc)
+        self.settings = open_settings(self.storage.store)
+        self.webhooks = Webhooks(cfg, self.settings, self.runner, self.metrics.webhooks)
+        progress.done()
+        self._check_open()
+        if cfg.warm_up and cfg.warm_up_shape:     # a shape the model refuses is said now, not after the load
+            check_warm_up_shape(cfg)
+        progress.begin("workers", f"loading {cfg.model} on {cfg.engine.workers} worker(s)")
         engine = VideoEngine.start(cfg.engine)
-        if cfg.warm_up:              # /health says "starting" until this is done: ready means warm
-            try:
-                self.warm_up_s = engine.warm_up()
-            except BaseException:
-                engine.close()
-                raise
+        try:
+            progress.done(f"{engine.info.workers} worker(s) ready, {engine.info.device}")
+            if cfg.warm_up:              # /health/ready says "starting" until this is done: ready means warm
+                self._check_open()
+                self.warm_up_s = warm_up(engine, cfg, progress)
+            self._check_open()
+        except BaseException:
+            engine.close()
+            raise
         self.engine = engine
-        self.engine.add_batch_listener(self.monitor.on_batch)
+        self.engine.add_batch_listener(self.metrics.on_batch)
         self.limits = Limits.of(self.engine, cfg)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
         self.requests = VideoRequests(self.engine, cfg, self.limits, self.model_name, self.storage.store.tmp_dir)
         self.admission = AdmissionGate(self.jobs, self.storage, self.shutdown, self.limits, cfg.max_queued_work,
                                        cfg.max_work_per_key, self.engine.info.capabilities.frames_per_chunk)
-        self.outputs = VideoOutputs(self.jobs, self.storage, self.broker, self.runner, self.monitor,
+        self.lifecycle = JobLifecycle(self.metrics, self.model_name, self.replica_id, self.webhooks)
+        self.outputs = VideoOutputs(self.jobs, self.storage, self.broker, self.runner, self.lifecycle,
                                     keyframe_interval=cfg.engine.decode_chunk_frames)
         self.live = LiveSessions(self)
         self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype, self.engine.config.loras)
         self.runner.start_loop()
+        progress.begin("recover", "the last run's queued jobs")
         self._recover()
+        progress.done()
         self.storage.measure_free()
         self.runner.spawn(self.storage.housekeeping())
         self.replica = attach_replica(self)                   # None unless the store is shared
-        return self
+        self.loras = LoraAdmin(self)                          # adapters loaded while serving (POST /v1/loras)
+        self.runner.spawn(self.loras.sync.run())
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise RuntimeError("the server stopped while it was starting")
 
     def close(self) -> None:
+        self._closing = True              # a start still running on its thread stops after its stage
         if self.replica is not None:
             self.replica.close()
         if self.engine is not None:
@@ -157,21 +198,40 @@ class VideoService:
         spec = self.requests.extend(source, self.content_path(video_id, "video", caller), req)
         return self._submit(spec, caller.owner, seeded=req.seed is not None, extended_from=video_id)
 
+    def remix(self, video_id: str, req: VideoExtendRequest, caller: Caller = NO_KEY) -> Video:
+        """`POST /v1/videos/{id}/remix`: a new video from the completed `video_id` under a new prompt (an extension
+        on a model that extends, else a video from its last frame; `VideoRequests.remix`), `remixed_from_video_id`
+        set. 400 naming `model` where the model can do neither, 404 / 409 as extend."""
+        self.admission.check_open()
+        source = self.record(video_id, caller)
+        caps = self.engine.info.capabilities
+        if caps.extends or caps.takes_image:
+            if source.status != "completed":
+                raise not_ready(source)
+            path = self.content_path(video_id, "video", caller)
+        else:
+            path = None                               # refused by the door, naming model
+        spec, how = self.requests.remix(source, path, req)
+        return self._submit(spec, caller.owner, seeded=req.seed is not None, remixed_from=video_id,
+                            extended_from=video_id if how == "extension" else None)
+
     def _submit(self, spec: GenerationSpec, owner: str | None, seeded: bool, extended_from: str | None = None,
-                asked_seconds: str | None = None):
+                asked_seconds: str | None = None, remixed_from: str | None = None):
         """Admit a complete request, queue it and store its record; with an explicit seed (`seeded`), a repeat of a
         completed request of the same owner reuses its content (`--reuse-completed`). The record's `seconds` is
         the caller's own text where a create gave one (`num_frames` has the count made, by the model's frame rule),
         else the content's length."""
         key = None
         if seeded and self.config.reuse_completed == "seeded":
-            key = request_key(self._checkpoint, spec, spec.fps)     # an input video counts by its pixels' digest
+            key = request_key(self._checkpoint, spec, spec.fps, self.engine.config.loras)   # inputs by digest
             reused = self._reuse(key, spec, owner, extended_from)
             if reused is not None:
                 return reused
         # an extension's content is the video it continues and the new frames: what seconds and num_frames say
         frames = self.engine.content_frames(spec)
         params = stored_params(spec)
+        if remixed_from is not None:
+            params["remixed_from"] = remixed_from
         if frames != spec.num_frames:
             params["content_frames"] = frames
         seconds = asked_seconds.strip() if asked_seconds is not None and frames == spec.num_frames else None
@@ -181,7 +241,7 @@ class VideoService:
                           params=params, request_key=key, extended_from=extended_from, owner=owner)
         job = Job(spec.request_id, VIDEO, self.admission.cost(spec, VIDEO), owner, record=rec, sink=self.outputs)
         if self.replica is not None and self.replica.enqueue(job, spec):   # stored for a replica to claim
-            self.monitor.created.inc()
+            self.lifecycle.created(job)
             return video_view(rec)
         # 429 past the work limits; with replicas (an upload with no shared media store: its input is in this
         # process's memory) stored at once, claimed by this replica
@@ -203,7 +263,7 @@ class VideoService:
                 job.handle.abort(DELETED)           # nothing was stored: nothing to follow
                 self.jobs.remove(job)
                 raise
-        self.monitor.created.inc()
+        self.lifecycle.created(job)
         self.runner.start(job)
         return video_view(rec)
 
@@ -216,9 +276,7 @@ class VideoService:
                           seconds="", size="", params={}, request_key=key, extended_from=extended_from, owner=owner)
         if self.storage.reuse(key, rec) is None:
             return None
-        self.monitor.created.inc()
-        self.monitor.reused.inc()
-        self.monitor.finished.inc(outcome="completed")
+        self.lifecycle.reused(Job(rec.id, VIDEO, 0.0, owner, record=rec))
         try:                                              # its owner's quota: the copy it shares is used anew
             self.storage.quota(owner)
         except Exception:
@@ -235,7 +293,7 @@ class VideoService:
         return rec
 
     def get(self, video_id: str, caller: Caller = NO_KEY) -> Video:
-        return video_view(self.record(video_id, caller))
+        return video_view(self.record(video_id, caller), self.jobs.get(video_id, VIDEO))
 
     def list(self, after: str | None, limit: int, order: str, caller: Caller = NO_KEY) -> VideoList:
         """A page of the videos `caller` sees (its own; every one for an admin key or no key)."""
@@ -246,8 +304,8 @@ class VideoService:
                 raise APIError(404, f"after: no video with id {after!r}", param="after", code="video_not_found")
             after_seq = rec.seq
         records, has_more = self.storage.page(after_seq, limit, order, caller.scope)
-        active = {j.id: j.record for j in self.jobs.jobs(VIDEO)}
-        data = [video_view(active.get(r.id, r)) for r in records]
+        active = {j.id: j for j in self.jobs.jobs(VIDEO)}
+        data = [video_view(active[r.id].record, active[r.id]) if r.id in active else video_view(r) for r in records]
         return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
                          has_more=has_more)
 
@@ -265,7 +323,7 @@ class VideoService:
             raise
         if taken:
             job.handle.abort(DELETED)
-            self.monitor.finished.inc(outcome="cancelled")
+            self.lifecycle.cancelled(job, DELETED)
             if self.storage.store.shared:                           # its uploads, in the shared media store
                 self.storage.store.remove_inputs(video_id)
         else:
@@ -309,12 +367,12 @@ class VideoService:
             return f"video.{rec.status}", video_view(rec).model_dump()
         status = job.handle.status() if job is not None and job.handle is not None else None
         if rec.status == "queued":
-            return "video.queued", event(rec, queue_position=status.queue_position if status else None)
+            return "video.queued", event(rec, job, queue_position=status.queue_position if status else None)
         if status is None:
-            return "video.in_progress", event(rec)
+            return "video.in_progress", event(rec, job)
         if status.frames_done and status.step >= status.num_steps:
-            return "video.decoding", event(rec, frames_done=status.frames_done, num_frames=status.num_frames)
-        return "video.in_progress", event(rec, step=status.step, num_steps=status.num_steps)
+            return "video.decoding", event(rec, job, frames_done=status.frames_done, num_frames=status.num_frames)
+        return "video.in_progress", event(rec, job, step=status.step, num_steps=status.num_steps)
 
     # -- the parts' doors the routes and the CLI use ---------------------------------------------------
 
@@ -338,52 +396,11 @@ class VideoService:
     def health(self) -> tuple[int, dict]:
         return self.monitor.health()
 
-    def metrics_text(self) -> str:
-        return self.monitor.metrics_text()
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
 
-
-def stored_params(spec: GenerationSpec) -> dict:
-    """The spec's parameters as the record keeps them (JSON), with its fps: an image is kept as its size, a video as
-    its frame count and size, not their pixels. A queued job with either is therefore not run again after a
-    restart (its input lived in memory only)."""
-    params = {**spec.params(), "fps": spec.fps}
-    options = params["options"]
-    for name in ("image", "last_image"):
-        if name in options:
-            height, width = options.pop(name).shape[:2]
-            options[name] = f"{width}x{height}"
-    if "video" in options:
-        frames, height, width = options.pop("video").shape[:3]
-        options["video"] = f"{frames} frames {width}x{height}"
-    return params
-
-
-def checkpoint_fingerprint(model_dir, dtype: str, loras=()) -> str:
-    """What identifies the served weights for `request_key`: every file's path, size and modification time under
-    the checkpoint (a retrained or replaced checkpoint of the same name is another model), and the dtype; and the
-    LoRA adapters loaded at start (`engine.lora.LoraAdapter`s): a request names one, so its file and start scale
-    are part of what the name means."""
-    root = Path(model_dir)
-    files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                   for p in root.rglob("*") if p.is_file())
-    adapters = [(a.name, a.scale, [(path, Path(path).stat().st_size, Path(path).stat().st_mtime_ns)
-                                   for path in (a.path, a.path_2) if path is not None]) for a in loras]
-    return hashlib.sha256(json.dumps([str(root.resolve()), dtype, files, *([adapters] if adapters else [])]
-                                     ).encode()).hexdigest()
-
-
-def request_key(checkpoint: str, spec: GenerationSpec, fps: int) -> str:
-    """Two create requests with equal keys make the same video: the checkpoint, the prompt, every generation
-    parameter with the seed, the fps, and the input images by their pixels' digest."""
-    params = spec.params()
-    options = params["options"]
-    for name, value in list(options.items()):
-        if isinstance(value, EncodedImage) or is_encoded_video(value):   # an uploaded file: its digest
-            options[name] = f"file:{tuple(value.shape)}:{value.digest}"
-        elif hasattr(value, "shape") and hasattr(value, "tobytes"):     # an image (numpy array)
-            options[name] = f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(value.tobytes()).hexdigest()}"
-    payload = {"checkpoint": checkpoint, "prompt": spec.prompt, "params": params, "fps": fps}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+    def replica_id(self) -> str | None:
+        return self.replica.id if self.replica is not None else None
 
 
 def plausible_id(video_id: str) -> bool:

@@ -341,7 +341,7 @@ def open_store(config):
 
         try:
             return PostgresJobStore(url, config.data_dir, video_dir, objects=open_objects(config.media_store),
-                                    timeout_s=config.store_timeout_s)
+                                    timeout_s=config.store_timeout_s, wait_s=getattr(config, "store_wait_s", 0.0))
         except StoreUnavailable as e:        # at start: one line naming the flag (the CLI prints ValueErrors)
             raise ValueError(f"--store {safe_url(url)}: {e}") from None
     return JobStore(config.data_dir, video_dir)

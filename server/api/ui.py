@@ -18,7 +18,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 
 from longserve.server.api.errors import APIError
 from longserve.server.api.protocol import ModelCard
-from longserve.server.api.routes import require_api_key
+from longserve.server.api.routes import require_api_key, require_started
 
 UI_DIR = Path(__file__).resolve().parent.parent / "ui"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -30,7 +30,7 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
        "frame-ancestors 'none'; form-action 'none'")
 
 router = APIRouter(include_in_schema=False)                                   # the page: no key needed to load it
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key), Depends(require_started)])
 
 
 def page_files() -> dict[str, Path]:

@@ -39,10 +39,12 @@ DENOISE_SHARE = 90   # progress points for denoising steps; decoded frames take 
 
 
 class VideoOutputs:
-    """The sink of every video job (`runner.JobSink`). `health`: the counters (`server/api/health.py`)."""
+    """The sink of every video job (`runner.JobSink`). `lifecycle`: what its transitions mean besides its record
+    (log lines, metrics, webhooks: `server/api/lifecycle.py`)."""
 
-    def __init__(self, jobs: JobRegistry, storage, broker: EventBroker, runner, health, keyframe_interval: int):
-        self.jobs, self.storage, self.broker, self.runner, self.health = jobs, storage, broker, runner, health
+    def __init__(self, jobs: JobRegistry, storage, broker: EventBroker, runner, lifecycle, keyframe_interval: int):
+        self.jobs, self.storage, self.broker, self.runner = jobs, storage, broker, runner
+        self.lifecycle = lifecycle
         self.keyframe_interval = keyframe_interval
 
     # -- the outputs on the way ---------------------------------------------------------------------------
@@ -51,25 +53,30 @@ class VideoOutputs:
         rec = job.record
         if isinstance(out, Queued):
             if self.broker.has_subscribers(rec.id):
-                self.broker.publish(rec.id, "video.queued", event(rec, queue_position=out.position))
+                self.broker.publish(rec.id, "video.queued", event(rec, job, queue_position=out.position))
         elif isinstance(out, Admitted):
+            self.lifecycle.started(job, out.num_steps, out.admissions)
             await self.update(job, status="in_progress", progress=0)
-            self.broker.publish(rec.id, "video.in_progress", event(rec, step=0, num_steps=out.num_steps))
+            self.broker.publish(rec.id, "video.in_progress", event(rec, job, step=0, num_steps=out.num_steps))
         elif isinstance(out, StepProgress):
             self.set(rec, progress=progress(job))
+            self.lifecycle.step(job, out.step, out.num_steps, out.batch_size)
             if job.fence is not None and time.monotonic() - job.saved_at >= 1.0:   # other replicas read it
                 job.saved_at = time.monotonic()
                 await self.update(job, progress=rec.progress)
             self.broker.publish(rec.id, "video.progress", event(
-                rec, step=out.step, num_steps=out.num_steps, batch_size=out.batch_size,
+                rec, job, step=out.step, num_steps=out.num_steps, batch_size=out.batch_size,
                 step_ms=round(1000 * out.step_s, 2)))
             if out.denoised:
-                self.broker.publish(rec.id, "video.decoding", event(rec, frames_done=0,
+                self.broker.publish(rec.id, "video.decoding", event(rec, job, frames_done=0,
                                                                     num_frames=job.handle.status().num_frames))
         elif isinstance(out, FramesChunk):
+            self.lifecycle.frames(job)
             try:
                 await self.runner.run_io(self.write_frames, job, out)
+                t0 = time.perf_counter()
                 await job.writer.write_async(out.frames[0])     # (n, H, W, 3) uint8: this job's own hand-off
+                job.times["mux_s"] = job.times.get("mux_s", 0.0) + time.perf_counter() - t0
                 if out.info.get("audio") is not None:             # a sound that came after the first frames: muxed
                     job.writer.add_audio(out.info["audio"][0], out.info["audio_rate"])   # in when the picture is done
             except OSError as e:                                  # the thumbnail, or the writer's part file
@@ -77,11 +84,13 @@ class VideoOutputs:
             if job.writer.failed:
                 return self._write_failed(job.writer.error_code, job.writer.error)
             self.set(rec, progress=progress(job))
-            self.broker.publish(rec.id, "video.decoding", event(rec, frames_done=out.stop, num_frames=out.num_frames))
+            self.broker.publish(rec.id, "video.decoding", event(rec, job, frames_done=out.stop,
+                                                                  num_frames=out.num_frames))
         elif isinstance(out, Requeued):
             await self.drop_output(job)
             await self.update(job, status="queued", progress=0)
-            self.health.requeued.inc()
+            job.times.pop("mux_s", None)
+            self.lifecycle.requeued(job)
         return None
 
     def _write_failed(self, code: str, message: str) -> RequestFailure:
@@ -113,10 +122,12 @@ class VideoOutputs:
             await self.failed(job, RequestFailure("encoding_failed", "no frames were decoded", kind=ABORTED))
             return
         loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
         written: asyncio.Future = loop.create_future()
         job.writer.finish(lambda ok, err: loop.call_soon_threadsafe(
             lambda: written.done() or written.set_result((ok, err))))
         ok, error = await written
+        job.times["mux_s"] = job.times.get("mux_s", 0.0) + time.perf_counter() - t0     # the encode's tail
         if not self.jobs.holds(job):
             await self.drop_output(job)             # deleted while its file was finished
             return
@@ -145,8 +156,8 @@ class VideoOutputs:
         if not self.jobs.holds(job):                # deleted while its record was written: cancelled, not completed
             await self.drop_output(job)
             return
-        self.health.finished.inc(outcome="completed")
         self.broker.publish(job.record.id, "video.completed", video_view(job.record).model_dump())
+        self.lifecycle.finished(job, timings or {})
         if self.storage.quotas.on:
             try:
                 await self.runner.run_io(self.storage.quota, job.owner)
@@ -158,7 +169,7 @@ class VideoOutputs:
         fields = {"status": "failed", "error": {"code": error.code, "message": error.message},
                   "expires_at": self.storage.expiry(int(time.time()))}
         self.set(job.record, **fields)
-        self.health.finished.inc(outcome="failed")
+        self.lifecycle.failed(job, error.code, error.message)
         self.broker.publish(job.record.id, "video.failed", video_view(job.record).model_dump())
         try:
             await self.drop_output(job)
@@ -227,19 +238,52 @@ def progress(job: Job) -> int:
     return min(99, int(DENOISE_SHARE * steps + (99 - DENOISE_SHARE) * frames))
 
 
-def video_view(rec: VideoRecord) -> Video:
-    """The API's Video object of a record."""
+def progress_state(rec: VideoRecord, job: Job | None = None) -> dict:
+    """Where a video stands, in one shape for every reader (the Video object's `state`, every SSE event's; the page
+    draws its progress bar and its history row from it): `stage` (queued, denoising, decoding, completed, failed),
+    `percent` (the Video's `progress`), `step`/`num_steps`, `frames_done`/`num_frames`, `queue_position`,
+    `elapsed_s` since it was created, and `eta_s`: its time running so far scaled by the progress still to make
+    (None until it has run a step)."""
+    now = time.time()
+    state = {"stage": rec.status, "percent": rec.progress, "step": None, "num_steps": None, "frames_done": None,
+             "num_frames": None, "queue_position": None, "elapsed_s": None, "eta_s": None}
+    if rec.status in ("completed", "failed"):
+        state["elapsed_s"] = round(max(0, (rec.completed_at or now) - rec.created_at), 3)
+        state["eta_s"] = 0 if rec.status == "completed" else None
+        return state
+    created = job.times.get("created", rec.created_at) if job is not None else rec.created_at
+    state["elapsed_s"] = round(max(0.0, now - created), 3)
+    status = job.handle.status() if job is not None and job.handle is not None else None
+    if status is None:
+        return state
+    if status.state is RequestState.WAITING:
+        state.update(stage="queued", queue_position=status.queue_position)
+        return state
+    state.update(stage="denoising" if status.step < status.num_steps else "decoding", step=status.step,
+                 num_steps=status.num_steps, frames_done=status.frames_done, num_frames=status.num_frames)
+    admitted = job.times.get("admitted")
+    if admitted is not None and rec.progress > 0:
+        running = now - admitted
+        state["eta_s"] = round(running * (100 - rec.progress) / rec.progress, 3)
+    return state
+
+
+def video_view(rec: VideoRecord, job: Job | None = None) -> Video:
+    """The API's Video object of a record (`job`: the active job it belongs to, for its progress state)."""
     p = rec.params
     return Video(id=rec.id, model=rec.model, status=rec.status, progress=rec.progress, created_at=rec.created_at,
                  completed_at=rec.completed_at, expires_at=rec.expires_at,
                  error=VideoError(**rec.error) if rec.error else None,
                  prompt=rec.prompt, seconds=rec.seconds, size=rec.size, extended_from=rec.extended_from,
+                 remixed_from_video_id=p.get("remixed_from"),
                  num_frames=p.get("content_frames", p["num_frames"]), fps=p["fps"],
                  num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
                  seed=p["seed"], negative_prompt=p["negative_prompt"], options=p.get("options") or {},
-                 lora=p.get("lora") or [], transformer_blocks=p.get("transformer_blocks"))
+                 lora=p.get("lora") or [], transformer_blocks=p.get("transformer_blocks"),
+                 state=progress_state(rec, job))
 
 
-def event(rec: VideoRecord, **extra) -> dict:
-    """An SSE event's data: where the video stands, and the event's own fields."""
-    return {"id": rec.id, "status": rec.status, "progress": rec.progress, **extra}
+def event(rec: VideoRecord, job: Job | None = None, **extra) -> dict:
+    """An SSE event's data: where the video stands (its `state`, as its Video object has it), and the event's own
+    fields."""
+    return {"id": rec.id, "status": rec.status, "progress": rec.progress, **extra, "state": progress_state(rec, job)}

@@ -37,7 +37,8 @@ def add_arguments(p) -> None:
     from longserve.server.api.config import SERVE_ENGINE_DEFAULTS, ServeConfig
 
     add_cli_args(p, EngineConfig, defaults=SERVE_ENGINE_DEFAULTS, titles=GROUP_TITLES, aliases=DEFAULT_ALIASES)
-    add_cli_args(p, ServeConfig, defaults={"api_key_file": os.environ.get("LONGSERVE_API_KEY_FILE")},
+    add_cli_args(p, ServeConfig, defaults={"api_key_file": os.environ.get("LONGSERVE_API_KEY_FILE"),
+                                           "store": os.environ.get("LONGSERVE_STORE") or None},
                  titles=GROUP_TITLES)
     p.add_argument("--config", metavar="PATH", default=None,
                    help="a YAML (or JSON) file of settings: its keys are the config fields the flags set (model, "
@@ -45,19 +46,18 @@ def add_arguments(p) -> None:
 
 
 def check(args) -> None:
-    """What is refused before the fork server and the heavy imports start: a `--store` that does not answer (one
-    line naming the flag, within --store-timeout, instead of after the model's imports)."""
+    """What is refused before the fork server and the heavy imports start: a `--store` that does not answer (tried
+    again with backoff for --store-wait, quietly: a database starting beside the replicas; then one line naming the
+    flag, instead of after the model's imports)."""
     if not getattr(args, "store", None) or args.store.split(":", 1)[0] not in ("postgresql", "postgres"):
         return
-    import psycopg
-
     from longserve.server.api.config import safe_url
+    from longserve.server.api.store_wait import wait_for_database
 
     try:
-        psycopg.connect(args.store, connect_timeout=max(2, round(args.store_timeout_s))).close()
-    except psycopg.Error as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--store {safe_url(args.store)}: cannot connect: {reason}") from None
+        wait_for_database(args.store, args.store_wait_s)
+    except RuntimeError as e:                   # errors.StoreUnavailable
+        raise ValueError(f"--store {safe_url(args.store)}: {e}") from None
 
 
 def config_file_defaults(path: str, parser) -> dict:
@@ -133,66 +133,106 @@ def config_from_args(args):
     return from_cli_args(ServeConfig, args, engine=from_cli_args(EngineConfig, args))
 
 
-def build(args):
-    """(video service, score service or None, app) from parsed arguments; the video workers are started."""
+def build(args, start: bool = True):
+    """(video service, score service or None, app) from parsed arguments; with `start`, the video workers are
+    started here (else the caller starts them: `run` does, on a thread, while the HTTP server already answers)."""
     from longserve.server.api.app import create_app
-    from longserve.server.api.score_service import ScoreService
     from longserve.server.api.service import VideoService
 
     config = config_from_args(args)
     keys, admins = key_sets(args)             # a bad key file stops the start before the workers load
-    videos = VideoService(config).start()
-    score = None
-    if config.score_model and config.score_model.lower() != "none":
-        score = ScoreService(config.score_model, workers=config.score_workers, strategy=config.score_strategy,
-                             device=config.engine.device, concurrency=config.score_concurrency,
-                             max_queue=config.score_max_queue, max_bytes=config.score_max_bytes)
-        if config.score_preload:
-            score.load()
+    videos = VideoService(config)
+    if start:
+        videos.start()
+    score = score_service(config)
+    if start and score is not None and config.score_preload:
+        score.load()
     app = create_app(videos, score, api_key=keys, admin_api_key=admins, max_body_bytes=config.max_body_bytes)
     for warning in app.state.edge_warnings:
         log.warning("%s", warning)
     return videos, score, app
 
 
+def score_service(config):
+    from longserve.server.api.score_service import ScoreService
+
+    if not config.score_model or config.score_model.lower() == "none":
+        return None
+    return ScoreService(config.score_model, workers=config.score_workers, strategy=config.score_strategy,
+                        device=config.engine.device, concurrency=config.score_concurrency,
+                        max_queue=config.score_max_queue, max_bytes=config.score_max_bytes)
+
+
 def run(args) -> int:
+    """Listen first, load second: `/health/live` answers from the moment the port is open and `/health/ready` tells
+    the start's stages (store, workers, warm-up) while a thread loads; a start that fails stops the server with
+    one line (exit 2 for a bad argument or an unreachable --store, 1 otherwise)."""
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    compiling = "; compiling its transformer blocks with a warm-up step" if args.compile != "none" else ""
-    print(f"loading {args.model} on {args.workers} worker(s), parallel={args.parallel}{compiling} ...",
-          file=sys.stderr)
-    videos, score, app = build(args)
-    from longserve.server.cli.generate import speed_levers
+    from longserve.server.api.logs import configure_logging
 
-    if videos.engine is not None and speed_levers(videos.engine.info):
-        print(f"loaded{speed_levers(videos.engine.info).lstrip(',')}", file=sys.stderr)
-    if videos.warm_up_s is not None:
-        print(f"warmed up: one video at the model's default shape in {videos.warm_up_s:.1f} s (--no-warm-up skips "
-              f"it)", file=sys.stderr)
-    from longserve.server.api.edge import log_config, uvicorn_options
-    lim = videos.limits
-    print(f"serving {videos.model_name} on http://{args.host}:{args.port} (data in {args.data_dir}; "
-          f"max batch {args.max_batch}; frames <= {lim.max_frames}, sides <= {lim.max_size} px, "
-          f"steps <= {lim.max_steps})", file=sys.stderr, flush=True)
-    # a SIGTERM before uvicorn takes the signals over: an orderly exit (the workers and the job store are
-    # closed below) instead of the default action
-    signal.signal(signal.SIGTERM, _exit_cleanly)
-    # (its access log with credentials in query strings redacted: edge.log_config)
+    configure_logging(args.log_level, getattr(args, "log_format", "text"))
+    videos, score, app = build(args, start=False)
+    compiling = "; compiling its transformer blocks with a warm-up step" if args.compile != "none" else ""
+    print(f"listening on http://{args.host}:{args.port} (/health/live answers now, /health/ready once the model is "
+          f"loaded and warm); loading {args.model} on {args.workers} worker(s), parallel={args.parallel}"
+          f"{compiling} ...", file=sys.stderr, flush=True)
+    from longserve.server.api.edge import uvicorn_options
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=log_config(args.log_level),
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,    # logs.configure_logging
                             **uvicorn_options(videos.config))
     server = _draining_server_class()(config, videos, videos.config.drain_seconds)
+    outcome: dict = {}
+    loader = threading.Thread(target=_start, args=(args, videos, score, server, outcome), name="longserve-start",
+                              daemon=True)
+    # a SIGTERM before uvicorn takes the signals over: an orderly exit (the start stops, the store is closed)
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    loader.start()
     try:
         server.run()
     except SystemExit as e:
         if e.code not in (0, None):
             raise
     finally:
-        videos.close()
+        videos.close()                # a start still loading stops after its stage
+        loader.join(timeout=60)
         if score is not None:
             score.close()
+    error = outcome.get("error")
+    if error is not None:
+        print(f"longserve serve: error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, (ValueError, FileNotFoundError)) else 1
     return 0
+
+
+def _start(args, videos, score, server, outcome: dict) -> None:
+    """The start, on its own thread: the video service's stages, the scoring pool if preloaded; then the lines that
+    say what is served. A failure is kept in `outcome` and stops the HTTP server (no traceback for a bad argument
+    or an unreachable store; the log has the rest)."""
+    try:
+        videos.start()
+        if score is not None and videos.config.score_preload:
+            score.load()
+    except BaseException as e:  # noqa: BLE001 - told once, by run(), after the HTTP server stopped
+        if not videos._closing:
+            if not isinstance(e, (ValueError, FileNotFoundError)):
+                log.error("the start failed", exc_info=e)
+            outcome["error"] = e
+        server.should_exit = True
+        return
+    from longserve.server.api.startup import describe_store
+    from longserve.server.cli.generate import speed_levers
+
+    if videos.engine is not None and speed_levers(videos.engine.info):
+        print(f"loaded{speed_levers(videos.engine.info).lstrip(',')}", file=sys.stderr)
+    if videos.warm_up_s is not None:
+        print(f"warmed up: one video in {videos.warm_up_s:.1f} s (--warm-up-shape sets its shape; --no-warm-up "
+              f"skips it)", file=sys.stderr)
+    lim = videos.limits
+    print(f"serving {videos.model_name} on http://{args.host}:{args.port} (jobs in {describe_store(videos.config)}; "
+          f"max batch {args.max_batch}; frames <= {lim.max_frames}, sides <= {lim.max_size} px, "
+          f"steps <= {lim.max_steps})", file=sys.stderr, flush=True)
 
 
 def _exit_cleanly(signum, frame) -> None:
@@ -215,6 +255,10 @@ def _draining_server_class():
             self._cut_short = threading.Event()
 
         def handle_exit(self, sig, frame) -> None:
+            if not self.videos.started:           # still loading: nothing to drain; the start stops at its stage
+                log.warning("signal %d while starting: stopping", sig)
+                self.should_exit = True
+                return
             if self._drain is None:
                 log.warning("signal %d: draining (running videos get %g s), then stopping", sig, self.drain_s)
                 self._drain = threading.Thread(target=self._drain_then_exit, name="longserve-drain", daemon=True)

@@ -1,12 +1,15 @@
-// The page's finite-video half: the form built from the model's capabilities, progress from the SSE stream, the
-// video playing as it streams (?stream=true) and the recent list (cancel, delete, download). live.js: live sessions.
+// The page's finite-video half: the form built from the model's capabilities and settings, progress from the SSE
+// stream (the job's one progress state: the same the history shows), the video playing as it streams
+// (?stream=true). history.js: the history; live.js: live sessions.
 
 import { api, apiKey, MediaFeed, readEvents, setApiKey, showError } from "./api.js";
+import { setupHistory, stateText, timeText } from "./history.js";
 import { setupLive } from "./live.js";
 
 const $ = (id) => document.getElementById(id);
 const state = { model: null, watching: null };
 window.longserve = state;             // read by the browser tests (and handy in the console)
+const history = setupHistory(state, { watch: (id) => watch(id), extend: (id) => extend(id) });
 
 async function loadModel() {
   showError(null);
@@ -23,9 +26,17 @@ async function loadModel() {
   const caps = m.capabilities;
   $("model").textContent = `${m.id} (${m.family})`;
   const form = $("create");
-  form.size.placeholder = m.defaults.size;
-  form.seconds.placeholder = m.defaults.seconds ?? "";
-  form.num_inference_steps.placeholder = m.defaults.num_inference_steps;
+  const d = m.defaults;                          // the model's settings: what a field left empty gets
+  form.size.placeholder = d.size;
+  form.fps.placeholder = d.fps ?? "";
+  form.num_inference_steps.placeholder = d.num_inference_steps;
+  form.guidance_scale.placeholder = d.guidance_scale ?? "";
+  const lengthHint = () => {
+    form.length.placeholder = form.length_unit.value === "seconds" ? (d.seconds ?? "") : d.num_frames;
+  };
+  form.length_unit.onchange = lengthHint;
+  lengthHint();
+  $("live-form").size.placeholder = d.size;
   for (const el of document.querySelectorAll("[data-needs]")) {
     const rule = caps[el.dataset.needs];
     el.hidden = !rule || rule === "refused";
@@ -34,7 +45,7 @@ async function loadModel() {
   }
   $("live").hidden = !caps.live;
   document.body.dataset.ready = "true";
-  await refreshRecent();
+  await history.refresh();
 }
 
 function formBody(form) {
@@ -42,7 +53,9 @@ function formBody(form) {
   for (const el of form.elements) {
     if (!el.name || el.closest("[hidden]")) continue;
     if (el.type === "file") { if (el.files.length) data.append(el.name, el.files[0]); continue; }
-    if (el.value.trim() !== "") data.append(el.name, el.value.trim());
+    if (el.name === "length_unit") continue;
+    const name = el.name === "length" ? form.length_unit.value : el.name;      // seconds, or num_frames
+    if (el.value.trim() !== "") data.append(name, el.value.trim());
   }
   return data;
 }
@@ -55,12 +68,18 @@ async function generate(event) {
     video = await (await api("/v1/videos", { method: "POST", body: formBody($("create")) })).json();
   } catch (e) { showError(e); return; }
   watch(video.id);
-  refreshRecent();
+  history.refresh();
 }
 
-function setProgress(value, text) {
-  $("progress").value = value;
-  $("progress-text").textContent = text;
+// the job's progress state (`state` of the API's events and Video objects) on the progress line and its row
+function showState(id, status, state) {
+  if (!state) return;
+  $("progress").value = state.stage === "completed" ? 100 : state.percent;
+  $("progress-text").textContent = stateText(state);
+  $("progress-time").textContent = timeText(state);
+  state.id = id;
+  window.longserve.progress = state;
+  history.update(id, status, state);
 }
 
 async function watch(id) {
@@ -68,29 +87,30 @@ async function watch(id) {
   const control = new AbortController();
   state.watching = control;
   state.current = { id, status: "queued", streamed: false };
-  setProgress(0, "queued");
+  $("video").hidden = false;                      // (no empty player before the first video)
+  showState(id, "queued", { stage: "queued", percent: 0 });
   streamContent(id, control.signal);
   try {
     await readEvents(`/v1/videos/${id}/events`, (name, data) => {
       if (name === "error") { showError({ message: data.error.message, code: data.error.code }); return false; }
       state.current.status = data.status || state.current.status;
-      const progress = Math.round(data.progress ?? 0);
-      if (name === "video.queued") setProgress(0, `queued (position ${data.queue_position})`);
-      else if (name === "video.progress") setProgress(progress, `step ${data.step}/${data.num_steps}`);
-      else if (name === "video.decoding") setProgress(progress, `decoding ${data.frames_done}/${data.num_frames}`);
-      else if (name === "video.completed") { setProgress(100, "completed"); finished(id); return false; }
-      else if (name === "video.failed") {
-        setProgress(progress, "failed");
+      showState(id, data.status, data.state);
+      if (name === "video.completed") { finished(id); return false; }
+      if (name === "video.failed") {
         showError({ message: data.error ? data.error.message : "the video failed", code: data.error?.code });
         return false;
-      } else if (name === "video.deleted") { setProgress(0, "deleted"); return false; }
-      else setProgress(progress, data.status || name);
+      }
+      if (name === "video.deleted") {
+        $("progress").value = 0;
+        $("progress-text").textContent = "deleted";
+        return false;
+      }
       return true;
     }, control.signal);
   } catch (e) {
     if (e.name !== "AbortError") showError(e);
   }
-  refreshRecent();
+  history.refresh();
 }
 
 // the MP4 while it is made: fragments into a MediaSource as they come
@@ -128,47 +148,6 @@ async function finished(id) {
   } catch (e) { showError(e); }
 }
 
-async function refreshRecent() {
-  let page;
-  try { page = await (await api("/v1/videos?limit=10")).json(); } catch (e) { showError(e); return; }
-  const body = $("recent").querySelector("tbody");
-  body.replaceChildren(...page.data.map(row));
-}
-
-function button(label, action) {
-  const b = document.createElement("button");
-  b.type = "button";
-  b.textContent = label;
-  b.dataset.action = label;
-  b.addEventListener("click", async () => {
-    try { await action(); } catch (e) { showError(e); }
-    refreshRecent();
-  });
-  return b;
-}
-
-function row(v) {
-  const tr = document.createElement("tr");
-  tr.dataset.id = v.id;
-  const cells = [v.id.slice(0, 14), v.prompt || "", `${v.status}${v.progress != null && v.status !== "completed"
-    ? ` ${Math.round(v.progress)}%` : ""}`].map((text) => {
-    const td = document.createElement("td");
-    td.textContent = text;                                  // text, never HTML: a prompt is the client's data
-    return td;
-  });
-  const actions = document.createElement("td");
-  const running = v.status === "queued" || v.status === "in_progress";
-  if (v.status === "completed") {
-    actions.append(button("play", () => watch(v.id)), button("download", () => download(v.id)));
-    if (state.model && state.model.capabilities.video !== "refused") actions.append(button("extend", () => extend(v.id)));
-  } else if (running) {
-    actions.append(button("watch", () => watch(v.id)));
-  }
-  actions.append(button(running ? "cancel" : "delete", () => api(`/v1/videos/${v.id}`, { method: "DELETE" })));
-  tr.append(...cells, actions);
-  return tr;
-}
-
 // a diffusion-forcing model continues a completed video: the form's prompt and seconds, as a new video
 async function extend(id) {
   const form = $("create");
@@ -180,23 +159,13 @@ async function extend(id) {
   watch(video.id);
 }
 
-async function download(id) {
-  const blob = await (await api(`/v1/videos/${id}/content`)).blob();
-  const a = document.createElement("a");
-  a.href = URL.createObjectURL(blob);
-  a.download = `${id}.mp4`;
-  a.click();
-  setTimeout(() => URL.revokeObjectURL(a.href), 1000);
-}
-
 function main() {
   const key = $("api-key");
   key.value = apiKey();
   key.addEventListener("change", () => { setApiKey(key.value.trim()); loadModel(); });
   $("key-form").addEventListener("submit", (e) => { e.preventDefault(); setApiKey(key.value.trim()); loadModel(); });
   $("create").addEventListener("submit", generate);
-  $("refresh").addEventListener("click", refreshRecent);
-  setupLive(state);
+  setupLive(state, history);
   loadModel();
 }
 

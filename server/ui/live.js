@@ -8,13 +8,16 @@ import { apiKey, MediaFeed, showError } from "./api.js";
 
 const $ = (id) => document.getElementById(id);
 
-export function setupLive(page) {
-  const live = { socket: null, feed: null, stats: { frames: 0, chunks: 0 } };
+export function setupLive(page, history) {
+  const live = { socket: null, feed: null, stats: { frames: 0, chunks: 0 }, logged: 0 };
   page.live = live;
   const video = $("live-video");
 
+  // the newest entry first, numbered in the order they happened (the list counts down: the newest is the highest)
   function log(text, cls) {
     const li = document.createElement("li");
+    live.logged += 1;
+    li.value = live.logged;
     li.textContent = text;
     if (cls) li.className = cls;
     $("live-log").prepend(li);
@@ -127,6 +130,7 @@ export function setupLive(page) {
     const msg = { type: "start", prompt: form.prompt.value };
     if (form.size.value.trim()) msg.size = form.size.value.trim();
     if (form.seed.value.trim() !== "") msg.seed = Number(form.seed.value);
+    if (form.record.checked) msg.record = true;          // kept as a video: in the history once it ends
     const transport = form.transport.value;
     live.stats = { video, startedAt: performance.now(), firstFrameMs: null, painted: [], frames: 0, chunks: 0,
                    fps: 16, framesPerChunk: 0, paintedChunk: -1, switches: [], dropped: 0, transport,
@@ -149,6 +153,8 @@ export function setupLive(page) {
     live.appliedChunk = null;
     if (!live.watching) { video.requestVideoFrameCallback(onFrame); live.watching = true; }   // one chain a page
     $("live-log").replaceChildren();
+    live.logged = 0;
+    live.recorded = null;
     $("live-chunks").textContent = "0";
     $("live-ttff").textContent = "–";
     buttons(true);
@@ -199,6 +205,11 @@ export function setupLive(page) {
       } else if (ev.type === "done") {
         setState(`ended (${ev.reason})`);
         log(`done: ${ev.reason}, ${ev.chunks} chunks, ${ev.frames} frames`);
+        if (ev.video_id) {
+          live.recorded = ev.video_id;
+          log(`recorded as ${ev.video_id} (in the history: play, download)`);
+          history.refresh();
+        }
         if (live.feed) live.feed.end();
       }
     });

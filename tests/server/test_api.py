@@ -438,7 +438,7 @@ MALFORMED = [
     ("unknown id", "GET", "/v1/videos/video_doesnotexist", {}, 404, "video_id"),
     ("unknown id content", "GET", "/v1/videos/video_doesnotexist/content", {}, 404, "video_id"),
     ("unknown id events", "GET", "/v1/videos/video_doesnotexist/events", {}, 404, "video_id"),
-    ("bad variant", "GET", "/v1/videos/video_doesnotexist/content?variant=spritesheet", {}, 400, "variant"),
+    ("bad variant", "GET", "/v1/videos/video_doesnotexist/content?variant=poster", {}, 400, "variant"),
     ("bad stream flag", "GET", "/v1/videos/video_doesnotexist/content?stream=maybe", {}, 400, "stream"),
     ("delete unknown", "DELETE", "/v1/videos/video_doesnotexist", {}, 404, "video_id"),
     ("limit zero", "GET", "/v1/videos?limit=0", {}, 400, "limit"),
@@ -874,3 +874,42 @@ def test_any_json_the_create_schema_admits_maps_to_a_spec_or_a_4xx_never_an_exce
 
     mapping()
     assert seen["spec"] > 0 and seen["4xx"] > 0, seen
+
+
+def test_a_job_s_life_is_one_log_line_per_transition_and_the_latency_histograms_move(server, http, caplog):
+    """Issue 46: /metrics is prometheus_client's, with queue wait, time to first frame, end to end and per-stage
+    histograms and the cluster's work; the log has one structured line per transition (JSON with --log-format
+    json); a remix on a text-only model is refused naming `model`."""
+    import json
+    import logging
+
+    from longserve.server.api.logs import JsonFormatter
+
+    names = ["longserve_queue_wait_seconds_count", "longserve_time_to_first_frame_seconds_count",
+             "longserve_e2e_latency_seconds_count"] + [
+        f'longserve_stage_seconds_count{{model="tiny-latte",stage="{s}"}}' for s in ("encode", "denoise", "decode",
+                                                                                     "mux")]
+    label = '{model="tiny-latte"}'
+    before = parse_text(http.get("/metrics").text)
+    caplog.set_level(logging.INFO, logger="longserve.jobs")
+    v = wait(http, create(http, num_frames=4, num_inference_steps=4, size="32x32")["id"])
+    assert v["status"] == "completed", v
+    text = http.get("/metrics").text
+    after = parse_text(text)
+    for name in names:
+        key = name if "{" in name else name.replace("_count", "_count" + label)
+        assert after[key] == before.get(key, 0) + 1, key
+    assert "# TYPE longserve_e2e_latency_seconds histogram" in text and "_seconds_created" not in text
+    assert 'longserve_cluster_work{status="queued"}' in after
+    assert 'longserve_cluster_jobs{status="in_progress"}' in after
+    records = [r for r in caplog.records if r.name == "longserve.jobs" and getattr(r, "job", None) == v["id"]]
+    events = [r.event for r in records]
+    assert events[0] == "created" and events[1] == "started" and events[-1] == "finished", events
+    assert "progress" in events and set(events) <= {"created", "started", "progress", "finished"}, events
+    done = records[-1]
+    assert done.e2e_s >= done.queue_wait_s >= 0 and done.denoise_s > 0 and done.mux_s >= 0 and done.encode_s >= 0
+    line = json.loads(JsonFormatter().format(done))
+    assert (line["event"], line["job"], line["owner"], line["replica"]) == ("finished", v["id"], None, None)
+    assert line["message"].startswith(f"job {v['id']} finished owner=- replica=- ") and "e2e_s" in line
+    r = http.post(f"/v1/videos/{v['id']}/remix", json={"prompt": "a blue ball"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text

@@ -2,31 +2,13 @@
 installs is declared, its entrypoint is the declared console script, its default command parses."""
 
 import fnmatch
-import json
 import re
 import shlex
 from pathlib import Path
 
-import tomllib
+from dockerfile import docker_run_argv, instructions, pyproject, readme_docker_line
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def instructions():
-    """[(INSTRUCTION, argument text)] with line continuations joined and comments dropped."""
-    text = (ROOT / "Dockerfile").read_text()
-    text = re.sub(r"\\\n", " ", text)
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
-
-
-def pyproject():
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def ignored(path: str) -> bool:
@@ -68,21 +50,6 @@ def test_it_installs_the_declared_gpu_extra():
     for extra in extras[0].split(","):
         assert extra in declared, f"extra {extra!r} is not declared in pyproject.toml"
     assert any(dep.startswith("xformers") for dep in declared["gpu"])
-
-
-def docker_run_argv(image_args: list[str]) -> list[str]:
-    """The command a container runs for `docker run IMAGE ARGS...`: ENTRYPOINT + ARGS, or ENTRYPOINT + CMD without
-    ARGS (Docker's rule; no Docker engine runs here, so the rule is applied to the Dockerfile's own lines)."""
-    ins = dict(instructions())
-    return json.loads(ins["ENTRYPOINT"]) + (image_args or json.loads(ins["CMD"]))
-
-
-def readme_docker_line() -> list[str]:
-    """The arguments after the image name in README.md's `docker run ... longserve:latest ...` line."""
-    text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
-    line = re.search(r"`(docker run [^`]*)`", text).group(1)
-    words = shlex.split(line)
-    return words[words.index("longserve:latest") + 1:]
 
 
 def test_the_entrypoint_is_the_declared_console_script_and_the_default_command_parses():

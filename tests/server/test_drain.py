@@ -117,9 +117,9 @@ def test_health_says_ok_only_after_the_warm_up_video(tmp_path, monkeypatch):
                                                     data_dir=str(tmp_path / "data")))
     during, warm_up = [], VideoEngine.warm_up
 
-    def watched(engine):
+    def watched(engine, *args, **kwargs):
         during.append(service.monitor.health())
-        return warm_up(engine)
+        return warm_up(engine, *args, **kwargs)
 
     monkeypatch.setattr(VideoEngine, "warm_up", watched)
     service.start()

@@ -5,6 +5,7 @@ made; every bad upload or extend request gets the error envelope naming the fiel
 
 import dataclasses
 import io
+import json
 import os
 import subprocess
 import tempfile
@@ -18,6 +19,7 @@ import imageio_ffmpeg
 import numpy as np
 import pytest
 from servers import serving
+from webhook_receiver import Receiver
 
 from longserve.engine.outputs import FramesChunk, StepProgress
 from longserve.pipelines import media
@@ -44,7 +46,8 @@ def ball_mp4(frames: int = 10, size: int = 64) -> bytes:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with serving(tmp_path_factory.mktemp("serve-extend"), model="tiny-skyreels-df", workers=1, max_batch=4,
-                 default_steps=4, max_image_pixels=MAX_PIXELS, max_seconds=6) as s:
+                 default_steps=4, max_image_pixels=MAX_PIXELS, max_seconds=6,
+                 webhook_allowed_hosts="127.0.0.1") as s:     # the openai test's webhook receiver is on loopback
         yield s
 
 
@@ -270,3 +273,75 @@ def test_a_create_answers_with_the_seconds_asked_and_the_frames_made(http):
     assert (v["seconds"], v["num_frames"]) == ("1.3", 10)
     assert http.get(f"/v1/videos/{v['id']}").json()["seconds"] == "1.3"
     http.delete(f"/v1/videos/{v['id']}")
+
+
+# -- the openai client's extend, remix, spritesheet and webhooks ---------------------------------------------------
+
+
+def test_the_openai_client_extends_remixes_gets_a_spritesheet_and_a_signed_webhook(server, http, tmp_path):
+    """The client's own calls (openai 3.57, pinned): `webhooks.create` registers a loopback receiver, which gets
+    `video.completed` signed as OpenAI signs it (`webhooks.unwrap` verifies it), the first attempt answered 500
+    and retried with the same webhook-id; `videos.extend` continues a stored video (`{"video": {"id"}}`) and an uploaded
+    MP4 by `seconds="4"`; `videos.remix` of a diffusion-forcing video is its extension under the new prompt;
+    `download_content(variant="spritesheet")` is a PNG grid of the video's frames."""
+    import openai
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    receiver = Receiver(answers=[500])
+    try:
+        endpoint = client.webhooks.create(name="mine", url=receiver.url, event_types=["video.completed"])
+        assert endpoint.signing_secret.startswith("whsec_") and endpoint.url == receiver.url
+        assert [e.id for e in client.webhooks.list()] == [endpoint.id]
+        source = client.videos.create_and_poll(prompt="a red ball moving right", size="64x64", seconds="2",
+                                               extra_body={**FAST, "seed": 2}, poll_interval_ms=50)
+        assert source.status == "completed", source.error
+        first, again = receiver.wait(2)
+        assert first[0]["webhook-id"] == again[0]["webhook-id"] and first[1] == again[1], "a retry of one event"
+        event = client.webhooks.unwrap(again[1], again[0], secret=endpoint.signing_secret)
+        assert (event.type, event.data.id) == ("video.completed", source.id)
+        with pytest.raises(Exception, match="signature"):
+            client.webhooks.verify_signature(again[1], again[0], secret="whsec_" + "A" * 44)
+
+        made = source.model_extra["num_frames"]
+        # openai 3.57's multipart encoder takes only a file as `video`: a stored video's {"id"} goes in extra_body
+        # (sent as the form field video[id], as the client writes an object)
+        longer = client.videos.extend(video=openai.omit, prompt="the ball rolls on", seconds="4",
+                                      extra_body={**FAST, "video": {"id": source.id}})
+        assert longer.model_extra["extended_from"] == source.id
+        uploaded = client.videos.extend(video=("ball.mp4", ball_mp4(), "video/mp4"), prompt="the ball rolls on",
+                                        seconds="4", extra_body=FAST)
+        remix = client.videos.remix(source.id, prompt="a red ball moving left")
+        assert remix.remixed_from_video_id == source.id and remix.model_extra["extended_from"] == source.id
+        for video, frames in ((longer, made + 4 * FPS), (uploaded, 10 + 4 * FPS), (remix, None)):
+            done = client.videos.poll(video.id, poll_interval_ms=50)
+            assert done.status == "completed", done.error
+            assert frames is None or done.model_extra["num_frames"] == frames, (video.id, done.model_extra)
+        assert mp4_error(content(http, remix.id)[:made], content(http, source.id)) < 3, "the remix continues it"
+
+        sheet = client.videos.download_content(source.id, variant="spritesheet").read()
+        grid = iio.imread(io.BytesIO(sheet), extension=".png")
+        frames = content(http, source.id)
+        columns = min(5, made)
+        assert grid.shape == (64 * -(-made // columns), 64 * columns, 3), grid.shape
+        assert np.abs(grid[:64, :64].astype(int) - frames[0].astype(int)).mean() < 1, "tile 0 is frame 0"
+        last = (made - 1) // columns, (made - 1) % columns
+        assert np.abs(grid[64 * last[0]:64 * last[0] + 64, 64 * last[1]:64 * last[1] + 64].astype(int)
+                      - frames[-1].astype(int)).mean() < 1, "the last tile is the last frame"
+
+        rotated = client.webhooks.rotate_secret(endpoint.id)
+        assert rotated.signing_secret != endpoint.signing_secret
+        assert client.webhooks.test(endpoint.id, event_type="video.failed").status_code == 200
+        assert json.loads(receiver.got[-1][1])["type"] == "video.failed"
+        client.webhooks.unwrap(receiver.got[-1][1], receiver.got[-1][0], secret=rotated.signing_secret)
+        assert client.webhooks.update(endpoint.id, name="renamed").name == "renamed"
+        assert client.webhooks.delete(endpoint.id).deleted
+        assert list(client.webhooks.list()) == []
+    finally:
+        receiver.close()
+    bad = http.post("/v1/webhook_endpoints", json={"name": "x", "url": "http://10.0.0.1/hook",
+                                                   "event_types": ["video.completed"]})
+    _refused(bad, 400, "url")
+    bad = http.post("/v1/webhook_endpoints", json={"name": "x", "url": receiver.url, "event_types": ["batch.failed"]})
+    _refused(bad, 400, "event_types")
+    _refused(http.post("/v1/videos/extensions", data={"prompt": "a", "seconds": "4"}), 400, "video")

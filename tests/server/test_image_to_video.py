@@ -214,3 +214,41 @@ def test_queued_image_jobs_hold_their_files_not_their_pixels_and_admission_count
         for vid in ids:
             http.delete(f"/v1/videos/{vid}")
         http.close()
+
+
+def test_the_client_s_seconds_fit_by_a_lower_fps_and_a_remix_starts_from_the_source_s_last_frame(server):
+    """openai's `seconds` values ("4", "8", "12") on a model whose limit is 33 frames at 16 fps: "4" is made at 8 fps
+    (33 frames, 4.1 s), "12" is refused naming "4"; `videos.remix` on an image-to-video model is the video its
+    last frame starts, with the source's size, length and settings: the same frames as a create given that frame."""
+    from openai import BadRequestError, OpenAI
+
+    from longserve.server.api.stored_frames import last_frame
+
+    client = OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    four = client.videos.create(prompt="a ball", input_reference=("a.png", PNG, "image/png"), size="32x32",
+                                seconds="4")
+    assert (four.seconds, four.model_extra["fps"], four.model_extra["num_frames"]) == ("4", 8, 33)
+    client.videos.delete(four.id)                           # its length is what was asked: nothing to make
+    with pytest.raises(BadRequestError) as e:
+        client.videos.create(prompt="a ball", input_reference=("a.png", PNG, "image/png"), size="32x32",
+                             seconds="12")
+    assert e.value.body["param"] == "seconds" and 'the nearest seconds it takes is "4"' in e.value.body["message"]
+
+    source = client.videos.create_and_poll(prompt="a cat", input_reference=("a.png", PNG, "image/png"),
+                                           size="32x32", seconds="1", extra_body={"fps": 4, "seed": 3},
+                                           poll_interval_ms=50)
+    assert source.status == "completed", source.error
+    remix = client.videos.remix(source.id, prompt="a dog", extra_body={"seed": 5})
+    assert remix.remixed_from_video_id == source.id and remix.model_extra["extended_from"] is None
+    assert (remix.size, remix.model_extra["num_frames"], remix.model_extra["fps"]) == ("32x32", 5, 4)
+    path = server["service"].content_path(source.id, "video")
+    buffer = io.BytesIO()
+    iio.imwrite(buffer, last_frame(path), extension=".png")
+    direct = client.videos.create(prompt="a dog", input_reference=("last.png", buffer.getvalue(), "image/png"),
+                                  size="32x32", seconds="1", extra_body={"fps": 4, "seed": 5})
+    made = []
+    for video in (remix, direct):
+        done = client.videos.poll(video.id, poll_interval_ms=50)
+        assert done.status == "completed", done.error
+        made.append(iio.imread(io.BytesIO(client.videos.download_content(video.id).read()), extension=".mp4"))
+    assert made[0].shape == (5, 32, 32, 3) and np.array_equal(made[0], made[1])

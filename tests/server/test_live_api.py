@@ -71,9 +71,10 @@ def event(ws, timeout=60):
 
 
 def test_a_session_plays_as_one_mp4_switches_its_prompt_and_stops(server, tmp_path):
-    ws = start(server)
+    ws = start(server, record=True)                 # kept as a video too (issue 46)
     created = event(ws)
     assert created["type"] == "session.created" and created["size"] == SIZE and created["frames_per_chunk"] == 12
+    assert created["record"] is True
     fragments, chunks, applied, switched_during, stopping = [], [], [], None, False
     while True:
         e = event(ws)
@@ -114,6 +115,21 @@ def test_a_session_plays_as_one_mp4_switches_its_prompt_and_stops(server, tmp_pa
     frames = [np.frombuffer(f, np.uint8) for f in reader]
     assert meta["size"] == (32, 32) and len(frames) == sum(c["frames"] for c in chunks) == e["frames"]
     assert chunks[0]["frames"] == 9 and all(c["frames"] == 12 for c in chunks[1:])
+    # recorded: a completed video under the session's id, its content every fragment the session made, listed
+    assert e["video_id"] == created["id"]
+    video = httpx.get(f"{server['url']}/v1/videos/{created['id']}", headers=AUTH).json()
+    assert (video["status"], video["num_frames"], video["size"]) == ("completed", e["frames"], SIZE), video
+    assert video["options"]["live"] is True and video["options"]["prompts"] == ["a red ball bouncing",
+                                                                                "a blue ball bouncing"]
+    stored = httpx.get(f"{server['url']}/v1/videos/{created['id']}/content", headers=AUTH).content
+    if e["dropped"] == 0:
+        assert stored == b"".join(fragments)
+    assert created["id"] in [v["id"] for v in httpx.get(f"{server['url']}/v1/videos", headers=AUTH).json()["data"]]
+    thumb = httpx.get(f"{server['url']}/v1/videos/{created['id']}/content?variant=thumbnail", headers=AUTH)
+    assert thumb.status_code == 200 and thumb.content.startswith(b"\x89PNG")
+    bad = start(server, record="yes")
+    assert event(bad)["param"] == "record"
+    bad.close()
 
 
 def test_the_socket_needs_the_api_key_and_bad_starts_are_named(server):

@@ -80,13 +80,18 @@ def wait_for_colour(tab: Tab, colour: str, timeout_s: float) -> bool:
     return False
 
 
-def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(browser, server):
+def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(browser, server, tmp_path):
+    """... and, recorded (the page's Record box), it is a video in the history once it ends, whose download is the
+    session: its frames red, then blue; the live log lists the newest entry first, numbered as it happened."""
+    import imageio.v3 as iio
+
     tab = Tab(browser, server + "/ui/", KEY)
     page = tab.page
     try:
         tab.ready()
         assert page.is_visible("#live")
         page.fill("#live-form [name=prompt]", "a red ball bouncing")
+        page.check("#live-form [name=record]")
         page.click("#live-start")
         page.wait_for_function("window.longserve.live.stats.frames >= 3", timeout=60_000)
         assert live_sessions(server) == 1
@@ -109,6 +114,46 @@ def test_a_live_session_paints_red_switches_to_blue_within_two_chunks_and_stops(
         while live_sessions(server) != 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert live_sessions(server) == 0
+        # the log: newest first, numbered in the order of events (the first, the session's id, is 1)
+        numbers = page.eval_on_selector_all("#live-log li", "items => items.map(i => i.value)")
+        assert numbers == list(range(len(numbers), 0, -1)), numbers
+        assert page.locator("#live-log li").last.text_content().startswith("session live_")
+        # recorded: in the history, marked live, downloaded as the session it was
+        page.wait_for_function("window.longserve.live.recorded !== null", timeout=30_000)
+        recorded = page.evaluate("window.longserve.live.recorded")
+        assert recorded == page.evaluate("window.longserve.live.id")
+        row = page.locator(f"#recent tr[data-id='{recorded}']")
+        row.wait_for(timeout=10_000)
+        assert row.locator(".badge").text_content() == "live" and "completed" in row.text_content()
+        with page.expect_download(timeout=30_000) as download:
+            row.locator("button[data-action=download]").click()
+        path = tmp_path / "session.mp4"
+        download.value.save_as(path)
+        frames = iio.imread(path, extension=".mp4")
+        assert len(frames) == page.evaluate("window.longserve.live.stats.framesReceived") >= 3 * 3
+        assert mostly(frames[0], "red") and mostly(frames[-1], "blue"), "the recording is the session, switch and all"
+        tab.screenshot("ui_live_recorded.png")
+        assert tab.errors == []
+    finally:
+        tab.close()
+
+
+def test_the_live_panel_stacks_on_a_phone(browser, server):
+    """At 390 px: one column, no sideways scroll, the live panel under the video panel (docs/ui_live_phone.png)."""
+    tab = Tab(browser, server + "/ui/", KEY, width=390, height=844, phone=True)
+    page = tab.page
+    try:
+        tab.ready()
+        page.click("#live-start")
+        page.wait_for_function("window.longserve.live.stats.frames >= 3", timeout=60_000)
+        layout = tab.layout()
+        finite, live = layout["sections"]["finite"], layout["sections"]["live"]
+        assert layout["scroll"] <= layout["width"], layout
+        assert live[1] >= finite[1] + finite[3] and abs(live[0] - finite[0]) < 1, layout
+        assert tab.fields_in_a_grid(), layout["fields"]
+        tab.screenshot("ui_live_phone.png")
+        page.click("#live-stop")
+        page.wait_for_function("String(window.longserve.live.state).startsWith('ended')", timeout=30_000)
         assert tab.errors == []
     finally:
         tab.close()

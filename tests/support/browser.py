@@ -58,9 +58,13 @@ class Tab:
     what a user typed: sessionStorage) before it loads, and every console error and page exception kept
     (`errors`). `type_key`: typed into the page's key field after it loaded instead, as a user would."""
 
-    def __init__(self, browser, url: str, key: str | None = None, type_key: str | None = None):
-        # bypass_csp: Playwright's wait_for_function evaluates strings, which the page's CSP (no eval) refuses
-        self.context = browser.new_context(bypass_csp=True, viewport={"width": 1280, "height": 800})
+    def __init__(self, browser, url: str, key: str | None = None, type_key: str | None = None,
+                 width: int = 1280, height: int = 800, phone: bool = False):
+        # bypass_csp: Playwright's wait_for_function evaluates strings, which the page's CSP (no eval) refuses;
+        # a phone (390 px wide) is a touch screen that scales as one does
+        self.context = browser.new_context(bypass_csp=True, viewport={"width": width, "height": height},
+                                           **({"is_mobile": True, "has_touch": True, "device_scale_factor": 2}
+                                              if phone else {}))
         if key is not None:
             self.context.add_init_script(f"sessionStorage.setItem('longserve.api_key', {json.dumps(key)})")
         self.page = self.context.new_page()
@@ -92,6 +96,24 @@ class Tab:
         first = self.page.evaluate("() => { const f = window.longserve.live.stats.firstFrame; "
                                    "return f ? [f.canvas.toDataURL('image/png'), f.mediaTime] : null; }")
         return (None, None) if first is None else (png_pixels(first[0]), first[1])
+
+    def layout(self) -> dict:
+        """What a layout check reads: the page's width against the viewport's (no sideways scroll), each visible
+        section's box and each settings field's box ([left, top, width, height])."""
+        return self.page.evaluate("""() => {
+            const box = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.width, r.height]; };
+            return {scroll: document.documentElement.scrollWidth, width: window.innerWidth,
+                    sections: Object.fromEntries([...document.querySelectorAll('main > section')]
+                        .filter((s) => !s.hidden).map((s) => [s.id, box(s)])),
+                    fields: [...document.querySelectorAll('#create .fields label')].map((l) => box(l))}; }""")
+
+    def fields_in_a_grid(self) -> bool:
+        """The form's settings sit in full rows of equal cells, one line each: not a ragged wrap."""
+        boxes = self.layout()["fields"]
+        columns = sum(1 for b in boxes if abs(b[1] - boxes[0][1]) < 1)
+        lefts = sorted({round(b[0]) for b in boxes})
+        heights = {round(b[3]) for b in boxes}
+        return len(boxes) % columns == 0 and len(lefts) == columns and len(heights) == 1
 
     def close(self) -> None:
         self.context.close()
