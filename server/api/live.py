@@ -169,14 +169,15 @@ class LiveSessions:
             if not isinstance(record, bool):
                 raise APIError(400, f"record must be true or false; got {record!r}", param="record",
                                code="invalid_value")
-            spec = service.requests.live(msg, self.max_seconds)
-            job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
+            accepted = service.requests.live(msg, self.max_seconds)
+            spec = accepted.spec
+            job = Job(spec.request_id, LIVE, accepted.cost, client_id(key) if key else None)
             service.admission.check_open(writes_files=record)
             await run_in_threadpool(service.admission.admit, job)  # (with replicas: the shared store's transaction)
             if offer is not None:                                   # admitted: now the SDP work, off the loop
                 per_chunk = service.engine.info.capabilities.frames_per_chunk
                 peer = await webrtc.answer_offer(offer, spec, per_chunk, ws, self.networks)
-            job.handle = service.engine.submit(spec)
+            job.handle = service.engine.submit(accepted)
         except BaseException as e:
             if peer is not None:
                 await peer.close()

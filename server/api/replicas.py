@@ -214,9 +214,7 @@ class Replica:
         service.lifecycle.claimed(job, attempts, fence)
         service.jobs.add(job)
         try:
-            spec = GenerationSpec.from_params(rec.id, rec.prompt, rec.params)
-            spec.options.update(inputs)
-            job.handle = service.engine.submit(spec)
+            job.handle = service.engine.submit(service.requests.stored(rec, inputs))
         except QueueFullError:
             service.jobs.remove(job)
             self.store.unclaim(rec.id, fence)          # another replica, or this one later
