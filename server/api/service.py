@@ -73,11 +73,11 @@ class VideoService:
         self.broker = EventBroker()
         self.runner = JobRunner(self.jobs)
         self.shutdown = Shutdown(self.jobs, self.broker)
-        self.monitor = ServerHealth(self)
+        self.startup = StartupProgress()  # what the start is doing (/health/ready's body)
+        self.monitor = ServerHealth(config, self.startup, self.shutdown)
         self.metrics = ServerMetrics(self)
         self.lifecycle = None             # a job's transitions: log lines, metrics, webhooks (lifecycle.py)
         self.replica = None               # with a shared store: this replica's claim cycle (replicas.py)
-        self.startup = StartupProgress()  # what the start is doing (/health/ready's body)
         self.started = False              # the model is loaded and warmed: the API's routes answer
         self._closing = False
 
@@ -92,6 +92,7 @@ class VideoService:
         except BaseException as e:
             self.startup.failed(str(e).splitlines()[0] if str(e) else type(e).__name__)
             raise
+        self.monitor.serving(self.engine, self.storage, self.model_name, self.warm_up_s, self.replica)
         self.started = True
         self.startup.finish()
         return self
@@ -120,7 +121,7 @@ class VideoService:
         except BaseException:
             engine.close()
             raise
-        self.engine = engine
+        self.engine = self.runner.engine = engine
         self.engine.add_batch_listener(self.metrics.on_batch)
         self.limits = Limits.of(self.engine, cfg)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
@@ -130,7 +131,8 @@ class VideoService:
         self.lifecycle = JobLifecycle(self.metrics, self.model_name, self.replica_id, self.webhooks)
         self.outputs = VideoOutputs(self.jobs, self.storage, self.broker, self.runner, self.lifecycle,
                                     keyframe_interval=cfg.engine.decode_chunk_frames)
-        self.live = LiveSessions(self)
+        self.live = LiveSessions(cfg, self.engine, self.requests, self.admission, self.jobs, self.runner,
+                                 self.shutdown, self.storage, self.model_name)
         self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype, self.engine.config.loras)
         self.runner.start_loop()
         progress.begin("recover", "the last run's queued jobs")
@@ -167,19 +169,14 @@ class VideoService:
                     "message": "the server stopped before this job ran, and its input (an image, or the video it "
                                "extends) was held in memory only; create it again"})
                 continue
-            job = None
             try:
                 accepted = self.requests.stored(rec)
                 job = Job(rec.id, VIDEO, accepted.cost, rec.owner, record=rec, sink=self.outputs)
                 self.jobs.add(job)                        # counted by admission, never refused
-                job.handle = self.engine.submit(accepted)
+                self.runner.launch(job, accepted)
             except (QueueFullError, ValueError) as e:
-                if job is not None:
-                    self.jobs.remove(job)
                 self.storage.finish_record(rec, status="failed", error={"code": "server_restarted",
                                                                         "message": str(e)})
-                continue
-            self.runner.start(job)
 
     # -- the API's operations -----------------------------------------------------------------------
 
@@ -248,25 +245,21 @@ class VideoService:
         # 429 past the work limits; with replicas (an upload with no shared media store: its input is in this
         # process's memory) stored at once, claimed by this replica
         self.admission.admit(job)
+
+        def created() -> None:                      # stored (with replicas: already), then announced
+            if self.replica is None:
+                self.storage.insert(rec, "the job")
+            self.lifecycle.created(job)
+
         try:
-            job.handle = self.engine.submit(accepted)
+            self.runner.launch(job, accepted, then=created)
         except BaseException as e:
-            self.jobs.remove(job)
-            if self.replica is not None:
+            if self.replica is not None and job.handle is None:
                 self.storage.delete(rec.id)
             if isinstance(e, QueueFullError):
                 raise APIError(429, f"the queue is full ({self.config.engine.max_queue} videos waiting); retry "
                                     f"later", code="queue_full", headers={"Retry-After": "5"}) from None
             raise
-        if self.replica is None:
-            try:
-                self.storage.insert(rec, "the job")
-            except BaseException:
-                job.handle.abort(DELETED)           # nothing was stored: nothing to follow
-                self.jobs.remove(job)
-                raise
-        self.lifecycle.created(job)
-        self.runner.start(job)
         return video_view(rec)
 
     def _reuse(self, key: str, spec: GenerationSpec, owner: str | None, extended_from: str | None) -> Video | None:
