@@ -81,6 +81,11 @@ def test_every_door_submits_what_the_engine_accepted():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "submit" \
                     and ast.unparse(node.func.value).endswith("engine"):
                 calls.append((path.relative_to(ROOT).as_posix(), ast.unparse(node.args[0])))
-    assert len(calls) >= 5, calls                    # create/extend/remix, recover, live, replicas, pipeline
     loose = [(p, a) for p, a in calls if not (a == "accepted" or ".accept(" in a or ".stored(" in a)]
     assert not loose, loose
+    # the server starts every job one way (`JobRunner.launch`: submit, roll back, follow), at its four sites
+    assert {p for p, _ in calls if p.startswith("server/")} == {"server/api/runner.py"}, calls
+    launches = [path.name for path in (ROOT / "server" / "api").glob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "launch"]
+    assert sorted(launches) == ["live.py", "replicas.py", "service.py", "service.py"], launches
