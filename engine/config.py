@@ -274,6 +274,7 @@ class Capabilities:
     lora: bool = False                 # loads --lora adapters, chosen per request
     compile: bool = False              # takes `compile` and `quantize`
     fps_conditioned: bool = False      # the model is given the video's fps (SkyReels-V2)
+    sound: bool = False                # makes a sound track with the picture (LTX-2: `FramesChunk.audio`)
     # a model that makes sound (LTX-2): the transformer's sound tokens per second of video, and the video pixels
     # (frames x height x width) one of its video tokens stands for, so that a request's work counts both streams:
     # at a low fps the same frames are many more seconds of sound (admission's cost)

@@ -100,10 +100,9 @@ class WorkerRequest:
         """Are there final frames not yet handed out?"""
         return self.frames is not None and self.frames.ready()
 
-    @property
-    def chunk_info(self) -> dict:
-        """What the last decode handed out, in the family's words (a live chunk: its chunk and prompt index)."""
-        return self.frames.info if self.frames is not None else {}
+    def handed_out(self) -> tuple:
+        """(sound, live chunk) of what the last decode handed out (`FrameStream.handed_out`; (None, None) without)."""
+        return self.frames.handed_out() if self.frames is not None else (None, None)
 
     def progress(self):
         """What the coordinator learns after each job (`engine.results.Progress`)."""
