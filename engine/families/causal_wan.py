@@ -11,6 +11,11 @@ batched forwards (any phase: a row's timestep, prompt and cache are its own):
     step n        the context pass: model(x0, context_noise) writes the chunk's K/V into the cache
                   (skipped after the last chunk); then the next chunk starts from fresh noise
 
+Inside the loop nothing waits for the device: a chunk's noises (its start and each step's) are drawn
+at its start from the request's CPU generator (the same video from a seed on any device) into one
+pinned buffer and moved without a sync; timesteps are made on the device; RoPE rows are built there
+(engine/models/causal.py); the device is waited for only in bench's timing mode (`TIMED_STAGES_ENV`).
+
 Prompts: a request starts with prompt index 0. `options["prompt_schedule"]` ([[chunk, prompt],
 ...], the first at chunk 0) switches at the listed chunks; `update(prompt=..., prompt_index=...)`
 (the scheduler numbers and holds switches, one per request, until `switch_ready`: a chunk's start
@@ -47,6 +52,7 @@ the latents of the cached frames (for a recache), the current chunk, and the str
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +78,9 @@ from longserve.engine.parallel import ParallelPlan
 from longserve.engine.request import GenerationSpec, RequestError
 
 CAUSAL_CONFIG_FILE = "causal_config.json"
+#: set to 1 by `bench` (timing mode): the loop then waits for the device after each step and around a recache,
+#: so `timings["transformer_s"]` holds the kernels' time; otherwise it never syncs inside the loop
+TIMED_STAGES_ENV = "LONGSERVE_TIMED_STAGES"
 OPTIONS = ("prompt_schedule", "live", "image")
 
 
@@ -103,6 +112,7 @@ class CausalRequest(WorkerRequest):
     phase: int = 0                                  # its next forward: 0..n-1 denoise, n context pass
     x: torch.Tensor = None                          # the chunk's noisy latents (B, C, fb, h, w), float32
     x0: torch.Tensor = None                         # the chunk once final
+    noise: torch.Tensor = None                      # the chunk's noises, drawn at its start (n, B, C, fb, h, w)
     texts: dict = field(default_factory=dict)       # prompt index -> (B, L, C_text): the current and scheduled
     prompt_index: int = 0
     schedule: dict = field(default_factory=dict)    # chunk -> prompt index (the request's prompt_schedule)
@@ -255,6 +265,11 @@ class CausalWanFamily(WanParts, VideoFamily):
         self.model, = self.load_denoisers(Denoisers((transformer,)))
         self.vae_spatial, self.vae_temporal = vae_factors(dict(vae.config))
         self.set_plan(config.plan)        # Ulysses over every worker, no CFG-parallel (resolve_plan)
+        self.timed = os.environ.get(TIMED_STAGES_ENV) == "1"
+
+    def _timed_sync(self) -> None:
+        if self.timed:
+            sync_cuda()
 
     def shard(self, denoiser):
         return CausalWan(denoiser, self.cfg)
@@ -326,9 +341,16 @@ class CausalWanFamily(WanParts, VideoFamily):
             return ("causal", "done")
         return ("causal", *(r.x if r.x is not None else r.x0).shape[1:])
 
-    def _noise(self, r: CausalRequest) -> torch.Tensor:
-        return torch.randn(r.x0.shape if r.x is None else r.x.shape, generator=r.generator,
-                           dtype=torch.float32).to(self.pg.device)
+    def _chunk_noise(self, r: CausalRequest, shape: tuple) -> torch.Tensor:
+        """Every noise a chunk takes, drawn at its start: its starting latents and one per denoising step but the
+        last, (n, *shape). Drawn in the order and sizes the steps used to draw them, from the request's CPU
+        generator (a seed makes the same video on any device), into one pinned buffer moved without a sync."""
+        n = len(self.cfg.timesteps)
+        pin = self.pg.device.type == "cuda"
+        noise = torch.empty((n, *shape), dtype=torch.float32, pin_memory=pin)
+        for i in range(n):
+            torch.randn(shape, generator=r.generator, out=noise[i])
+        return noise.to(self.pg.device, non_blocking=pin)
 
     def _start_chunk(self, r: CausalRequest) -> None:
         """A new chunk from fresh noise, under the prompt that applies from it (a switch recaches first)."""
@@ -341,8 +363,8 @@ class CausalWanFamily(WanParts, VideoFamily):
         r.pending_prompt = None
         B, C = r.spec.batch_size, self.pipe.transformer.config.in_channels
         h, w = r.spec.height // self.vae_spatial, r.spec.width // self.vae_spatial
-        r.x = torch.randn((B, C, self.cfg.frames_per_block, h, w), generator=r.generator,
-                          dtype=torch.float32).to(self.pg.device)
+        r.noise = self._chunk_noise(r, (B, C, self.cfg.frames_per_block, h, w))
+        r.x = r.noise[0]
         r.phase = 0
         r.batch_key = self.batch_key(r)
 
@@ -356,7 +378,7 @@ class CausalWanFamily(WanParts, VideoFamily):
         order = sorted((f, s) for s, f in enumerate(r.caches[0].slot_frame) if f >= 0)
         if not order:
             return
-        sync_cuda()
+        self._timed_sync()
         t0 = time.perf_counter()
         latents = r.clean[:, :, [s for _, s in order]]                    # (B, C, P, h, w), oldest first
         for c in r.caches:
@@ -370,7 +392,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                 self.model(part.to(self.dtype), t, text, self.sp, r.caches, [index] * B, [True] * B)
                 for i in range(part.shape[2]):
                     r.clean[:, :, r.caches[0].slot_of(g + i)] = part[:, :, i]
-        sync_cuda()
+        self._timed_sync()
         r.timings["transformer_s"] += time.perf_counter() - t0
 
     def step(self, reqs: list[CausalRequest]) -> None:
@@ -382,20 +404,21 @@ class CausalWanFamily(WanParts, VideoFamily):
             B = r.spec.batch_size
             context = r.phase == n
             xs.append((r.x0 if context else r.x).to(self.dtype))
-            ts.append(torch.full((B,), cfg.context_noise if context else cfg.timesteps[r.phase]))
+            ts.append(torch.full((B,), cfg.context_noise if context else cfg.timesteps[r.phase],
+                                 device=self.pg.device))
             texts.append(r.texts[r.prompt_index].expand(B, -1, -1))
             caches += r.caches
             versions += [r.prompt_index] * B
             writes += [context] * B
         with torch.no_grad():
-            out = self.model(torch.cat(xs), torch.cat(ts).to(self.pg.device), torch.cat(texts), self.sp, caches,
+            out = self.model(torch.cat(xs), torch.cat(ts), torch.cat(texts), self.sp, caches,
                              versions, writes).float()
         rows = 0
         for r in reqs:
             pred = out[rows:rows + r.spec.batch_size]
             rows += r.spec.batch_size
             self._advance(r, pred)
-        sync_cuda()
+        self._timed_sync()
         elapsed = time.perf_counter() - t0
         for r in reqs:
             r.timings["transformer_s"] += elapsed / len(reqs)
@@ -407,7 +430,7 @@ class CausalWanFamily(WanParts, VideoFamily):
             x0 = r.x - cfg.sigma(cfg.timesteps[r.phase]) * pred
             if r.phase < n - 1:
                 s = cfg.sigma(cfg.timesteps[r.phase + 1])
-                r.x = (1 - s) * x0 + s * self._noise(r)
+                r.x = (1 - s) * x0 + s * r.noise[r.phase + 1]
                 r.phase += 1
             else:
                 r.x0, r.x = x0, None
@@ -426,7 +449,7 @@ class CausalWanFamily(WanParts, VideoFamily):
             r.x0 = None
             self._start_chunk(r)
         if r.denoised:
-            r.x = r.x0 = None
+            r.x = r.x0 = r.noise = None
         r.batch_key = self.batch_key(r) if r.x is not None or r.x0 is not None else ("causal", "done")
 
     def update(self, r: CausalRequest, payload: dict) -> dict:
@@ -457,7 +480,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                                                                             self.vae_temporal, r.lead))
             r.latent_frames = min(r.latent_frames, r.lead + chunks * self.cfg.frames_per_block)
             if r.denoised:                       # phase n: the chunk was final already
-                r.x = r.x0 = None
+                r.x = r.x0 = r.noise = None
                 r.batch_key = ("causal", "done")
         return {"progress": r.progress(), **info}
 
