@@ -61,12 +61,13 @@ def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan, m
     from longserve.engine.quantize import check_fp8
 
     check_backend(config, family, plan, config.device or default_device(), model_dir)
+    family.check_decoder(config, desc, model_dir)
 
     if config.compile != "none":
         if not family.supports_compile:
             raise ValueError(f"compile={config.compile!r} is not available for {config.model!r} (a {desc.family} "
                              f"model): regional compile is built for Latte and the Wan family (T2V, I2V, TI2V, "
-                             f"diffusion forcing)")
+                             f"diffusion forcing, causal live)")
         if config.loras:
             raise ValueError(f"compile={config.compile!r} cannot be used with --lora: the adapters are added per row "
                              f"inside the blocks from state that changes with every batch, which a compiled block "

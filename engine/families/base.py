@@ -199,6 +199,14 @@ class VideoFamily:
         return 0
 
     @classmethod
+    def check_decoder(cls, config, desc: ModelDescription, model_dir: Path) -> None:
+        """Refuse at start a `decoder` the family cannot use (ValueError naming it): only the live (causal) family
+        takes a small decoder."""
+        if config.decoder != "vae":
+            raise ValueError(f"decoder={config.decoder!r} is not available for {config.model!r} (a {desc.family} "
+                             f"model): the small decoder is for live (causal) models")
+
+    @classmethod
     def check_update(cls, desc: ModelDescription, spec: GenerationSpec, payload: dict) -> dict:
         """Validate a change to a running request (`VideoEngine.update`)."""
         raise RequestError("request", f"a {cls.name} request cannot be changed while it runs (live sessions of "

@@ -52,6 +52,7 @@ the latents of the cached frames (for a recache), the current chunk, and the str
 from __future__ import annotations
 
 import math
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -132,6 +133,7 @@ class CausalWanFamily(WanParts, VideoFamily):
     auto_plan = "sequence"
     pipeline_classes = frozenset()          # claimed by causal_config.json, not by model_index.json
     supports_lora = False                   # its own step and cached attention: no per-row adapters
+    supports_compile = True                 # regional compile: the cached attention runs eager between graphs
     dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache with per-row masks "
                                  "(PyTorch SDPA), which diffusers' dispatcher does not run")
 
@@ -208,6 +210,14 @@ class CausalWanFamily(WanParts, VideoFamily):
         return spec
 
     @classmethod
+    def check_decoder(cls, config, desc: ModelDescription, model_dir: Path) -> None:
+        """`decoder` "tiny" or a TAEHV file: it must load and take this model's latents (ValueError naming it)."""
+        if config.decoder != "vae":
+            from longserve.engine.small_decoder import open_small_decoder
+
+            open_small_decoder(config.decoder, model_dir)
+
+    @classmethod
     def check_update(cls, desc: ModelDescription, spec: GenerationSpec, payload: dict) -> dict:
         unknown = sorted(set(payload) - {"prompt", "stop"})
         if unknown or not payload:
@@ -261,11 +271,33 @@ class CausalWanFamily(WanParts, VideoFamily):
         self.pipe = diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                                           vae=vae, scheduler=scheduler)
         self.pipe.set_progress_bar_config(disable=True)
-        # no FP8, compile or step caching: its own KV-cached forward (engine/models/causal.py)
-        self.model, = self.load_denoisers(Denoisers((transformer,)))
+        # compile (and FP8) of diffusers' blocks; no step caching: its own KV-cached forward (engine/models/causal.py),
+        # whose cached attention is a deliberate graph break in a compiled block
+        self.model, = self.load_denoisers(Denoisers((transformer,), blocks=operator.attrgetter("blocks")))
         self.vae_spatial, self.vae_temporal = vae_factors(dict(vae.config))
         self.set_plan(config.plan)        # Ulysses over every worker, no CFG-parallel (resolve_plan)
         self.timed = os.environ.get(TIMED_STAGES_ENV) == "1"
+        self.small_decoder = None
+        if config.engine.decoder != "vae":        # the live frames through a small decoder (rank 0 decodes them)
+            from longserve.engine.small_decoder import open_small_decoder
+
+            self.small_decoder = open_small_decoder(config.engine.decoder, model_dir).to(
+                device, self.component_dtypes()["vae"])
+
+    def component_dtypes(self) -> dict:
+        """As the Wan family's, but the VAE defaults to bfloat16 on CUDA: a live stream decodes every chunk, and
+        bf16 halves its cost within bf16 rounding (tests/engine/test_causal_vae.py); float32 stays the CPU's."""
+        dtypes = super().component_dtypes()
+        if self.config.engine.vae_dtype is None and self.pg.device.type == "cuda":
+            dtypes["vae"] = torch.bfloat16
+        return dtypes
+
+    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor):
+        if self.small_decoder is not None:
+            from longserve.engine.small_decoder import SmallDecoderPath
+
+            return SmallDecoderPath(self.small_decoder, self.pg.rank, spec.output)
+        return super().vae_decoder(spec, latents)
 
     def _timed_sync(self) -> None:
         if self.timed:

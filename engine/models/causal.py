@@ -274,6 +274,40 @@ def _running(owner) -> CausalShard:
     return shard
 
 
+@torch.compiler.disable
+def cached_self_attention(owner, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Every row's attention over its `KVCache`, my tokens' q/k/v (B, Sl, H, hd) -> (B, Sl, H, hd). Inside a
+    compiled block (`compile` blocks) it runs eager, by design: it reads and writes per-row caches (Python state
+    that changes every chunk, which a graph would guard on) and does the Ulysses all-to-alls on our own process
+    groups. The projections before it and the output projection after it stay in the graph."""
+    shard = _running(owner)
+    u = shard.sp.ulysses
+    qkv = torch.stack([q, k, v])
+    if u.world_size > 1:                      # tokens -> heads: (3, B, S, Hl, hd)
+        qkv = comm.all_to_all_switch(qkv, scatter_dim=3, gather_dim=2, gather_size=shard.S, pg=u)
+    else:
+        qkv = qkv[:, :, :shard.S]
+    qkv = qkv.transpose(2, 3)                                                            # (3, B, Hl, S, hd)
+    out = torch.stack([c.attend(layer, *qkv[:, b]) for b, c in enumerate(shard.caches)])  # (B, Hl, S, hd)
+    out = out.transpose(1, 2).type_as(q)                                                 # (B, S, Hl, hd)
+    if u.world_size > 1:                      # heads -> tokens
+        return comm.all_to_all_switch(out, scatter_dim=1, gather_dim=2, gather_size=q.shape[2], pg=u)
+    return comm.pad_dim(out, 1, shard.Sl)
+
+
+@torch.compiler.disable
+def cached_text_kv(owner, layer: int, attn, encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every row's text K/V for this layer (B, H, L, hd) each, computed once per prompt into the row's cache (eager
+    in a compiled block: whether to compute depends on each row's prompt version)."""
+    shard = _running(owner)
+    for b, c in enumerate(shard.caches):
+        if c.text_version != shard.versions[b]:
+            text = encoder_hidden_states[b:b + 1]
+            c.text_k[layer] = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
+            c.text_v[layer] = attn.to_v(text).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
+    return (torch.stack([c.text_k[layer] for c in shard.caches]), torch.stack([c.text_v[layer] for c in shard.caches]))
+
+
 class CachedSelfAttention:
     """A block's self-attention over [cached frames | chunk] of every row (see the module docstring)."""
 
@@ -282,24 +316,10 @@ class CachedSelfAttention:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
-        shard = _running(self.owner)
-        caches = shard.caches
         q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)  # (B, Sl, H*hd)
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))                         # (B, Sl, H, hd)
-        u = shard.sp.ulysses
-        qkv = torch.stack([q, k, v])
-        if u.world_size > 1:                      # tokens -> heads: (3, B, S, Hl, hd)
-            qkv = comm.all_to_all_switch(qkv, scatter_dim=3, gather_dim=2, gather_size=shard.S, pg=u)
-        else:
-            qkv = qkv[:, :, :shard.S]
-        qkv = qkv.transpose(2, 3)                                                            # (3, B, Hl, S, hd)
-        out = torch.stack([c.attend(self.layer, *qkv[:, b]) for b, c in enumerate(caches)])  # (B, Hl, S, hd)
-        out = out.transpose(1, 2).type_as(q)                                                 # (B, S, Hl, hd)
-        if u.world_size > 1:                      # heads -> tokens
-            out = comm.all_to_all_switch(out, scatter_dim=1, gather_dim=2, gather_size=attn.heads, pg=u)
-        else:
-            out = comm.pad_dim(out, 1, shard.Sl)
+        out = cached_self_attention(self.owner, self.layer, q, k, v)                           # (B, Sl, H, hd)
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
 
 
@@ -311,16 +331,8 @@ class CachedCrossAttention:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
-        shard = _running(self.owner)
-        caches, versions = shard.caches, shard.versions
-        for b, c in enumerate(caches):
-            if c.text_version != versions[b]:
-                text = encoder_hidden_states[b:b + 1]
-                c.text_k[self.layer] = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
-                c.text_v[self.layer] = attn.to_v(text).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
+        k, v = cached_text_kv(self.owner, self.layer, attn, encoder_hidden_states)             # (B, H, L, hd)
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1)).transpose(1, 2)  # (B, H, Sl, hd)
-        k = torch.stack([c.text_k[self.layer] for c in caches])
-        v = torch.stack([c.text_v[self.layer] for c in caches])
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
