@@ -92,6 +92,9 @@ class EngineConfig:
                                    "(pip install '.[gpu]') and --dtype bfloat16", choices=list(QUANTIZE))
     #: the compile's torch backend: not a flag (the tests' "eager" and "aot_eager" check the mechanism without
     #: inductor's C++ code generation, which takes about half a minute a graph on a small CPU)
+    cuda_graphs: bool = option(False, "with compile=blocks on CUDA, for live (causal) models: replay the compiled "
+                                      "blocks as CUDA graphs (torch.compile's reduce-overhead mode): a live chunk's "
+                                      "forwards have the same shapes from the first chunk on (engine/compile.py)")
     compile_backend: str = field(default="inductor", metadata={"group": "internal"})
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))

@@ -136,6 +136,8 @@ class VideoFamily:
     #: takes the `compile` and `quantize` engine options (engine/compile.py, engine/quantize.py): its workers compile
     #: / quantise their transformer's repeated blocks at load
     supports_compile: ClassVar[bool] = False
+    #: takes `cuda_graphs` (its compiled blocks replayed as CUDA graphs): shapes fixed from step to step
+    supports_cuda_graphs: ClassVar[bool] = False
     #: its attention runs through diffusers' dispatcher, so it takes `attention_backend` (engine/attention.py);
     #: else why not (a family without it takes only "native", which changes nothing)
     dispatcher_attention: ClassVar[bool] = False
@@ -268,7 +270,8 @@ class VideoFamily:
             from longserve.engine.compile import compile_blocks
 
             for m in modules:
-                compile_blocks(denoisers.blocks(m), engine.compile_backend)
+                compile_blocks(denoisers.blocks(m), engine.compile_backend,
+                               "reduce-overhead" if engine.cuda_graphs else None)
         if denoisers.cache_units:
             from longserve.engine.cache import StepCache
 

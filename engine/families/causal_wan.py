@@ -134,6 +134,7 @@ class CausalWanFamily(WanParts, VideoFamily):
     pipeline_classes = frozenset()          # claimed by causal_config.json, not by model_index.json
     supports_lora = False                   # its own step and cached attention: no per-row adapters
     supports_compile = True                 # regional compile: the cached attention runs eager between graphs
+    supports_cuda_graphs = True             # and those graphs replayed: a chunk's shapes never change
     dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache with per-row masks "
                                  "(PyTorch SDPA), which diffusers' dispatcher does not run")
 
@@ -304,7 +305,9 @@ class CausalWanFamily(WanParts, VideoFamily):
             sync_cuda()
 
     def shard(self, denoiser):
-        return CausalWan(denoiser, self.cfg)
+        model = CausalWan(denoiser, self.cfg)
+        model.cuda_graphs = self.config.engine.cuda_graphs
+        return model
 
     # -- a request ----------------------------------------------------------------------------------
 

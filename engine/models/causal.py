@@ -353,6 +353,7 @@ class CausalWan:
     def __init__(self, model, cfg: CausalConfig):
         self.model, self.cfg = model, cfg
         self.sharded = shard_model(model, CAUSAL_WAN_PLAN)
+        self.cuda_graphs = False           # the compiled blocks are CUDA graphs: each forward is a new step
         self._rope: dict[tuple, FrameRotary] = {}
 
     def frame_tokens(self, h: int, w: int) -> int:
@@ -383,6 +384,8 @@ class CausalWan:
         changes); `write[b]`: row b is a context pass (its chunk's K/V are written into its cache)."""
         if sp.ring.world_size > 1:
             raise ValueError("a causal model shards its chunks with Ulysses only (plan 'ulysses')")
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         frames, h, w = x.shape[2:]
         rotary = self.rotary(h, w)
         for c, wr in zip(caches, write):

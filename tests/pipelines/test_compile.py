@@ -39,6 +39,8 @@ def test_bad_values_and_impossible_combinations_are_refused_at_start_naming_the_
         VideoPipeline.from_pretrained("tiny-wan", device="cpu", dtype="bfloat16", quantize="fp8")
     with pytest.raises(ValueError, match=r"compile='blocks' cannot be used with --lora"):
         VideoPipeline.from_pretrained("tiny-wan", device="cpu", loras={"l": "tiny-wan-lora"}, **COMPILED)
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs CUDA: this engine runs on cpu"):
+        VideoPipeline.from_pretrained("tiny-live", device="cpu", cuda_graphs=True, **COMPILED)
     with pytest.raises(ValueError, match=r"compile='blocks' is not available for 'tiny-helios'"):
         VideoPipeline.from_pretrained("tiny-helios", device="cpu", **COMPILED)
 
