@@ -60,7 +60,12 @@ class EngineConfig:
     dtype: str = option("float32", "float32 | bfloat16 | float16 (the transformer's; the Wan VAE stays float32)")
     vae_dtype: str | None = option(None, "the Wan-family VAE's dtype (default float32, as diffusers' Wan examples "
                                          "load it; bfloat16 decodes faster with bf16 rounding, as a Wan pipeline "
-                                         "loaded whole in bfloat16 does)", choices=list(VAE_DTYPES))
+                                         "loaded whole in bfloat16 does; live (causal) models default to bfloat16 "
+                                         "on CUDA)", choices=list(VAE_DTYPES))
+    decoder: str = option("vae", "live (causal) models' frame decoder: vae (the model's own VAE) | tiny (the small "
+                                 "decoder shipped for the model: tiny-live's) | PATH of a TAEHV weight file "
+                                 "(.pth or .safetensors; taew2_1.pth for Wan 2.1 latents): a few convs a frame "
+                                 "instead of the VAE (engine/small_decoder.py)", metavar="vae|tiny|PATH")
     attention: str = option("auto", "auto | sdpa | xformers (Latte on CUDA)", choices=list(ATTENTION))
     attention_backend: str | None = option(None, "diffusers' attention dispatcher backend for the families that run "
                                                  "diffusers' forward (Wan family, Helios, LTX-2, HunyuanVideo-1.5): "
@@ -87,6 +92,9 @@ class EngineConfig:
                                    "(pip install '.[gpu]') and --dtype bfloat16", choices=list(QUANTIZE))
     #: the compile's torch backend: not a flag (the tests' "eager" and "aot_eager" check the mechanism without
     #: inductor's C++ code generation, which takes about half a minute a graph on a small CPU)
+    cuda_graphs: bool = option(False, "with compile=blocks on CUDA, for live (causal) models: replay the compiled "
+                                      "blocks as CUDA graphs (torch.compile's reduce-overhead mode): a live chunk's "
+                                      "forwards have the same shapes from the first chunk on (engine/compile.py)")
     compile_backend: str = field(default="inductor", metadata={"group": "internal"})
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
@@ -159,6 +167,8 @@ class EngineConfig:
         parse_dtype(self.dtype)
         if self.vae_dtype is not None and self.vae_dtype not in VAE_DTYPES:
             raise ValueError(f"vae_dtype must be one of {', '.join(VAE_DTYPES)}; got {self.vae_dtype!r}")
+        if not isinstance(self.decoder, str) or not self.decoder:
+            raise ValueError(f"decoder must be vae, tiny or the path of a TAEHV weight file; got {self.decoder!r}")
         if self.cache is not None:
             from longserve.engine.cache import parse_cache
 

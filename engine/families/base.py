@@ -135,6 +135,8 @@ class VideoFamily:
     #: takes the `compile` and `quantize` engine options (engine/compile.py, engine/quantize.py): its workers compile
     #: / quantise their transformer's repeated blocks at load
     supports_compile: ClassVar[bool] = False
+    #: takes `cuda_graphs` (its compiled blocks replayed as CUDA graphs): shapes fixed from step to step
+    supports_cuda_graphs: ClassVar[bool] = False
     #: its attention runs through diffusers' dispatcher, so it takes `attention_backend` (engine/attention.py);
     #: else why not (a family without it takes only "native", which changes nothing)
     dispatcher_attention: ClassVar[bool] = False
@@ -198,6 +200,14 @@ class VideoFamily:
         return 0
 
     @classmethod
+    def check_decoder(cls, config, desc: ModelDescription, model_dir: Path) -> None:
+        """Refuse at start a `decoder` the family cannot use (ValueError naming it): only the live (causal) family
+        takes a small decoder."""
+        if config.decoder != "vae":
+            raise ValueError(f"decoder={config.decoder!r} is not available for {config.model!r} (a {desc.family} "
+                             f"model): the small decoder is for live (causal) models")
+
+    @classmethod
     def check_update(cls, desc: ModelDescription, spec: GenerationSpec, payload: dict) -> dict:
         """Validate a change to a running request (`VideoEngine.update`)."""
         raise RequestError("request", f"a {cls.name} request cannot be changed while it runs (live sessions of "
@@ -259,7 +269,8 @@ class VideoFamily:
             from longserve.engine.compile import compile_blocks
 
             for m in modules:
-                compile_blocks(denoisers.blocks(m), engine.compile_backend)
+                compile_blocks(denoisers.blocks(m), engine.compile_backend,
+                               "reduce-overhead" if engine.cuda_graphs else None)
         if denoisers.cache_units:
             from longserve.engine.cache import StepCache
 
