@@ -33,6 +33,7 @@ ATTENTION = ("auto", "sdpa", "xformers")
 VAE_DTYPES = ("float32", "bfloat16", "float16")
 LAUNCHERS = ("auto", "local", "torchrun")
 COMPILE = ("none", "blocks")
+VAE_SPLITS = ("items", "rows")
 QUANTIZE = ("none", "fp8")
 
 
@@ -71,6 +72,12 @@ class EngineConfig:
     vae_tiling: bool = option(False, "decode in the VAE's spatial tiles (diffusers' enable_tiling, default tile "
                                      "sizes): less VAE memory per worker, one Wan video's tiles spread over the "
                                      "workers; slower on one GPU")
+    vae_split: str = option("items", "how the workers share a VAE decode: items (whole videos per worker, or "
+                                     "diffusers' tiles with --vae-tiling: a lone untiled video decodes on one "
+                                     "worker) | rows (every frame's rows across the workers, their edge rows "
+                                     "exchanged per convolution: the untiled decode within float rounding, on N "
+                                     "workers; Wan family, HunyuanVideo-1.5, LTX-2; without --vae-tiling; "
+                                     "engine/vae_split.py)", choices=list(VAE_SPLITS))
     cache: str | None = option(None, "step caching for requests that do not set their own `cache`: a preset "
                                      "(first_block, mag) or JSON such as '{\"kind\": \"first_block\", "
                                      "\"threshold\": 0.1}' (diffusers' FirstBlockCache, or MagCache on the Wan "
@@ -166,6 +173,10 @@ class EngineConfig:
                 raise ValueError(f"cache must be a preset name or JSON text; got {type(self.cache).__name__}")
             if parse_cache(self.cache) is None:
                 object.__setattr__(self, "cache", None)        # "none" / "off": no caching
+        if self.vae_split not in VAE_SPLITS:
+            raise ValueError(f"vae_split must be one of {', '.join(VAE_SPLITS)}; got {self.vae_split!r}")
+        if self.vae_split == "rows" and self.vae_tiling:
+            raise ValueError("vae_split 'rows' decodes untiled frames: not with vae_tiling")
         if self.compile not in COMPILE:
             raise ValueError(f"compile must be one of {', '.join(COMPILE)}; got {self.compile!r}")
         from longserve.engine.compile import BACKENDS

@@ -214,6 +214,7 @@ class VideoFamily:
         self.plan = config.plan
         # decode in diffusers' spatial tiles (what `pipe.vae.enable_tiling()` does); off, as in diffusers
         self.vae_tiling = config.engine.vae_tiling
+        self.vae_split = config.engine.vae_split         # "rows": every frame's rows across the workers
         self.attention = "sdpa"
         self.cfg_groups = None
         self.lora = None                 # engine.lora.LoraSet, when the family loaded adapters
