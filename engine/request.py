@@ -134,6 +134,13 @@ class GenerationSpec:
     def use_cfg(self) -> bool:
         return self.guidance_scale > 1.0
 
+    def cfg_at(self, step: int) -> bool:
+        """Does denoising step `step` (0-based) run the unconditional branch? Under CFG, unless the request's
+        `cfg_trunc_ratio` option (diffusers' Lumina2Pipeline semantics) truncates it: step i of N runs without it
+        once (i + 1) / N > ratio. 1.0, or no option: every step (exact)."""
+        ratio = self.options.get("cfg_trunc_ratio", 1.0)
+        return self.use_cfg and (step + 1) / self.num_inference_steps <= ratio
+
     def params(self) -> dict:
         """The generation parameters of a one-prompt request as plain data (what the server stores)."""
         return {"num_frames": self.num_frames, "height": self.height, "width": self.width,
