@@ -316,4 +316,7 @@ def complete_request(request: "RequestInput | GenerationSpec", family, desc: "Mo
     spec.lora = lora.check_request(spec.lora, config.loras)                 # any family: the engine loaded them
     if config.cache is not None and "cache" not in spec.options:           # the engine's default step caching
         spec = dataclasses.replace(spec, options={**spec.options, "cache": config.cache})
+    if config.cfg_trunc_ratio is not None and "cfg_trunc_ratio" not in spec.options \
+            and "cfg_trunc_ratio" in desc.options:                          # the engine's default CFG truncation
+        spec = dataclasses.replace(spec, options={**spec.options, "cfg_trunc_ratio": config.cfg_trunc_ratio})
     return family.check_request(desc, spec)
