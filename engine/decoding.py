@@ -167,14 +167,20 @@ class FrameStream:
 class WanVAEDecoder:
     """A Wan VAE (`AutoencoderKLWan`) path: one request's normalised latents, in time order, decoded across the
     workers by engine/causal_vae.py's `StreamingVAEDecoder` (carrying the causal cache between calls), untiled as
-    diffusers' Wan pipelines decode or in diffusers' default tiles (`vae.enable_tiling()`) with `tiling`."""
+    diffusers' Wan pipelines decode or in diffusers' default tiles (`vae.enable_tiling()`) with `tiling`; split "rows":
+    every frame's rows across the workers (engine/vae_split.py's `RowSplitWanDecoder`; a frame with fewer latent rows
+    than workers falls back to the item split)."""
 
-    def __init__(self, pipe, pg, latents: torch.Tensor, tiling: bool, output: str):
+    def __init__(self, pipe, pg, latents: torch.Tensor, tiling: bool, output: str, split: str = "items"):
         from longserve.engine.causal_vae import StreamingVAEDecoder, VAETiling
+        from longserve.engine.vae_split import RowSplitWanDecoder, split_rows_fits
 
         B, _, _, h, w = latents.shape
         self.vae, self.processor, self.output = pipe.vae, pipe.video_processor, output
-        self.stream = StreamingVAEDecoder(pipe.vae, pg, B, h, w, tiling=VAETiling() if tiling else None)
+        if split == "rows" and not tiling and split_rows_fits(h, pg.world_size):
+            self.stream = RowSplitWanDecoder(pipe.vae, pg, B, h, w)
+        else:
+            self.stream = StreamingVAEDecoder(pipe.vae, pg, B, h, w, tiling=VAETiling() if tiling else None)
 
     def decode(self, latents: torch.Tensor, keep: slice):
         with torch.no_grad():

@@ -135,6 +135,13 @@ class GenerationSpec:
     def use_cfg(self) -> bool:
         return self.guidance_scale > 1.0
 
+    def cfg_at(self, step: int) -> bool:
+        """Does denoising step `step` (0-based) run the unconditional branch? Under CFG, unless the request's
+        `cfg_trunc_ratio` option (diffusers' Lumina2Pipeline semantics) truncates it: step i of N runs without it
+        once (i + 1) / N > ratio. 1.0, or no option: every step (exact)."""
+        ratio = self.options.get("cfg_trunc_ratio", 1.0)
+        return self.use_cfg and (step + 1) / self.num_inference_steps <= ratio
+
     def to_params(self) -> dict:
         """The generation parameters of a one-prompt request as plain data (what the server stores), read back by
         `from_params`. `live` is kept among the options, where the records written before it was a field hold it
@@ -319,4 +326,7 @@ def complete_request(request: "RequestInput | GenerationSpec", family, desc: "Mo
     spec.lora = lora.check_request(spec.lora, config.loras)                 # any family: the engine loaded them
     if config.cache is not None and "cache" not in spec.options:           # the engine's default step caching
         spec = dataclasses.replace(spec, options={**spec.options, "cache": config.cache})
+    if config.cfg_trunc_ratio is not None and "cfg_trunc_ratio" not in spec.options \
+            and "cfg_trunc_ratio" in desc.options:                          # the engine's default CFG truncation
+        spec = dataclasses.replace(spec, options={**spec.options, "cfg_trunc_ratio": config.cfg_trunc_ratio})
     return family.check_request(desc, spec)

@@ -11,6 +11,11 @@ batched forwards (any phase: a row's timestep, prompt and cache are its own):
     step n        the context pass: model(x0, context_noise) writes the chunk's K/V into the cache
                   (skipped after the last chunk); then the next chunk starts from fresh noise
 
+Inside the loop nothing waits for the device: a chunk's noises (its start and each step's) are drawn
+at its start from the request's CPU generator (the same video from a seed on any device) into one
+pinned buffer and moved without a sync; timesteps are made on the device; RoPE rows are built there
+(engine/models/causal.py); the device is waited for only in bench's timing mode (`TIMED_STAGES_ENV`).
+
 Prompts: a request starts with prompt index 0. `options["prompt_schedule"]` ([[chunk, prompt],
 ...], the first at chunk 0) switches at the listed chunks; `update(prompt=..., prompt_index=...)`
 (the scheduler numbers and holds switches, one per request, until `switch_ready`: a chunk's start
@@ -47,6 +52,8 @@ the latents of the cached frames (for a recache), the current chunk, and the str
 from __future__ import annotations
 
 import math
+import operator
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +80,9 @@ from longserve.engine.parallel import ParallelPlan
 from longserve.engine.request import GenerationSpec, RequestError
 
 CAUSAL_CONFIG_FILE = "causal_config.json"
+#: set to 1 by `bench` (timing mode): the loop then waits for the device after each step and around a recache,
+#: so `timings["transformer_s"]` holds the kernels' time; otherwise it never syncs inside the loop
+TIMED_STAGES_ENV = "LONGSERVE_TIMED_STAGES"
 OPTIONS = ("prompt_schedule", "image")
 
 
@@ -104,6 +114,7 @@ class CausalRequest(WorkerRequest):
     phase: int = 0                                  # its next forward: 0..n-1 denoise, n context pass
     x: torch.Tensor = None                          # the chunk's noisy latents (B, C, fb, h, w), float32
     x0: torch.Tensor = None                         # the chunk once final
+    noise: torch.Tensor = None                      # the chunk's noises, drawn at its start (n, B, C, fb, h, w)
     texts: dict = field(default_factory=dict)       # prompt index -> (B, L, C_text): the current and scheduled
     prompt_index: int = 0
     schedule: dict = field(default_factory=dict)    # chunk -> prompt index (the request's prompt_schedule)
@@ -123,6 +134,8 @@ class CausalWanFamily(WanParts, VideoFamily):
     auto_plan = "sequence"
     pipeline_classes = frozenset()          # claimed by causal_config.json, not by model_index.json
     supports_lora = False                   # its own step and cached attention: no per-row adapters
+    supports_compile = True                 # regional compile: the cached attention runs eager between graphs
+    supports_cuda_graphs = True             # and those graphs replayed: a chunk's shapes never change
     dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache with per-row masks "
                                  "(PyTorch SDPA), which diffusers' dispatcher does not run")
 
@@ -196,6 +209,14 @@ class CausalWanFamily(WanParts, VideoFamily):
         return spec
 
     @classmethod
+    def check_decoder(cls, config, desc: ModelDescription, model_dir: Path) -> None:
+        """`decoder` "tiny" or a TAEHV file: it must load and take this model's latents (ValueError naming it)."""
+        if config.decoder != "vae":
+            from longserve.engine.small_decoder import open_small_decoder
+
+            open_small_decoder(config.decoder, model_dir)
+
+    @classmethod
     def check_update(cls, desc: ModelDescription, spec: GenerationSpec, payload: dict) -> dict:
         unknown = sorted(set(payload) - {"prompt", "stop"})
         if unknown or not payload:
@@ -249,13 +270,42 @@ class CausalWanFamily(WanParts, VideoFamily):
         self.pipe = diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                                           vae=vae, scheduler=scheduler)
         self.pipe.set_progress_bar_config(disable=True)
-        # no FP8, compile or step caching: its own KV-cached forward (engine/models/causal.py)
-        self.model, = self.load_denoisers(Denoisers((transformer,)))
+        # compile (and FP8) of diffusers' blocks; no step caching: its own KV-cached forward (engine/models/causal.py),
+        # whose cached attention is a deliberate graph break in a compiled block
+        self.model, = self.load_denoisers(Denoisers((transformer,), blocks=operator.attrgetter("blocks")))
         self.vae_spatial, self.vae_temporal = vae_factors(dict(vae.config))
         self.set_plan(config.plan)        # Ulysses over every worker, no CFG-parallel (resolve_plan)
+        self.timed = os.environ.get(TIMED_STAGES_ENV) == "1"
+        self.small_decoder = None
+        if config.engine.decoder != "vae":        # the live frames through a small decoder (rank 0 decodes them)
+            from longserve.engine.small_decoder import open_small_decoder
+
+            self.small_decoder = open_small_decoder(config.engine.decoder, model_dir).to(
+                device, self.component_dtypes()["vae"])
+
+    def component_dtypes(self) -> dict:
+        """As the Wan family's, but the VAE defaults to bfloat16 on CUDA: a live stream decodes every chunk, and
+        bf16 halves its cost within bf16 rounding (tests/engine/test_causal_vae.py); float32 stays the CPU's."""
+        dtypes = super().component_dtypes()
+        if self.config.engine.vae_dtype is None and self.pg.device.type == "cuda":
+            dtypes["vae"] = torch.bfloat16
+        return dtypes
+
+    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor):
+        if self.small_decoder is not None:
+            from longserve.engine.small_decoder import SmallDecoderPath
+
+            return SmallDecoderPath(self.small_decoder, self.pg.rank, spec.output)
+        return super().vae_decoder(spec, latents)
+
+    def _timed_sync(self) -> None:
+        if self.timed:
+            sync_cuda()
 
     def shard(self, denoiser):
-        return CausalWan(denoiser, self.cfg)
+        model = CausalWan(denoiser, self.cfg)
+        model.cuda_graphs = self.config.engine.cuda_graphs
+        return model
 
     # -- a request ----------------------------------------------------------------------------------
 
@@ -324,9 +374,16 @@ class CausalWanFamily(WanParts, VideoFamily):
             return ("causal", "done")
         return ("causal", *(r.x if r.x is not None else r.x0).shape[1:])
 
-    def _noise(self, r: CausalRequest) -> torch.Tensor:
-        return torch.randn(r.x0.shape if r.x is None else r.x.shape, generator=r.generator,
-                           dtype=torch.float32).to(self.pg.device)
+    def _chunk_noise(self, r: CausalRequest, shape: tuple) -> torch.Tensor:
+        """Every noise a chunk takes, drawn at its start: its starting latents and one per denoising step but the
+        last, (n, *shape). Drawn in the order and sizes the steps used to draw them, from the request's CPU
+        generator (a seed makes the same video on any device), into one pinned buffer moved without a sync."""
+        n = len(self.cfg.timesteps)
+        pin = self.pg.device.type == "cuda"
+        noise = torch.empty((n, *shape), dtype=torch.float32, pin_memory=pin)
+        for i in range(n):
+            torch.randn(shape, generator=r.generator, out=noise[i])
+        return noise.to(self.pg.device, non_blocking=pin)
 
     def _start_chunk(self, r: CausalRequest) -> None:
         """A new chunk from fresh noise, under the prompt that applies from it (a switch recaches first)."""
@@ -339,8 +396,8 @@ class CausalWanFamily(WanParts, VideoFamily):
         r.pending_prompt = None
         B, C = r.spec.batch_size, self.pipe.transformer.config.in_channels
         h, w = r.spec.height // self.vae_spatial, r.spec.width // self.vae_spatial
-        r.x = torch.randn((B, C, self.cfg.frames_per_block, h, w), generator=r.generator,
-                          dtype=torch.float32).to(self.pg.device)
+        r.noise = self._chunk_noise(r, (B, C, self.cfg.frames_per_block, h, w))
+        r.x = r.noise[0]
         r.phase = 0
         r.batch_key = self.batch_key(r)
 
@@ -354,7 +411,7 @@ class CausalWanFamily(WanParts, VideoFamily):
         order = sorted((f, s) for s, f in enumerate(r.caches[0].slot_frame) if f >= 0)
         if not order:
             return
-        sync_cuda()
+        self._timed_sync()
         t0 = time.perf_counter()
         latents = r.clean[:, :, [s for _, s in order]]                    # (B, C, P, h, w), oldest first
         for c in r.caches:
@@ -368,7 +425,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                 self.model(part.to(self.dtype), t, text, self.sp, r.caches, [index] * B, [True] * B)
                 for i in range(part.shape[2]):
                     r.clean[:, :, r.caches[0].slot_of(g + i)] = part[:, :, i]
-        sync_cuda()
+        self._timed_sync()
         r.timings["transformer_s"] += time.perf_counter() - t0
 
     def step(self, reqs: list[CausalRequest]) -> None:
@@ -380,20 +437,21 @@ class CausalWanFamily(WanParts, VideoFamily):
             B = r.spec.batch_size
             context = r.phase == n
             xs.append((r.x0 if context else r.x).to(self.dtype))
-            ts.append(torch.full((B,), cfg.context_noise if context else cfg.timesteps[r.phase]))
+            ts.append(torch.full((B,), cfg.context_noise if context else cfg.timesteps[r.phase],
+                                 device=self.pg.device))
             texts.append(r.texts[r.prompt_index].expand(B, -1, -1))
             caches += r.caches
             versions += [r.prompt_index] * B
             writes += [context] * B
         with torch.no_grad():
-            out = self.model(torch.cat(xs), torch.cat(ts).to(self.pg.device), torch.cat(texts), self.sp, caches,
+            out = self.model(torch.cat(xs), torch.cat(ts), torch.cat(texts), self.sp, caches,
                              versions, writes).float()
         rows = 0
         for r in reqs:
             pred = out[rows:rows + r.spec.batch_size]
             rows += r.spec.batch_size
             self._advance(r, pred)
-        sync_cuda()
+        self._timed_sync()
         elapsed = time.perf_counter() - t0
         for r in reqs:
             r.timings["transformer_s"] += elapsed / len(reqs)
@@ -405,7 +463,7 @@ class CausalWanFamily(WanParts, VideoFamily):
             x0 = r.x - cfg.sigma(cfg.timesteps[r.phase]) * pred
             if r.phase < n - 1:
                 s = cfg.sigma(cfg.timesteps[r.phase + 1])
-                r.x = (1 - s) * x0 + s * self._noise(r)
+                r.x = (1 - s) * x0 + s * r.noise[r.phase + 1]
                 r.phase += 1
             else:
                 r.x0, r.x = x0, None
@@ -424,7 +482,7 @@ class CausalWanFamily(WanParts, VideoFamily):
             r.x0 = None
             self._start_chunk(r)
         if r.denoised:
-            r.x = r.x0 = None
+            r.x = r.x0 = r.noise = None
         r.batch_key = self.batch_key(r) if r.x is not None or r.x0 is not None else ("causal", "done")
 
     def update(self, r: CausalRequest, payload: dict) -> dict:
@@ -455,7 +513,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                                                                             self.vae_temporal, r.lead))
             r.latent_frames = min(r.latent_frames, r.lead + chunks * self.cfg.frames_per_block)
             if r.denoised:                       # phase n: the chunk was final already
-                r.x = r.x0 = None
+                r.x = r.x0 = r.noise = None
                 r.batch_key = ("causal", "done")
         return {"progress": r.progress(), **info}
 

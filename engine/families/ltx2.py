@@ -582,25 +582,32 @@ class LTX2Decoder:
 
     def decode(self, latents: torch.Tensor, keep: slice):
         fam = self.family
-        if fam.pg.rank != 0:
+        rows = fam.vae_split == "rows" and fam.pg.world_size > 1     # every rank decodes its band of the rows
+        if fam.pg.rank != 0 and not rows:
             return None
         from longserve.engine.decoding import to_pixels
         from longserve.engine.ltx2_vae import LTX2WindowedDecode
+        from longserve.engine.vae_split import RowSplit, split_rows_fits
 
         pipe, r = fam.pipe, self.r
         with torch.no_grad():
-            if self.start == 0 and r.spec.options.get("audio", True):   # the sound first, with the first frames
+            if self.start == 0 and r.spec.options.get("audio", True) and fam.pg.rank == 0:   # the sound first
                 r.frames.audio = Sound(fam.decode_audio(r), fam.desc.facts.audio_rate)
             if self.window is None:
                 clip = r.clip.to(pipe.vae.dtype)
                 timestep = None
                 if pipe.vae.config.timestep_conditioning:
                     timestep = torch.zeros(clip.shape[0], device=clip.device, dtype=clip.dtype)
-                self.window = LTX2WindowedDecode(pipe.vae, clip, timestep, fam.vae_halos)
+                split = RowSplit(fam.pg, clip.shape[3]) if rows and split_rows_fits(clip.shape[3],
+                                                                                     fam.pg.world_size) else None
+                if fam.pg.rank != 0 and split is None:
+                    self.start += latents.shape[2]
+                    return None
+                self.window = LTX2WindowedDecode(pipe.vae, clip, timestep, fam.vae_halos, rows=split)
             a = self.start
             self.start += latents.shape[2]
             video = self.window.decode(a, self.start)
-        return to_pixels(video[:, :, keep], pipe.video_processor, r.spec.output)
+        return None if video is None else to_pixels(video[:, :, keep], pipe.video_processor, r.spec.output)
 
     def close(self) -> None:
         self.window, self.r.clip = None, None          # the clip is handed out: its latents are not kept
