@@ -70,3 +70,17 @@ class DecodedChunk:
     progress: Progress
     timings: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)     # the family's (a causal model: chunk index, prompt index)
+
+
+@dataclass(frozen=True)
+class LiveTick:
+    """What `live_tick` (a decode and the steps beside it, engine/live_loop.py) reports from one rank: rank 0 the
+    steps' result and the chunk's place (`decoded`, its frames None unless rank 0 decoded them), the lane rank the
+    frames and its decode's seconds. The coordinator puts the two together (`engine.core`)."""
+
+    step: StepResult | None = None
+    decoded: DecodedChunk | None = None
+    frames: object = None
+    vae_s: float = 0.0
+    vae_total_s: float = 0.0           # the lane's VAE seconds for the request so far (its `timings["vae_s"]`)
+    lane: bool = False                 # this rank decoded (its frames and vae_s are the chunk's)

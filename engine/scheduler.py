@@ -31,7 +31,9 @@ One iteration's decision (`schedule()`), in the order the engine core carries it
    sessions that run for minutes never keep a video waiting for a slot (issue 32).
 3. `decode`: one chunk of at most `decode_chunk_frames` frames of the oldest request that
    has final frames not yet decoded, so a long VAE decode is spread over several
-   boundaries and never stalls the others' steps for long.
+   boundaries and never stalls the others' steps for long. Outside the serial live loop
+   (`live_loop`) the engine core runs it in the same job as the step, on a decode lane
+   beside the steps (engine/live_lane.py), so it does not hold the step to one step.
 4. `step`: the batch and how many steps it runs -- ONE, or, while nothing else could
    happen at the boundaries in between (nobody waits or was just admitted, nothing is
    cancelled or has frames to decode, no other batch takes turns), up to
@@ -187,6 +189,7 @@ class Scheduler:
         self.max_waiting = config.max_queue
         self.decode_chunk_frames = config.decode_chunk_frames
         self.max_steps_per_job = config.max_steps_per_job
+        self.overlap = config.live_loop != "serial"
         self.kv_budget = config.live_kv_budget_bytes
         if self.kv_budget is None:            # a quarter of a worker's memory (engine/memory.py)
             from longserve.engine.memory import default_live_kv_budget
@@ -350,7 +353,10 @@ class Scheduler:
                 out.decode_frames = self.decode_chunk_frames
             batch = self._select_batch_locked(stepping)
             if batch:
-                quiet = (not self._waiting and not out.admit and out.decode is None and not out.update
+                # outside the serial live loop a decode runs beside the steps (engine/live_lane.py): no reason to
+                # run fewer of them
+                quiet = (not self._waiting and not out.admit and (out.decode is None or self.overlap)
+                         and not out.update
                          and not any(r.updates or r.held_prompt for r in stepping)
                          and all(r in batch for r in stepping))
                 steps = 1 if not quiet else max(1, min(self.max_steps_per_job,

@@ -436,14 +436,21 @@ class VideoFamily:
 
     # -- helpers the families share ----------------------------------------------------------
 
+    @property
+    def text_group(self):
+        """The ranks that take part in `broadcast_from_first`: every worker (a family whose ranks do not all need
+        the embeddings narrows it: the causal family's pipelined loop, whose decode rank runs no transformer)."""
+        return self.pg
+
     def broadcast_from_first(self, make):
         """Run `make()` on rank 0 only (e.g. the text encoder, loaded there alone) and share its result.
 
         When `make` fails (a tokenizer that cannot take the text, an image the encoder refuses), rank 0 shares the
         failure instead, and every rank raises `EncodeRefused` after the broadcast: no rank is left waiting in it,
         so the failure is the request's alone. Running out of memory is raised as it is (the pool's failure model)."""
+        pg = self.text_group
         value = None
-        if self.pg.rank == 0:
+        if pg.rank == 0:
             try:
                 value = make()
             except Exception as e:  # noqa: BLE001 - shared with the other ranks, raised on all
@@ -453,7 +460,7 @@ class VideoFamily:
                     raise
                 log.warning("rank 0 could not encode a request's inputs", exc_info=True)   # the log keeps it, once
                 value = _Refused(f"{type(e).__name__}: {public_message(str(e))}", getattr(e, "field", None))
-        value = comm.broadcast_object(value, self.pg)
+        value = comm.broadcast_object(value, pg)
         if isinstance(value, _Refused):
             raise EncodeRefused(value.message, value.field)
         return value

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from longserve.engine.config import EngineConfig, FamilyFacts, ModelDescription
-from longserve.engine.decoding import FramesPolicy, decoded_frames
+from longserve.engine.decoding import FramesPolicy, WanVAEDecoder, decoded_frames
 from longserve.engine.families.base import (
     Denoisers,
     VideoFamily,
@@ -67,6 +67,8 @@ from longserve.engine.families.base import (
 )
 from longserve.engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
 from longserve.engine.images import as_rgb_array, to_pil
+from longserve.engine.live_frames import FrameSlots
+from longserve.engine.live_loop import loop_roles, solo_group
 from longserve.engine.models.causal import CausalConfig, CausalWan, KVCache
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.request import GenerationSpec, RequestError
@@ -220,7 +222,8 @@ class CausalWanFamily(WanParts, VideoFamily):
 
         f = desc.facts
         tokens = (spec.height // f.vae_spatial // f.patch[1]) * (spec.width // f.vae_spatial // f.patch[2])
-        per_video = KVCache.nbytes(f.config, f.layers, tokens, math.ceil(desc.heads / config.workers), desc.heads,
+        denoisers = loop_roles(config.live_loop, config.workers).denoisers     # pipelined: not the decode rank
+        per_video = KVCache.nbytes(f.config, f.layers, tokens, math.ceil(desc.heads / len(denoisers)), desc.heads,
                                    f.head_dim, MAX_SEQUENCE_LENGTH, parse_dtype(config.dtype).itemsize)
         return per_video * spec.batch_size
 
@@ -254,7 +257,48 @@ class CausalWanFamily(WanParts, VideoFamily):
         # no FP8, compile or step caching: its own KV-cached forward (engine/models/causal.py)
         self.model, = self.load_denoisers(Denoisers((transformer,)))
         self.vae_spatial, self.vae_temporal = vae_factors(dict(vae.config))
-        self.set_plan(config.plan)        # Ulysses over every worker, no CFG-parallel (resolve_plan)
+        self.slots = FrameSlots()         # a chunk's uint8 frames leave through shared memory (engine/live_frames.py)
+        self.lane = None                  # the decode lane, on the rank that decodes outside the serial loop
+        self.set_plan(config.plan)        # Ulysses over the denoising workers, no CFG-parallel (resolve_plan)
+
+    def set_plan(self, plan) -> None:
+        """The live loop's roles (engine/live_loop.py), then Ulysses over the ranks that run the transformer: every
+        worker, or in the pipelined loop all but the last, which decodes (collective: `new_group` is)."""
+        import torch.distributed as dist
+
+        from longserve.engine.live_lane import DecodeLane
+        from longserve.engine.live_loop import lane_threads
+        from longserve.engine.parallel import make_sequence_parallel
+
+        self.roles = loop_roles(self.config.engine.live_loop, self.pg.world_size)
+        if self.roles.transfer:
+            ranks = list(self.roles.denoisers)
+            group = dist.new_group(ranks)
+            self.tpg = self.pg.subgroup(ranks, group) if self.pg.rank in ranks else None
+            self.sp = None if self.tpg is None else make_sequence_parallel(
+                self.tpg, plan.name, plan.ulysses_degree, attention_backend=self.config.engine.attention_backend)
+            self.cfg_groups, self.sp_cfg, self.plan = None, None, plan
+        else:
+            super().set_plan(plan)
+            self.tpg = self.pg
+        if self.pg.rank == self.roles.lane and self.lane is None:
+            self.lane = DecodeLane(self.pg.device, lane_threads())
+
+    @property
+    def text_group(self):
+        return self.tpg
+
+    @property
+    def decode_only(self) -> bool:
+        """This rank only decodes (the pipelined loop's last): no transformer, no text, no KV cache."""
+        return self.roles.transfer and self.pg.rank == self.roles.lane
+
+    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor) -> WanVAEDecoder:
+        """The Wan VAE's streaming decode (across the workers in the serial loop; on the lane's rank alone
+        otherwise), whose frames leave as uint8 in a shared-memory slot unless the request wants latents."""
+        pg = self.pg if self.roles.lane is None else solo_group(self.pg)
+        slots = self.slots if spec.output in ("np", "uint8") else None
+        return WanVAEDecoder(self.pipe, pg, latents, self.vae_tiling, spec.output, slots)
 
     def shard(self, denoiser):
         return CausalWan(denoiser, self.cfg)
@@ -293,6 +337,19 @@ class CausalWanFamily(WanParts, VideoFamily):
         with torch.no_grad():
             self.model(latent.to(self.dtype), t, text, self.sp, r.caches, [r.prompt_index] * B, [True] * B)
         r.clean[:, :, r.caches[0].slot_of(0)] = latent[:, :, 0].float()
+
+    def admit(self, spec: GenerationSpec) -> CausalRequest:
+        if not self.decode_only:
+            return super().admit(spec)
+        # the decode rank holds the request's frame stream alone: its chunks come from rank 0 (engine/live_loop.py)
+        cfg = self.cfg
+        latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
+        lead = int(spec.options.get("image") is not None)
+        num_chunks = -(-(latent_frames - lead) // cfg.frames_per_block)
+        return CausalRequest(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=("causal", "lane"),
+                             num_frames=spec.num_frames, cfg=cfg, num_chunks=num_chunks, latent_frames=latent_frames,
+                             lead=lead, frames=self.frame_stream(spec, spec.num_frames,
+                                                                 FramesPolicy(self.vae_temporal, whole=True)))
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, image_latent: torch.Tensor = None) -> CausalRequest:
         cfg = self.cfg
@@ -375,6 +432,8 @@ class CausalWanFamily(WanParts, VideoFamily):
 
     def step(self, reqs: list[CausalRequest]) -> None:
         """One forward for every request's rows (each at its own phase), then each request's update."""
+        if self.decode_only:
+            return
         t0 = time.perf_counter()
         n, cfg = len(self.cfg.timesteps), self.cfg
         xs, ts, texts, caches, versions, writes = [], [], [], [], [], []
@@ -432,6 +491,8 @@ class CausalWanFamily(WanParts, VideoFamily):
     def update(self, r: CausalRequest, payload: dict) -> dict:
         """A new prompt (applied at the next chunk boundary; at once when no forward of the current chunk ran
         yet) or stop (after the chunk being made). Returns the progress and, for a prompt, where it applies."""
+        if self.decode_only:            # a stop's frame limit comes with the chunks (engine/live_loop.py)
+            return {"progress": r.progress()}
         info = {}
         if "prompt" in payload:
             index = payload.get("prompt_index", r.prompt_index + 1)    # the scheduler's numbering
