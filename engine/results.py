@@ -20,6 +20,7 @@ class Progress:
     model: int = 0             # which of the family's denoisers its next step uses (Wan 2.2: the expert)
     switch_ready: bool = True  # a prompt switch sent now applies at once (a causal request at a chunk's start,
                                # with no switch applied in that chunk yet); the scheduler holds it until then
+    chunk_steps: int = 0       # a chunk loop's forwards per chunk (outside the serial live loop: a job's length)
 
 
 class EncodeRefused(Exception):

@@ -118,6 +118,7 @@ class ScheduledRequest:
     held_prompt: dict | None = None            # the prompt switch waiting for `switch_ready` (one at most)
     prompts: int = 1                           # prompt indexes given out: the next switch's is this one
     switch_ready: bool = True                  # its last progress: a switch sent now applies at once
+    chunk_steps: int = 0                       # a chunk loop's forwards per chunk (0: not a chunk loop)
     last_stepped: int = -1                     # the boundary of its last denoising batch (sessions take turns)
     timings: dict = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.time)
@@ -143,6 +144,7 @@ class ScheduledRequest:
         self.steps_done, self.batch_key, self.decodable = p.steps_done, tuple(p.batch_key), p.decodable
         self.model = p.model
         self.switch_ready = p.switch_ready
+        self.chunk_steps = p.chunk_steps
         if p.num_steps is not None:
             self.num_steps = p.num_steps
         if p.num_frames is not None:
@@ -359,8 +361,10 @@ class Scheduler:
                          and not out.update
                          and not any(r.updates or r.held_prompt for r in stepping)
                          and all(r in batch for r in stepping))
-                steps = 1 if not quiet else max(1, min(self.max_steps_per_job,
-                                                       *(r.num_steps - r.steps_done for r in batch)))
+                # outside the serial loop a chunk's forwards go in one job (it ends at the next chunk's start)
+                limit = max(self.max_steps_per_job, *(r.chunk_steps for r in batch)) if self.overlap \
+                    else self.max_steps_per_job
+                steps = 1 if not quiet else max(1, min(limit, *(r.num_steps - r.steps_done for r in batch)))
                 out.step = StepPlan(batch, steps)
                 self._boundary += 1
                 for r in batch:

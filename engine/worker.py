@@ -94,11 +94,16 @@ def step(ctx, request_ids: list[str], max_steps: int = 1) -> StepResult:
     family = ctx.state["family"]
     t0 = time.perf_counter()
     progress = []
+    # outside the serial live loop a chunk loop's job ends at a chunk's start, its final chunk decoded in the next
+    # job beside the next chunk's forwards (engine/live_loop.py), not as soon as it is final
+    roles = getattr(family, "roles", None)
+    overlap = roles is not None and roles.lane is not None
     for _ in range(max_steps):
         key = reqs[0].batch_key
         family.step(reqs)
         progress.append({r.spec.request_id: r.progress() for r in reqs})
-        if any(r.denoised or r.decodable() or r.batch_key != key for r in reqs):
+        if any(r.denoised or r.batch_key != key or (r.chunk_start() if overlap and r.chunk_steps() else
+                                                    r.decodable()) for r in reqs):
             break
     from longserve.engine.compile import compiled_graphs
 

@@ -115,6 +115,12 @@ class CausalRequest(WorkerRequest):
     def switch_ready(self) -> bool:
         return self.phase == 0 and not self.denoised and self.switched_chunk != self.chunk
 
+    def chunk_steps(self) -> int:
+        return self.cfg.steps_per_chunk
+
+    def chunk_start(self) -> bool:
+        return self.phase == 0 and not self.denoised
+
 
 class CausalWanFamily(WanParts, VideoFamily):
     """Self-Forcing / LongLive / CausVid-style checkpoints on diffusers' `WanTransformer3DModel`."""
@@ -509,15 +515,17 @@ class CausalWanFamily(WanParts, VideoFamily):
                 info = {"prompt_index": index, "chunk": r.chunk + 1}
         if payload.get("stop") and not r.denoised:
             # the chunk being made is the last (at a boundary: the one about to start, so that a chunk always
-            # follows a stop and ends the request); a final chunk's context pass is not needed
+            # follows a stop and ends the request; or, outside the serial live loop, where the chunk before it is
+            # still to be decoded beside it, that one); a final chunk's context pass is not needed
             n = len(self.cfg.timesteps)
-            chunks = r.chunk + 1
+            pending = r.phase == 0 and r.chunk > 0 and r.decodable()
+            chunks = r.chunk + (0 if pending else 1)
             r.num_chunks = chunks
-            r.num_steps = r.steps_done + (n - r.phase)
+            r.num_steps = r.steps_done + (0 if pending else n - r.phase)
             r.num_frames = r.frames.limit = min(r.num_frames, chunk_frames(chunks, self.cfg.frames_per_block,
                                                                             self.vae_temporal, r.lead))
             r.latent_frames = min(r.latent_frames, r.lead + chunks * self.cfg.frames_per_block)
-            if r.denoised:                       # phase n: the chunk was final already
+            if r.denoised:                       # phase n (or a pending chunk): the chunk was final already
                 r.x = r.x0 = None
                 r.batch_key = ("causal", "done")
         return {"progress": r.progress(), **info}
