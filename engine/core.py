@@ -229,8 +229,13 @@ class EngineCore:
             return        # aborted meanwhile: released (its final output) at the next boundary
         done = self.scheduler.decoded(req, chunk)
         # a live chunk's frames come as uint8 in a worker's shared-memory slot: read (and made "np") here, at the edge
-        req.stream.put(FramesChunk(req.id, frames_out(chunk.frames, req.spec.output), chunk.start, chunk.stop,
-                                   chunk.num_frames, chunk.vae_s, chunk.info))
+        t0 = time.perf_counter()
+        frames = frames_out(chunk.frames, req.spec.output)
+        req.edge_s += time.perf_counter() - t0
+        if "transfer_s" in req.timings or req.edge_s:    # the workers' hand-over (pipelined) and this read
+            req.timings["transfer_s"] = req.timings.get("transfer_s", 0.0) + req.edge_s
+        req.stream.put(FramesChunk(req.id, frames, chunk.start, chunk.stop, chunk.num_frames, chunk.vae_s,
+                                   chunk.info))
         if done:
             self._release([req.id])
             req.stream.put(Finished(req.id, dict(req.timings)))

@@ -66,7 +66,9 @@ def begin_decode(family, ctx, req, max_frames: int) -> PendingDecode:
     """Take `req`'s next chunk from its stream on every rank; on the lane rank, start decoding it on the lane."""
     roles, rank = family.roles, ctx.pg.rank
     if roles.transfer and rank in (0, roles.lane):
+        t0 = time.perf_counter()
         _hand_over(req, rank, roles.lane, ctx.pg.device)
+        req.timings["transfer_s"] = req.timings.get("transfer_s", 0.0) + time.perf_counter() - t0
     start = req.decoded_frames
     run = req.frames.take(max_frames)
     req.decoded_frames = req.frames.frames_out

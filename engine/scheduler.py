@@ -119,6 +119,7 @@ class ScheduledRequest:
     prompts: int = 1                           # prompt indexes given out: the next switch's is this one
     switch_ready: bool = True                  # its last progress: a switch sent now applies at once
     chunk_steps: int = 0                       # a chunk loop's forwards per chunk (0: not a chunk loop)
+    edge_s: float = 0.0                        # the coordinator's reads of its frames (shared memory, "np")
     last_stepped: int = -1                     # the boundary of its last denoising batch (sessions take turns)
     timings: dict = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.time)
