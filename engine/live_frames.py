@@ -77,10 +77,13 @@ class FrameSlots:
             seg = self._segments[i]
             if seg is None or seg.size < frames.numel():
                 if seg is not None:
+                    _unpin(seg)
                     seg.close()
                     seg.unlink()
                 seg = self._segments[i] = shared_memory.SharedMemory(create=True, size=max(1, frames.numel()))
         target = torch.from_numpy(np.ndarray(tuple(frames.shape), np.uint8, buffer=seg.buf))
+        if frames.is_cuda:
+            _pin(seg)
         target.copy_(frames)          # the device -> host copy lands in the slot itself
         del target
         return SharedFrames(seg.name, tuple(frames.shape))
@@ -90,11 +93,37 @@ class FrameSlots:
             for seg in self._segments:
                 if seg is not None:
                     try:
+                        _unpin(seg)
                         seg.close()
                         seg.unlink()
                     except (FileNotFoundError, BufferError):
                         pass
             self._segments = [None] * len(self._segments)
+
+
+_pinned: set[str] = set()
+
+
+def _pin(seg: shared_memory.SharedMemory) -> None:
+    """Page-lock a slot for CUDA (once): the device -> host copy then goes by DMA, as into a pinned buffer. Where
+    the driver refuses, the copy still works, through a staging buffer (not measured here: no GPU on this machine)."""
+    if seg.name in _pinned:
+        return
+    ptr = torch.frombuffer(seg.buf, dtype=torch.uint8).data_ptr()
+    try:
+        if torch.cuda.cudart().cudaHostRegister(ptr, seg.size, 0) == 0:
+            _pinned.add(seg.name)
+    except Exception:  # noqa: BLE001 - pinning is an optimisation
+        pass
+
+
+def _unpin(seg: shared_memory.SharedMemory) -> None:
+    if seg.name in _pinned:
+        _pinned.discard(seg.name)
+        try:
+            torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(seg.buf, dtype=torch.uint8).data_ptr())
+        except Exception:  # noqa: BLE001
+            pass
 
 
 _attached: dict[str, shared_memory.SharedMemory] = {}

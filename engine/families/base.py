@@ -564,9 +564,11 @@ def cfg_rows(r: WorkerRequest, x: torch.Tensor) -> torch.Tensor:
 
 
 def sync_cuda() -> None:
-    """Wait for this process's CUDA work (nothing on CPU): a stage's time must include its kernels."""
+    """Wait for this thread's CUDA work (nothing on CPU): a stage's time must include its kernels. Its current
+    stream only: the live loop's decode lane runs on a stream of its own beside it (engine/live_lane.py), and a
+    device-wide sync here would wait for that decode too."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 class Timer:
