@@ -235,7 +235,7 @@ class EngineCore:
         if "transfer_s" in req.timings or req.edge_s:    # the workers' hand-over (pipelined) and this read
             req.timings["transfer_s"] = req.timings.get("transfer_s", 0.0) + req.edge_s
         req.stream.put(FramesChunk(req.id, frames, chunk.start, chunk.stop, chunk.num_frames, chunk.vae_s,
-                                   chunk.info))
+                                   chunk.audio, chunk.live))
         if done:
             self._release([req.id])
             req.stream.put(Finished(req.id, dict(req.timings)))

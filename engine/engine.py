@@ -39,6 +39,7 @@ from longserve.engine.lora_runtime import LoraLoads
 from longserve.engine.outputs import CANCELLED, FINAL, Finished, RequestFailure, RequestOutput
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.pool import WorkerError, launched_by_torchrun, make_pool
+from longserve.engine.profile import resolve_profile
 from longserve.engine.request import (
     GenerationSpec,
     RequestError,
@@ -61,16 +62,26 @@ def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan, m
     from longserve.engine.quantize import check_fp8
 
     check_backend(config, family, plan, config.device or default_device(), model_dir)
+    family.check_decoder(config, desc, model_dir)
 
     if config.compile != "none":
         if not family.supports_compile:
             raise ValueError(f"compile={config.compile!r} is not available for {config.model!r} (a {desc.family} "
                              f"model): regional compile is built for Latte and the Wan family (T2V, I2V, TI2V, "
-                             f"diffusion forcing)")
+                             f"diffusion forcing, causal live)")
         if config.loras:
             raise ValueError(f"compile={config.compile!r} cannot be used with --lora: the adapters are added per row "
                              f"inside the blocks from state that changes with every batch, which a compiled block "
                              f"would guard on (a recompile per batch) or bake in")
+    if config.cuda_graphs:
+        device = config.device or default_device()
+        if device != "cuda":
+            raise ValueError(f"cuda_graphs=True needs CUDA: this engine runs on {device}")
+        if not family.supports_cuda_graphs:
+            raise ValueError(f"cuda_graphs=True is not available for {config.model!r} (a {desc.family} model): CUDA "
+                             f"graphs are built for live (causal) models, whose forwards keep their shapes")
+        if config.compile != "blocks":
+            raise ValueError("cuda_graphs=True replays the compiled blocks: it needs compile='blocks'")
     if config.quantize != "none":
         if not family.supports_compile:      # the same families: those whose blocks the engine knows
             raise ValueError(f"quantize={config.quantize!r} is not available for {config.model!r} (a {desc.family} "
@@ -234,6 +245,7 @@ class VideoEngine:
         model_dir = resolve_checkpoint(config.model)
         family = detect_family(model_dir)
         desc = family.describe(model_dir)
+        config = resolve_profile(config, family, desc)          # "fast": the levers that win here (engine/profile.py)
         if config.loras:             # the files are read by the workers; what the coordinator can check, it does here
             config = config.replace(loras=lora.check_adapters(config.loras, family, desc))
         if config.offload == "expert" and not desc.capabilities.two_experts:

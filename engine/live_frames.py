@@ -30,10 +30,11 @@ import torch
 SLOTS = 2                  # chunks a worker may have handed out and not yet seen read (see the module docstring)
 
 
-def to_uint8(video: torch.Tensor) -> torch.Tensor:
+def to_uint8(video: torch.Tensor, unit: bool = False) -> torch.Tensor:
     """Decoded (B, 3, n, H, W) in [-1, 1] -> uint8 (B, n, H, W, 3) on the same device: diffusers' denormalise
-    (x * 0.5 + 0.5, clamped to [0, 1]) and the uint8 output's round(x * 255), in float32 as they are on the host."""
-    x = (video.float() * 0.5 + 0.5).clamp(0, 1)                       # (B, 3, n, H, W)
+    (x * 0.5 + 0.5, clamped to [0, 1]) and the uint8 output's round(x * 255), in float32 as they are on the host.
+    `unit`: the frames are in [0, 1] already (a small decoder's): clamped, not denormalised."""
+    x = (video.float().clamp(0, 1) if unit else (video.float() * 0.5 + 0.5).clamp(0, 1))    # (B, 3, n, H, W)
     return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # (B, n, H, W, 3)
 
 

@@ -122,7 +122,7 @@ def decode_next(ctx, request_id: str, max_frames: int) -> DecodedChunk | None:
         return None
     return DecodedChunk(frames, start, req.decoded_frames, req.num_frames, req.timings["vae_s"] - vae_before,
                         req.decoded_frames >= req.num_frames, req.progress(), dict(req.timings),
-                        dict(getattr(req, "chunk_info", None) or {}))
+                        *req.handed_out())
 
 
 def live_tick(ctx, request_ids: list[str], max_steps: int, decode_id: str, max_frames: int) -> LiveTick:
@@ -146,7 +146,7 @@ def live_tick(ctx, request_ids: list[str], max_steps: int, decode_id: str, max_f
     if ctx.pg.rank == 0:      # the chunk's place as a serial decode reports it: before the steps that follow
         meta = DecodedChunk(None, pending.start, req.decoded_frames, req.num_frames, 0.0,
                             req.decoded_frames >= req.num_frames, req.progress(), dict(req.timings),
-                            dict(getattr(req, "chunk_info", None) or {}))
+                            *req.handed_out())
     ran = step(ctx, request_ids, max_steps) if request_ids and ctx.pg.rank in roles.denoisers else None
     frames, vae_s = finish_decode(pending)
     lane = ctx.pg.rank == roles.lane

@@ -11,6 +11,11 @@ batched forwards (any phase: a row's timestep, prompt and cache are its own):
     step n        the context pass: model(x0, context_noise) writes the chunk's K/V into the cache
                   (skipped after the last chunk); then the next chunk starts from fresh noise
 
+Inside the loop nothing waits for the device: a chunk's noises (its start and each step's) are drawn
+at its start from the request's CPU generator (the same video from a seed on any device) into one
+pinned buffer and moved without a sync; timesteps are made on the device; RoPE rows are built there
+(engine/models/causal.py); the device is waited for only in bench's timing mode (`TIMED_STAGES_ENV`).
+
 Prompts: a request starts with prompt index 0. `options["prompt_schedule"]` ([[chunk, prompt],
 ...], the first at chunk 0) switches at the listed chunks; `update(prompt=..., prompt_index=...)`
 (the scheduler numbers and holds switches, one per request, until `switch_ready`: a chunk's start
@@ -20,8 +25,8 @@ the schedule's still to come: a session's prompt history is bounded, however man
 A switch recomputes the cached frames' K/V under the
 new prompt (LongLive's recache: context passes over the cached clean latents, oldest first)
 and the text K/V. Every decoded chunk says which chunk it is and which prompt made it
-(`DecodedChunk.info`), so a switch is observable exactly. `update(stop=True)` ends a request
-after the chunk it is making; `options["live"]` marks a session (its length, `num_frames`, is
+(`FramesChunk.live`), so a switch is observable exactly. `update(stop=True)` ends a request
+after the chunk it is making; `GenerationSpec.live` marks a session (its length, `num_frames`, is
 then the front door's limit).
 
 From an image (`options["image"]`, as Self-Forcing / CausVid inference takes an initial latent): rank 0 VAE-encodes
@@ -47,6 +52,8 @@ the latents of the cached frames (for a recache), the current chunk, and the str
 from __future__ import annotations
 
 import math
+import operator
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,11 +77,15 @@ from longserve.engine.images import as_rgb_array, to_pil
 from longserve.engine.live_frames import FrameSlots
 from longserve.engine.live_loop import loop_roles, solo_group
 from longserve.engine.models.causal import CausalConfig, CausalWan, KVCache
+from longserve.engine.outputs import LiveChunkInfo
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.request import GenerationSpec, RequestError
 
 CAUSAL_CONFIG_FILE = "causal_config.json"
-OPTIONS = ("prompt_schedule", "live", "image")
+#: set to 1 by `bench` (timing mode): the loop then waits for the device after each step and around a recache,
+#: so `timings["transformer_s"]` holds the kernels' time; otherwise it never syncs inside the loop
+TIMED_STAGES_ENV = "LONGSERVE_TIMED_STAGES"
+OPTIONS = ("prompt_schedule", "image")
 
 
 def chunk_frames(chunks: int, frames_per_block: int, temporal: int, lead: int = 0) -> int:
@@ -105,6 +116,7 @@ class CausalRequest(WorkerRequest):
     phase: int = 0                                  # its next forward: 0..n-1 denoise, n context pass
     x: torch.Tensor = None                          # the chunk's noisy latents (B, C, fb, h, w), float32
     x0: torch.Tensor = None                         # the chunk once final
+    noise: torch.Tensor = None                      # the chunk's noises, drawn at its start (n, B, C, fb, h, w)
     texts: dict = field(default_factory=dict)       # prompt index -> (B, L, C_text): the current and scheduled
     prompt_index: int = 0
     schedule: dict = field(default_factory=dict)    # chunk -> prompt index (the request's prompt_schedule)
@@ -130,6 +142,8 @@ class CausalWanFamily(WanParts, VideoFamily):
     auto_plan = "sequence"
     pipeline_classes = frozenset()          # claimed by causal_config.json, not by model_index.json
     supports_lora = False                   # its own step and cached attention: no per-row adapters
+    supports_compile = True                 # regional compile: the cached attention runs eager between graphs
+    supports_cuda_graphs = True             # and those graphs replayed: a chunk's shapes never change
     dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache with per-row masks "
                                  "(PyTorch SDPA), which diffusers' dispatcher does not run")
 
@@ -200,10 +214,15 @@ class CausalWanFamily(WanParts, VideoFamily):
             raise RequestError("num_frames", f"from a start image the video is the image's frame and at least one "
                                              f"made latent frame: num_frames must be at least {1 + temporal}; got "
                                              f"{spec.num_frames}")
-        live = spec.options.get("live", False)
-        if not isinstance(live, bool):
-            raise RequestError("live", f"live must be true or false; got {live!r}")
         return spec
+
+    @classmethod
+    def check_decoder(cls, config, desc: ModelDescription, model_dir: Path) -> None:
+        """`decoder` "tiny" or a TAEHV file: it must load and take this model's latents (ValueError naming it)."""
+        if config.decoder != "vae":
+            from longserve.engine.small_decoder import open_small_decoder
+
+            open_small_decoder(config.decoder, model_dir)
 
     @classmethod
     def check_update(cls, desc: ModelDescription, spec: GenerationSpec, payload: dict) -> dict:
@@ -260,12 +279,32 @@ class CausalWanFamily(WanParts, VideoFamily):
         self.pipe = diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                                           vae=vae, scheduler=scheduler)
         self.pipe.set_progress_bar_config(disable=True)
-        # no FP8, compile or step caching: its own KV-cached forward (engine/models/causal.py)
-        self.model, = self.load_denoisers(Denoisers((transformer,)))
+        # compile (and FP8) of diffusers' blocks; no step caching: its own KV-cached forward (engine/models/causal.py),
+        # whose cached attention is a deliberate graph break in a compiled block
+        self.model, = self.load_denoisers(Denoisers((transformer,), blocks=operator.attrgetter("blocks")))
         self.vae_spatial, self.vae_temporal = vae_factors(dict(vae.config))
         self.slots = FrameSlots()         # a chunk's uint8 frames leave through shared memory (engine/live_frames.py)
         self.lane = None                  # the decode lane, on the rank that decodes outside the serial loop
         self.set_plan(config.plan)        # Ulysses over the denoising workers, no CFG-parallel (resolve_plan)
+        self.timed = os.environ.get(TIMED_STAGES_ENV) == "1"
+        self.small_decoder = None
+        if config.engine.decoder != "vae":        # the live frames through a small decoder (rank 0 decodes them)
+            from longserve.engine.small_decoder import open_small_decoder
+
+            self.small_decoder = open_small_decoder(config.engine.decoder, model_dir).to(
+                device, self.component_dtypes()["vae"])
+
+    def component_dtypes(self) -> dict:
+        """As the Wan family's, but the VAE defaults to bfloat16 on CUDA: a live stream decodes every chunk, and
+        bf16 halves its cost within bf16 rounding (tests/engine/test_causal_vae.py); float32 stays the CPU's."""
+        dtypes = super().component_dtypes()
+        if self.config.engine.vae_dtype is None and self.pg.device.type == "cuda":
+            dtypes["vae"] = torch.bfloat16
+        return dtypes
+
+    def _timed_sync(self) -> None:
+        if self.timed:
+            sync_cuda()
 
     def set_plan(self, plan) -> None:
         """The live loop's roles (engine/live_loop.py), then Ulysses over the ranks that run the transformer: every
@@ -299,15 +338,25 @@ class CausalWanFamily(WanParts, VideoFamily):
         """This rank only decodes (the pipelined loop's last): no transformer, no text, no KV cache."""
         return self.roles.transfer and self.pg.rank == self.roles.lane
 
-    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor) -> WanVAEDecoder:
+    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor):
         """The Wan VAE's streaming decode (across the workers in the serial loop; on the lane's rank alone
-        otherwise), whose frames leave as uint8 in a shared-memory slot unless the request wants latents."""
-        pg = self.pg if self.roles.lane is None else solo_group(self.pg)
+        otherwise) or the small decoder (rank 0's, or the lane's), whose frames leave as uint8 in a shared-memory
+        slot unless the request wants latents."""
         slots = self.slots if spec.output in ("np", "uint8") else None
-        return WanVAEDecoder(self.pipe, pg, latents, self.vae_tiling, spec.output, slots)
+        if self.small_decoder is not None:
+            from longserve.engine.small_decoder import SmallDecoderPath
+
+            rank = self.pg.rank if self.roles.lane is None else 0      # the lane decodes as a group of one
+            return SmallDecoderPath(self.small_decoder, rank, spec.output, slots)
+        if self.roles.lane is None:
+            return WanVAEDecoder(self.pipe, self.pg, latents, self.vae_tiling, spec.output, split=self.vae_split,
+                                 slots=slots)
+        return WanVAEDecoder(self.pipe, solo_group(self.pg), latents, self.vae_tiling, spec.output, slots=slots)
 
     def shard(self, denoiser):
-        return CausalWan(denoiser, self.cfg)
+        model = CausalWan(denoiser, self.cfg)
+        model.cuda_graphs = self.config.engine.cuda_graphs
+        return model
 
     # -- a request ----------------------------------------------------------------------------------
 
@@ -389,9 +438,16 @@ class CausalWanFamily(WanParts, VideoFamily):
             return ("causal", "done")
         return ("causal", *(r.x if r.x is not None else r.x0).shape[1:])
 
-    def _noise(self, r: CausalRequest) -> torch.Tensor:
-        return torch.randn(r.x0.shape if r.x is None else r.x.shape, generator=r.generator,
-                           dtype=torch.float32).to(self.pg.device)
+    def _chunk_noise(self, r: CausalRequest, shape: tuple) -> torch.Tensor:
+        """Every noise a chunk takes, drawn at its start: its starting latents and one per denoising step but the
+        last, (n, *shape). Drawn in the order and sizes the steps used to draw them, from the request's CPU
+        generator (a seed makes the same video on any device), into one pinned buffer moved without a sync."""
+        n = len(self.cfg.timesteps)
+        pin = self.pg.device.type == "cuda"
+        noise = torch.empty((n, *shape), dtype=torch.float32, pin_memory=pin)
+        for i in range(n):
+            torch.randn(shape, generator=r.generator, out=noise[i])
+        return noise.to(self.pg.device, non_blocking=pin)
 
     def _start_chunk(self, r: CausalRequest) -> None:
         """A new chunk from fresh noise, under the prompt that applies from it (a switch recaches first)."""
@@ -404,8 +460,8 @@ class CausalWanFamily(WanParts, VideoFamily):
         r.pending_prompt = None
         B, C = r.spec.batch_size, self.pipe.transformer.config.in_channels
         h, w = r.spec.height // self.vae_spatial, r.spec.width // self.vae_spatial
-        r.x = torch.randn((B, C, self.cfg.frames_per_block, h, w), generator=r.generator,
-                          dtype=torch.float32).to(self.pg.device)
+        r.noise = self._chunk_noise(r, (B, C, self.cfg.frames_per_block, h, w))
+        r.x = r.noise[0]
         r.phase = 0
         r.batch_key = self.batch_key(r)
 
@@ -419,7 +475,7 @@ class CausalWanFamily(WanParts, VideoFamily):
         order = sorted((f, s) for s, f in enumerate(r.caches[0].slot_frame) if f >= 0)
         if not order:
             return
-        sync_cuda()
+        self._timed_sync()
         t0 = time.perf_counter()
         latents = r.clean[:, :, [s for _, s in order]]                    # (B, C, P, h, w), oldest first
         for c in r.caches:
@@ -433,7 +489,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                 self.model(part.to(self.dtype), t, text, self.sp, r.caches, [index] * B, [True] * B)
                 for i in range(part.shape[2]):
                     r.clean[:, :, r.caches[0].slot_of(g + i)] = part[:, :, i]
-        sync_cuda()
+        self._timed_sync()
         r.timings["transformer_s"] += time.perf_counter() - t0
 
     def step(self, reqs: list[CausalRequest]) -> None:
@@ -447,20 +503,21 @@ class CausalWanFamily(WanParts, VideoFamily):
             B = r.spec.batch_size
             context = r.phase == n
             xs.append((r.x0 if context else r.x).to(self.dtype))
-            ts.append(torch.full((B,), cfg.context_noise if context else cfg.timesteps[r.phase]))
+            ts.append(torch.full((B,), cfg.context_noise if context else cfg.timesteps[r.phase],
+                                 device=self.pg.device))
             texts.append(r.texts[r.prompt_index].expand(B, -1, -1))
             caches += r.caches
             versions += [r.prompt_index] * B
             writes += [context] * B
         with torch.no_grad():
-            out = self.model(torch.cat(xs), torch.cat(ts).to(self.pg.device), torch.cat(texts), self.sp, caches,
+            out = self.model(torch.cat(xs), torch.cat(ts), torch.cat(texts), self.sp, caches,
                              versions, writes).float()
         rows = 0
         for r in reqs:
             pred = out[rows:rows + r.spec.batch_size]
             rows += r.spec.batch_size
             self._advance(r, pred)
-        sync_cuda()
+        self._timed_sync()
         elapsed = time.perf_counter() - t0
         for r in reqs:
             r.timings["transformer_s"] += elapsed / len(reqs)
@@ -472,7 +529,7 @@ class CausalWanFamily(WanParts, VideoFamily):
             x0 = r.x - cfg.sigma(cfg.timesteps[r.phase]) * pred
             if r.phase < n - 1:
                 s = cfg.sigma(cfg.timesteps[r.phase + 1])
-                r.x = (1 - s) * x0 + s * self._noise(r)
+                r.x = (1 - s) * x0 + s * r.noise[r.phase + 1]
                 r.phase += 1
             else:
                 r.x0, r.x = x0, None
@@ -481,7 +538,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                 made = x0[:, :, :r.latent_frames - r.lead - r.chunk * cfg.frames_per_block]
                 if r.image_latent is not None:
                     made, r.image_latent = torch.cat([r.image_latent, made], dim=2), None
-                r.frames.push(made, info={"chunk": r.chunk, "prompt_index": r.prompt_index})
+                r.frames.push(made, live=LiveChunkInfo(r.chunk, r.prompt_index))
                 r.phase = n
         else:                                   # the context pass wrote the chunk: keep its clean latents
             first = r.caches[0].frames_written - r.x0.shape[2]
@@ -491,7 +548,7 @@ class CausalWanFamily(WanParts, VideoFamily):
             r.x0 = None
             self._start_chunk(r)
         if r.denoised:
-            r.x = r.x0 = None
+            r.x = r.x0 = r.noise = None
         r.batch_key = self.batch_key(r) if r.x is not None or r.x0 is not None else ("causal", "done")
 
     def update(self, r: CausalRequest, payload: dict) -> dict:
@@ -526,7 +583,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                                                                             self.vae_temporal, r.lead))
             r.latent_frames = min(r.latent_frames, r.lead + chunks * self.cfg.frames_per_block)
             if r.denoised:                       # phase n (or a pending chunk): the chunk was final already
-                r.x = r.x0 = None
+                r.x = r.x0 = r.noise = None
                 r.batch_key = ("causal", "done")
         return {"progress": r.progress(), **info}
 
