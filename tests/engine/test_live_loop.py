@@ -15,7 +15,7 @@ from longserve.engine import worker as jobs
 from longserve.engine.live_frames import FrameSlots, SharedFrames, frames_out, to_uint8
 from longserve.engine.live_lane import DecodeLane
 from longserve.engine.live_loop import loop_roles
-from longserve.engine.outputs import Cancelled, FramesChunk
+from longserve.engine.outputs import Cancelled, FramesChunk, LiveChunkInfo
 from longserve.pipelines import VideoPipeline
 
 H, W = 16, 80
@@ -109,7 +109,7 @@ def run_all(p) -> dict:
         chunks = [o for o in p.engine.submit(spec) if isinstance(o, FramesChunk)]
     finally:
         p.pool.run = run
-    return {"frames": np.concatenate([c.frames for c in chunks], axis=1), "info": [c.info for c in chunks],
+    return {"frames": np.concatenate([c.frames for c in chunks], axis=1), "live": [c.live for c in chunks],
             "jobs": jobs_run}
 
 
@@ -119,10 +119,10 @@ def test_overlapped_and_pipelined_loops_make_the_serial_loop_s_frames_and_never_
         with VideoPipeline.from_pretrained(str(causal_dir), workers=workers, live_loop=loop) as p:
             runs[loop] = run_all(p)
     want = runs["serial"]
-    assert want["info"] == [{"chunk": i, "prompt_index": int(i >= 2)} for i in range(4)]
+    assert want["live"] == [LiveChunkInfo(chunk=i, prompt_index=int(i >= 2)) for i in range(4)]
     for loop in ("overlapped", "pipelined"):
         got = runs[loop]
-        assert got["info"] == want["info"]                                   # in order, switched at the same chunk
+        assert got["live"] == want["live"]                                   # in order, switched at the same chunk
         np.testing.assert_array_equal(got["frames"], want["frames"])         # exact: the same decode, elsewhere
         names = [n for n, _ in got["jobs"]]
         assert "decode_next" not in names
@@ -167,7 +167,7 @@ def test_a_live_switch_stop_and_cancel_keep_their_timing_outside_the_serial_loop
         outs = []
         for out in handle:
             outs.append(out)
-            if isinstance(out, FramesChunk) and out.info["chunk"] == 0:
+            if isinstance(out, FramesChunk) and out.live.chunk == 0:
                 handle.cancel()                          # ends at the next step boundary
         assert isinstance(outs[-1], Cancelled) and handle.status().state.value == "finished_cancelled"
         assert sum(isinstance(o, FramesChunk) for o in outs) <= 2
@@ -187,6 +187,6 @@ def test_a_tick_without_a_lane_decodes_then_steps(causal_dir):
         tick = p.pool.run(jobs.live_tick, [spec.request_id], 4, spec.request_id, 100)[0]
         frames = frames_out(tick.frames, "uint8")           # read before the worker (the slot's owner) exits
         p.pool.run(jobs.release, [spec.request_id])
-    assert tick.lane and tick.decoded.info == {"chunk": 0, "prompt_index": 0}
+    assert tick.lane and tick.decoded.live == LiveChunkInfo(chunk=0, prompt_index=0)
     assert frames.shape == (1, 9, H, W, 3) and frames.dtype == np.uint8
     assert tick.step is not None and tick.step.progress
