@@ -83,3 +83,25 @@ def segment_prompts(spec: GenerationSpec, frame_starts: list[int], fps: int) -> 
         entry = next((i for i, end in enumerate(ends) if start < end - 1e-9), len(ends) - 1)
         out.append(names.index(spec.options[OPTION][entry]["prompt"]))
     return out
+
+
+def encode_other_prompts(pipe, spec: GenerationSpec, device, max_sequence_length: int) -> dict:
+    """Rank 0: a timeline's distinct prompts after the first (which the request's `prompt` encodes, with the negative
+    prompt), each once, by a Wan-style pipeline's `encode_prompt`: {"prompt_texts": (P - 1, L, C)}; {} without."""
+    if OPTION not in spec.options or len(distinct_prompts(spec)) == 1:
+        return {}
+    embeds, _ = pipe.encode_prompt(prompt=distinct_prompts(spec)[1:], negative_prompt=None,
+                                   do_classifier_free_guidance=False, num_videos_per_prompt=1,
+                                   max_sequence_length=max_sequence_length, device=device)
+    return {"prompt_texts": embeds}
+
+
+def prompt_rows(text, prompt_texts, use_cfg: bool) -> list:
+    """Each distinct prompt's forward rows, as the request's `text` holds the first's: [negative; positive] under
+    CFG (the negative prompt shared), else the positive alone. text (2|1, L, C); prompt_texts (P - 1, L, C)."""
+    import torch
+
+    rows = [text]
+    for positive in ([] if prompt_texts is None else prompt_texts.to(text.device, text.dtype).split(1)):
+        rows.append(torch.cat([text[:1], positive]) if use_cfg else positive)                # (2|1, L, C)
+    return rows

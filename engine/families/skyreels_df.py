@@ -284,7 +284,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         """Rank 0: the first segment's prefix latents (B, C, k, h, w), by the DF-I2V / DF-V2V pipelines' own
         `prepare_latents`: the image VAE-encoded (k = 1), or the video's last `overlap_history` frames (k: their
         latent frames, cut to whole causal blocks)."""
-        texts = self.timeline_texts(spec)
+        texts = timeline.encode_other_prompts(self.pipe, spec, self.pg.device, MAX_SEQUENCE_LENGTH)
         condition = self.condition_of(spec)
         if condition == "text":
             return texts
@@ -316,16 +316,6 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                 # failure here fails the request in admit, and nothing would ever take them)
                 self._decoded[spec.request_id] = frames
         return {**texts, "condition": prefix.expand(B, -1, -1, -1, -1).contiguous()}       # (B, C, k, h, w)
-
-    def timeline_texts(self, spec: GenerationSpec) -> dict[str, torch.Tensor]:
-        """Rank 0: a prompt timeline's other distinct prompts, each encoded once: {"prompt_texts": (P - 1, L, C)} (the
-        first is the request's prompt, encoded with the negative one); {} without a timeline."""
-        if timeline.OPTION not in spec.options or len(timeline.distinct_prompts(spec)) == 1:
-            return {}
-        embeds, _ = self.pipe.encode_prompt(prompt=timeline.distinct_prompts(spec)[1:], negative_prompt=None,
-                                            do_classifier_free_guidance=False, num_videos_per_prompt=1,
-                                            max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.pg.device)
-        return {"prompt_texts": embeds}
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, condition: torch.Tensor = None,
                 prompt_texts: torch.Tensor = None) -> DFRequest:
@@ -376,9 +366,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
             starts.append(decoded_frames(latent, self.vae_temporal))
             latent += frames - (r.plan["overlap"] if i else 0)
         r.segment_prompts = timeline.segment_prompts(r.spec, starts, r.spec.fps or self.desc.defaults.fps)
-        r.texts = [r.text]
-        for positive in ([] if texts is None else texts.to(r.text.device, r.text.dtype).split(1)):
-            r.texts.append(torch.cat([r.text[:1], positive]) if r.spec.use_cfg else positive)   # (2|1, L, C)
+        r.texts = timeline.prompt_rows(r.text, texts, r.spec.use_cfg)
 
     def input_frames(self, video, spec: GenerationSpec, start: int, stop: int):
         """Rank 0: frames [start, stop) of the video an extension continues, at the request's size as diffusers'

@@ -82,3 +82,19 @@ def test_the_cli_takes_a_timeline_as_an_option_and_names_a_bad_entry_before_load
     assert "--opt prompts[0].seconds" in capsys.readouterr().err
     assert main(base + ["--opt", f'prompts=[{{"prompt": "{RED}", "seconds": 2}}, {{"prompt": "{BLUE}"}}]']) == 0
     assert iio.imread(out, extension=".mp4").shape == (25, 64, 64, 3)
+
+
+def test_helios_takes_each_chunks_prompt_from_the_timeline_and_the_chunks_before_the_switch_are_unchanged():
+    """tiny-helios (random weights: no colours to read) makes 33-frame chunks at 24 fps: with A for 1 s then B, the
+    first chunk (frames 0-32, starting at 0 s) is A's run exactly and the second (starting at 33 / 24 = 1.4 s) is
+    conditioned on B, so it differs from A's run."""
+    from longserve.pipelines import VideoPipeline
+
+    kw = dict(num_frames=66, num_inference_steps=2, guidance_scale=5.0, seed=0)
+    with VideoPipeline.from_pretrained("tiny-helios", workers=1, device="cpu") as pipe:
+        plain = pipe("a red ball", **kw).frames[0]
+        switched = pipe("a red ball", prompts=[{"prompt": "a red ball", "seconds": 1}, {"prompt": "a blue square"}],
+                        **kw).frames[0]
+    assert plain.shape == switched.shape and len(plain) == 65
+    assert np.abs(switched[:33] - plain[:33]).max() == 0
+    assert np.abs(switched[33:] - plain[33:]).max() > 0.01
