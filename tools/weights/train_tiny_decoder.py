@@ -3,7 +3,7 @@ tiny-live's latents, the `decoder="tiny"` of `make demo-live DECODER=tiny`.
 
 Usage::
 
-    python -m tools.weights.train_tiny_decoder      # rewrites weights/tiny-decoder-live/ (+ train_tiny_decoder_live.json)
+    python -m tools.weights.train_tiny_decoder     # rewrites weights/tiny-decoder-live/, train_tiny_decoder_live.json
     python -m tools.weights.train_tiny_decoder --out DIR --steps 4 --videos 2   # a smoke run
 
 The recipe: tiny-live makes `--videos` videos (the 8 bouncing prompts, in turn, and every other one switching
@@ -118,10 +118,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.weights.train_tiny_decoder", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--videos", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--videos", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (results depend on it)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (results depend on it)")
     args = ap.parse_args(argv)
     train(Path(args.out).resolve(), seed=args.seed, steps=args.steps, videos=args.videos, lr=args.lr,
           threads=args.threads, log=lambda msg: print(msg, flush=True))
