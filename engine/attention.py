@@ -16,9 +16,21 @@ refused at start with the kernel's own reason, naming the field. Where longserve
 itself (Ring and USP's ring, LTX-2's video->audio attention across workers) the dispatcher's kernels do not
 run (they would have to return a log-sum-exp, which "native" does not), so a backend other than "native" is
 refused there.
+
+Sparse attention for long videos (`RadialMask`, `radial_attention`): radial attention's static mask (Li et al.,
+2025, "Radial Attention: O(n log n) sparse attention with energy decay"), training-free. Tokens are frame-major
+(`frame_tokens` per latent frame); a query sees every key of the frames within `dense_frames` of its own, and in a
+frame d > dense_frames away only the keys within T / 2^(floor(log2 d) + 1) of its own position in the frame (the
+window halves each time the distance doubles, down to the key at its own position, which stays visible at every
+distance). Each band of distances [2^k, 2^(k+1)) then holds about T keys: a query sees O(T log F) keys of the T F,
+not all of them. On CUDA the mask runs as a FlexAttention block mask (blocks that are all masked are skipped: the
+speed); elsewhere, and as the reference, as SDPA with the boolean mask. Off (no mask) is the dense attention as it was.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -152,3 +164,94 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | Non
 def _first_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0]
+
+
+# -- radial attention's static sparse mask ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RadialMask:
+    """Radial attention's mask over `frames` x `frame_tokens` tokens, frame-major (the module docstring)."""
+
+    frames: int
+    frame_tokens: int
+    dense_frames: int = 1          # frames on either side a query sees whole (its own always)
+
+    def __post_init__(self):
+        for name in ("frames", "frame_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.dense_frames, int) or self.dense_frames < 0:
+            raise ValueError(f"dense_frames must be a non-negative integer, got {self.dense_frames!r}")
+
+    @property
+    def tokens(self) -> int:
+        return self.frames * self.frame_tokens
+
+    def window(self, distance: torch.Tensor) -> torch.Tensor:
+        """Half-width of the visible window in a frame `distance` frames away (distance > dense_frames)."""
+        band = torch.floor(torch.log2(distance.clamp(min=1).float()))          # k: 2^k <= d < 2^(k+1)
+        return torch.floor(self.frame_tokens / torch.exp2(band + 1))
+
+    def visible(self, q_start: int, q_len: int, k_start: int, k_len: int, device=None) -> torch.Tensor:
+        """(q_len, k_len) bool, True = attend: queries at tokens [q_start, q_start + q_len), keys at [k_start, ...)
+        (the protocol of engine.parallel.BlockCausal, for attention over parts of the sequence)."""
+        q = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+        k = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+        return self._rule(q, k)
+
+    def _rule(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        T = self.frame_tokens
+        distance = (q // T - k // T).abs()
+        offset = (q % T - k % T).abs()
+        return (distance <= self.dense_frames) | (offset <= self.window(distance))
+
+    def dense(self, device=None) -> torch.Tensor:
+        """The whole (S, S) mask (for the reference and small sequences)."""
+        return self.visible(0, self.tokens, 0, self.tokens, device)
+
+    def density(self) -> float:
+        """The fraction of (query, key) pairs attended."""
+        return float(self.dense().float().mean())
+
+    def flex_block_mask(self, device, block: int = 128):
+        """FlexAttention's BlockMask of this mask (blocks of `block` tokens that are all masked are skipped)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return self._rule(q_idx, kv_idx)
+
+        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=self.tokens, KV_LEN=self.tokens, device=device,
+                                 BLOCK_SIZE=block)
+
+
+def radial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: RadialMask | None,
+                     scale: float | None = None, flex: bool | None = None) -> torch.Tensor:
+    """Attention of (B, H, S, hd) queries over (B, H, S, hd) keys with radial attention's mask -> (B, H, S, hd); the
+    dense attention (PyTorch SDPA) when `mask` is None. `flex`: run FlexAttention's block-sparse kernel (default: on
+    CUDA), else SDPA with the boolean mask (the same result within float rounding)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if q.shape[2] != mask.tokens or k.shape[2] != mask.tokens:
+        raise ValueError(f"the radial mask covers {mask.frames} x {mask.frame_tokens} = {mask.tokens} tokens; got "
+                         f"{q.shape[2]} queries and {k.shape[2]} keys")
+    if flex is None:
+        flex = q.is_cuda
+    if flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask.flex_block_mask(q.device), scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device), scale=scale)
+
+
+def radial_keys_per_query(frames: int, frame_tokens: int, dense_frames: int = 1) -> float:
+    """The mean keys a query sees (what the mask saves over T F), computed from the rule, not materialised."""
+    T, total = frame_tokens, 0
+    for d in range(-(frames - 1), frames):
+        pairs = frames - abs(d)                      # frame pairs at this signed distance
+        if abs(d) <= dense_frames:
+            total += pairs * T * T
+        else:
+            w = T // 2 ** (int(math.log2(abs(d))) + 1)
+            total += pairs * sum(min(T - 1, s + w) - max(0, s - w) + 1 for s in range(T))
+    return total / (frames * T)

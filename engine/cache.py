@@ -393,7 +393,7 @@ class StepCache:
         for r in reqs:
             config = r.spec.options.get("cache")
             rows = r.spec.batch_size
-            for branch in ((0, 1) if r.spec.use_cfg else (1,)):
+            for branch in ((0, 1) if r.spec.cfg_at(r.steps_done) else (1,)):
                 state, n = None, 0
                 if config is not None and (self.blocks > self.head_blocks or config["kind"] == "mag"):
                     state = r.cache_state.setdefault((scope, branch), UnitState())

@@ -33,6 +33,7 @@ ATTENTION = ("auto", "sdpa", "xformers")
 VAE_DTYPES = ("float32", "bfloat16", "float16")
 LAUNCHERS = ("auto", "local", "torchrun")
 COMPILE = ("none", "blocks")
+VAE_SPLITS = ("items", "rows")
 QUANTIZE = ("none", "fp8")
 
 
@@ -49,6 +50,12 @@ class EngineConfig:
     """How a video engine is built: the model, its workers and plan, the numerics, the scheduler's limits."""
 
     # -- the model and its workers --------------------------------------------------------------------
+    profile: str = option("exact", "exact | fast: fast turns on, for every option left at its default, the speed "
+                                   "levers measured to win on the engine's device (CUDA: regional compile, the "
+                                   "best attention backend installed, a bf16 VAE; several workers: the VAE's rows "
+                                   "split; families that take them: step caching and CFG truncation at calibrated "
+                                   "settings; never FP8: engine/profile.py, docs/benchmarks.md); exact: none",
+                          choices=["exact", "fast"])
     model: str = option("tiny-latte", f"a shipped model ({', '.join(map(tiny_label, TINY_MODELS))}) or a local "
                                       "diffusers checkpoint directory")
     workers: int = option(1, "worker processes (one GPU each with CUDA)")
@@ -76,16 +83,29 @@ class EngineConfig:
     vae_tiling: bool = option(False, "decode in the VAE's spatial tiles (diffusers' enable_tiling, default tile "
                                      "sizes): less VAE memory per worker, one Wan video's tiles spread over the "
                                      "workers; slower on one GPU")
+    vae_split: str | None = option(None, "how the workers share a VAE decode: items (whole videos per worker, "
+                                         "or diffusers' tiles with --vae-tiling: a lone untiled video decodes on "
+                                         "one worker) | rows (every frame's rows across the workers, their edge "
+                                         "rows exchanged per convolution: the untiled decode within float "
+                                         "rounding, on N workers; Wan family, HunyuanVideo-1.5, LTX-2; without "
+                                         "--vae-tiling; engine/vae_split.py). Default: items, rows under "
+                                         "--profile fast", choices=list(VAE_SPLITS))
     cache: str | None = option(None, "step caching for requests that do not set their own `cache`: a preset "
                                      "(first_block, mag) or JSON such as '{\"kind\": \"first_block\", "
                                      "\"threshold\": 0.1}' (diffusers' FirstBlockCache, or MagCache on the Wan "
                                      "family: '{\"kind\": \"mag\", \"calibrate\": true}' measures its ratios; "
                                      "per request, engine/cache.py); default none: exact", metavar="PRESET|JSON")
-    compile: str = option("none", "none | blocks: torch.compile the transformer's repeated block (Wan's "
+    cfg_trunc_ratio: float | None = option(None, "CFG truncation for requests that do not set their own "
+                                                 "`cfg_trunc_ratio`: step i of N runs the unconditional branch "
+                                                 "only while (i + 1) / N <= this (diffusers' Lumina2 semantics; "
+                                                 "Latte and the Wan family); default none: every step (exact)",
+                                           metavar="RATIO")
+    compile: str | None = option(None, "none | blocks: torch.compile the transformer's repeated block (Wan's "
                                   "WanTransformerBlock, Latte's spatial and temporal blocks), once per worker at "
                                   "start with a warm-up forward at the model's default size; frames equal the "
                                   "uncompiled ones within float reordering (1e-4 in float32). Not with --lora "
-                                  "(docs/design.md, Regional compile and FP8)", choices=list(COMPILE))
+                                  "(docs/design.md, Regional compile and FP8). Default: none, blocks on CUDA under "
+                                  "--profile fast", choices=list(COMPILE))
     quantize: str = option("none", "none | fp8: the transformer's linear layers in FP8 (torchao's float8 dynamic "
                                    "activation and weight quantisation; embeddings, norms and the output projection "
                                    "stay in --dtype); needs CUDA with compute capability >= 8.9, torchao "
@@ -159,7 +179,8 @@ class EngineConfig:
         if self.attention_backend is not None:
             from longserve.engine.attention import check_name
 
-            object.__setattr__(self, "attention_backend", check_name(self.attention_backend))
+            name = check_name(self.attention_backend)          # "none": unset; under "fast", explicitly off
+            object.__setattr__(self, "attention_backend", "none" if name is None and self.profile == "fast" else name)
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {self.launcher!r}")
         from longserve.engine.dist import parse_dtype
@@ -174,9 +195,22 @@ class EngineConfig:
 
             if not isinstance(self.cache, str):
                 raise ValueError(f"cache must be a preset name or JSON text; got {type(self.cache).__name__}")
-            if parse_cache(self.cache) is None:
-                object.__setattr__(self, "cache", None)        # "none" / "off": no caching
-        if self.compile not in COMPILE:
+            if parse_cache(self.cache) is None:                # "none" / "off": no caching (under "fast": kept,
+                object.__setattr__(self, "cache", None if self.profile == "exact" else "none")  # the lever is off)
+        if self.profile not in ("exact", "fast"):
+            raise ValueError(f"profile must be 'exact' or 'fast'; got {self.profile!r}")
+        if self.cfg_trunc_ratio is not None and (isinstance(self.cfg_trunc_ratio, bool) or not isinstance(
+                self.cfg_trunc_ratio, (int, float)) or not 0 <= self.cfg_trunc_ratio <= 1):
+            raise ValueError(f"cfg_trunc_ratio must be a number in [0, 1] or None, got {self.cfg_trunc_ratio!r}")
+        if self.profile == "exact":        # unset levers are off; under "fast" engine/profile.py decides them
+            for name, off in (("compile", "none"), ("vae_split", "items")):
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, off)
+        if self.vae_split not in (*VAE_SPLITS, None):
+            raise ValueError(f"vae_split must be one of {', '.join(VAE_SPLITS)}; got {self.vae_split!r}")
+        if self.vae_split == "rows" and self.vae_tiling:
+            raise ValueError("vae_split 'rows' decodes untiled frames: not with vae_tiling")
+        if self.compile not in (*COMPILE, None):
             raise ValueError(f"compile must be one of {', '.join(COMPILE)}; got {self.compile!r}")
         from longserve.engine.compile import BACKENDS
 
@@ -284,6 +318,7 @@ class Capabilities:
     lora: bool = False                 # loads --lora adapters, chosen per request
     compile: bool = False              # takes `compile` and `quantize`
     fps_conditioned: bool = False      # the model is given the video's fps (SkyReels-V2)
+    sound: bool = False                # makes a sound track with the picture (LTX-2: `FramesChunk.audio`)
     # a model that makes sound (LTX-2): the transformer's sound tokens per second of video, and the video pixels
     # (frames x height x width) one of its video tokens stands for, so that a request's work counts both streams:
     # at a low fps the same frames are many more seconds of sound (admission's cost)

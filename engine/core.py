@@ -218,7 +218,7 @@ class EngineCore:
             return True   # aborted meanwhile: released (its final output) at the next boundary
         done = self.scheduler.decoded(req, chunk)
         req.stream.put(FramesChunk(req.id, chunk.frames, chunk.start, chunk.stop, chunk.num_frames, chunk.vae_s,
-                                   chunk.info))
+                                   chunk.audio, chunk.live))
         if done:
             self._release([req.id])
             req.stream.put(Finished(req.id, dict(req.timings)))

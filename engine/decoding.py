@@ -28,6 +28,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from longserve.engine.outputs import LiveChunkInfo, Sound
+
 
 def decoded_frames(latent_frames: int, temporal: int) -> int:
     """Pixel frames a causal VAE makes of `latent_frames` (the first latent frame is one frame)."""
@@ -70,17 +72,23 @@ class FrameStream:
         self.policy, self.open_decoder, self.output, self.rank = policy, open_decoder, output, rank
         self.limit = limit
         self.lead_frames = lead_frames
-        self.pieces = collections.deque()   # [(latents (B, C, k, h, w), info)]: final, not handed out yet
+        self.pieces = collections.deque()   # [(latents (B, C, k, h, w), live)]: final, not handed out yet
         self.complete = False               # the last piece is in
         self.latents_done = 0               # latent frames handed out
         self.frames_out = 0                 # frames handed out
         self.decoder = None                 # the VAE path of the current run, once it started
-        self.info: dict = {}                # the last handed-out piece's (a live chunk: its chunk and prompt index)
+        self.live: LiveChunkInfo | None = None   # the last handed-out piece's (a causal chunk: its index and prompt)
+        self.audio: Sound | None = None     # a sound the family made, handed out with the next frames (`handed_out`)
 
-    def push(self, latents: torch.Tensor, info: dict | None = None, last: bool = False) -> None:
+    def push(self, latents: torch.Tensor, live: LiveChunkInfo | None = None, last: bool = False) -> None:
         """Final latent frames (B, C, k, h, w), after those pushed before; `last`: no more will come."""
-        self.pieces.append((latents, info or {}))
+        self.pieces.append((latents, live))
         self.complete = self.complete or last
+
+    def handed_out(self) -> tuple[Sound | None, LiveChunkInfo | None]:
+        """What goes with the frames just handed out: the family's sound (once), and the chunk they are."""
+        audio, self.audio = self.audio, None
+        return audio, self.live
 
     def ready(self) -> bool:
         """Is there something to hand out?"""
@@ -101,7 +109,7 @@ class FrameStream:
                 self.lead_frames = None                # handed out: not kept
             return pixels
         before = self.latents_done
-        latents, self.info = self._take(self._count(max_frames))
+        latents, self.live = self._take(self._count(max_frames))
         if self.decoder is None:
             self.decoder = self.open_decoder(latents)
         self.latents_done += latents.shape[2]
@@ -129,24 +137,24 @@ class FrameStream:
             k += 1
         return k
 
-    def _take(self, k: int) -> tuple[torch.Tensor, dict]:
-        """The first `k` pushed latent frames (B, C, k, h, w), out of the stream, and the first piece's info."""
-        parts, info = [], self.pieces[0][1]
+    def _take(self, k: int) -> tuple[torch.Tensor, LiveChunkInfo | None]:
+        """The first `k` pushed latent frames (B, C, k, h, w), out of the stream, and the first piece's chunk."""
+        parts, live = [], self.pieces[0][1]
         while k:
-            x, piece_info = self.pieces[0]
+            x, piece_live = self.pieces[0]
             n = min(k, x.shape[2])
             parts.append(x[:, :, :n])
             if n == x.shape[2]:
                 self.pieces.popleft()
             else:
-                self.pieces[0] = (x[:, :, n:], piece_info)
+                self.pieces[0] = (x[:, :, n:], piece_live)
             k -= n
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)), info
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)), live
 
     def _latents(self):
         """Output "latent": a live chunk at a time, else every pushed frame in one piece."""
         if self.policy.whole:
-            latents, self.info = self._take(self.pieces[0][0].shape[2])
+            latents, self.live = self._take(self.pieces[0][0].shape[2])
             self.latents_done += latents.shape[2]
             self.frames_out = self.policy.out(self.latents_done, self.limit)
         else:
@@ -159,14 +167,20 @@ class FrameStream:
 class WanVAEDecoder:
     """A Wan VAE (`AutoencoderKLWan`) path: one request's normalised latents, in time order, decoded across the
     workers by engine/causal_vae.py's `StreamingVAEDecoder` (carrying the causal cache between calls), untiled as
-    diffusers' Wan pipelines decode or in diffusers' default tiles (`vae.enable_tiling()`) with `tiling`."""
+    diffusers' Wan pipelines decode or in diffusers' default tiles (`vae.enable_tiling()`) with `tiling`; split "rows":
+    every frame's rows across the workers (engine/vae_split.py's `RowSplitWanDecoder`; a frame with fewer latent rows
+    than workers falls back to the item split)."""
 
-    def __init__(self, pipe, pg, latents: torch.Tensor, tiling: bool, output: str):
+    def __init__(self, pipe, pg, latents: torch.Tensor, tiling: bool, output: str, split: str = "items"):
         from longserve.engine.causal_vae import StreamingVAEDecoder, VAETiling
+        from longserve.engine.vae_split import RowSplitWanDecoder, split_rows_fits
 
         B, _, _, h, w = latents.shape
         self.vae, self.processor, self.output = pipe.vae, pipe.video_processor, output
-        self.stream = StreamingVAEDecoder(pipe.vae, pg, B, h, w, tiling=VAETiling() if tiling else None)
+        if split == "rows" and not tiling and split_rows_fits(h, pg.world_size):
+            self.stream = RowSplitWanDecoder(pipe.vae, pg, B, h, w)
+        else:
+            self.stream = StreamingVAEDecoder(pipe.vae, pg, B, h, w, tiling=VAETiling() if tiling else None)
 
     def decode(self, latents: torch.Tensor, keep: slice):
         with torch.no_grad():

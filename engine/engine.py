@@ -39,6 +39,7 @@ from longserve.engine.lora_runtime import LoraLoads
 from longserve.engine.outputs import CANCELLED, FINAL, Finished, RequestFailure, RequestOutput
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.pool import WorkerError, launched_by_torchrun, make_pool
+from longserve.engine.profile import resolve_profile
 from longserve.engine.request import (
     GenerationSpec,
     RequestError,
@@ -244,6 +245,7 @@ class VideoEngine:
         model_dir = resolve_checkpoint(config.model)
         family = detect_family(model_dir)
         desc = family.describe(model_dir)
+        config = resolve_profile(config, family, desc)          # "fast": the levers that win here (engine/profile.py)
         if config.loras:             # the files are read by the workers; what the coordinator can check, it does here
             config = config.replace(loras=lora.check_adapters(config.loras, family, desc))
         if config.offload == "expert" and not desc.capabilities.two_experts:

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 class HunyuanVAEStream:
     """One clip's decode, chunk by chunk in time order, on the caller's device."""
 
-    def __init__(self, vae):
-        self.vae = vae
+    def __init__(self, vae, rows=None):
+        self.vae, self.rows = vae, rows                            # rows: a RowSplit, or None for whole frames
         self.decoder = vae.decoder
         self.convs: dict[int, torch.Tensor] = {}                   # id(causal conv) -> its last kt - 1 input frames
         self.attns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(attn block) -> keys, values so far
@@ -51,9 +51,12 @@ class HunyuanVAEStream:
     @torch.no_grad()
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """The next latent frames z (B, C, k, h, w), already divided by the scaling factor -> their pixel frames
-        (B, 3, n, H, W), n = 1 + 4(k - 1) for the clip's first chunk, else 4k."""
+        (B, 3, n, H, W), n = 1 + 4(k - 1) for the clip's first chunk, else 4k. With `rows`: z is the whole frame on
+        every rank and the result is rows.dst's, gathered (None elsewhere)."""
         d, first = self.decoder, self.latent_frames == 0
         z = z.to(self.vae.dtype)
+        if self.rows is not None:
+            z = self.rows.take(z)                                  # (B, C, k, band, w)
         h = self._conv(d.conv_in, z) + z.repeat_interleave(repeats=d.repeat, dim=1)
         h = self._mid(d.mid_block, h)
         for up in d.up_blocks:
@@ -63,7 +66,7 @@ class HunyuanVAEStream:
                 h = self._upsample(upsampler, h, first)
         h = self._conv(d.conv_out, d.conv_act(d.norm_out(h)))
         self.latent_frames += z.shape[2]
-        return h
+        return h if self.rows is None else self.rows.gather_to_dst(h)
 
     # -- the three causal rules; the rest as diffusers' modules compute it -------------------------------------
 
@@ -79,6 +82,9 @@ class HunyuanVAEStream:
             x = torch.cat([past, x], dim=2)
             self.convs[id(m)] = x[:, :, -(kt - 1):].clone()
         w0, w1, h0, h1 = m.time_causal_padding[:4]
+        if self.rows is not None and h0 == h1:
+            x = self.rows.pad_rows(x, h0, "constant" if m.pad_mode == "zeros" else m.pad_mode)  # the halo
+            h0 = h1 = 0
         return m.conv(F.pad(x, (w0, w1, h0, h1, 0, 0), mode=m.pad_mode))
 
     def _resnet(self, m, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +101,13 @@ class HunyuanVAEStream:
         return x
 
     def _attn(self, m, x: torch.Tensor) -> torch.Tensor:
-        """`HunyuanVideo15AttnBlock`: my frames' tokens against every earlier frame's and their own frame's."""
+        """`HunyuanVideo15AttnBlock`: my frames' tokens against every earlier frame's and their own frame's (the whole
+        frame's: a band gathers the frame's rows first and keeps its own after)."""
+        if self.rows is not None:
+            return self.rows.own_rows(self._attn_frame(m, self.rows.gather_rows(x)))
+        return self._attn_frame(m, x)
+
+    def _attn_frame(self, m, x: torch.Tensor) -> torch.Tensor:
         B, C, f, H, W = x.shape
         n = H * W
         y = m.norm(x)

@@ -27,6 +27,10 @@ Frame indices: a window of n latent frames makes 1 + 8(n - 1) frames (three upsa
 frame); the window starting at latent frame s > 0 starts at the whole clip's frame 8s (latent frame s's last
 frame), so latent frames [a, b) are the clip's frames [0 if a == 0 else 8a - 7, 8(b - 1) + 1).
 
+Across workers (`rows`, engine/vae_split.py's `RowSplit`): every rank decodes its band of each frame's rows through
+diffusers' own decoder, each convolution reading its neighbours' edge rows (`row_split_hooks`); the decoder has no
+attention, so nothing else crosses a band; rank `rows.dst` gathers the bands.
+
 Not streamed (`not_streamable` says why; the family then decodes the clip whole): noise injection
 (`decoder_inject_noise`: a fresh random draw per decode call), diffusers' spatial tiling or frame-wise decoding
 (enabled on the VAE: its own temporal tiles blend over the clip).
@@ -106,18 +110,25 @@ class LTX2WindowedDecode:
     of latent frames [a, b), as the one-call `vae.decode(z, timestep)` makes them."""
 
     def __init__(self, vae, z: torch.Tensor, timestep: torch.Tensor | None = None,
-                 halo_frames: tuple[int, int] | None = None):
-        self.vae, self.z, self.timestep = vae, z, timestep
+                 halo_frames: tuple[int, int] | None = None, rows=None):
+        self.vae, self.z, self.timestep, self.rows = vae, z, timestep, rows
         self.left, self.right = halos(vae.decoder) if halo_frames is None else halo_frames
         self.t = vae.temporal_compression_ratio
         self.decoded_latent_frames = 0         # latent frames decoded, halos included (the cost)
 
     @torch.no_grad()
     def decode(self, a: int, b: int) -> torch.Tensor:
-        """(B, 3, n, H, W): the clip's frames of latent frames [a, b), n = 1 + t(b - a - 1) if a == 0 else t(b - a)."""
+        """(B, 3, n, H, W): the clip's frames of latent frames [a, b), n = 1 + t(b - a - 1) if a == 0 else t(b - a);
+        with `rows`, on rows.dst (None elsewhere)."""
         F, t = self.z.shape[2], self.t
         s, e = max(0, a - self.left), min(F, b + self.right)
         self.decoded_latent_frames += e - s
-        video = self.vae.decode(self.z[:, :, s:e], self.timestep, return_dict=False)[0]
         first = 0 if a == 0 else t * a - t + 1           # the clip's frame numbers; the window starts at t s
-        return video[:, :, first - t * s: t * (b - 1) + 1 - t * s]
+        if self.rows is None:
+            video = self.vae.decode(self.z[:, :, s:e], self.timestep, return_dict=False)[0]
+            return video[:, :, first - t * s: t * (b - 1) + 1 - t * s]
+        from longserve.engine.vae_split import row_split_hooks
+
+        with row_split_hooks(self.vae.decoder, self.rows):
+            band = self.vae.decode(self.rows.take(self.z[:, :, s:e]), self.timestep, return_dict=False)[0]
+        return self.rows.gather_to_dst(band[:, :, first - t * s: t * (b - 1) + 1 - t * s])

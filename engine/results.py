@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from longserve.engine.outputs import LiveChunkInfo, Sound
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -69,4 +71,5 @@ class DecodedChunk:
     done: bool
     progress: Progress
     timings: dict = field(default_factory=dict)
-    info: dict = field(default_factory=dict)     # the family's (a causal model: chunk index, prompt index)
+    audio: Sound | None = None                   # a model's sound, handed out once (engine.outputs)
+    live: LiveChunkInfo | None = None            # a causal model's chunk: its index and prompt

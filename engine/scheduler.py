@@ -134,7 +134,7 @@ class ScheduledRequest:
     @property
     def live(self) -> bool:
         """A live session: no end of its own to wait for (outside `max_running`, takes turns in a batch)."""
-        return bool(self.spec.options.get("live"))
+        return self.spec.live
 
     def progressed(self, p) -> None:
         """Take in what a worker job reports of it (`engine.results.Progress`)."""

@@ -115,7 +115,7 @@ def decode_next(ctx, request_id: str, max_frames: int) -> DecodedChunk | None:
         return None
     return DecodedChunk(frames, start, req.decoded_frames, req.num_frames, req.timings["vae_s"] - vae_before,
                         req.decoded_frames >= req.num_frames, req.progress(), dict(req.timings),
-                        dict(getattr(req, "chunk_info", None) or {}))
+                        *req.handed_out())
 
 
 def update(ctx, request_id: str, payload: dict) -> dict:

@@ -25,7 +25,16 @@ import numpy as np
 
 from longserve.engine.config import EngineConfig
 from longserve.engine.engine import VideoEngine
-from longserve.engine.outputs import Cancelled, Failed, Finished, FramesChunk, RequestOutput, Requeued, StepProgress
+from longserve.engine.outputs import (
+    Cancelled,
+    Failed,
+    Finished,
+    FramesChunk,
+    LiveChunkInfo,
+    RequestOutput,
+    Requeued,
+    StepProgress,
+)
 from longserve.engine.pool import WorkerError
 from longserve.engine.request import GenerationSpec, RequestError, RequestInput
 
@@ -57,16 +66,6 @@ class VideoOutput:
 
             mux_audio(path, path, as_sound(self.audio[index], self.audio_rate))
         return str(path)
-
-
-def sound_of(out: FramesChunk) -> dict:
-    """The sound a chunk carries (a model with sound hands it out with its frames: LTX-2's one chunk):
-    {"samples", "rate"}, the audio latents for output "latent", or {}."""
-    if out.info.get("audio") is not None:
-        return {"samples": out.info["audio"], "rate": out.info.get("audio_rate")}
-    if out.info.get("audio_latents") is not None:
-        return {"samples": out.info["audio_latents"]}
-    return {}
 
 
 def save_video(frames: np.ndarray, path, fps: int = 8) -> None:
@@ -136,7 +135,8 @@ class LiveSession:
     def __iter__(self) -> Iterator[LiveChunk]:
         for out in self.handle:
             if isinstance(out, FramesChunk):
-                yield LiveChunk(out.info.get("chunk", 0), out.frames[0], out.info.get("prompt_index", 0), out.start)
+                live = out.live or LiveChunkInfo(0, 0)
+                yield LiveChunk(live.chunk, out.frames[0], live.prompt_index, out.start)
             elif isinstance(out, Failed):
                 raise_failure(out)
             elif isinstance(out, Finished):
@@ -214,7 +214,7 @@ class VideoPipeline:
 
     def request(self, prompt, negative_prompt="", num_frames=None, height=None, width=None,
                 num_inference_steps=None, guidance_scale=None, seed=None, output_type="np", decode_chunk_size=8,
-                lora=None, seconds=None, fps=None, **options) -> RequestInput:
+                lora=None, seconds=None, fps=None, live=False, **options) -> RequestInput:
         """A call's arguments as the engine's request: this door maps only its own syntax (`output_type`, a video
         given as an MP4 path); the engine completes the rest (`VideoEngine.complete`: defaults, seconds ->
         frames, checks)."""
@@ -224,7 +224,7 @@ class VideoPipeline:
         return RequestInput(prompt=prompt, negative_prompt=negative_prompt, num_frames=num_frames, seconds=seconds,
                             height=height, width=width, num_inference_steps=num_inference_steps,
                             guidance_scale=guidance_scale, seed=seed, fps=fps, output=output_type,
-                            decode_chunk_size=decode_chunk_size, lora=lora,
+                            decode_chunk_size=decode_chunk_size, lora=lora, live=live,
                             options=self.read_inputs({k: v for k, v in options.items() if v is not None}))
 
     def make_spec(self, prompt, *args, **kwargs) -> GenerationSpec:
@@ -273,15 +273,15 @@ class VideoPipeline:
                               guidance_scale, seed, output_type, decode_chunk_size, seconds=seconds, fps=fps,
                               **options)
         t_start = time.perf_counter()
-        chunks, timings, sound = [], {}, {}
+        chunks, timings, sound = [], {}, None
         checked: list = []
         for out in self._outputs(spec, callback, checked):
             if isinstance(out, FramesChunk):
                 chunks.append(out.frames)
-                sound.update(sound_of(out))
+                sound = out.audio or sound
             elif isinstance(out, Requeued):
                 chunks.clear()      # the workers restarted under it: it is made again, from the first frame
-                sound.clear()
+                sound = None
             elif isinstance(out, Finished):
                 timings = out.timings
         if output_type == "latent":      # one piece, or a causal model's chunks (B, C, k, h, w) in order
@@ -294,7 +294,8 @@ class VideoPipeline:
         timings = dict(timings, wall_s=wall)
         timings["overhead_s"] = wall - timings["encode_s"] - timings["transformer_s"] - timings["vae_s"]
         return VideoOutput(frames=video, timings=timings, lora=[dict(e) for e in checked[0].lora or []],
-                           audio=sound.get("samples"), audio_rate=sound.get("rate"))
+                           audio=None if sound is None else sound.samples,
+                           audio_rate=None if sound is None or sound.latent else sound.rate)
 
     def stream(self, prompt: str | list, negative_prompt: str = "", num_frames: int | None = None,
                height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
@@ -327,8 +328,8 @@ class VideoPipeline:
             if isinstance(out, FramesChunk) and out.stop > yielded:
                 frames = out.frames[0][max(0, yielded - out.start):]
                 yielded = out.stop
-                if sound is not None and sound_of(out):
-                    sound.update(samples=sound_of(out)["samples"][0], rate=sound_of(out)["rate"])
+                if sound is not None and out.audio is not None:
+                    sound.update(samples=out.audio.samples[0], rate=out.audio.rate)
                 yield frames
             elif isinstance(out, Finished) and timings is not None:
                 timings.update(out.timings)

@@ -100,10 +100,9 @@ class WorkerRequest:
         """Are there final frames not yet handed out?"""
         return self.frames is not None and self.frames.ready()
 
-    @property
-    def chunk_info(self) -> dict:
-        """What the last decode handed out, in the family's words (a live chunk: its chunk and prompt index)."""
-        return self.frames.info if self.frames is not None else {}
+    def handed_out(self) -> tuple:
+        """(sound, live chunk) of what the last decode handed out (`FrameStream.handed_out`; (None, None) without)."""
+        return self.frames.handed_out() if self.frames is not None else (None, None)
 
     def progress(self):
         """What the coordinator learns after each job (`engine.results.Progress`)."""
@@ -224,6 +223,7 @@ class VideoFamily:
         self.plan = config.plan
         # decode in diffusers' spatial tiles (what `pipe.vae.enable_tiling()` does); off, as in diffusers
         self.vae_tiling = config.engine.vae_tiling
+        self.vae_split = config.engine.vae_split         # "rows": every frame's rows across the workers
         self.attention = "sdpa"
         self.cfg_groups = None
         self.lora = None                 # engine.lora.LoraSet, when the family loaded adapters
@@ -352,8 +352,10 @@ class VideoFamily:
         one parallel forward of every request's rows, [uncond; cond] each under CFG."""
         t0 = time.perf_counter()
         model = self.model_for(reqs)
-        cfg_parallel = self.cfg_groups is not None and all(r.spec.use_cfg for r in reqs)
+        cfg_parallel = self.cfg_groups is not None and all(r.spec.cfg_at(r.steps_done) for r in reqs)
         rows = [self.inputs(r) for r in reqs]                             # per request: {name: (rows, ...)}
+        rows = [x if r.spec.cfg_at(r.steps_done) or not r.spec.use_cfg else conditional_rows(x)
+                for r, x in zip(reqs, rows)]                              # CFG truncated: the cond half only
         names = list(rows[0])
         columns = order_rows([[r[n] for n in names] for r in rows], cfg_parallel)
         sizes = [len(r[names[0]]) for r in rows]
@@ -408,7 +410,7 @@ class VideoFamily:
 
     def guide(self, r: WorkerRequest, out: torch.Tensor) -> torch.Tensor:
         """The request's prediction from its rows of the model output ([uncond; cond] under CFG)."""
-        return guided(out, r.spec.use_cfg, self.guidance_scale(r))
+        return guided(out, r.spec.cfg_at(r.steps_done), self.guidance_scale(r))
 
     def advance(self, r: WorkerRequest, pred: torch.Tensor) -> None:
         """The request's scheduler step with the guided prediction; once denoised, every latent frame is final."""
@@ -545,6 +547,12 @@ def split_rows(out: torch.Tensor, sizes: list[int], cfg_parallel: bool) -> list[
     return [torch.cat([u, c]) for u, c in zip(uncond.split(halves), cond.split(halves))]
 
 
+def conditional_rows(inputs: dict) -> dict:
+    """A request's forward inputs, [uncond; cond] rows each, -> the cond rows alone (a step past its CFG
+    truncation)."""
+    return {name: x[len(x) // 2:] for name, x in inputs.items()}
+
+
 def guided(noise: torch.Tensor, use_cfg: bool, scale: float) -> torch.Tensor:
     """[uncond; cond] model output -> the guided prediction (or the output itself without CFG)."""
     if not use_cfg:
@@ -673,3 +681,7 @@ def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:
     if unknown:
         raise RequestError(unknown[0], f"{unknown[0]} is not an option of this model (a {desc.family} model "
                                        f"accepts: {', '.join(desc.options) or 'no extra options'})")
+    if "cfg_trunc_ratio" in spec.options:
+        ratio = spec.options["cfg_trunc_ratio"]
+        check_number("cfg_trunc_ratio", ratio, 0, 1)
+        spec.options = {**spec.options, "cfg_trunc_ratio": float(ratio)}

@@ -25,8 +25,8 @@ the schedule's still to come: a session's prompt history is bounded, however man
 A switch recomputes the cached frames' K/V under the
 new prompt (LongLive's recache: context passes over the cached clean latents, oldest first)
 and the text K/V. Every decoded chunk says which chunk it is and which prompt made it
-(`DecodedChunk.info`), so a switch is observable exactly. `update(stop=True)` ends a request
-after the chunk it is making; `options["live"]` marks a session (its length, `num_frames`, is
+(`FramesChunk.live`), so a switch is observable exactly. `update(stop=True)` ends a request
+after the chunk it is making; `GenerationSpec.live` marks a session (its length, `num_frames`, is
 then the front door's limit).
 
 From an image (`options["image"]`, as Self-Forcing / CausVid inference takes an initial latent): rank 0 VAE-encodes
@@ -75,6 +75,7 @@ from longserve.engine.families.base import (
 from longserve.engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
 from longserve.engine.images import as_rgb_array, to_pil
 from longserve.engine.models.causal import CausalConfig, CausalWan, KVCache
+from longserve.engine.outputs import LiveChunkInfo
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.request import GenerationSpec, RequestError
 
@@ -82,7 +83,7 @@ CAUSAL_CONFIG_FILE = "causal_config.json"
 #: set to 1 by `bench` (timing mode): the loop then waits for the device after each step and around a recache,
 #: so `timings["transformer_s"]` holds the kernels' time; otherwise it never syncs inside the loop
 TIMED_STAGES_ENV = "LONGSERVE_TIMED_STAGES"
-OPTIONS = ("prompt_schedule", "live", "image")
+OPTIONS = ("prompt_schedule", "image")
 
 
 def chunk_frames(chunks: int, frames_per_block: int, temporal: int, lead: int = 0) -> int:
@@ -205,9 +206,6 @@ class CausalWanFamily(WanParts, VideoFamily):
             raise RequestError("num_frames", f"from a start image the video is the image's frame and at least one "
                                              f"made latent frame: num_frames must be at least {1 + temporal}; got "
                                              f"{spec.num_frames}")
-        live = spec.options.get("live", False)
-        if not isinstance(live, bool):
-            raise RequestError("live", f"live must be true or false; got {live!r}")
         return spec
 
     @classmethod
@@ -474,7 +472,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                 made = x0[:, :, :r.latent_frames - r.lead - r.chunk * cfg.frames_per_block]
                 if r.image_latent is not None:
                     made, r.image_latent = torch.cat([r.image_latent, made], dim=2), None
-                r.frames.push(made, info={"chunk": r.chunk, "prompt_index": r.prompt_index})
+                r.frames.push(made, live=LiveChunkInfo(r.chunk, r.prompt_index))
                 r.phase = n
         else:                                   # the context pass wrote the chunk: keep its clean latents
             first = r.caches[0].frames_written - r.x0.shape[2]

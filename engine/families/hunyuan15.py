@@ -197,28 +197,44 @@ class Hunyuan15Family(VideoFamily):
                                 cfg=self.cfg_groups if cfg_parallel else None)    # (rows, C, F, h, w)
 
     def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor) -> "Hunyuan15Decoder":
-        return Hunyuan15Decoder(self.pipe, self.pg, self.vae_tiling, spec.output)
+        from longserve.engine.vae_split import split_rows_fits
+
+        rows = self.vae_split == "rows" and self.pg.world_size > 1 and split_rows_fits(latents.shape[3],
+                                                                                       self.pg.world_size)
+        return Hunyuan15Decoder(self.pipe, self.pg, self.vae_tiling, spec.output,
+                                rows_of=latents.shape[3] if rows else None)
 
 
 class Hunyuan15Decoder:
     """The HunyuanVideo-1.5 VAE on rank 0: streamed in time, a chunk of latent frames at a time as the frame stream
     hands them (engine/hunyuan15_vae.py: the decoder is causal in time, so the chunks' frames are diffusers' decode);
-    with `vae_tiling`, the clip whole through diffusers' tiled decode, as the pipeline does."""
+    with `vae_tiling`, the clip whole through diffusers' tiled decode, as the pipeline does; with `rows`, streamed on
+    every rank, each its band of the frame's rows (engine/vae_split.py), gathered on rank 0."""
 
-    def __init__(self, pipe, pg, tiling: bool, output: str):
+    def __init__(self, pipe, pg, tiling: bool, output: str, rows_of: int | None = None):
+        """rows_of: the latent height whose rows split across the workers (None: rank 0 decodes whole frames)."""
         from longserve.engine.hunyuan15_vae import HunyuanVAEStream
+        from longserve.engine.vae_split import RowSplit
 
         self.pipe, self.pg, self.output, self.tiling = pipe, pg, output, tiling
+        self.rows = rows_of is not None and not tiling
         if tiling:
             pipe.vae.enable_tiling()
         else:
             pipe.vae.disable_tiling()
-        self.stream = HunyuanVAEStream(pipe.vae) if pg.rank == 0 and not tiling else None
+        self.stream = None
+        if self.rows:
+            self.stream = HunyuanVAEStream(pipe.vae, RowSplit(pg, rows_of))
+        elif pg.rank == 0 and not tiling:
+            self.stream = HunyuanVAEStream(pipe.vae)
 
     def decode(self, latents: torch.Tensor, keep: slice):
+        vae = self.pipe.vae
+        if self.rows:
+            video = self.stream.decode(latents.to(vae.dtype) / vae.config.scaling_factor)  # (B, 3, n, H, W) on 0
+            return None if video is None else to_pixels(video[:, :, keep], self.pipe.video_processor, self.output)
         if self.pg.rank != 0:
             return None
-        vae = self.pipe.vae
         z = latents.to(vae.dtype) / vae.config.scaling_factor
         if self.stream is not None:
             video = self.stream.decode(z)                                        # (B, 3, n, H, W)

@@ -77,7 +77,8 @@ class LatteFamily(VideoFamily):
             "guidance_scale": 7.5, "fps": 8})
         return ModelDescription(family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
                                 size_multiple=vae_scale * cfg["patch_size"], frame_multiple=1, defaults=defaults,
-                                options=("cache",), capabilities=cls.capabilities(("cache",)))
+                                options=("cache", "cfg_trunc_ratio"),
+                                capabilities=cls.capabilities(("cache",)))
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:

@@ -25,9 +25,10 @@ decoded with a halo of H latent frames on either side, and its frames equal the 
 2H latent frames, whatever `decode_chunk_frames` (the last one the rest); a clip no longer than a window plus its
 two halos is decoded whole, in one call, as diffusers does, and so is every clip where the VAE cannot be windowed
 (`engine.ltx2_vae.not_streamable`). The sound: the audio latents through the audio VAE and the vocoder, decoded
-before the first video window and handed out with it (`FramesChunk.info["audio"]`: float32 (B, channels, samples),
-`info["audio_rate"]`: Hz), so a streamed download knows the sound when it writes the first frames. A request with
-`audio: false` skips the audio decode (its latents are still denoised: the two streams are one model).
+before the first video window and handed out with it (`FramesChunk.audio`, an `engine.outputs.Sound`: float32
+(B, channels, samples) at the vocoder's rate), so a streamed download knows the sound when it writes the first
+frames. A request with `audio: false` skips the audio decode (its latents are still denoised: the two streams are one
+model).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from longserve.engine.families.base import (
 )
 from longserve.engine.families.wan_parts import WanParts
 from longserve.engine.models.ltx2 import LTX2SequenceParallel
+from longserve.engine.outputs import Sound
 from longserve.engine.request import GenerationSpec, RequestError
 
 MAX_SEQUENCE_LENGTH = 1024          # diffusers' LTX2Pipeline pads every prompt to it
@@ -149,7 +151,7 @@ class LTX2Family(VideoFamily):
             family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],
             size_multiple=spatial * cfg.get("patch_size", 1), frame_multiple=temporal * cfg.get("patch_size_t", 1),
             defaults=generation_defaults(model_dir, cls.pipeline_defaults[index["_class_name"]]),
-            options=options, capabilities=cls.capabilities(options, image=REQUIRED if i2v else REFUSED,
+            options=options, capabilities=cls.capabilities(options, image=REQUIRED if i2v else REFUSED, sound=True,
                                                            sound_tokens_per_second=sound_tokens,
                                                            pixels_per_token=pixels_per_token),
             facts=LTX2Facts(layers=cfg["num_layers"], audio_rate=vocoder.get("output_sampling_rate", 24000),
@@ -483,9 +485,10 @@ class LTX2Family(VideoFamily):
         if r.upsample and r.stage == 0 and r.steps_done == r.num_steps - len(STAGE_2_SIGMAS):
             self._start_stage_2(r)
         if r.denoised:
-            info = {"audio_latents": self.final_audio_latents(r).cpu()} if r.spec.output == "latent" else {}
+            if r.spec.output == "latent":       # the audio latents, with the video's
+                r.frames.audio = Sound(self.final_audio_latents(r).cpu(), 0)
             r.clip = self.final_latents(r)
-            r.frames.push(r.clip, info=info, last=True)
+            r.frames.push(r.clip, last=True)
 
     def decode_next(self, r: LTX2Request, max_frames: int):
         """The next window's frames, whatever the scheduler's `max_frames` (`window_frames`)."""
@@ -579,25 +582,32 @@ class LTX2Decoder:
 
     def decode(self, latents: torch.Tensor, keep: slice):
         fam = self.family
-        if fam.pg.rank != 0:
+        rows = fam.vae_split == "rows" and fam.pg.world_size > 1     # every rank decodes its band of the rows
+        if fam.pg.rank != 0 and not rows:
             return None
         from longserve.engine.decoding import to_pixels
         from longserve.engine.ltx2_vae import LTX2WindowedDecode
+        from longserve.engine.vae_split import RowSplit, split_rows_fits
 
         pipe, r = fam.pipe, self.r
         with torch.no_grad():
-            if self.start == 0 and r.spec.options.get("audio", True):   # the sound first, with the first frames
-                r.frames.info = {**r.frames.info, "audio": fam.decode_audio(r), "audio_rate": fam.desc.facts.audio_rate}
+            if self.start == 0 and r.spec.options.get("audio", True) and fam.pg.rank == 0:   # the sound first
+                r.frames.audio = Sound(fam.decode_audio(r), fam.desc.facts.audio_rate)
             if self.window is None:
                 clip = r.clip.to(pipe.vae.dtype)
                 timestep = None
                 if pipe.vae.config.timestep_conditioning:
                     timestep = torch.zeros(clip.shape[0], device=clip.device, dtype=clip.dtype)
-                self.window = LTX2WindowedDecode(pipe.vae, clip, timestep, fam.vae_halos)
+                split = RowSplit(fam.pg, clip.shape[3]) if rows and split_rows_fits(clip.shape[3],
+                                                                                     fam.pg.world_size) else None
+                if fam.pg.rank != 0 and split is None:
+                    self.start += latents.shape[2]
+                    return None
+                self.window = LTX2WindowedDecode(pipe.vae, clip, timestep, fam.vae_halos, rows=split)
             a = self.start
             self.start += latents.shape[2]
             video = self.window.decode(a, self.start)
-        return to_pixels(video[:, :, keep], pipe.video_processor, r.spec.output)
+        return None if video is None else to_pixels(video[:, :, keep], pipe.video_processor, r.spec.output)
 
     def close(self) -> None:
         self.window, self.r.clip = None, None          # the clip is handed out: its latents are not kept

@@ -87,7 +87,7 @@ class WanFamily(WanParts, VideoFamily):
         if bool(index.get("expand_timesteps")) != cls.expand_timesteps:
             raise ValueError(f"{model_dir}: expand_timesteps is {bool(index.get('expand_timesteps'))}; the "
                              f"{cls.name} family serves checkpoints where it is {cls.expand_timesteps}")
-        options = (*(("guidance_scale_2",) if two_experts else ()), *SCHEDULE_OPTIONS, "cache")
+        options = (*(("guidance_scale_2",) if two_experts else ()), *SCHEDULE_OPTIONS, "cache", "cfg_trunc_ratio")
         mag_ratios = read_mag_ratios(model_dir)
         return ModelDescription(
             family=cls.name, pipeline=index["_class_name"], heads=cfg["num_attention_heads"],

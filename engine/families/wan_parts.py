@@ -65,4 +65,4 @@ class WanParts:
 
     def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor) -> WanVAEDecoder:
         """The Wan VAE's streaming decode across the workers (diffusers' tiles with `vae_tiling`)."""
-        return WanVAEDecoder(self.pipe, self.pg, latents, self.vae_tiling, spec.output)
+        return WanVAEDecoder(self.pipe, self.pg, latents, self.vae_tiling, spec.output, split=self.vae_split)

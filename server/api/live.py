@@ -24,7 +24,7 @@
                        (recorded: and "video_id", the stored video's id, the session's)
 
 The start message is mapped by the server's request door (`VideoRequests.live`: its size string
-and limits) to an engine request (`options["live"]`, `seconds` = --max-live-seconds, rounded down
+and limits) to an engine request (`live=True`, `seconds` = --max-live-seconds, rounded down
 to whole latent frames by the engine's completion; a seed left out is a random one, as through
 every door), so it batches with every other session and job at the step level. A session is a job
 like any video: the admission gate counts it (its longest length in whole chunks x its size x its
@@ -63,7 +63,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from longserve.engine.errors import public_message
-from longserve.engine.outputs import FramesChunk
+from longserve.engine.outputs import FramesChunk, LiveChunkInfo
 from longserve.engine.request import GenerationSpec, RequestError
 from longserve.engine.scheduler import KVBudgetError, QueueFullError
 from longserve.server.api import webrtc
@@ -316,23 +316,24 @@ class LiveOutputs:
         if not isinstance(out, FramesChunk):
             return None
         pixels, left_engine = out.frames[0], time.time()
+        live = out.live or LiveChunkInfo(self.chunks, 0)
         extra = {"t": round(left_engine, 4)}            # when the chunk left the engine (for clients' latency)
         if self.track is not None:
             data = None
-            self.track.push(pixels, out.info.get("chunk", self.chunks))
+            self.track.push(pixels, live.chunk)
         else:
             data = await self.runner.run_io(self.muxer.push, pixels)
-        p = out.info.get("prompt_index", 0)
+        p = live.prompt_index
         if self.recording is not None:          # before any drop: the recording has every chunk
             await self.runner.run_io(self.recording.add, data, pixels, self.prompts.get(p))
         items = []
         if p != self.last_prompt:
             items.append(("event", {"type": "prompt.applied", "prompt_index": p, "prompt": self.prompts.get(p),
-                                    "chunk": out.info.get("chunk")}))
+                                    "chunk": live.chunk}))
             for older in [i for i in self.prompts if i < p]:          # bounded: what applied before goes
                 del self.prompts[older]
             self.last_prompt = p
-        items.append(("chunk", {"type": "chunk", "index": out.info.get("chunk", self.chunks), "frames": len(pixels),
+        items.append(("chunk", {"type": "chunk", "index": live.chunk, "frames": len(pixels),
                                 "start_frame": out.start, "prompt_index": p, "bytes": len(data or b""),
                                 "dropped": self.dropped, **extra}, data))
         self.chunks, self.frames = self.chunks + 1, self.frames + len(pixels)

@@ -94,7 +94,7 @@ class LiveRecording:
 
     def record(self) -> VideoRecord:
         spec, now, vid = self.spec, int(time.time()), self.spec.request_id
-        params = {**spec.params(), "num_frames": self.frames, "fps": spec.fps}
+        params = {**spec.to_params(), "num_frames": self.frames}
         options = {k: v for k, v in params["options"].items() if k in ("live",)}
         params["options"] = {**options, "live": True, "prompts": self.prompts}
         return VideoRecord(id=vid, created_at=self.created_at, status="completed", model=self.service.model_name,

@@ -222,7 +222,7 @@ class VideoRequests:
         image = msg.get("input_reference")        # a start image: a data URL, or {"image_url": data URL} as in create
         refs = self._references({"image_url": image} if isinstance(image, str) else image, {}) if image else {}
         request = RequestInput(prompt=prompt, seconds=max_seconds, height=height, width=width, seed=msg.get("seed"),
-                               fps=msg.get("fps"), output="uint8", options={"live": True, **refs},
+                               fps=msg.get("fps"), output="uint8", options=refs, live=True,
                                request_id=f"live_{uuid.uuid4().hex}")
         return self._complete(request, "input_reference", session=True, params={"image": "input_reference"})
 

@@ -75,7 +75,7 @@ ANY_OWNER = "*"
 
 @dataclass
 class VideoRecord:
-    """One job as stored. `params`: the generation parameters (`GenerationSpec.params()`) and the fps."""
+    """One job as stored. `params`: the generation parameters (`GenerationSpec.to_params()`, its fps among them)."""
 
     id: str
     created_at: int

@@ -1,7 +1,8 @@
 """`longserve bench speed`: the opt-in speed levers against the exact default, in one run on one machine.
 
-    longserve bench speed [--model tiny-latte] [--prompts 40] [--cache first_block] [--cache '{"kind": ...}'] \\
-        [--compile blocks] [--steps N] [--frames N] [--json out.json] [--markdown docs/benchmarks.md]
+    longserve bench speed [--model tiny-latte] [--prompts 40] [--spread] [--cache first_block] \\
+        [--cache '{"kind": ...}'] [--compile blocks] [--profile fast] [--diffusers] [--steps N] [--frames N] \\
+        [--json out.json] [--markdown docs/benchmarks.md]
 
 Every row generates the same videos: the first `--prompts` prompts of the trained tiny-latte's
 vocabulary (`weights.prompts.PROMPTS`), one request each, seed 0, all submitted at once so that the
@@ -29,6 +30,15 @@ encoder and VAE (`server.bench.models.shaped_checkpoint`): the block counts and 
 FP8 weights (`--quantize fp8`) need a GPU with FP8 and get no row on CPU; expert offload needs a two-expert
 model and changes no frame, so it has none on tiny-latte.
 
+`--profile fast` adds the fast profile's rows (engine/profile.py): one per lever it turns on for this model and
+device (each alone: a request lever, step caching or CFG truncation, on the exact engine; an engine lever, compile,
+attention backend, bf16 VAE, the VAE's rows split, on its own engine), then "profile fast" (all of them, on an engine
+started with `profile="fast"`): each lever's share of the speed-up and of the quality lost, side by side.
+`--diffusers` adds diffusers' own pipeline of the family (Latte: `LattePipeline`), the prompts one after another in
+this process: the peer's wall time at the same work. `--spread` takes the prompts spread over the vocabulary
+(prompt k: colour k mod 4, shape k/2 mod 2, motion k mod 5) instead of the first ones: `--prompts 12 --spread` is a
+12-prompt grid with every colour, both shapes and every motion.
+
 A family without step caching or block compilation (LTX-2, HunyuanVideo-1.5: `--model tiny-ltx2`,
 `--model tiny-hunyuan15` or a published checkpoint's directory) gets the rows it has: "exact" (wall time, blocks);
 `--cache` or `--compile` on it is refused naming the option.
@@ -53,6 +63,7 @@ from longserve.server.bench.util import (
 )
 
 SECTION = "## Speed levers: step caching against exact (bench speed)"
+PROFILE_SECTION = "## The fast profile, lever by lever, against exact and diffusers (bench speed --profile fast)"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -69,6 +80,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
                         help="torch.compile backend of the compile rows (aot_eager, eager: the mechanism without "
                              "code generation, for tests)")
+    parser.add_argument("--cfg-trunc", dest="cfg_truncs", action="append", type=float, default=None, metavar="RATIO",
+                        help="a CFG truncation to measure alone (the request option cfg_trunc_ratio; repeatable)")
+    parser.add_argument("--profile", dest="profile_rows", choices=["none", "fast"], default="none",
+                        help="fast: add a row per lever of the fast profile on this device, and the whole profile")
+    parser.add_argument("--diffusers", action="store_true",
+                        help="add a row for diffusers' own pipeline of the family (Latte), the prompts in turn")
+    parser.add_argument("--spread", action="store_true",
+                        help="take the prompts spread over colours, shapes and motions, not the first ones")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     parser.add_argument("--frames", type=int, default=None, help="frames per video (default: the model's)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -76,8 +95,10 @@ def add_arguments(parser) -> None:
                              "processes on shared cores slow some runs)")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--markdown", default=None, metavar="PATH",
-                        help=f"replace the section '{SECTION}' of this Markdown file with the table")
-    add_cli_args(parser, EngineConfig, groups=("model", "scheduling"), exclude=("cache", "compile"),
+                        help=f"replace the section '{SECTION}' (with --profile: '{PROFILE_SECTION}') of this "
+                             "Markdown file with the table")
+    add_cli_args(parser, EngineConfig, groups=("model", "scheduling"),
+                 exclude=("cache", "compile", "profile", "cfg_trunc_ratio"),
                  titles={"model": "engine options (every row)", "scheduling": "scheduling (every row)"})
 
 
@@ -94,13 +115,25 @@ def recogniser():
     return recognises
 
 
+def spread_prompts(n: int) -> list[str]:
+    """n prompts spread over the vocabulary: prompt k is colour k mod 4, shape k/2 mod 2, motion k mod 5 (distinct for
+    n <= 20)."""
+    from longserve.weights.prompts import COLOURS, MOTIONS, SHAPES
+
+    return [f"a {COLOURS[k % 4]} {SHAPES[k // 2 % 2]} {MOTIONS[k % 5]}" for k in range(n)]
+
+
 def generate(pipe, prompts: list[str], steps: int | None, frames: int | None, cache) -> tuple[list, list, float]:
-    """Every prompt as its own request, submitted at once -> (frames per video, timings per video, wall s)."""
+    """Every prompt as its own request, submitted at once -> (frames per video, timings per video, wall s). `cache`:
+    the step-caching setting, or a dict of request options (a lever's)."""
     import numpy as np
 
     from longserve.engine.outputs import Failed, Finished, FramesChunk
 
-    options = {} if cache is None else {"cache": cache}
+    if isinstance(cache, dict) and "kind" not in cache:
+        options = dict(cache)
+    else:
+        options = {} if cache is None else {"cache": cache}
     specs = [pipe.make_spec(p, num_inference_steps=steps, num_frames=frames, seed=0, **options) for p in prompts]
     t0 = time.perf_counter()
     handles = [pipe.engine.submit(s) for s in specs]
@@ -188,6 +221,58 @@ def lever_name(cache: dict | None, compiled: bool) -> str:
     return " + ".join(parts) or "exact"
 
 
+REQUEST_LEVERS = ("cache", "cfg_trunc_ratio")
+
+
+def profile_levers(pipe, config) -> dict:
+    """The fast profile's levers for this model on this device: {field: value} (engine/profile.py)."""
+    from longserve.engine.dist import default_device
+    from longserve.engine.engine import resolve_checkpoint
+    from longserve.engine.families import detect_family
+    from longserve.engine.profile import fast_levers
+
+    path = resolve_checkpoint(config.model)
+    family = detect_family(path)
+    desc = family.describe(path)
+    fast = config.replace(profile="fast", cache=None, cfg_trunc_ratio=None, compile=None, vae_split=None)
+    plan = family.resolve_plan(desc, fast.parallel, fast.workers, fast.ulysses_degree, fast.cfg_parallel)
+    return fast_levers(fast, family, desc, plan, config.device or default_device())
+
+
+def request_options(field: str, value) -> dict:
+    """A request lever as request options (step caching's JSON parsed)."""
+    from longserve.engine.cache import parse_cache
+
+    return {"cache": parse_cache(value)} if field == "cache" else {field: value}
+
+
+def diffusers_run(config, defaults, prompts, steps, frames) -> tuple[list, float]:
+    """diffusers' own pipeline of the checkpoint (Latte: `LattePipeline`), the prompts one after another in this
+    process, at the model's defaults (`defaults`: its GenerationDefaults) -> (videos, wall s)."""
+    import diffusers
+    import torch
+
+    from longserve.engine.dist import parse_dtype
+    from longserve.engine.engine import resolve_checkpoint
+    from longserve.engine.families.base import read_json
+
+    path = resolve_checkpoint(config.model)
+    name = read_json(path / "model_index.json")["_class_name"]
+    if name != "LattePipeline":
+        raise ValueError(f"--diffusers: diffusers' row is for Latte checkpoints; {config.model!r} is a {name}")
+    if frames and frames != defaults.num_frames:
+        raise ValueError(f"--diffusers: LattePipeline makes the transformer's own {defaults.num_frames} frames only "
+                         f"(its temporal position table); got --frames {frames}")
+    pipe = getattr(diffusers, name).from_pretrained(str(path), torch_dtype=parse_dtype(config.dtype))
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(num_inference_steps=steps or defaults.num_inference_steps, video_length=frames or defaults.num_frames,
+              height=defaults.height, width=defaults.width, guidance_scale=defaults.guidance_scale)
+    videos, t0 = [], time.perf_counter()
+    with torch.no_grad():
+        for p in prompts:
+            videos.append(pipe(p, generator=torch.Generator("cpu").manual_seed(0), output_type="np", **kw).frames[0])
+    return videos, time.perf_counter() - t0
+
 
 def run(args) -> int:
     from longserve.engine.cache import parse_cache
@@ -200,7 +285,9 @@ def run(args) -> int:
     if not 1 <= args.prompts <= len(PROMPTS):
         raise ValueError(f"--prompts must be in [1, {len(PROMPTS)}]; got {args.prompts}")
     caches = [parse_cache(c, "--cache") for c in (args.caches or ["first_block"])]
-    prompts = list(PROMPTS[:args.prompts])
+    prompts = spread_prompts(args.prompts) if args.spread else list(PROMPTS[:args.prompts])
+    if args.spread and args.prompts > 20:
+        raise ValueError(f"--spread takes at most 20 prompts (distinct colour, shape, motion); got {args.prompts}")
     recognises = recogniser() if args.model == "tiny-latte" else None
     config = from_cli_args(EngineConfig, args, **PIPELINE_DEFAULTS)
     if args.model in SHAPED_CHECKPOINTS:            # a published model's shape, random weights, built once
@@ -222,12 +309,40 @@ def run(args) -> int:
             print(f"  compiled: warm-up at load {compiled.info.compile_s:.1f} s, first run {first:.1f} s, "
                   f"{compiled.info.compiled_graphs} graphs", file=sys.stderr, flush=True)
             levers += [(compiled, None)] + [(compiled, c) for c in caches[:1]]
+        names = [lever_name(c, e is not pipe) for e, c in levers]
+        for ratio in args.cfg_truncs or []:
+            levers.append((pipe, {"cfg_trunc_ratio": ratio}))
+            names.append(f"cfg_trunc_ratio={ratio}")
+        if args.profile_rows == "fast":
+            fast = profile_levers(pipe, config)
+            for field, value in fast.items():
+                if field in REQUEST_LEVERS:
+                    levers.append((pipe, request_options(field, value)))
+                    names.append(f"fast: {field}={value}")
+                else:
+                    engine = stack.enter_context(VideoPipeline.from_config(config.replace(**{field: value})))
+                    generate(engine, prompts[:1], 2, args.frames, None)      # warm-up (and compile)
+                    levers.append((engine, None))
+                    names.append(f"fast: {field}={value}")
+            whole = pipe
+            if any(f not in REQUEST_LEVERS for f in fast):
+                whole = stack.enter_context(VideoPipeline.from_config(config.replace(profile="fast")))
+                generate(whole, prompts[:1], 2, args.frames, None)
+                levers.append((whole, None))
+            else:                                           # request levers only: the exact engine with all of them
+                options = {}
+                for field, value in fast.items():
+                    options.update(request_options(field, value))
+                levers.append((pipe, options))
+            names.append("profile fast")
         runs = {i: [] for i in range(len(levers))}
         for _ in range(args.repeats):
             for i, (engine, cache) in enumerate(levers):
                 runs[i].append(generate(engine, prompts, args.steps, args.frames, cache))
-                print(f"  {lever_name(cache, engine is not pipe)}: {runs[i][-1][2]:.2f} s", file=sys.stderr,
-                      flush=True)
+                print(f"  {names[i]}: {runs[i][-1][2]:.2f} s", file=sys.stderr, flush=True)
+        if args.diffusers:
+            peer_videos, peer_wall = diffusers_run(config, pipe.info.defaults, prompts, args.steps, args.frames)
+            print(f"  diffusers: {peer_wall:.2f} s", file=sys.stderr, flush=True)
         exact_videos = runs[0][0][0]
         exact_blocks = block_count(runs[0][0][1])
         exact_wall = min(w for _, _, w in runs[0])
@@ -237,7 +352,8 @@ def run(args) -> int:
             blocks = block_count(timings)
             counted = blocks is not None and exact_blocks is not None
             rows.append(dict(
-                lever=lever_name(cache, engine is not pipe), cache=cache,
+                lever=names[i], cache=cache if cache is None or "kind" in cache else None,
+                options=None if cache is None or "kind" in cache else cache,
                 compile=None if engine is pipe else args.compile_rows,
                 compile_s=None if engine is pipe else compile_s, videos=len(videos),
                 blocks_per_video=blocks / len(videos) if counted else None,
@@ -245,6 +361,14 @@ def run(args) -> int:
                 fewer_blocks=exact_blocks / blocks if counted else None, wall_s=min(walls), wall_s_runs=walls,
                 speedup=exact_wall / min(walls), psnr_db=None if i == 0 else psnr(videos, exact_videos),
                 recognised=None if recognises is None else sum(recognises(v, p) for v, p in zip(videos, prompts))))
+        if args.diffusers:
+            rows.append(dict(lever="diffusers (its own pipeline, prompts in turn)", cache=None, options=None,
+                             compile=None, compile_s=None, videos=len(peer_videos), blocks_per_video=None,
+                             blocks_skipped_per_video=None, fewer_blocks=None, wall_s=peer_wall,
+                             wall_s_runs=[peer_wall],
+                             speedup=exact_wall / peer_wall, psnr_db=psnr(peer_videos, exact_videos),
+                             recognised=None if recognises is None else
+                             sum(recognises(v, p) for v, p in zip(peer_videos, prompts))))
         info = pipe.info
     import torch
 
@@ -262,10 +386,21 @@ def run(args) -> int:
         flags = " ".join(f"--cache '{c}'" for c in (args.caches or []))
         if args.compile_rows != "none":
             flags += f" --compile {args.compile_rows}"
+        flags += "".join(f" --cfg-trunc {r}" for r in args.cfg_truncs or [])
+        if args.profile_rows != "none":
+            flags += f" --profile {args.profile_rows}"
+        if args.diffusers:
+            flags += " --diffusers"
+        if args.spread:
+            flags += " --spread"
+        if args.steps:
+            flags += f" --steps {args.steps}"
+        if args.frames:
+            flags += f" --frames {args.frames}"
         command = (f"longserve bench speed --model {args.model} --workers {info.workers} --prompts {args.prompts} "
                    f"--repeats {args.repeats} {flags}")
         body = (f"Measured with `{command.strip()}` on {machine['cpu']} ({machine['cores']} cores, "
                 f"{machine['device']}, torch {machine['torch']}), {rows[0]['steps']} steps, {rows[0]['frames']} "
                 f"frames; load average before {load}, after {rows[-1]['loadavg_after']}.\n\n{table}")
-        replace_markdown_section(args.markdown, SECTION, body)
+        replace_markdown_section(args.markdown, PROFILE_SECTION if args.profile_rows != "none" else SECTION, body)
     return 0

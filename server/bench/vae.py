@@ -1,7 +1,8 @@
-"""`longserve bench vae`: Wan VAE decode across workers, chunk by chunk: peak memory per worker.
+"""`longserve bench vae`: Wan VAE decode across workers, chunk by chunk: peak memory and time per worker.
 
     longserve bench vae [--model tiny] --workers 1,2,4 --frames 33 --long-frames 129 --size 192x128 \\
-        --tile 64/48 [--chunk 1] [--batch 1] [--json out.json] [--markdown docs/benchmarks.md]
+        --tile 64/48 [--chunk 1] [--batch 1] [--split items,rows] [--threads 1] [--pin] [--no-memory] \\
+        [--json out.json] [--markdown docs/benchmarks.md]
 
 Rows, all on the same seeded random `AutoencoderKLWan` (`random_wan_vae` in server/bench/models.py;
 `--model tiny`: Wan 2.1's structure at base_dim 16, `--model wan2.1`: Wan 2.1's exact size, diffusers'
@@ -12,7 +13,10 @@ default config, 127M parameters) and the same random de-normalised latents:
 - `StreamingVAEDecoder` (engine/causal_vae.py) on 1, 2, 4 ... workers, `--chunk` latent frames
   per call;
 - the same on one worker in a single chunk (the whole video at once) and, in chunks, for a
-  `--long-frames` video: peak memory must not grow with the video's length.
+  `--long-frames` video: peak memory must not grow with the video's length;
+- with `--split rows`: engine/vae_split.py's `RowSplitWanDecoder` (every frame's rows split across the
+  workers, halos exchanged per convolution; untiled, so compared with diffusers' plain decode) on the same
+  worker counts: the split made for speed, where the item split leaves a lone untiled video to one worker.
 
 Per row: peak tensor memory above the loaded model per worker (engine/memory.py; CPU: live
 tensor storage counted by a TorchDispatchMode, CUDA: max_memory_allocated), the largest
@@ -20,7 +24,8 @@ over the workers and split into the destination rank (which also gathers, blends
 returns each chunk) and the others; the caches a worker holds between calls (largest);
 bytes sent per worker (engine/comm.py); seconds on the slowest worker in a run without the
 memory tracker; the largest absolute difference to diffusers' one-shot decode (tiled when
-tiling is on). Every worker runs one torch thread (see `_one_thread`).
+tiling is on). Every worker runs `--threads` torch threads (default one, see `_worker_setup`); `--pin` puts
+worker r on core r alone (of the cores this process may use), so that N workers measure N cores.
 
 A memory run decodes the whole video but keeps no returned chunk (a streaming caller
 writes each one out): its peak counts one returned chunk, not the video.
@@ -51,8 +56,9 @@ MODELS = {  # random_wan_vae arguments
 }
 
 
-def section(model: str) -> str:
-    return SECTION if model == "tiny" else f"{SECTION} ({model} size)"
+def section(model: str, split: str = "items") -> str:
+    name = SECTION if split == "items" else f"{SECTION}, split {split.replace(',', ' and ')}"
+    return name if model == "tiny" else f"{name} ({model} size)"
 
 
 def add_arguments(parser) -> None:
@@ -67,11 +73,19 @@ def add_arguments(parser) -> None:
                         help="MIN/STRIDE tile size in pixels (square, as enable_tiling takes them), or 'off'")
     parser.add_argument("--chunk", type=int, default=1, help="latent frames per decode call")
     parser.add_argument("--batch", type=int, default=1, help="videos decoded together")
+    parser.add_argument("--split", default="items",
+                        help="the multi-worker decodes to run, comma-separated: items (tiles or whole videos per "
+                             "worker, engine/causal_vae.py), rows (every frame's rows across the workers, "
+                             "engine/vae_split.py; untiled)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--pin", action="store_true", help="pin worker r to core r (one core each)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false",
+                        help="skip the memory-tracked runs (time and error only; half the run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
     parser.add_argument("--markdown", default=None, metavar="PATH",
-                        help=f"write/replace the '{SECTION}' section (tiny; '... (wan2.1 size)' for wan2.1) "
-                             "of this markdown file")
+                        help=f"write/replace the '{SECTION}' section (tiny; '... (wan2.1 size)' for wan2.1; "
+                             "', split rows' with --split rows) of this markdown file")
 
 
 def _tiling(text: str):
@@ -86,6 +100,17 @@ def _tiling(text: str):
     return VAETiling(size, size, stride, stride)
 
 
+SPLITS = ("items", "rows")
+
+
+def _splits(text: str) -> list[str]:
+    splits = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in splits if s not in SPLITS]
+    if not splits or bad:
+        raise ValueError(f"--split: a comma-separated list of {', '.join(SPLITS)}; got {text!r}")
+    return splits
+
+
 def _setup(args):
     """Validated (latent frames, long latent frames, latent h, latent w, tiling) from the options."""
     from longserve.server.api.protocol import parse_size
@@ -98,6 +123,9 @@ def _setup(args):
             raise ValueError(f"--{name}: must be >= 1, got {getattr(args, name)}")
     if args.long_frames < 0:
         raise ValueError(f"--long-frames: must be >= 0, got {args.long_frames}")
+    if args.threads < 1:
+        raise ValueError(f"--threads: must be >= 1, got {args.threads}")
+    _splits(args.split)
     if args.model not in MODELS:
         raise ValueError(f"--model: one of {', '.join(MODELS)}; got {args.model!r}")
     config = _build(args.model).config
@@ -182,10 +210,42 @@ def _stream_job(ctx, model, z, tiling, chunk, measure):
                 caches=caches)
 
 
-def _run_both(pool, job, *args):
-    """One tracked run for memory, one untracked for time and output; per-rank results merged."""
-    mem = pool.run(job, *args, True)
+def _rows_job(ctx, model, z, measure):
+    """RowSplitWanDecoder over the whole of z, one latent frame per call (as `_stream_job`)."""
+    import torch
+    import torch.distributed as dist
+
+    from longserve.engine import comm
+    from longserve.engine.memory import PeakMemory
+    from longserve.engine.vae_split import RowSplitWanDecoder
+
+    vae, pg = _vae(ctx, model), ctx.pg
+    if pg.world_size > 1:
+        dist.barrier(group=pg.group)
+    comm.STATS.reset()
+    outs = []
+    with torch.no_grad(), PeakMemory(pg.device, enabled=measure) as mem:
+        t0 = time.perf_counter()
+        decoder = RowSplitWanDecoder(vae, pg, z.shape[0], z.shape[3], z.shape[4])
+        for start in range(z.shape[2]):
+            out = decoder.decode(z[:, :, start:start + 1])
+            if not measure and out is not None:
+                outs.append(out)
+            del out
+        caches = decoder.cache_bytes
+        decoder.close()
+        seconds = time.perf_counter() - t0
+    return dict(video=torch.cat(outs, dim=2) if outs else None, peak=mem.peak_bytes, seconds=seconds,
+                bytes_sent=comm.STATS.bytes_sent, items=None, grid=None, caches=caches)
+
+
+def _run_both(pool, job, *args, memory=True):
+    """One tracked run for memory (unless `memory` is off), one untracked for time and output; per-rank results
+    merged."""
     timed = pool.run(job, *args, False)
+    if not memory:
+        return [dict(t, peak=0) for t in timed]
+    mem = pool.run(job, *args, True)
     return [dict(t, peak=m["peak"]) for m, t in zip(mem, timed)]
 
 
@@ -204,24 +264,33 @@ def _row(method, tiling_text, frames, latent_frames, chunk, results, reference):
                 seconds=max(r["seconds"] for r in results), max_abs_err=err)
 
 
-def _one_thread(ctx) -> None:
+def _worker_setup(ctx, threads: int = 1, pin: bool = False) -> None:
     # The 2 cores are shared: a process running 2 intra-op threads while others compete ran 10-40x
-    # slower here, so every worker, at every worker count, runs one.
+    # slower here, so every worker, at every worker count, runs one by default. Pinned, worker r has core r
+    # of this process's cores to itself: N workers then measure N cores, not the scheduler's spread.
+    import os
+
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+    if pin and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[ctx.pg.rank % len(cores)]})
 
 
 def measure(args) -> list[dict]:
     from longserve.engine.pool import WorkerPool
 
     workers = int_list(args.workers, "--workers")
+    splits = _splits(args.split)
+    memory = args.memory
     T, T_long, h, w, tiling = _setup(args)
     tile = args.tile if tiling is not None else "off"
     videos = [(args.frames, T)] + ([(args.long_frames, T_long)] if T_long else [])
     z = {frames: _latents(args.model, args.batch, latent, h, w, args.seed) for frames, latent in videos}
     rows: list[dict] = []
     reference: dict[int, object] = {}  # frames -> diffusers' one-shot decode (tiled when tiling is on)
+    plain: dict[int, object] = {}      # frames -> diffusers' plain (untiled) one-shot decode
 
     def log(row):
         rows.append(row)
@@ -229,27 +298,34 @@ def measure(args) -> list[dict]:
               f"peak {row['peak_mib']:.2f} MiB/worker, {row['seconds']:.2f} s", file=sys.stderr, flush=True)
 
     for n in sorted(set(workers) | {1}):
-        with WorkerPool(n, setup=_one_thread) as pool:
+        with WorkerPool(n, setup=_worker_setup, setup_args=(args.threads, args.pin)) as pool:
             for frames, latent in videos:
                 if n == 1:
                     for name, t in (("diffusers, plain", None), ("diffusers, tiled", tiling)):
                         if t is None and name.endswith("tiled"):
                             continue
-                        res = _run_both(pool, _diffusers_job, args.model, z[frames], t)
+                        res = _run_both(pool, _diffusers_job, args.model, z[frames], t, memory=memory)
                         reference[frames] = res[0]["video"]
+                        if t is None:
+                            plain[frames] = res[0]["video"]
                         log(_row(name, "off" if t is None else tile, frames, latent, latent, res, None))
-                if frames == args.frames and n == 1:
-                    res = _run_both(pool, _stream_job, args.model, z[frames], tiling, latent)
+                if frames == args.frames and n == 1 and "items" in splits:
+                    res = _run_both(pool, _stream_job, args.model, z[frames], tiling, latent, memory=memory)
                     log(_row("streaming, one chunk", tile, frames, latent, latent, res, reference[frames]))
-                if n in workers and (frames == args.frames or n == 1):
-                    res = _run_both(pool, _stream_job, args.model, z[frames], tiling, args.chunk)
+                if n in workers and (frames == args.frames or n == 1) and "items" in splits:
+                    res = _run_both(pool, _stream_job, args.model, z[frames], tiling, args.chunk, memory=memory)
                     log(_row("streaming", tile, frames, latent, args.chunk, res, reference[frames]))
+                if n in workers and frames == args.frames and "rows" in splits:
+                    res = _run_both(pool, _rows_job, args.model, z[frames], memory=memory)
+                    log(_row("rows split", "off", frames, latent, 1, res, plain[frames]))
     for r in rows:
         same = [b for b in rows if b["frames"] == r["frames"]]
-        one = next((b for b in same if b["method"] == "streaming" and b["workers"] == 1), None)
-        diffusers = same[1] if tiling is not None else same[0]
-        r["vs_1_worker"] = r["peak_mib"] / one["peak_mib"] if one and r["method"] == "streaming" else None
-        r["vs_diffusers"] = r["peak_mib"] / diffusers["peak_mib"]
+        one = next((b for b in same if b["method"] == r["method"] and b["workers"] == 1), None)
+        diffusers = same[1] if tiling is not None and r["method"] != "rows split" else same[0]
+        split = r["method"] in ("streaming", "rows split")
+        r["vs_1_worker"] = r["peak_mib"] / one["peak_mib"] if one and split and one["peak_mib"] else None
+        r["vs_diffusers"] = r["peak_mib"] / diffusers["peak_mib"] if diffusers["peak_mib"] else None
+        r["speedup"] = one["seconds"] / r["seconds"] if one and split else None
     return sorted(rows, key=lambda r: (r["frames"], not r["method"].startswith("diffusers"), r["workers"]))
 
 
@@ -267,6 +343,7 @@ COLUMNS = [
     Column("vs diffusers", "vs_diffusers", lambda v: f"{v:.2f}x"),
     Column("MiB sent / worker", "sent_mib", ".2f"),
     Column("seconds", "seconds", ".2f"),
+    Column("speed vs 1 worker", "speedup", lambda v: f"{v:.2f}x"),
     Column("max abs err", "max_abs_err", ".1e"),
 ]
 
@@ -275,6 +352,14 @@ def command_line(args) -> str:
     cmd = (f"longserve bench vae --model {args.model} --workers {args.workers} --frames {args.frames} "
            f"--long-frames {args.long_frames} "
            f"--size {args.size} --tile {args.tile} --chunk {args.chunk} --batch {args.batch}")
+    if args.split != "items":
+        cmd += f" --split {args.split}"
+    if args.threads != 1:
+        cmd += f" --threads {args.threads}"
+    if args.pin:
+        cmd += " --pin"
+    if not args.memory:
+        cmd += " --no-memory"
     if args.seed:
         cmd += f" --seed {args.seed}"
     for opt in ("json", "markdown"):
@@ -294,7 +379,7 @@ def machine() -> str:
 def markdown_section(rows: list[dict], args, load) -> str:
     T, T_long, h, w, tiling = _setup(args)
     model = ", ".join(f"{k} {v}" for k, v in MODELS[args.model].items())
-    grid = next(r["grid"] for r in rows if r["grid"])
+    grid = next((r["grid"] for r in rows if r["grid"]), (1, 1))
     grid = f"a {grid[0]}x{grid[1]} grid of tiles per video (edge tiles smaller)" if tiling else "one item per video"
     return "\n".join([
         "Decoding Wan latents with engine/causal_vae.py's `StreamingVAEDecoder` (chunks of latent frames, "
@@ -332,7 +417,16 @@ def summary(rows: list[dict], args) -> str:
                      key=lambda r: r["workers"])
     one = find("streaming", args.frames)
     said = []
-    if one:
+    split = sorted((r for r in rows if r["method"] == "rows split" and r["frames"] == args.frames),
+                   key=lambda r: r["workers"])
+    if split:
+        per = ", ".join(f"{r['seconds']:.2f} s on {r['workers']}" + (f" ({r['speedup']:.2f}x)" if r["workers"] > 1
+                                                                     else "") for r in split)
+        err = max(r["max_abs_err"] for r in split if r["max_abs_err"] is not None)
+        pinned = "each worker pinned to its own core, " if args.pin else ""
+        said.append(f"Rows split ({pinned}{args.threads} thread(s) each): {per} worker(s), at most {err:.1e} from "
+                    "diffusers' plain decode.")
+    if one and args.memory:
         per = ", ".join(f"{r['peak_mib']:.2f} MiB on {r['workers']}" + (f" ({r['vs_1_worker']:.2f}x)" if
                                                                          r["workers"] > 1 else "")
                         for r in streams)
@@ -347,7 +441,7 @@ def summary(rows: list[dict], args) -> str:
             said.append(f"diffusers' one-shot {base.split(', ')[1]} decode of the same video peaks at "
                         f"{ref['peak_mib']:.2f} MiB: streaming on 1 worker is {one['vs_diffusers']:.2f}x that{why}.")
     long_stream, long_ref = find("streaming", args.long_frames), find(base, args.long_frames)
-    if one and long_stream and long_ref:
+    if one and long_stream and long_ref and args.memory:
         ref = find(base, args.frames)
         said.append(f"For {args.long_frames} frames the streaming peak is {long_stream['peak_mib']:.2f} MiB "
                     f"({args.frames} frames: {one['peak_mib']:.2f}): it does not grow with the video, while "
@@ -365,5 +459,5 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps({"command": command_line(args), "machine": machine(),
                                                "model": MODELS[args.model], "rows": rows}, indent=2) + "\n")
     if args.markdown:
-        replace_markdown_section(args.markdown, section(args.model), markdown_section(rows, args, load))
+        replace_markdown_section(args.markdown, section(args.model, args.split), markdown_section(rows, args, load))
     return 0

@@ -11,7 +11,7 @@ from causal_models import TINY_CAUSAL, build_tiny_causal, recompute_reference
 
 from longserve.engine.config import EngineConfig
 from longserve.engine.engine import VideoEngine
-from longserve.engine.outputs import FramesChunk
+from longserve.engine.outputs import FramesChunk, LiveChunkInfo
 from longserve.engine.request import RequestError
 from longserve.engine.scheduler import KVBudgetError
 from longserve.pipelines import VideoPipeline
@@ -108,7 +108,7 @@ def test_a_prompt_schedule_switches_at_its_chunk_and_a_live_switch_at_the_next(p
     spec = pipe.make_spec("", num_frames=FRAMES, height=H, width=W, seed=1,
                           prompt_schedule=[[0, "a red ball bouncing"], [2, "a blue ball bouncing"]])
     chunks = [o for o in pipe.engine.submit(spec) if isinstance(o, FramesChunk)]
-    assert [c.info for c in chunks] == [{"chunk": i, "prompt_index": int(i >= 2)} for i in range(4)]
+    assert [c.live for c in chunks] == [LiveChunkInfo(chunk=i, prompt_index=int(i >= 2)) for i in range(4)]
     for a, b in zip(red_chunks[:2], chunks[:2]):                   # the same frames until the switch ...
         np.testing.assert_array_equal(a.frames, b.frames)
     assert np.abs(red_chunks[2].frames - chunks[2].frames).max() > 1e-3   # ... and other ones from it on

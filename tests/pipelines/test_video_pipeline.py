@@ -302,7 +302,7 @@ def test_one_completion_fills_the_defaults_and_counts_seconds_under_the_frame_ru
     assert complete(num_frames=13).num_frames == 13 and complete().num_frames == 9
     video = np.zeros((10, 64, 64, 3), np.uint8)
     assert complete(seconds=1, fps=8, options={"video": video}).num_frames == 9 + 8, "an extension: seconds added"
-    assert complete(seconds=2, options={"live": True}).num_frames == 29, "a session never runs past its length"
+    assert complete(seconds=2, live=True).num_frames == 29, "a session never runs past its length"
     assert complete().seed != complete().seed, "no seed: a random one"
     for given, field in ((dict(seconds=-1), "seconds"), (dict(seconds=2, num_frames=5), "seconds"),
                          (dict(fps=0), "fps"), (dict(prompt=3), "prompt")):

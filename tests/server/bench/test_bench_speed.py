@@ -47,3 +47,21 @@ def test_bench_speed_adds_a_compile_row_and_a_stack_row_with_the_compile_time(tm
     assert compiled["blocks_per_video"] == exact["blocks_per_video"] and compiled["psnr_db"] > 60
     assert stack["blocks_per_video"] == cached["blocks_per_video"] and stack["wall_s"] > 0
     assert stack["psnr_db"] == pytest.approx(cached["psnr_db"], abs=1)        # inf when nothing was skipped
+
+
+def test_bench_speed_profile_fast_reports_each_lever_the_whole_profile_and_diffusers(tmp_path):
+    """On a CPU the fast profile's levers for tiny-latte are the request levers (step caching, CFG truncation): a row
+    each, the profile's row with both, and diffusers' LattePipeline at the same work (its frames equal exact's)."""
+    out = tmp_path / "speed.json"
+    assert main(["bench", "speed", "--prompts", "2", "--spread", "--steps", "4", "--cache", "first_block",
+                 "--cfg-trunc", "0.5", "--profile", "fast", "--diffusers", "--json", str(out),
+                 "--markdown", str(tmp_path / "b.md")]) == 0
+    rows = {r["lever"]: r for r in json.loads(out.read_text())}
+    assert list(rows)[:3] == ["exact", "cache kind=first_block, threshold=0.05", "cfg_trunc_ratio=0.5"]
+    assert rows["cfg_trunc_ratio=0.5"]["blocks_per_video"] == 6 * (2 * 2 + 2)      # steps 2, 3: cond rows only
+    assert any(k.startswith("fast: cache=") for k in rows) and any(k.startswith("fast: cfg_trunc_ratio") for k in rows)
+    profile = rows["profile fast"]
+    assert profile["options"]["cfg_trunc_ratio"] > 0 and profile["options"]["cache"]["kind"] == "first_block"
+    peer = rows["diffusers (its own pipeline, prompts in turn)"]
+    assert peer["psnr_db"] > 60 and peer["wall_s"] > 0 and peer["videos"] == 2
+    assert "--profile fast --diffusers --spread" in (tmp_path / "b.md").read_text()

@@ -38,7 +38,24 @@ def test_bench_vae_rows_match_diffusers_and_write_their_own_docs_section(tmp_pat
     assert "longserve bench vae --model tiny --workers 1,2 --frames 9" in text and "a 2x2 grid" in text
 
 
+def test_bench_vae_rows_split_is_exact_and_timed_against_one_worker(tmp_path):
+    # 32x32 pixels = a 4x4 latent: bands of 2 rows on 2 pinned workers, one thread each
+    args = _args("--workers", "1,2", "--frames", "5", "--long-frames", "0", "--size", "32x32", "--tile", "off",
+                 "--split", "rows", "--pin", "--no-memory", "--json", str(tmp_path / "b.json"),
+                 "--markdown", str(tmp_path / "b.md"))
+    assert bench_vae.run(args) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [(r["method"], r["workers"]) for r in rows] == [("diffusers, plain", 1), ("rows split", 1),
+                                                           ("rows split", 2)]
+    split = rows[1:]
+    assert all(r["max_abs_err"] <= 1e-5 and r["speedup"] > 0 for r in split)
+    assert split[1]["sent_mib"] > 0 and split[0]["sent_mib"] == 0
+    text = (tmp_path / "b.md").read_text()
+    assert "--split rows --pin --no-memory" in text and "Rows split (each worker pinned" in text
+
+
 @pytest.mark.parametrize("argv, field", [
+    (("--split", "cols"), "--split"),
     (("--size", "30x24"), "--size"),
     (("--tile", "24"), "--tile"),
     (("--chunk", "0"), "--chunk"),
