@@ -121,3 +121,22 @@ def test_cached_keys_are_rotated_once_and_the_sink_once_per_chunk_past_the_windo
     assert cache.sink_rotations == evicting == 4
     # per forward and layer: the chunk's queries and keys; per chunk past the window: the sink, every layer at once
     assert sorted(rotated) == sorted([chunk] * (2 * layers * 3 * CHUNKS) + [sink] * evicting)
+
+
+def test_frame_positions_are_diffusers_rotary_table_inside_it_and_go_on_past_it(model):
+    """`FrameRotary` builds the rows on the device from a frame offset: diffusers' own table bit for bit within its
+    1024 frames, and the same formula (float64 angles) past it, where a long stream's keys sit."""
+    from longserve.engine.models.causal import FrameRotary
+
+    transformer = model[0]
+    rotary = FrameRotary(transformer.rope, 8, 8, torch.float32, "cpu")
+    cos, sin = transformer.rope(torch.empty(1, 1, 12, 8, 8))                 # (1, 12 frames * 16 tokens, 1, hd)
+    got = rotary(0, 12)
+    assert torch.equal(got[0], cos[0, :, 0]) and torch.equal(got[1], sin[0, :, 0])
+    assert torch.equal(rotary(5, 3)[0], got[0][5 * 16:8 * 16])              # any offset: the same rows
+    far = rotary(5000, 2)[0]                                                  # past the 1024-frame table
+    t_dim = transformer.rope.t_dim
+    inverse = 1.0 / (10000.0 ** (torch.arange(0, t_dim, 2, dtype=torch.float64) / t_dim))
+    want = torch.cos(torch.tensor([5000.0, 5001.0], dtype=torch.float64)[:, None] * inverse).repeat_interleave(2, 1)
+    assert torch.equal(far.view(2, 16, -1)[:, 0, :t_dim], want.float())
+    assert torch.equal(far.view(2, 16, -1)[:, :, t_dim:], got[0].view(12, 16, -1)[:2, :, t_dim:])
