@@ -109,7 +109,16 @@ class WorkerRequest:
         from longserve.engine.results import Progress
 
         return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames,
-                        self.model, self.switch_ready())
+                        self.model, self.switch_ready(), self.chunk_steps())
+
+    def chunk_steps(self) -> int:
+        """Forwards per chunk of a chunk loop (the causal family's), 0 for a request that is not one: outside the
+        serial live loop a job runs a chunk's forwards whole, beside the previous chunk's decode."""
+        return 0
+
+    def chunk_start(self) -> bool:
+        """At a chunk's start (before its first forward): where an overlapped live loop's job ends."""
+        return False
 
     def switch_ready(self) -> bool:
         """Would a prompt switch sent now apply at once (`Progress.switch_ready`)? Yes, but for a chunk loop."""
@@ -449,14 +458,21 @@ class VideoFamily:
 
     # -- helpers the families share ----------------------------------------------------------
 
+    @property
+    def text_group(self):
+        """The ranks that take part in `broadcast_from_first`: every worker (a family whose ranks do not all need
+        the embeddings narrows it: the causal family's pipelined loop, whose decode rank runs no transformer)."""
+        return self.pg
+
     def broadcast_from_first(self, make):
         """Run `make()` on rank 0 only (e.g. the text encoder, loaded there alone) and share its result.
 
         When `make` fails (a tokenizer that cannot take the text, an image the encoder refuses), rank 0 shares the
         failure instead, and every rank raises `EncodeRefused` after the broadcast: no rank is left waiting in it,
         so the failure is the request's alone. Running out of memory is raised as it is (the pool's failure model)."""
+        pg = self.text_group
         value = None
-        if self.pg.rank == 0:
+        if pg.rank == 0:
             try:
                 value = make()
             except Exception as e:  # noqa: BLE001 - shared with the other ranks, raised on all
@@ -466,7 +482,7 @@ class VideoFamily:
                     raise
                 log.warning("rank 0 could not encode a request's inputs", exc_info=True)   # the log keeps it, once
                 value = _Refused(f"{type(e).__name__}: {public_message(str(e))}", getattr(e, "field", None))
-        value = comm.broadcast_object(value, self.pg)
+        value = comm.broadcast_object(value, pg)
         if isinstance(value, _Refused):
             raise EncodeRefused(value.message, value.field)
         return value
@@ -567,9 +583,11 @@ def cfg_rows(r: WorkerRequest, x: torch.Tensor) -> torch.Tensor:
 
 
 def sync_cuda() -> None:
-    """Wait for this process's CUDA work (nothing on CPU): a stage's time must include its kernels."""
+    """Wait for this thread's CUDA work (nothing on CPU): a stage's time must include its kernels. Its current
+    stream only: the live loop's decode lane runs on a stream of its own beside it (engine/live_lane.py), and a
+    device-wide sync here would wait for that decode too."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 class Timer:
@@ -678,6 +696,10 @@ def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:
         if name in unknown:
             raise RequestError(name, f"{name} is not supported: this model generates video from text only (a "
                                      f"{desc.family} model; image-to-video needs a WanImageToVideoPipeline checkpoint)")
+    if "prompts" in unknown:
+        raise RequestError("prompts", f"prompts (a prompt timeline) is for models that make a long video in segments "
+                                      f"(diffusion forcing, Helios); a {desc.family} model makes one segment with "
+                                      f"one prompt")
     if unknown:
         raise RequestError(unknown[0], f"{unknown[0]} is not an option of this model (a {desc.family} model "
                                        f"accepts: {', '.join(desc.options) or 'no extra options'})")

@@ -246,7 +246,9 @@ def test_a_start_image_is_the_first_frame_and_context_in_jobs_and_sessions_and_t
     assert (held[:, :, 1:4] - plain[:, :, :3]).abs().max() > 1e-2    # the first chunk attends to it
     video = pipe("a red ball bouncing", seed=0, num_frames=FRAMES, height=H, width=W, image=image).frames[0]
     assert video.shape == (FRAMES, H, W, 3)
-    assert np.abs(video - decode(held)).max() <= 1e-4                 # the whole video decoded in one call
+    # the whole video decoded in one call; a live chunk's frames leave the worker as uint8 (engine/live_frames.py):
+    # "np" is uint8 / 255, at most half a level from the float32 decode
+    assert np.abs(video - decode(held)).max() <= 0.5 / 255 + 1e-4
     with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0, image=image) as session:
         first = np.asarray(next(iter(session)).frames)
     with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0) as session:
@@ -256,7 +258,8 @@ def test_a_start_image_is_the_first_frame_and_context_in_jobs_and_sessions_and_t
     with VideoPipeline.from_pretrained(str(causal_dir), workers=2) as p:
         assert (latents(p, image=image) - held).abs().max() <= 1e-5
         with p.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0, image=image) as session:
-            assert np.abs(np.asarray(next(iter(session)).frames) - first).max() <= 1e-4
+            # within a level: 2 workers' latents are 1 worker's within 1e-5, which may cross a uint8 rounding edge
+            assert np.abs(np.asarray(next(iter(session)).frames) - first).max() <= 1 / 255 + 1e-4
     with pytest.raises(RequestError) as e:
         latents(pipe, image="not an image")
     assert e.value.field == "image"

@@ -44,7 +44,7 @@ def test_the_admission_cost_counts_the_sound_so_a_lower_fps_costs_more(served):
 
     def cost(fps):
         body = {"prompt": "a red ball bouncing", "size": "160x96", "fps": fps, **LTX2}
-        return service.admission.cost(service.requests.create(VideoCreateRequest.model_validate(body)), "video")
+        return service.requests.create(VideoCreateRequest.model_validate(body)).cost
 
     video_tokens = 17 * 160 * 96 / (32 * 32 * 8)
     assert cost(1) / cost(24) == pytest.approx((video_tokens + 17 * 25) / (video_tokens + 17 / 24 * 25))
