@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from longserve.engine import timeline
 from longserve.engine.config import OPTIONAL, REQUIRED, ModelDescription
 from longserve.engine.decoding import decoded_frames
 from longserve.engine.families.base import (
@@ -51,7 +52,7 @@ from longserve.engine.models.framepack import FramepackSequenceParallel
 from longserve.engine.request import GenerationSpec, RequestError
 
 VANILLA, INVERTED = "vanilla", "inverted_anti_drifting"
-OPTIONS = ("image", "last_image", "latent_window_size", "sampling_type")
+OPTIONS = ("image", "last_image", "latent_window_size", "sampling_type", timeline.OPTION)
 HISTORY = {VANILLA: (16, 2, 1), INVERTED: (1, 2, 16)}      # the latent frames at 4x/2x/1x, in the pipeline's order
 CONDITIONS = ("encoder_hidden_states", "encoder_attention_mask", "pooled_projections", "image_embeds")
 
@@ -78,6 +79,7 @@ class FramepackRequest(WorkerRequest):
     previous: torch.Tensor = None         # (B, C, window, h, w): the section before's latents (its decode's overlap)
     indices: dict = field(default_factory=dict)    # the section's frame indices (the model's RoPE positions)
     packed: dict = field(default_factory=dict)     # the section's clean frames and 2x / 4x history latents
+    section_prompts: list = None                   # per section (in the order made), its prompt's index
 
 
 class FramepackFamily(WanParts, VideoFamily):
@@ -114,6 +116,7 @@ class FramepackFamily(WanParts, VideoFamily):
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
+        spec = timeline.check_timeline(spec, spec.fps or desc.defaults.fps)         # a prompt per section
         o, d = dict(spec.options), desc.defaults.options
         if o.get("image") is None:
             raise RequestError("image", "image is required: FramePack makes video from an image (and a prompt)")
@@ -173,10 +176,13 @@ class FramepackFamily(WanParts, VideoFamily):
         """Rank 0: the pipeline's own encodings: Llama's prompt tokens and mask, CLIP's pooled output, SigLIP's
         image tokens, the images' VAE samples."""
         pipe, device, dtype, o = self.pipe, self.pg.device, self.dtype, spec.options
-        embeds, pooled, mask = pipe.encode_prompt(prompt=spec.prompt, device=device, max_sequence_length=256)
-        generator = seeded_generator(spec.seed)            # as the pipeline's: the images' samples draw first
+        out = {}
+        # a prompt timeline's distinct prompts, each encoded once: rows [B * p, (p + 1) * B) are prompt p's
+        prompts = timeline.distinct_prompts(spec) if timeline.OPTION in spec.options else spec.prompt
+        embeds, pooled, mask = pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=256)
         out = {"encoder_hidden_states": embeds.to(dtype), "encoder_attention_mask": mask.to(dtype),
                "pooled_projections": pooled.to(dtype)}
+        generator = seeded_generator(spec.seed)            # as the pipeline's: the images' samples draw first
         image = pipe.video_processor.preprocess(to_pil(o["image"]), spec.height, spec.width)
         out["image_embeds"] = pipe.encode_image(image, device=device).to(dtype)
         out["image_latents"] = pipe.prepare_image_latents(image, dtype=torch.float32, device=device,
@@ -203,8 +209,14 @@ class FramepackFamily(WanParts, VideoFamily):
         if sampling == VANILLA:
             history = torch.cat([history, image_latents.float()], dim=2)[:, :, 1:]     # the image's frame is history
         steps = len(self.section_scheduler(spec, window, h, w).timesteps)
+        # per section, which prompt's rows: the prompt at the time of its first frame in the finished video (the
+        # inverted sampling makes the video's last section first)
+        starts = [1 + 4 * window * k if k else 0 for k in range(sections)]
+        per_section = timeline.segment_prompts(spec, starts, spec.fps or self.desc.defaults.fps)
+        if sampling == INVERTED:
+            per_section = per_section[::-1]
         req = FramepackRequest(spec=spec, num_steps=sections * steps, batch_key=(), num_frames=frames,
-                               conditions=conditions, image_latents=image_latents.float(),
+                               conditions=conditions, section_prompts=per_section, image_latents=image_latents.float(),
                                last_latents=None if last_latents is None else last_latents.float(),
                                generator=generator, sampling=sampling, window=window, sections=sections,
                                history=history)
@@ -262,7 +274,12 @@ class FramepackFamily(WanParts, VideoFamily):
         guidance = torch.full((B,), r.spec.guidance_scale, device=r.latents.device).to(self.dtype) * 1000.0
         return {"hidden_states": r.latents.to(self.dtype), "timestep": t.expand(B), "guidance": guidance,
                 **{k: v.to(self.dtype) for k, v in r.packed.items()},
-                **{k: r.conditions[k] for k in CONDITIONS}, **r.indices}
+                **self.prompt_conditions(r), "image_embeds": r.conditions["image_embeds"], **r.indices}
+
+    def prompt_conditions(self, r: FramepackRequest) -> dict:
+        """The section's prompt tensors (a timeline's distinct prompts are stacked, B rows each)."""
+        B, p = r.latents.shape[0], r.section_prompts[r.section]
+        return {k: r.conditions[k][p * B:(p + 1) * B] for k in CONDITIONS if k != "image_embeds"}
 
     def forward(self, model, inputs: dict, cfg_parallel: bool) -> torch.Tensor:
         # one set of frame indices per batch (the batch key holds the section's layout)
