@@ -130,3 +130,16 @@ def test_cfg_parallel_is_refused_for_a_guidance_distilled_model():
     assert FramepackFamily.resolve_plan(desc, "auto", 3).name == "ulysses"
     with pytest.raises(ValueError, match="cfg_parallel"):
         FramepackFamily.resolve_plan(desc, "auto", 2, cfg_parallel=True)
+
+
+def test_two_requests_batched_each_equal_their_run_alone(pipe1):
+    """Two prompts' sections in one forward (the model's masked path for a batch over 1, where a lone row takes the
+    unmasked one) give each request its video alone."""
+    kw = dict(ODD, sampling_type="vanilla", image=image())
+    cases = ((PROMPT, 3), ("a blue square moving left, slowly", 4))
+    alone = [pipe1(p, seed=s, **kw).frames for p, s in cases]
+    outs = [list(h) for h in [pipe1.engine.submit(pipe1.make_spec(p, seed=s, **kw)) for p, s in cases]]
+    assert max(o.batch_size for out in outs for o in out if isinstance(o, StepProgress)) == 2
+    for out, ref in zip(outs, alone):
+        assert_close([o.frames for o in out if isinstance(o, FramesChunk)][0], ref, ATOL_WORKERS)
+    assert np.abs(np.asarray(alone[0]) - np.asarray(alone[1])).max() > 0.01
