@@ -169,14 +169,14 @@ class FramepackFamily(WanParts, VideoFamily):
         return req
 
     def image_shape(self, spec: GenerationSpec) -> tuple:
+        """The shape of one image's VAE sample (one image for every prompt of the request): (1, C, 1, h, w)."""
         f = self.pipe.vae_scale_factor_spatial
-        return (spec.batch_size, self.pipe.transformer.config.in_channels, 1, spec.height // f, spec.width // f)
+        return (1, self.pipe.transformer.config.in_channels, 1, spec.height // f, spec.width // f)
 
     def encode_inputs(self, spec: GenerationSpec) -> dict[str, torch.Tensor]:
         """Rank 0: the pipeline's own encodings: Llama's prompt tokens and mask, CLIP's pooled output, SigLIP's
         image tokens, the images' VAE samples."""
         pipe, device, dtype, o = self.pipe, self.pg.device, self.dtype, spec.options
-        out = {}
         # a prompt timeline's distinct prompts, each encoded once: rows [B * p, (p + 1) * B) are prompt p's
         prompts = timeline.distinct_prompts(spec) if timeline.OPTION in spec.options else spec.prompt
         embeds, pooled, mask = pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=256)

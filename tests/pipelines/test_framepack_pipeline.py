@@ -143,3 +143,8 @@ def test_two_requests_batched_each_equal_their_run_alone(pipe1):
     for out, ref in zip(outs, alone):
         assert_close([o.frames for o in out if isinstance(o, FramesChunk)][0], ref, ATOL_WORKERS)
     assert np.abs(np.asarray(alone[0]) - np.asarray(alone[1])).max() > 0.01
+
+
+def test_a_list_of_prompts_makes_a_video_each_from_the_one_image(pipe1):
+    got = pipe1([PROMPT, "a blue square"], image=image(), seed=0, **ODD).frames
+    assert got.shape == (2, 4, 7, 6, 10) and np.abs(np.asarray(got[0]) - np.asarray(got[1])).max() > 0.01
