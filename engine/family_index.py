@@ -27,6 +27,7 @@ PIPELINE_MODULES = {
     "LTX2Pipeline": "ltx2", "LTX2ImageToVideoPipeline": "ltx2",
     "HunyuanVideo15Pipeline": "hunyuan15", "HunyuanVideo15ImageToVideoPipeline": "hunyuan15",
     "SanaVideoPipeline": "sana_video", "SanaImageToVideoPipeline": "sana_video",
+    "HunyuanVideoFramepackPipeline": "framepack",
 }
 #: The modules whose family claims a directory by more than its `_class_name` (`VideoFamily.claims`), each with
 #: what must hold before it is imported and asked: a file of its own in the directory, or a key of its own in the

@@ -698,8 +698,8 @@ def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:
                                      f"{desc.family} model; image-to-video needs a WanImageToVideoPipeline checkpoint)")
     if "prompts" in unknown:
         raise RequestError("prompts", f"prompts (a prompt timeline) is for models that make a long video in segments "
-                                      f"(diffusion forcing, Helios); a {desc.family} model makes one segment with "
-                                      f"one prompt")
+                                      f"(diffusion forcing, Helios, FramePack); a {desc.family} model makes one "
+                                      f"segment with one prompt")
     if unknown:
         raise RequestError(unknown[0], f"{unknown[0]} is not an option of this model (a {desc.family} model "
                                        f"accepts: {', '.join(desc.options) or 'no extra options'})")

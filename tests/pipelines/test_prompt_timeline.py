@@ -98,3 +98,23 @@ def test_helios_takes_each_chunks_prompt_from_the_timeline_and_the_chunks_before
     assert plain.shape == switched.shape and len(plain) == 65
     assert np.abs(switched[:33] - plain[:33]).max() == 0
     assert np.abs(switched[33:] - plain[33:]).max() > 0.01
+
+
+def test_framepack_takes_each_sections_prompt_from_the_timeline():
+    """tiny-framepack, vanilla sampling, windows of 2 latent frames at 30 fps: section 0's frames start at 0 s, section
+    1's at 9 / 30 = 0.3 s. With A for 0.2 s then B, the frames section 0 alone makes (its first 4) are A's run
+    exactly and the rest, which section 1 (conditioned on B) makes or blends, differ."""
+    import PIL.Image
+
+    from longserve.pipelines import VideoPipeline
+
+    img = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    kw = dict(image=img, height=32, width=32, num_frames=9, latent_window_size=2, num_inference_steps=2, seed=0,
+              sampling_type="vanilla")
+    with VideoPipeline.from_pretrained("tiny-framepack", workers=1, device="cpu") as pipe:
+        plain = pipe("a red ball", **kw).frames[0]
+        switched = pipe("a red ball", prompts=[{"prompt": "a red ball", "seconds": 0.2},
+                                               {"prompt": "a blue square"}], **kw).frames[0]
+    assert plain.shape == switched.shape == (17, 32, 32, 3)
+    assert np.abs(switched[:4] - plain[:4]).max() == 0
+    assert np.abs(switched[4:] - plain[4:]).max() > 0.01

@@ -114,3 +114,15 @@ def test_auto_is_the_token_plan_and_other_plans_are_refused_naming_the_field():
         assert SanaVideoFamily.resolve_plan(desc, "auto", workers).name == "tokens"
     with pytest.raises(ValueError, match="parallel"):
         SanaVideoFamily.resolve_plan(desc, "ulysses", 2)
+
+
+def test_two_requests_batched_each_equal_their_run_alone(pipe1):
+    from longserve.engine.outputs import FramesChunk, StepProgress
+
+    cases = ((PROMPT, 3), ("a blue square moving left, slowly", 4))
+    alone = [pipe1(p, negative_prompt=NEGATIVE, seed=s, **ODD).frames for p, s in cases]
+    outs = [list(h) for h in [pipe1.engine.submit(pipe1.make_spec(p, NEGATIVE, seed=s, **ODD)) for p, s in cases]]
+    assert max(o.batch_size for out in outs for o in out if isinstance(o, StepProgress)) == 2
+    for out, ref in zip(outs, alone):
+        assert_close([o.frames for o in out if isinstance(o, FramesChunk)][0], ref, ATOL_WORKERS)
+    assert np.abs(np.asarray(alone[0]) - np.asarray(alone[1])).max() > 0.01
