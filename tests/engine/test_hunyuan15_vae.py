@@ -6,7 +6,7 @@ A stream that dropped its caches between chunks would differ at every chunk's st
 import pytest
 import torch
 
-from longserve.engine.hunyuan15_vae import HunyuanVAEStream
+from longserve.engine.families.hunyuan15.vae import HunyuanVAEStream
 from longserve.weights import resolve_model
 
 ATOL = 1e-5       # chunked and whole convolutions round differently
