@@ -52,6 +52,19 @@ def test_a_declared_family_s_coordinator_side_imports_no_model_code():
                          "longserve.engine.families.ltx2.family", "longserve.engine.families.ltx2.rules"]
 
 
+def test_cfg_parallel_is_put_around_a_denoiser_in_one_place():
+    """`VideoFamily.denoise` is the one caller of `cfg_parallel` (Latte's hand-written DSP forward, which takes its
+    halves' process group rather than a sequence-parallel group, the one other); no family picks `sp_cfg` itself."""
+    engine = PACKAGE.parent
+    callers = set()
+    for path in [*PACKAGE.rglob("*.py"), *(engine / "models").glob("*.py")]:
+        text = path.read_text()
+        assert "sp_cfg if" not in text, path
+        if "cfg_parallel(" in text.replace("def cfg_parallel(", ""):
+            callers.add(path.relative_to(engine).as_posix())
+    assert callers == {"families/base.py", "models/latte.py"}
+
+
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
 def test_the_table_finds_the_family_that_serves_each_shipped_checkpoint(name):
     path = Path(TINY_MODELS[name])
