@@ -65,6 +65,19 @@ def test_cfg_parallel_is_put_around_a_denoiser_in_one_place():
     assert callers == {"families/base.py", "models/latte.py"}
 
 
+def test_diffusers_pipeline_internals_are_called_from_one_adapter_per_family():
+    """A call into a diffusers pipeline's private members (`pipe._pack_latents`, ...) is written in the family's
+    `pipeline_api.py` alone, so that an upgrade of diffusers that changes one breaks one module."""
+    import re
+
+    private = re.compile(r"\bpipe(?:line)?\._[a-z]")
+    engine = PACKAGE.parent
+    for path in engine.rglob("*.py"):
+        if path.name != "pipeline_api.py":
+            assert not private.search(path.read_text()), path
+    assert private.search((PACKAGE / "ltx2" / "pipeline_api.py").read_text())
+
+
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
 def test_the_table_finds_the_family_that_serves_each_shipped_checkpoint(name):
     path = Path(TINY_MODELS[name])
