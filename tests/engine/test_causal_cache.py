@@ -2,7 +2,7 @@
 (each chunk's keys rotated once, when computed; the sink re-rotated once per chunk from its copy before RoPE), the
 attention reads one contiguous slice with no mask from the first chunk on, and the outputs equal a plain reference
 that keeps keys unrotated and rotates every cached key at cache-relative positions on every forward (the loop
-before issue 41), past the window's eviction."""
+before issue 41), past the window's eviction; a chunk's noises are drawn at its start as the steps drew them."""
 
 from __future__ import annotations
 
@@ -140,3 +140,28 @@ def test_frame_positions_are_diffusers_rotary_table_inside_it_and_go_on_past_it(
     want = torch.cos(torch.tensor([5000.0, 5001.0], dtype=torch.float64)[:, None] * inverse).repeat_interleave(2, 1)
     assert torch.equal(far.view(2, 16, -1)[:, 0, :t_dim], want.float())
     assert torch.equal(far.view(2, 16, -1)[:, :, t_dim:], got[0].view(12, 16, -1)[:2, :, t_dim:])
+
+
+def test_a_chunk_s_noises_are_drawn_at_its_start_as_the_steps_drew_them_one_by_one(monkeypatch):
+    """Item 3 of issue 41: one draw per chunk from the request's CPU generator, the same numbers in the same order as
+    a draw per step (seeded videos unchanged, on any device), and no device sync inside the loop unless bench asks."""
+    from longserve.engine.families import causal_wan
+
+    family = object.__new__(causal_wan.CausalWanFamily)
+    family.cfg = CausalConfig.from_dict(read_causal_config(TINY_MODELS["tiny-live"]))
+    family.pg = ParallelGroup(rank=0, world_size=1, device=torch.device("cpu"))
+    request = causal_wan.CausalRequest(spec=None, num_steps=0, batch_key=(), num_frames=0,
+                                       generator=torch.Generator().manual_seed(7))
+    shape = (1, 4, 3, 5, 7)                             # 420 numbers: not a multiple of torch's 16-wide normal fill
+    got = family._chunk_noise(request, shape)
+    g = torch.Generator().manual_seed(7)
+    want = torch.stack([torch.randn(shape, generator=g) for _ in family.cfg.timesteps])
+    assert got.shape == (4, *shape) and torch.equal(got, want)
+    assert torch.equal(torch.randn(3, generator=request.generator), torch.randn(3, generator=g))   # same state after
+    syncs = []
+    monkeypatch.setattr(causal_wan, "sync_cuda", lambda: syncs.append(1))
+    family.timed = False
+    family._timed_sync()
+    family.timed = True
+    family._timed_sync()
+    assert syncs == [1]
