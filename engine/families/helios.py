@@ -256,8 +256,8 @@ class HeliosFamily(WanParts, VideoFamily):
         r = reqs[0]
         return functools.partial(self._forward_with_indices, history_indices(list(r.history_sizes), r.chunk))
 
-    def _forward_with_indices(self, indices: dict, x, t, text, history: dict, sp, cfg=None):
-        return self.experts[0](x, t, text, {**history, **indices}, sp, cfg=cfg)
+    def _forward_with_indices(self, indices: dict, x, t, text, history: dict, sp):
+        return self.experts[0](x, t, text, {**history, **indices}, sp)
 
     def inputs(self, r: HeliosRequest) -> dict:
         long, mid, short_1x = r.history.split(list(r.history_sizes), dim=2)
@@ -274,8 +274,7 @@ class HeliosFamily(WanParts, VideoFamily):
     def forward(self, model, inputs: dict, cfg_parallel: bool) -> torch.Tensor:
         x, t, text = (torch.cat(inputs[k]) for k in ("x", "t", "text"))
         history = {name: torch.cat(inputs[name]) for name in HISTORY}
-        return model(x, t.to(self.pg.device), text, history, self.sp_cfg if cfg_parallel else self.sp,
-                     cfg=self.cfg_groups if cfg_parallel else None)                # (rows, C, chunk, h, w)
+        return self.denoise(model, cfg_parallel, x, t.to(self.pg.device), text, history)   # (rows, C, chunk, h, w)
 
     def advance(self, r: HeliosRequest, pred: torch.Tensor) -> None:
         r.latents = self.scheduler_step(r, pred)

@@ -114,7 +114,7 @@ class SanaVideoFamily(WanParts, VideoFamily):
     def set_plan(self, plan) -> None:
         """"tokens": one group of all the workers (and, with CFG-parallel, one per half), built as Ulysses' groups
         are; the linear attention all-reduces over it."""
-        WanParts.set_plan(self, dataclasses.replace(plan, name="ulysses", ulysses_degree=None))
+        VideoFamily.set_plan(self, dataclasses.replace(plan, name="ulysses", ulysses_degree=None))
         self.plan = plan
 
     # -- a request ----------------------------------------------------------------------------------
@@ -180,8 +180,7 @@ class SanaVideoFamily(WanParts, VideoFamily):
     def forward(self, model, inputs: dict, cfg_parallel: bool) -> torch.Tensor:
         x, t = torch.cat(inputs["x"]), torch.cat(inputs["t"]).to(self.pg.device)
         cond = {name: torch.cat(inputs[name]) for name in ("encoder_hidden_states", "encoder_attention_mask")}
-        return self.transformer(x, t, cond, self.sp_cfg if cfg_parallel else self.sp,
-                                cfg=self.cfg_groups if cfg_parallel else None).float()   # (rows, C, F, h, w)
+        return self.denoise(self.transformer, cfg_parallel, x, t, cond).float()     # (rows, C, F, h, w)
 
     def advance(self, r: SanaVideoRequest, pred: torch.Tensor) -> None:
         """The scheduler's step; image to video steps the frames after the image's (its own frame stays)."""

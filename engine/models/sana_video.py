@@ -45,7 +45,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from longserve.engine import comm
 from longserve.engine.models.wan import rotate
-from longserve.engine.parallel import CfgGroups, SequenceParallel, cfg_parallel
+from longserve.engine.parallel import SequenceParallel
 from longserve.engine.sharding import At, Gather, Replace, ShardedModel, ShardPlan, Split, TokenShard, shard_model
 
 HALO_HOOK = "longserve_temporal_halo"
@@ -181,12 +181,9 @@ class SanaVideoSequenceParallel:
                 registry.remove_hook(HALO_HOOK, recurse=False)
             registry.register_hook(TemporalHalo(self.sharded), HALO_HOOK)
 
-    def __call__(self, x: torch.Tensor, timestep: torch.Tensor, cond: dict, sp: SequenceParallel,
-                 cfg: CfgGroups | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, timestep: torch.Tensor, cond: dict, sp: SequenceParallel) -> torch.Tensor:
         """x (B, C, F, H, W); timestep (B,), or (B, 1, F, H', W') per token (image to video: 0 on the image's
         frame); cond: `encoder_hidden_states` (B, L, C_text) and `encoder_attention_mask` (B, L) -> (B, C_out, F,
-        H, W) on every rank. `cfg`: the unconditional and conditional rows on two halves of the workers."""
-        if cfg is not None:
-            return cfg_parallel(self, cfg, x, timestep, cond, sp)
+        H, W) on every rank (CFG-parallel is the worker's, around it: `VideoFamily.denoise`)."""
         shard = SanaShard.of(self.model, x, sp, token_timesteps=timestep.ndim > 1)
         return self.sharded(shard, hidden_states=x, timestep=timestep, return_dict=False, **cond)[0]
