@@ -3,10 +3,10 @@ frames of the section before it, or the image's) through the whole-clip VAE deco
 so far over `(latent_window_size - 1) * 4 + 1` frames (`_soft_append`, a linear cross-fade), on rank 0.
 
 `SectionStream` is the request's frame stream (the interface of `engine.decoding.FrameStream` the engine reads:
-`ready`, `next`, `frames_out`, `info`). Vanilla sampling hands out every frame the next section's blend can no longer
-change: a section's decode less the blended tail, which rank 0 keeps (pixels of one overlap) until the next section
-blends into it. Inverted anti-drifting sampling makes the video from its end back to its start, so its frames go out
-in one piece once the last section (the video's first) is decoded.
+`ready`, `next`, `frames_out`, `handed_out`). Vanilla sampling hands out every frame the next section's blend can
+no longer change: a section's decode less the blended tail, which rank 0 keeps (pixels of one overlap) until the next
+section blends into it. Inverted anti-drifting sampling makes the video from its end back to its start, so its
+frames go out in one piece once the last section (the video's first) is decoded.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class SectionStream:
         self.pieces = collections.deque()     # [(latents to decode (B, C, k, h, w), first, last)]
         self.latent_parts: list = []          # output "latent": the video's latent frames, in time order
         self.complete = False
-        self.frames_out, self.info = 0, {}
+        self.frames_out = 0
         self.tail = None                      # rank 0, vanilla: the last `overlap` frames, not final yet
         self.made = 0                         # frames of the blended video made so far (every rank counts them)
 
@@ -42,6 +42,11 @@ class SectionStream:
             else:
                 self.latent_parts.append(decode if first else new)
         self.complete = self.complete or last
+
+    def handed_out(self) -> tuple[None, None]:
+        """What goes with the frames handed out (`FrameStream.handed_out`): FramePack makes no sound and no live
+        chunks."""
+        return None, None
 
     def ready(self) -> bool:
         if self.output == "latent" or self.inverted:

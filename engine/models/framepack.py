@@ -16,7 +16,7 @@ share of the work and memory is S/N whatever the mix. Then diffusers' `forward` 
     transformer_blocks.0 (input)            the packed tokens: (B, S, D) -> my (B, Sl, D)
     *.attn (dual- and single-stream)        `FramepackJointAttention`: my rows of the packed RoPE table (built for
                                             all S, so positions are global), then HunyuanVideo-1.5's joint
-                                            attention (engine/models/hunyuan15.py: Ulysses, Ring or USP over the
+                                            attention (engine/families/hunyuan15/plan.py: Ulysses, Ring or USP over the
                                             packed tokens, the condition stream replicated, its keys masked)
     the last block (output)                 all-gather of the packed tokens, trimmed: (B, S, D) on every rank;
                                             diffusers then keeps the section's latents and projects them out
@@ -71,7 +71,7 @@ class FramepackJointAttention:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         from diffusers.models.embeddings import apply_rotary_emb
 
-        from longserve.engine.models.hunyuan15 import joint_attention
+        from longserve.engine.families.hunyuan15.plan import joint_attention
 
         dual = attn.add_q_proj is not None      # a single-stream block projects both streams with to_q/k/v
         q, k, v = (proj(hidden_states).unflatten(2, (attn.heads, -1))
