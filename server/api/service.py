@@ -140,7 +140,10 @@ class VideoService:
         progress.done()
         self.storage.measure_free()
         self.runner.spawn(self.storage.housekeeping())
-        self.replica = attach_replica(self)                   # None unless the store is shared
+        # None unless the store is shared; a claim naming an adapter still loading here waits (`self.loras`, next)
+        self.replica = attach_replica(cfg, self.model_name, self.storage, self.admission, self.requests, self.jobs,
+                                      self.runner, self.shutdown, self.outputs, self.lifecycle, self.broker,
+                                      adapter_loading=lambda name: self.loras.sync.wanted(name))
         self.loras = LoraAdmin(self)                          # adapters loaded while serving (POST /v1/loras)
         self.runner.spawn(self.loras.sync.run())
 
