@@ -146,7 +146,8 @@ class VideoService:
                                       self.runner, self.shutdown, self.outputs, self.lifecycle, self.broker,
                                       adapter_loading=lambda name: self.loras.sync.wanted(name))
         self.metrics.replica = self.replica
-        self.loras = LoraAdmin(self)                          # adapters loaded while serving (POST /v1/loras)
+        # adapters loaded while serving (POST /v1/loras)
+        self.loras = LoraAdmin(cfg, self.engine, self.settings, self.runner, self.replica_id())
         self.runner.spawn(self.loras.sync.run())
 
     def _check_open(self) -> None:
