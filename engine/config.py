@@ -35,6 +35,7 @@ LAUNCHERS = ("auto", "local", "torchrun")
 COMPILE = ("none", "blocks")
 VAE_SPLITS = ("items", "rows")
 QUANTIZE = ("none", "fp8")
+LIVE_LOOPS = ("serial", "overlapped", "pipelined")
 
 
 def option(default, help: str, group: str = "model", flag: str | None = None, choices=None, metavar=None):
@@ -142,6 +143,11 @@ class EngineConfig:
     max_steps_per_job: int = option(4, "denoising steps one worker job may run while nothing else waits (fewer "
                                        "round trips; a newcomer waits at most this many steps minus one)",
                                     group="scheduling")
+    live_loop: str = option("serial", "serial | overlapped | pipelined: a causal (live) model's chunk loop. "
+                                      "overlapped decodes chunk k on a decode lane while chunk k+1 denoises; "
+                                      "pipelined (several workers) runs the transformer on workers 0..N-2 and "
+                                      "the decode on worker N-1 (engine/live_lane.py; the same frames)",
+                            choices=list(LIVE_LOOPS), group="scheduling")
     job_timeout_s: float | None = option(600.0, "a worker job taking longer fails its batch and restarts the pool "
                                                 "(seconds; none = no limit)", group="scheduling",
                                          flag="--job-timeout")
@@ -181,6 +187,8 @@ class EngineConfig:
 
             name = check_name(self.attention_backend)          # "none": unset; under "fast", explicitly off
             object.__setattr__(self, "attention_backend", "none" if name is None and self.profile == "fast" else name)
+        if self.live_loop not in LIVE_LOOPS:
+            raise ValueError(f"live_loop must be one of {', '.join(LIVE_LOOPS)}; got {self.live_loop!r}")
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {self.launcher!r}")
         from longserve.engine.dist import parse_dtype

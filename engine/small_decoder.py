@@ -199,8 +199,8 @@ class SmallDecoderPath:
     """The live loop's frames through a `SmallDecoder` (engine/decoding.py's decoder interface): rank 0 decodes
     the request's latents as they come, carrying the stream's memory; other ranks do nothing."""
 
-    def __init__(self, decoder: SmallDecoder, rank: int, output: str):
-        self.decoder, self.rank, self.output = decoder, rank, output
+    def __init__(self, decoder: SmallDecoder, rank: int, output: str, slots=None):
+        self.decoder, self.rank, self.output, self.slots = decoder, rank, output, slots
         self.state = decoder.start()
 
     def decode(self, latents: torch.Tensor, keep: slice):
@@ -209,6 +209,10 @@ class SmallDecoderPath:
         p = next(self.decoder.parameters())
         with torch.no_grad():
             frames = self.decoder.decode(latents.to(p.device, p.dtype), self.state)     # (B, n, 3, H, W)
+        if self.slots is not None:          # uint8 made on the device, out through shared memory (live_frames.py)
+            from longserve.engine.live_frames import to_uint8
+
+            return self.slots.put(to_uint8(frames[:, keep].transpose(1, 2), unit=True))
         frames = frames[:, keep].permute(0, 1, 3, 4, 2).float().cpu().numpy()        # (B, n, H, W, 3) in [0, 1]
         if self.output == "uint8":
             return (frames * 255).round().astype(np.uint8)

@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from longserve.engine.config import EngineConfig, FamilyFacts, ModelDescription
-from longserve.engine.decoding import FramesPolicy, decoded_frames
+from longserve.engine.decoding import FramesPolicy, WanVAEDecoder, decoded_frames
 from longserve.engine.families.base import (
     Denoisers,
     VideoFamily,
@@ -74,6 +74,8 @@ from longserve.engine.families.base import (
 )
 from longserve.engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
 from longserve.engine.images import as_rgb_array, to_pil
+from longserve.engine.live_frames import FrameSlots
+from longserve.engine.live_loop import loop_roles, solo_group
 from longserve.engine.models.causal import CausalConfig, CausalWan, KVCache
 from longserve.engine.outputs import LiveChunkInfo
 from longserve.engine.parallel import ParallelPlan
@@ -125,6 +127,12 @@ class CausalRequest(WorkerRequest):
     def switch_ready(self) -> bool:
         return self.phase == 0 and not self.denoised and self.switched_chunk != self.chunk
 
+    def chunk_steps(self) -> int:
+        return self.cfg.steps_per_chunk
+
+    def chunk_start(self) -> bool:
+        return self.phase == 0 and not self.denoised
+
 
 class CausalWanFamily(WanParts, VideoFamily):
     """Self-Forcing / LongLive / CausVid-style checkpoints on diffusers' `WanTransformer3DModel`."""
@@ -136,7 +144,7 @@ class CausalWanFamily(WanParts, VideoFamily):
     supports_lora = False                   # its own step and cached attention: no per-row adapters
     supports_compile = True                 # regional compile: the cached attention runs eager between graphs
     supports_cuda_graphs = True             # and those graphs replayed: a chunk's shapes never change
-    dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache with per-row masks "
+    dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache, a prefix slice per row "
                                  "(PyTorch SDPA), which diffusers' dispatcher does not run")
 
     @classmethod
@@ -239,7 +247,8 @@ class CausalWanFamily(WanParts, VideoFamily):
 
         f = desc.facts
         tokens = (spec.height // f.vae_spatial // f.patch[1]) * (spec.width // f.vae_spatial // f.patch[2])
-        per_video = KVCache.nbytes(f.config, f.layers, tokens, math.ceil(desc.heads / config.workers), desc.heads,
+        denoisers = loop_roles(config.live_loop, config.workers).denoisers     # pipelined: not the decode rank
+        per_video = KVCache.nbytes(f.config, f.layers, tokens, math.ceil(desc.heads / len(denoisers)), desc.heads,
                                    f.head_dim, MAX_SEQUENCE_LENGTH, parse_dtype(config.dtype).itemsize)
         return per_video * spec.batch_size
 
@@ -274,7 +283,9 @@ class CausalWanFamily(WanParts, VideoFamily):
         # whose cached attention is a deliberate graph break in a compiled block
         self.model, = self.load_denoisers(Denoisers((transformer,), blocks=operator.attrgetter("blocks")))
         self.vae_spatial, self.vae_temporal = vae_factors(dict(vae.config))
-        self.set_plan(config.plan)        # Ulysses over every worker, no CFG-parallel (resolve_plan)
+        self.slots = FrameSlots()         # a chunk's uint8 frames leave through shared memory (engine/live_frames.py)
+        self.lane = None                  # the decode lane, on the rank that decodes outside the serial loop
+        self.set_plan(config.plan)        # Ulysses over the denoising workers, no CFG-parallel (resolve_plan)
         self.timed = os.environ.get(TIMED_STAGES_ENV) == "1"
         self.small_decoder = None
         if config.engine.decoder != "vae":        # the live frames through a small decoder (rank 0 decodes them)
@@ -291,16 +302,56 @@ class CausalWanFamily(WanParts, VideoFamily):
             dtypes["vae"] = torch.bfloat16
         return dtypes
 
-    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor):
-        if self.small_decoder is not None:
-            from longserve.engine.small_decoder import SmallDecoderPath
-
-            return SmallDecoderPath(self.small_decoder, self.pg.rank, spec.output)
-        return super().vae_decoder(spec, latents)
-
     def _timed_sync(self) -> None:
         if self.timed:
             sync_cuda()
+
+    def set_plan(self, plan) -> None:
+        """The live loop's roles (engine/live_loop.py), then Ulysses over the ranks that run the transformer: every
+        worker, or in the pipelined loop all but the last, which decodes (collective: `new_group` is)."""
+        import torch.distributed as dist
+
+        from longserve.engine.live_lane import DecodeLane
+        from longserve.engine.live_loop import lane_threads
+        from longserve.engine.parallel import make_sequence_parallel
+
+        self.roles = loop_roles(self.config.engine.live_loop, self.pg.world_size)
+        if self.roles.transfer:
+            ranks = list(self.roles.denoisers)
+            group = dist.new_group(ranks)
+            self.tpg = self.pg.subgroup(ranks, group) if self.pg.rank in ranks else None
+            self.sp = None if self.tpg is None else make_sequence_parallel(
+                self.tpg, plan.name, plan.ulysses_degree, attention_backend=self.config.engine.attention_backend)
+            self.cfg_groups, self.sp_cfg, self.plan = None, None, plan
+        else:
+            super().set_plan(plan)
+            self.tpg = self.pg
+        if self.pg.rank == self.roles.lane and self.lane is None:
+            self.lane = DecodeLane(self.pg.device, lane_threads())
+
+    @property
+    def text_group(self):
+        return self.tpg
+
+    @property
+    def decode_only(self) -> bool:
+        """This rank only decodes (the pipelined loop's last): no transformer, no text, no KV cache."""
+        return self.roles.transfer and self.pg.rank == self.roles.lane
+
+    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor):
+        """The Wan VAE's streaming decode (across the workers in the serial loop; on the lane's rank alone
+        otherwise) or the small decoder (rank 0's, or the lane's), whose frames leave as uint8 in a shared-memory
+        slot unless the request wants latents."""
+        slots = self.slots if spec.output in ("np", "uint8") else None
+        if self.small_decoder is not None:
+            from longserve.engine.small_decoder import SmallDecoderPath
+
+            rank = self.pg.rank if self.roles.lane is None else 0      # the lane decodes as a group of one
+            return SmallDecoderPath(self.small_decoder, rank, spec.output, slots)
+        if self.roles.lane is None:
+            return WanVAEDecoder(self.pipe, self.pg, latents, self.vae_tiling, spec.output, split=self.vae_split,
+                                 slots=slots)
+        return WanVAEDecoder(self.pipe, solo_group(self.pg), latents, self.vae_tiling, spec.output, slots=slots)
 
     def shard(self, denoiser):
         model = CausalWan(denoiser, self.cfg)
@@ -341,6 +392,19 @@ class CausalWanFamily(WanParts, VideoFamily):
         with torch.no_grad():
             self.model(latent.to(self.dtype), t, text, self.sp, r.caches, [r.prompt_index] * B, [True] * B)
         r.clean[:, :, r.caches[0].slot_of(0)] = latent[:, :, 0].float()
+
+    def admit(self, spec: GenerationSpec) -> CausalRequest:
+        if not self.decode_only:
+            return super().admit(spec)
+        # the decode rank holds the request's frame stream alone: its chunks come from rank 0 (engine/live_loop.py)
+        cfg = self.cfg
+        latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
+        lead = int(spec.options.get("image") is not None)
+        num_chunks = -(-(latent_frames - lead) // cfg.frames_per_block)
+        return CausalRequest(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=("causal", "lane"),
+                             num_frames=spec.num_frames, cfg=cfg, num_chunks=num_chunks, latent_frames=latent_frames,
+                             lead=lead, frames=self.frame_stream(spec, spec.num_frames,
+                                                                 FramesPolicy(self.vae_temporal, whole=True)))
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, image_latent: torch.Tensor = None) -> CausalRequest:
         cfg = self.cfg
@@ -430,6 +494,8 @@ class CausalWanFamily(WanParts, VideoFamily):
 
     def step(self, reqs: list[CausalRequest]) -> None:
         """One forward for every request's rows (each at its own phase), then each request's update."""
+        if self.decode_only:
+            return
         t0 = time.perf_counter()
         n, cfg = len(self.cfg.timesteps), self.cfg
         xs, ts, texts, caches, versions, writes = [], [], [], [], [], []
@@ -488,6 +554,8 @@ class CausalWanFamily(WanParts, VideoFamily):
     def update(self, r: CausalRequest, payload: dict) -> dict:
         """A new prompt (applied at the next chunk boundary; at once when no forward of the current chunk ran
         yet) or stop (after the chunk being made). Returns the progress and, for a prompt, where it applies."""
+        if self.decode_only:            # a stop's frame limit comes with the chunks (engine/live_loop.py)
+            return {"progress": r.progress()}
         info = {}
         if "prompt" in payload:
             index = payload.get("prompt_index", r.prompt_index + 1)    # the scheduler's numbering
@@ -504,15 +572,17 @@ class CausalWanFamily(WanParts, VideoFamily):
                 info = {"prompt_index": index, "chunk": r.chunk + 1}
         if payload.get("stop") and not r.denoised:
             # the chunk being made is the last (at a boundary: the one about to start, so that a chunk always
-            # follows a stop and ends the request); a final chunk's context pass is not needed
+            # follows a stop and ends the request; or, outside the serial live loop, where the chunk before it is
+            # still to be decoded beside it, that one); a final chunk's context pass is not needed
             n = len(self.cfg.timesteps)
-            chunks = r.chunk + 1
+            pending = r.phase == 0 and r.chunk > 0 and r.decodable()
+            chunks = r.chunk + (0 if pending else 1)
             r.num_chunks = chunks
-            r.num_steps = r.steps_done + (n - r.phase)
+            r.num_steps = r.steps_done + (0 if pending else n - r.phase)
             r.num_frames = r.frames.limit = min(r.num_frames, chunk_frames(chunks, self.cfg.frames_per_block,
                                                                             self.vae_temporal, r.lead))
             r.latent_frames = min(r.latent_frames, r.lead + chunks * self.cfg.frames_per_block)
-            if r.denoised:                       # phase n: the chunk was final already
+            if r.denoised:                       # phase n (or a pending chunk): the chunk was final already
                 r.x = r.x0 = r.noise = None
                 r.batch_key = ("causal", "done")
         return {"progress": r.progress(), **info}

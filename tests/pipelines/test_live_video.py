@@ -246,7 +246,9 @@ def test_a_start_image_is_the_first_frame_and_context_in_jobs_and_sessions_and_t
     assert (held[:, :, 1:4] - plain[:, :, :3]).abs().max() > 1e-2    # the first chunk attends to it
     video = pipe("a red ball bouncing", seed=0, num_frames=FRAMES, height=H, width=W, image=image).frames[0]
     assert video.shape == (FRAMES, H, W, 3)
-    assert np.abs(video - decode(held)).max() <= 1e-4                 # the whole video decoded in one call
+    # the whole video decoded in one call; a live chunk's frames leave the worker as uint8 (engine/live_frames.py):
+    # "np" is uint8 / 255, at most half a level from the float32 decode
+    assert np.abs(video - decode(held)).max() <= 0.5 / 255 + 1e-4
     with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0, image=image) as session:
         first = np.asarray(next(iter(session)).frames)
     with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0) as session:
@@ -256,7 +258,8 @@ def test_a_start_image_is_the_first_frame_and_context_in_jobs_and_sessions_and_t
     with VideoPipeline.from_pretrained(str(causal_dir), workers=2) as p:
         assert (latents(p, image=image) - held).abs().max() <= 1e-5
         with p.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0, image=image) as session:
-            assert np.abs(np.asarray(next(iter(session)).frames) - first).max() <= 1e-4
+            # within a level: 2 workers' latents are 1 worker's within 1e-5, which may cross a uint8 rounding edge
+            assert np.abs(np.asarray(next(iter(session)).frames) - first).max() <= 1 / 255 + 1e-4
     with pytest.raises(RequestError) as e:
         latents(pipe, image="not an image")
     assert e.value.field == "image"
@@ -279,3 +282,13 @@ def latents_of(causal_dir, dtype, **kw):
     with VideoPipeline.from_pretrained(str(causal_dir), workers=1, dtype=dtype, **kw) as p:
         return p("a red ball bouncing", seed=0, num_frames=9, height=H, width=W, output_type="latent",
                  image=blue_ball(H, W)).frames
+
+
+def test_tiny_live_on_two_workers_equals_one_past_the_window_through_a_switch(pipeline):
+    """Stored-rotated keys per worker (Ulysses: each its own heads), the sink re-rotated once per chunk, a recache at
+    the switch: 8 chunks of tiny-live (the window full from chunk 3) on 2 workers make what 1 makes."""
+    kw = dict(seed=3, num_frames=24, output_type="latent",
+              prompt_schedule=[[0, "a red ball bouncing"], [4, "a blue ball bouncing"]])
+    one, two = (torch.as_tensor(pipeline("tiny-live", workers=w)("", **kw).frames) for w in (1, 2))
+    assert one.shape == (1, 4, 24, 8, 8) and one[:, :, 12:].std() > 0.1
+    assert (one - two).abs().max() <= 1e-5

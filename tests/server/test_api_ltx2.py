@@ -83,7 +83,7 @@ def test_audio_false_gives_a_video_only_file_and_a_stream_carries_picture_and_so
     with httpx.Client(base_url=server, timeout=120) as http:
         quiet = http.post("/v1/videos", json={"prompt": "a quiet sea", "size": "160x96", "audio": False, **LTX2})
         assert quiet.status_code == 200, quiet.text
-        # a clip long enough to be decoded in two windows (30 latent frames: engine/ltx2_vae.py), the sound before the
+        # a clip long enough to be decoded in two windows (30 latent frames: families/ltx2/vae.py), the sound before the
         # first: the writer has it for the first fragment
         loud = http.post("/v1/videos", json={"prompt": "a loud sea", "size": "64x64", **dict(LTX2, num_frames=233)})
         assert loud.status_code == 200, loud.text
