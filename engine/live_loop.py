@@ -78,7 +78,10 @@ def begin_decode(family, ctx, req, max_frames: int) -> PendingDecode:
             t0 = time.perf_counter()           # the lane's own time, from when it takes the chunk up
             return run(), time.perf_counter() - t0
 
-        pending.future = family.lane.submit(decode)
+        if rank in roles.denoisers:            # the steps run on this rank's main thread meanwhile
+            pending.future = family.lane.submit(decode)
+        else:                                  # a decode worker: nothing else to run, its own thread decodes
+            pending.future = _Done(*decode())
     return pending
 
 
@@ -89,6 +92,16 @@ def finish_decode(pending: PendingDecode):
     frames, vae_s = pending.future.result()
     pending.request.timings["vae_s"] = pending.request.timings.get("vae_s", 0.0) + vae_s
     return frames, vae_s
+
+
+class _Done:
+    """A decode already made (a future that resolved)."""
+
+    def __init__(self, frames, vae_s: float):
+        self._value = (frames, vae_s)
+
+    def result(self):
+        return self._value
 
 
 def _hand_over(req, rank: int, lane: int, device) -> None:
