@@ -228,6 +228,7 @@ COLUMNS = [
     Column("s to first fragment",
            lambda r: "" if r.get("first_fragment_s") is None else f"{r['first_fragment_s']:.2f}"),
     Column("frames / s", "fps", ".1f"),
+    Column("cores", lambda r: r.get("pinned") or ""),
     Column("vs 1 worker serial", lambda r: "" if r.get("vs_serial_1") is None else f"{r['vs_serial_1']:.2f}x"),
     Column("ms / chunk: transformer, VAE, transfer, rest; mux", lambda r: "" if "vae_ms_per_chunk" not in r else
            " / ".join(f"{r[f'{k}_ms_per_chunk']:.0f}" for k in ("transformer", "vae", "transfer", "rest"))
