@@ -138,9 +138,12 @@ class GenerationSpec:
     def cfg_at(self, step: int) -> bool:
         """Does denoising step `step` (0-based) run the unconditional branch? Under CFG, unless the request's
         `cfg_trunc_ratio` option (diffusers' Lumina2Pipeline semantics) truncates it: step i of N runs without it
-        once (i + 1) / N > ratio. 1.0, or no option: every step (exact)."""
-        ratio = self.options.get("cfg_trunc_ratio", 1.0)
-        return self.use_cfg and (step + 1) / self.num_inference_steps <= ratio
+        once (i + 1) / N > ratio. 1.0, or no option: every step (exact). `step` may count on past one schedule
+        (a long video's segments or chunks each run the N steps again): each schedule is truncated alike."""
+        ratio = self.options.get("cfg_trunc_ratio")
+        if ratio is None or not self.use_cfg:
+            return self.use_cfg
+        return (step % self.num_inference_steps + 1) / self.num_inference_steps <= ratio
 
     def to_params(self) -> dict:
         """The generation parameters of a one-prompt request as plain data (what the server stores), read back by

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from longserve.engine.config import EngineConfig
-from longserve.engine.engine import VideoEngine
+from longserve.engine.engine import Accepted, VideoEngine
 from longserve.engine.outputs import (
     Cancelled,
     Failed,
@@ -227,9 +227,14 @@ class VideoPipeline:
                             decode_chunk_size=decode_chunk_size, lora=lora, live=live,
                             options=self.read_inputs({k: v for k, v in options.items() if v is not None}))
 
+    def accept(self, prompt, *args, **kwargs) -> Accepted:
+        """A call's arguments, accepted by the engine (`request`, then `VideoEngine.accept`: completed and checked
+        once); what `__call__`, `stream` and `live` submit."""
+        return self.engine.accept(self.request(prompt, *args, **kwargs))
+
     def make_spec(self, prompt, *args, **kwargs) -> GenerationSpec:
-        """The complete, checked request of a call's arguments (`request`, then `VideoEngine.complete`)."""
-        return self.engine.complete(self.request(prompt, *args, **kwargs))
+        """The complete, checked request of a call's arguments (`accept(...).spec`)."""
+        return self.accept(prompt, *args, **kwargs).spec
 
     @staticmethod
     def read_inputs(options: dict) -> dict:
@@ -269,13 +274,12 @@ class VideoPipeline:
         added). Defaults for frames, size, steps, guidance and fps are the checkpoint's, or the engine's
         `default_*` options (`defaults`).
         """
-        spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
-                              guidance_scale, seed, output_type, decode_chunk_size, seconds=seconds, fps=fps,
-                              **options)
+        accepted = self.accept(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
+                               guidance_scale, seed, output_type, decode_chunk_size, seconds=seconds, fps=fps,
+                               **options)
         t_start = time.perf_counter()
         chunks, timings, sound = [], {}, None
-        checked: list = []
-        for out in self._outputs(spec, callback, checked):
+        for out in self._outputs(accepted, callback):
             if isinstance(out, FramesChunk):
                 chunks.append(out.frames)
                 sound = out.audio or sound
@@ -293,7 +297,7 @@ class VideoPipeline:
         wall = time.perf_counter() - t_start
         timings = dict(timings, wall_s=wall)
         timings["overhead_s"] = wall - timings["encode_s"] - timings["transformer_s"] - timings["vae_s"]
-        return VideoOutput(frames=video, timings=timings, lora=[dict(e) for e in checked[0].lora or []],
+        return VideoOutput(frames=video, timings=timings, lora=[dict(e) for e in accepted.spec.lora or []],
                            audio=None if sound is None else sound.samples,
                            audio_rate=None if sound is None or sound.latent else sound.rate)
 
@@ -321,10 +325,10 @@ class VideoPipeline:
             prompt = prompt[0][1] if len(prompt[0]) == 2 and isinstance(prompt[0][1], str) else ""
         if not isinstance(prompt, str):
             raise RequestError("prompt", "stream() takes one prompt (a string) or a schedule [(chunk, prompt), ...]")
-        spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
-                              guidance_scale, seed, "np", decode_chunk_size, seconds=seconds, fps=fps, **options)
+        accepted = self.accept(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
+                               guidance_scale, seed, "np", decode_chunk_size, seconds=seconds, fps=fps, **options)
         yielded = 0      # frames handed out: after a worker restart the video is made again, the same frames
-        for out in self._outputs(spec, callback):
+        for out in self._outputs(accepted, callback):
             if isinstance(out, FramesChunk) and out.stop > yielded:
                 frames = out.frames[0][max(0, yielded - out.start):]
                 yielded = out.stop
@@ -342,17 +346,14 @@ class VideoPipeline:
         an (H, W, 3) array) starts it from that image: held as clean context at the start of the cache."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 24 * 3600:
             raise RequestError("seconds", f"seconds must be in (0, 86400]; got {seconds!r}")
-        spec = self.make_spec(prompt, "", None, height, width, None, None, seed, "np", seconds=seconds, fps=fps,
-                              live=True, **options)
-        handle = self.engine.submit(spec)
+        handle = self.engine.submit(self.accept(prompt, "", None, height, width, None, None, seed, "np",
+                                                seconds=seconds, fps=fps, live=True, **options))
         return LiveSession(handle, handle.spec.fps)
 
-    def _outputs(self, spec: GenerationSpec, callback, checked: list | None = None) -> Iterator[RequestOutput]:
-        """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError).
-        `checked` receives the spec as the engine checked it (its `lora` in the normal form)."""
-        handle = self.engine.submit(spec)
-        if checked is not None:
-            checked.append(getattr(handle, "spec", spec))
+    def _outputs(self, accepted: Accepted, callback) -> Iterator[RequestOutput]:
+        """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError)."""
+        spec = accepted.spec
+        handle = self.engine.submit(accepted)
         for out in handle:
             if isinstance(out, StepProgress) and callback is not None:
                 callback(out.step, out.num_steps)

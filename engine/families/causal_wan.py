@@ -144,7 +144,7 @@ class CausalWanFamily(WanParts, VideoFamily):
     supports_lora = False                   # its own step and cached attention: no per-row adapters
     supports_compile = True                 # regional compile: the cached attention runs eager between graphs
     supports_cuda_graphs = True             # and those graphs replayed: a chunk's shapes never change
-    dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache with per-row masks "
+    dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache, a prefix slice per row "
                                  "(PyTorch SDPA), which diffusers' dispatcher does not run")
 
     @classmethod

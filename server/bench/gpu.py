@@ -29,6 +29,8 @@ Sections (each row is printed, and appended to --json, as soon as it is measured
   dispatcher: native, flash, _flash_3, sage, _native_flash, _native_efficient, _native_cudnn, xformers) against
   the default, as an engine runs it; what is not installed or cannot run here is a row with the reason
   (server/bench/backends.py).
+- fast, step-14b (`--profile fast`; server/bench/gpu_fast.py): the fast profile lever by lever on a whole Wan 1.3B
+  video against exact and diffusers; one step at the Wan 2.1 I2V 14B 480p shape (blocks scaled, figure scaled back).
 
 Peak memory: `engine.memory.PeakMemory` (CUDA: max_memory_allocated minus memory at entry).
 """
@@ -65,7 +67,9 @@ from longserve.server.bench.gpu_models import (
     wan_theirs,
 )
 
-SECTIONS = ("numerics", "speed", "memory", "video", "wan-vae", "wan-stages", "levers", "backends")
+SECTIONS = ("numerics", "speed", "memory", "video", "wan-vae", "wan-stages", "levers", "backends", "fast", "step-14b")
+#: `--profile fast`: the sections that measure the fast profile (server/bench/gpu_fast.py)
+PROFILE_SECTIONS = {"fast": "fast,step-14b"}
 
 def add_arguments(parser) -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
@@ -80,7 +84,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--work-dir", default=None, metavar="DIR",
                         help="keep the built checkpoints here and reuse them (wan-stages, levers; default: a "
                              "temporary directory for the run, removed at its end)")
-    parser.add_argument("--lever-steps", type=int, default=20, help="levers: steps per video")
+    parser.add_argument("--lever-steps", type=int, default=20, help="levers, fast: steps per video")
+    parser.add_argument("--profile", default=None, choices=sorted(PROFILE_SECTIONS),
+                        help="fast: the fast profile's sections (fast, step-14b: server/bench/gpu_fast.py), lever by "
+                             "lever against exact and diffusers, in place of --sections")
+    parser.add_argument("--step-layers", type=int, default=2,
+                        help="step-14b: blocks of the 40 built and timed (the figure is scaled back to 40)")
     parser.add_argument("--levers", default="exact,fp8,compile,fp8+compile",
                         help="levers: which rows (comma-separated; exact is the reference of the frame difference)")
 
@@ -433,15 +442,19 @@ def run(args) -> int:
     from longserve.server.bench.util import machine_info
 
     out.row(section="machine", **machine_info(dev.type))
+    if getattr(args, "profile", None):
+        args.sections = PROFILE_SECTIONS[args.profile]
     sections = [s for s in args.sections.split(",") if s]
     for s in sections:
         if s not in SECTIONS:
             raise ValueError(f"--sections: unknown {s!r}; choose from {', '.join(SECTIONS)}")
     from longserve.server.bench.backends import backends
+    from longserve.server.bench.gpu_fast import fast_profile, step_14b
     from longserve.server.bench.gpu_wan import levers, wan_stages
 
     funcs = {"numerics": numerics, "speed": speed, "memory": memory, "video": video, "wan-vae": wan_vae_memory,
-             "wan-stages": wan_stages, "levers": levers, "backends": backends}
+             "wan-stages": wan_stages, "levers": levers, "backends": backends, "fast": fast_profile,
+             "step-14b": step_14b}
     # the checkpoints the sections build: kept in --work-dir, else in one temporary directory the sections share
     with contextlib.ExitStack() as stack:
         if args.work_dir is None:

@@ -284,7 +284,8 @@ def run(args) -> int:
 
     if not 1 <= args.prompts <= len(PROMPTS):
         raise ValueError(f"--prompts must be in [1, {len(PROMPTS)}]; got {args.prompts}")
-    caches = [parse_cache(c, "--cache") for c in (args.caches or ["first_block"])]
+    default = ["first_block"] if args.profile_rows == "none" and not args.cfg_truncs else []   # the preset's row
+    caches = [parse_cache(c, "--cache") for c in (args.caches or default)]
     prompts = spread_prompts(args.prompts) if args.spread else list(PROMPTS[:args.prompts])
     if args.spread and args.prompts > 20:
         raise ValueError(f"--spread takes at most 20 prompts (distinct colour, shape, motion); got {args.prompts}")

@@ -2,7 +2,7 @@
 (each chunk's keys rotated once, when computed; the sink re-rotated once per chunk from its copy before RoPE), the
 attention reads one contiguous slice with no mask from the first chunk on, and the outputs equal a plain reference
 that keeps keys unrotated and rotates every cached key at cache-relative positions on every forward (the loop
-before issue 41), past the window's eviction."""
+before issue 41), past the window's eviction; a chunk's noises are drawn at its start as the steps drew them."""
 
 from __future__ import annotations
 
@@ -121,3 +121,47 @@ def test_cached_keys_are_rotated_once_and_the_sink_once_per_chunk_past_the_windo
     assert cache.sink_rotations == evicting == 4
     # per forward and layer: the chunk's queries and keys; per chunk past the window: the sink, every layer at once
     assert sorted(rotated) == sorted([chunk] * (2 * layers * 3 * CHUNKS) + [sink] * evicting)
+
+
+def test_frame_positions_are_diffusers_rotary_table_inside_it_and_go_on_past_it(model):
+    """`FrameRotary` builds the rows on the device from a frame offset: diffusers' own table bit for bit within its
+    1024 frames, and the same formula (float64 angles) past it, where a long stream's keys sit."""
+    from longserve.engine.models.causal import FrameRotary
+
+    transformer = model[0]
+    rotary = FrameRotary(transformer.rope, 8, 8, torch.float32, "cpu")
+    cos, sin = transformer.rope(torch.empty(1, 1, 12, 8, 8))                 # (1, 12 frames * 16 tokens, 1, hd)
+    got = rotary(0, 12)
+    assert torch.equal(got[0], cos[0, :, 0]) and torch.equal(got[1], sin[0, :, 0])
+    assert torch.equal(rotary(5, 3)[0], got[0][5 * 16:8 * 16])              # any offset: the same rows
+    far = rotary(5000, 2)[0]                                                  # past the 1024-frame table
+    t_dim = transformer.rope.t_dim
+    inverse = 1.0 / (10000.0 ** (torch.arange(0, t_dim, 2, dtype=torch.float64) / t_dim))
+    want = torch.cos(torch.tensor([5000.0, 5001.0], dtype=torch.float64)[:, None] * inverse).repeat_interleave(2, 1)
+    assert torch.equal(far.view(2, 16, -1)[:, 0, :t_dim], want.float())
+    assert torch.equal(far.view(2, 16, -1)[:, :, t_dim:], got[0].view(12, 16, -1)[:2, :, t_dim:])
+
+
+def test_a_chunk_s_noises_are_drawn_at_its_start_as_the_steps_drew_them_one_by_one(monkeypatch):
+    """Item 3 of issue 41: one draw per chunk from the request's CPU generator, the same numbers in the same order as
+    a draw per step (seeded videos unchanged, on any device), and no device sync inside the loop unless bench asks."""
+    from longserve.engine.families import causal_wan
+
+    family = object.__new__(causal_wan.CausalWanFamily)
+    family.cfg = CausalConfig.from_dict(read_causal_config(TINY_MODELS["tiny-live"]))
+    family.pg = ParallelGroup(rank=0, world_size=1, device=torch.device("cpu"))
+    request = causal_wan.CausalRequest(spec=None, num_steps=0, batch_key=(), num_frames=0,
+                                       generator=torch.Generator().manual_seed(7))
+    shape = (1, 4, 3, 5, 7)                             # 420 numbers: not a multiple of torch's 16-wide normal fill
+    got = family._chunk_noise(request, shape)
+    g = torch.Generator().manual_seed(7)
+    want = torch.stack([torch.randn(shape, generator=g) for _ in family.cfg.timesteps])
+    assert got.shape == (4, *shape) and torch.equal(got, want)
+    assert torch.equal(torch.randn(3, generator=request.generator), torch.randn(3, generator=g))   # same state after
+    syncs = []
+    monkeypatch.setattr(causal_wan, "sync_cuda", lambda: syncs.append(1))
+    family.timed = False
+    family._timed_sync()
+    family.timed = True
+    family._timed_sync()
+    assert syncs == [1]

@@ -68,3 +68,24 @@ def test_no_layer_reads_a_chunk_s_sound_or_chunk_by_a_string_key():
 def test_the_scheduler_reads_the_live_flag_from_the_spec_not_its_options():
     source = (ROOT / "engine/scheduler.py").read_text()
     assert 'options.get("live")' not in source and "spec.live" in source
+
+
+def test_every_door_submits_what_the_engine_accepted():
+    """A door hands `engine.submit` the `Accepted` of `engine.accept` (or of the server's `requests` door, which
+    calls it), never a spec it would complete again: the server's and the pipeline's every call."""
+    calls = []
+    for path in [*(ROOT / "server").rglob("*.py"), *(ROOT / "pipelines").rglob("*.py")]:
+        if "bench" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "submit" \
+                    and ast.unparse(node.func.value).endswith("engine"):
+                calls.append((path.relative_to(ROOT).as_posix(), ast.unparse(node.args[0])))
+    loose = [(p, a) for p, a in calls if not (a == "accepted" or ".accept(" in a or ".stored(" in a)]
+    assert not loose, loose
+    # the server starts every job one way (`JobRunner.launch`: submit, roll back, follow), at its four sites
+    assert {p for p, _ in calls if p.startswith("server/")} == {"server/api/runner.py"}, calls
+    launches = [path.name for path in (ROOT / "server" / "api").glob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "launch"]
+    assert sorted(launches) == ["live.py", "replicas.py", "service.py", "service.py"], launches

@@ -284,3 +284,13 @@ def latents_of(causal_dir, dtype, **kw):
     with VideoPipeline.from_pretrained(str(causal_dir), workers=1, dtype=dtype, **kw) as p:
         return p("a red ball bouncing", seed=0, num_frames=9, height=H, width=W, output_type="latent",
                  image=blue_ball(H, W)).frames
+
+
+def test_tiny_live_on_two_workers_equals_one_past_the_window_through_a_switch(pipeline):
+    """Stored-rotated keys per worker (Ulysses: each its own heads), the sink re-rotated once per chunk, a recache at
+    the switch: 8 chunks of tiny-live (the window full from chunk 3) on 2 workers make what 1 makes."""
+    kw = dict(seed=3, num_frames=24, output_type="latent",
+              prompt_schedule=[[0, "a red ball bouncing"], [4, "a blue ball bouncing"]])
+    one, two = (torch.as_tensor(pipeline("tiny-live", workers=w)("", **kw).frames) for w in (1, 2))
+    assert one.shape == (1, 4, 24, 8, 8) and one[:, :, 12:].std() > 0.1
+    assert (one - two).abs().max() <= 1e-5

@@ -246,7 +246,7 @@ def test_the_latent_upsamplers_second_stage_matches_diffusers_two_stage_recipe_o
 
 def test_a_long_clip_is_decoded_window_by_window_as_diffusers_decodes_it_whole(pipe1, diffusers_pipe):
     """30 latent frames are longer than a window and its halos on tiny-ltx2 (H = 7: 14 + 2 x 7), so the video comes
-    in two windows (14 latent frames, then the 16 left), each decoded with its halo (engine/ltx2_vae.py), and equals
+    in two windows (14 latent frames, then the 16 left), each decoded with its halo (families/ltx2/vae.py), and equals
     diffusers' one-call decode; the sound comes with the first window (the 17-frame clips above are one window)."""
     kw = dict(height=64, width=64, num_frames=233, num_inference_steps=2, guidance_scale=1.0,
               audio_guidance_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0, **PLAIN)

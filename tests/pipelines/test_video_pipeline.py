@@ -257,7 +257,9 @@ def test_a_request_made_again_after_a_worker_restart_is_not_handed_out_twice():
 
     outputs = [chunk(0, 5, 0.1), Requeued("r", "restart"), chunk(0, 5, 0.2), chunk(5, 9, 0.3),
                Finished("r", {"encode_s": 0.0, "transformer_s": 0.0, "vae_s": 0.0})]
-    engine = SimpleNamespace(submit=lambda spec: iter(outputs), complete=lambda request: request,
+    from longserve.engine.engine import Accepted
+
+    engine = SimpleNamespace(submit=lambda accepted: iter(outputs), accept=lambda request: Accepted(request, 9),
                              defaults=GenerationDefaults(num_frames=9, height=2, width=2, num_inference_steps=2,
                                                          guidance_scale=1.0, fps=8))
     pipe = VideoPipeline(engine)

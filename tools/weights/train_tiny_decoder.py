@@ -3,7 +3,7 @@ tiny-live's latents, the `decoder="tiny"` of `make demo-live DECODER=tiny`.
 
 Usage::
 
-    python -m tools.weights.train_tiny_decoder                 # rewrites weights/tiny-decoder-live/ (+ its record)
+    python -m tools.weights.train_tiny_decoder     # rewrites weights/tiny-decoder-live/, train_tiny_decoder_live.json
     python -m tools.weights.train_tiny_decoder --out DIR --steps 4 --videos 2   # a smoke run
 
 The recipe: tiny-live makes `--videos` videos (the 8 bouncing prompts, in turn, and every other one switching
@@ -108,7 +108,8 @@ def train(out: Path, *, seed: int, steps: int, videos: int, lr: float, threads: 
               "params": sum(p.numel() for p in model.parameters()), "bytes": (out / "tiny_decoder.pth").stat().st_size,
               "final_loss": float(np.mean(losses[-50:])), "video_mse_vs_vae": mse,
               "make_videos_s": round(made_s, 1), "seconds": round(time.perf_counter() - t0, 1)}
-    (out / "train_tiny_decoder.json").write_text(json.dumps(record, indent=1) + "\n")
+    # the record beside the directory (weights/train_tiny_decoder.json), as the other trainers': not installed
+    (out.parent / f"train_{out.name.replace('-', '_')}.json").write_text(json.dumps(record, indent=1) + "\n")
     log(json.dumps(record))
     return record
 
@@ -117,10 +118,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.weights.train_tiny_decoder", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--videos", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--videos", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (results depend on it)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (results depend on it)")
     args = ap.parse_args(argv)
     train(Path(args.out).resolve(), seed=args.seed, steps=args.steps, videos=args.videos, lr=args.lr,
           threads=args.threads, log=lambda msg: print(msg, flush=True))

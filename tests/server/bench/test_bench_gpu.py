@@ -56,3 +56,18 @@ def test_bench_gpu_wan_stages_smoke_splits_both_pipelines_time_for_each_vae_dtyp
         assert 0 < sum(r["diffusers_stages"].values()) <= r["diffusers_timed_s"]
         assert r["ours_stages"]["vae_s"] > 0 and r["max_abs_diff_vs_diffusers"] < 0.05
     assert (tmp_path / "work" / "wan2.1-1.3b-smoke" / "model_index.json").is_file()     # kept for the next section
+
+
+def test_bench_gpu_step_14b_smoke_times_diffusers_and_the_fast_step_scaled_to_40_blocks(tmp_path):
+    """`--profile fast`'s step section at a tiny shape on the CPU (tools/gpu_session_fast.sh runs it on a GPU): the
+    rows it prints, scaled back to the 40 blocks of Wan 2.1 I2V 14B, FP8 refused with its reason off CUDA."""
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "gpu", "--smoke", "--device", "cpu", "--repeats", "1", "--sections", "step-14b",
+                 "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [r for r in rows if "error" in r], rows
+    steps = {r["variant"]: r for r in rows if r["section"] == "step-14b" and "variant" in r}
+    assert list(steps) == ["diffusers forward", "ours fast (compile blocks, attention default)", "ours fp8 + compile"]
+    for r in list(steps.values())[:2]:
+        assert r["step_s_at_40_layers"] == r["step_s_measured"] * 40 / r["layers"] > 0
+    assert "CUDA" in steps["ours fp8 + compile"]["skipped"]
