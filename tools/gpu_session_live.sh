@@ -45,15 +45,16 @@ else
   SHAPE=(--size 64x64 --device cpu --seconds 1)
   MEMORY=(--memory-chunks 2,3)
   GPUS=2                                  # the two-worker step runs on two CPU workers
-  step() {                                # the CPU check: run (or print) each step, no time limit but the deadline
+  step() {                                # the CPU check: run (or print) each step under `timeout`, as gpu_env.sh's
     local name=$1; shift 2
-    echo "== $name: ${*/#live/bench live --model $MODEL ${SHAPE[*]} --no-df}" | tee -a "$LOG"
+    echo "== $name: $*" | tee -a "$LOG"
     [ "$MODE" = dry ] && return
-    "$@" >> "$LOG" 2>&1
+    timeout 900 "$@" >> "$LOG" 2>&1
     echo "$name rc=$?" | tee -a "$LOG"
   }
 fi
-live() { $PY -m longserve.server.cli bench live --model "$MODEL" "${SHAPE[@]}" --no-df "$@"; }
+# the bench's command words (an array, not a function: gpu_env.sh's `step` runs its command under `timeout`)
+LIVE=($PY -m longserve.server.cli bench live --model "$MODEL" "${SHAPE[@]}" --no-df)
 has_flag() { $PY -m longserve.server.cli bench live --help 2>/dev/null | grep -q -- "$1"; }
 lever() {     # lever NAME LIMIT FLAG ARGS...: the step when bench live takes FLAG, else a "no flag" line
   local name=$1 limit=$2 flag=$3; shift 3
@@ -74,18 +75,20 @@ else
 fi
 DEV_VAE=(); [ "$MODE" = gpu ] && DEV_VAE=(--vae-dtype bfloat16)
 
-lever before 100 --vae-dtype live --loops serial --vae-dtype float32 "${MEMORY[@]}" --json "$OUT/live_before.json"
-step overlapped 110 live --loops serial,overlapped "${DEV_VAE[@]}" "${MEMORY[@]}" --json "$OUT/live_overlapped.json"
-lever small-decoder 80 --decoder live --loops serial,overlapped --decoder "$DECODER" --memory-chunks 10 \
+lever before 100 --vae-dtype "${LIVE[@]}" --loops serial --vae-dtype float32 "${MEMORY[@]}" \
+  --json "$OUT/live_before.json"
+step overlapped 110 "${LIVE[@]}" --loops serial,overlapped "${DEV_VAE[@]}" "${MEMORY[@]}" \
+  --json "$OUT/live_overlapped.json"
+lever small-decoder 80 --decoder "${LIVE[@]}" --loops serial,overlapped --decoder "$DECODER" --memory-chunks 10 \
   --json "$OUT/live_small_decoder.json"
 if [ "$MODE" = gpu ]; then
-  lever compile 150 --compile live --loops overlapped "${DEV_VAE[@]}" --compile blocks --memory-chunks 10 \
+  lever compile 150 --compile "${LIVE[@]}" --loops overlapped "${DEV_VAE[@]}" --compile blocks --memory-chunks 10 \
     --json "$OUT/live_compile.json"
-  lever cuda-graphs 150 --cuda-graphs live --loops overlapped "${DEV_VAE[@]}" --compile blocks --cuda-graphs \
+  lever cuda-graphs 150 --cuda-graphs "${LIVE[@]}" --loops overlapped "${DEV_VAE[@]}" --compile blocks --cuda-graphs \
     --memory-chunks 10 --json "$OUT/live_cuda_graphs.json"
 fi
 if [ "$GPUS" -ge 2 ]; then
-  step two-gpus 200 live --workers 1,2 --loops serial,overlapped,pipelined "${DEV_VAE[@]}" "${MEMORY[@]}" \
+  step two-gpus 200 "${LIVE[@]}" --workers 1,2 --loops serial,overlapped,pipelined "${DEV_VAE[@]}" "${MEMORY[@]}" \
     --json "$OUT/live_two_gpus.json"
 else
   echo "two-gpus skipped: $GPUS GPU(s) lent" | tee -a "$LOG"
