@@ -16,8 +16,7 @@ One run, one process, the same machine, side by side:
   and a chunk's milliseconds by stage on the worker (the session's transformer and VAE timings, the rest of the
   chunk's wall time) and the muxer's, which runs on the caller beside the worker's next chunk;
 - memory: peak tensor memory per worker over sessions of 10, 100, 1000 chunks (separate runs
-  with the tracker on: engine/memory.py), and each against the first (flat: 1.0), on the first pair and, when
-  the run has one, on the first pipelined pair;
+  with the tracker on: engine/memory.py), and each against the first (flat: 1.0), on each loop's first pair;
 - prompt switch: `switch()` called as a chunk arrives; the latency in chunks (from the chunk
   being made at the call to the first chunk under the new prompt) and in seconds;
 - diffusion forcing: the same number of frames by `SkyReelsV2DiffusionForcingPipeline`'s
@@ -291,7 +290,7 @@ def run(args) -> int:
             if i == 0:
                 switch = row_switch
                 add_work(live, counted(pipe, lambda: _live_frames(pipe, args.seconds, width, height)))
-            if i == 0 or (loop == "pipelined" and not any(m["loop"] == "pipelined" for m in memory)):
+            if not any(m["loop"] == loop for m in memory):          # each loop's first pair: flat, whatever the loop
                 for m in _memory_rows(pipe, counts, width, height):
                     memory.append({**m, "workers": n, "loop": loop})
             lives.append(live)
