@@ -50,7 +50,7 @@ class EngineConfig:
     """How a video engine is built: the model, its workers and plan, the numerics, the scheduler's limits."""
 
     # -- the model and its workers --------------------------------------------------------------------
-    profile: str = option("exact", "exact | fast: fast turns on, for every option left at its default, the speed "
+    profile: str = option("exact", "exact | fast: fast turns on, for every lever option left unset, the speed "
                                    "levers measured to win on the engine's device (CUDA: regional compile, the "
                                    "best attention backend installed, a bf16 VAE; several workers: the VAE's rows "
                                    "split; families that take them: step caching and CFG truncation at calibrated "
