@@ -172,11 +172,11 @@ def _diffusers_job(ctx, model, z, tiling, measure):
         vae.enable_tiling(tiling.sample_min_height, tiling.sample_min_width,
                           tiling.sample_stride_height, tiling.sample_stride_width)
     with torch.no_grad(), PeakMemory(ctx.pg.device, enabled=measure) as mem:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = vae.decode(z).sample
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     vae.use_tiling = False
-    return dict(video=None if measure else out, peak=mem.peak_bytes, seconds=seconds, bytes_sent=0)
+    return dict(video=None if measure else out, peak=mem.peak_bytes, seconds=seconds, cpu_s=cpu, bytes_sent=0)
 
 
 def _stream_job(ctx, model, z, tiling, chunk, measure):
@@ -225,7 +225,7 @@ def _rows_job(ctx, model, z, measure):
     comm.STATS.reset()
     outs = []
     with torch.no_grad(), PeakMemory(pg.device, enabled=measure) as mem:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         decoder = RowSplitWanDecoder(vae, pg, z.shape[0], z.shape[3], z.shape[4])
         for start in range(z.shape[2]):
             out = decoder.decode(z[:, :, start:start + 1])
@@ -234,8 +234,8 @@ def _rows_job(ctx, model, z, measure):
             del out
         caches = decoder.cache_bytes
         decoder.close()
-        seconds = time.perf_counter() - t0
-    return dict(video=torch.cat(outs, dim=2) if outs else None, peak=mem.peak_bytes, seconds=seconds,
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return dict(video=torch.cat(outs, dim=2) if outs else None, peak=mem.peak_bytes, seconds=seconds, cpu_s=cpu,
                 bytes_sent=comm.STATS.bytes_sent, items=None, grid=None, caches=caches)
 
 
@@ -261,7 +261,9 @@ def _row(method, tiling_text, frames, latent_frames, chunk, results, reference):
                 items=[r.get("items") for r in results], grid=results[0].get("grid"),
                 cache_mib=max(r["caches"] for r in results) / MiB if "caches" in results[0] else None,
                 sent_mib=max(r["bytes_sent"] for r in results) / MiB,
-                seconds=max(r["seconds"] for r in results), max_abs_err=err)
+                seconds=max(r["seconds"] for r in results),
+                cpu_s=max(r["cpu_s"] for r in results) if all("cpu_s" in r for r in results) else None,
+                max_abs_err=err)
 
 
 def _worker_setup(ctx, threads: int = 1, pin: bool = False) -> None:
@@ -326,6 +328,8 @@ def measure(args) -> list[dict]:
         r["vs_1_worker"] = r["peak_mib"] / one["peak_mib"] if one and split and one["peak_mib"] else None
         r["vs_diffusers"] = r["peak_mib"] / diffusers["peak_mib"] if diffusers["peak_mib"] else None
         r["speedup"] = one["seconds"] / r["seconds"] if one and split else None
+        r["cpu_speedup"] = one["cpu_s"] / r["cpu_s"] if one and split and r.get("cpu_s") and one.get("cpu_s") \
+            else None
     return sorted(rows, key=lambda r: (r["frames"], not r["method"].startswith("diffusers"), r["workers"]))
 
 
@@ -344,6 +348,8 @@ COLUMNS = [
     Column("MiB sent / worker", "sent_mib", ".2f"),
     Column("seconds", "seconds", ".2f"),
     Column("speed vs 1 worker", "speedup", lambda v: f"{v:.2f}x"),
+    Column("CPU s / worker", "cpu_s", ".2f"),
+    Column("CPU vs 1 worker", "cpu_speedup", lambda v: f"{v:.2f}x"),
     Column("max abs err", "max_abs_err", ".1e"),
 ]
 
@@ -397,7 +403,9 @@ def markdown_section(rows: list[dict], args, load) -> str:
         "that gathers, blends and returns each chunk, \"others\" the largest of the rest. A streaming run keeps "
         "no returned chunk (a streaming caller writes each out), so its peak counts one chunk of output; "
         "diffusers' one-shot decode returns (and counts) the whole video.",
-        "- seconds: slowest worker, separate run without the memory tracker. MiB sent: engine/comm.py's "
+        "- seconds: slowest worker, separate run without the memory tracker; CPU s / worker: the busiest worker's "
+        "CPU time in that run (process time: time it waits for a shared core does not count, so it reads the "
+        "split's work per worker when the machine is busy). MiB sent: engine/comm.py's "
         "accounting (a rank sends its padded tile chunks once per call; dst sends nothing).",
         "- vs 1 worker: over the same streaming run on 1 worker; vs diffusers: over diffusers' one-shot decode "
         "of the same frames (tiled when tiling is on). max abs err: the output against that decode.", "",
@@ -424,8 +432,11 @@ def summary(rows: list[dict], args) -> str:
                                                                      else "") for r in split)
         err = max(r["max_abs_err"] for r in split if r["max_abs_err"] is not None)
         pinned = "each worker pinned to its own core, " if args.pin else ""
+        cpu = ", ".join(f"{r['cpu_s']:.2f} s on {r['workers']}" + (f" ({r['cpu_speedup']:.2f}x)" if r["workers"] > 1
+                                                                  else "") for r in split if r.get("cpu_s"))
         said.append(f"Rows split ({pinned}{args.threads} thread(s) each): {per} worker(s), at most {err:.1e} from "
-                    "diffusers' plain decode.")
+                    f"diffusers' plain decode. CPU seconds of the busiest worker (what a worker computes, whatever "
+                    f"else shares its core): {cpu}.")
     if one and args.memory:
         per = ", ".join(f"{r['peak_mib']:.2f} MiB on {r['workers']}" + (f" ({r['vs_1_worker']:.2f}x)" if
                                                                          r["workers"] > 1 else "")
