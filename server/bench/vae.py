@@ -244,20 +244,22 @@ def _run_both(pool, job, *args, memory=True):
     merged."""
     timed = pool.run(job, *args, False)
     if not memory:
-        return [dict(t, peak=0) for t in timed]
+        return [dict(t, peak=None) for t in timed]
     mem = pool.run(job, *args, True)
     return [dict(t, peak=m["peak"]) for m, t in zip(mem, timed)]
 
 
 def _row(method, tiling_text, frames, latent_frames, chunk, results, reference):
     MiB = 2**20
-    peaks = [r["peak"] for r in results]
+    measured = results[0]["peak"] is not None          # --no-memory: no peak was measured
+    peaks = [r["peak"] if measured else 0 for r in results]
     err = None
     if reference is not None and results[0]["video"] is not None:
         err = (results[0]["video"] - reference).abs().max().item()
     return dict(method=method, tiling=tiling_text, frames=frames, latent_frames=latent_frames, chunk=chunk,
-                workers=len(results), peak_mib=max(peaks) / MiB, dst_peak_mib=peaks[0] / MiB,
-                others_peak_mib=max(peaks[1:]) / MiB if len(peaks) > 1 else None,
+                workers=len(results), peak_mib=max(peaks) / MiB if measured else None,
+                dst_peak_mib=peaks[0] / MiB if measured else None,
+                others_peak_mib=max(peaks[1:]) / MiB if len(peaks) > 1 and measured else None,
                 items=[r.get("items") for r in results], grid=results[0].get("grid"),
                 cache_mib=max(r["caches"] for r in results) / MiB if "caches" in results[0] else None,
                 sent_mib=max(r["bytes_sent"] for r in results) / MiB,
@@ -297,7 +299,7 @@ def measure(args) -> list[dict]:
     def log(row):
         rows.append(row)
         print(f"  {row['method']:<28} workers={row['workers']} frames={row['frames']} chunk={row['chunk']}: "
-              f"peak {row['peak_mib']:.2f} MiB/worker, {row['seconds']:.2f} s", file=sys.stderr, flush=True)
+              f"peak {row['peak_mib'] or 0:.2f} MiB/worker, {row['seconds']:.2f} s", file=sys.stderr, flush=True)
 
     for n in sorted(set(workers) | {1}):
         with WorkerPool(n, setup=_worker_setup, setup_args=(args.threads, args.pin)) as pool:
@@ -325,8 +327,9 @@ def measure(args) -> list[dict]:
         one = next((b for b in same if b["method"] == r["method"] and b["workers"] == 1), None)
         diffusers = same[1] if tiling is not None and r["method"] != "rows split" else same[0]
         split = r["method"] in ("streaming", "rows split")
-        r["vs_1_worker"] = r["peak_mib"] / one["peak_mib"] if one and split and one["peak_mib"] else None
-        r["vs_diffusers"] = r["peak_mib"] / diffusers["peak_mib"] if diffusers["peak_mib"] else None
+        measured = r["peak_mib"] is not None
+        r["vs_1_worker"] = r["peak_mib"] / one["peak_mib"] if measured and one and split else None
+        r["vs_diffusers"] = r["peak_mib"] / diffusers["peak_mib"] if measured else None
         r["speedup"] = one["seconds"] / r["seconds"] if one and split else None
         r["cpu_speedup"] = one["cpu_s"] / r["cpu_s"] if one and split and r.get("cpu_s") and one.get("cpu_s") \
             else None
@@ -387,10 +390,15 @@ def markdown_section(rows: list[dict], args, load) -> str:
     model = ", ".join(f"{k} {v}" for k, v in MODELS[args.model].items())
     grid = next((r["grid"] for r in rows if r["grid"]), (1, 1))
     grid = f"a {grid[0]}x{grid[1]} grid of tiles per video (edge tiles smaller)" if tiling else "one item per video"
+    rows_only = _splits(args.split) == ["rows"]
+    what = ("engine/vae_split.py's `RowSplitWanDecoder` (every frame's rows split across the workers, the "
+            "decoder's convolutions exchanging their edge rows, bands gathered on one rank; one latent frame per "
+            "call, the causal caches per band)" if rows_only else
+            "engine/causal_vae.py's `StreamingVAEDecoder` (chunks of latent frames, per-(video, tile) caches, work "
+            "split across workers, tiles gathered and blended on one rank)")
     return "\n".join([
-        "Decoding Wan latents with engine/causal_vae.py's `StreamingVAEDecoder` (chunks of latent frames, "
-        "per-(video, tile) caches, work split across workers, tiles gathered and blended on one rank) "
-        "against diffusers' own one-shot `AutoencoderKLWan.decode`. Rerun with:", "",
+        f"Decoding Wan latents with {what} against diffusers' own one-shot `AutoencoderKLWan.decode`. Rerun "
+        "with:", "",
         "```", command_line(args), "```", "",
         f"- Machine: {machine()}; the CPU is shared with other work: 1/5/15-minute load average before "
         f"the run {load[0]}, after it {load[1]}. Memory is a count of tensor storage, independent of load; "
