@@ -42,10 +42,12 @@ demo: install
 
 # a 30 s live video on tiny-live (a trained causal few-step model: weights/README.md) whose prompt switches from
 # "a red ball bouncing" to "a blue ball bouncing" at 15 s; docs/demo_live_strip.png (README.md) shows the switch
+# DECODER=tiny: the frames through tiny-live's small TAEHV-shaped decoder instead of its VAE (weights/README.md)
+DECODER ?= vae
 demo-live: install
 	mkdir -p out
 	$(PY) -m tools.live_demo --model tiny-live --seconds 30 --switch-at 15 -o out/demo_live.mp4 \
-		--strip out/demo_live_strip.png --chunks-json out/demo_live_chunks.json
+		--strip out/demo_live_strip.png --chunks-json out/demo_live_chunks.json --decoder $(DECODER)
 
 # long video by diffusion forcing on tiny-skyreels-df (trained on procedural clips: weights/README.md): "a red ball
 # bouncing", 89 frames = 10 segments of 17 frames, each given the last 9 of the one before, written as they are made;

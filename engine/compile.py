@@ -23,6 +23,12 @@ frame whose inputs carry no mark, so there a batch size change recompiles once, 
 `dynamic=True` would avoid those recompiles but made the first compile 3-4 times slower on tiny-wan (symbolic
 shapes everywhere), so it is not used. `compiled_graphs()` counts the graphs a process has compiled; the engine
 reports it (`ModelInfo.compiled_graphs`, `stats().compiled_graphs`) and the tests check it stops growing.
+
+CUDA graphs (`cuda_graphs`, live models on CUDA): the compiled blocks in torch.compile's "reduce-overhead" mode, so
+inductor records each graph's kernels once per shape and replays them (one launch instead of one per kernel). In
+the live loop every forward has the same shapes from the first chunk (a chunk's tokens; the cached attention,
+whose key count grows until the window is full, runs eager between the graphs), and the loop marks each forward
+as a new step (`torch.compiler.cudagraph_mark_step_begin`), so a replay may reuse the last forward's buffers.
 """
 
 from __future__ import annotations
@@ -38,9 +44,9 @@ class CompiledBlock:
     """A block's forward, compiled; called with the forward's arguments. `eager` is the forward as it was, for
     callers that swap the block's insides per call (Latte's embedded baselines), which a graph would guard on."""
 
-    def __init__(self, forward, backend: str):
+    def __init__(self, forward, backend: str, mode: str | None = None):
         self.eager = forward
-        self.compiled = torch.compile(forward, backend=backend, dynamic=None)
+        self.compiled = torch.compile(forward, backend=backend, dynamic=None, mode=mode)
         self.__wrapped__ = forward              # inspect.signature (diffusers' hooks) sees the block's own
 
     def __call__(self, *args, **kwargs):
@@ -52,24 +58,25 @@ class CompiledBlock:
         return self.compiled(*args, **kwargs)
 
 
-def compile_block(block: torch.nn.Module, backend: str = "inductor") -> CompiledBlock:
-    """Compile `block`'s forward in place (before any diffusers hook is registered on it: see the module doc)."""
+def compile_block(block: torch.nn.Module, backend: str = "inductor", mode: str | None = None) -> CompiledBlock:
+    """Compile `block`'s forward in place (before any diffusers hook is registered on it: see the module doc).
+    `mode`: torch.compile's ("reduce-overhead": the graphs replayed as CUDA graphs, the `cuda_graphs` option)."""
     if backend not in BACKENDS:
         raise ValueError(f"compile_backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if getattr(block, "_diffusers_hook", None) is not None and block._diffusers_hook.hooks:
         raise RuntimeError(f"compile {type(block).__name__} before registering hooks on it (they would be traced)")
     if isinstance(block.__dict__.get("forward"), CompiledBlock):
         return block.forward
-    compiled = CompiledBlock(block.forward, backend)
+    compiled = CompiledBlock(block.forward, backend, mode)
     block.forward = compiled                # an instance attribute, as diffusers' hooks set it
     return compiled
 
 
-def compile_blocks(blocks, backend: str = "inductor") -> int:
+def compile_blocks(blocks, backend: str = "inductor", mode: str | None = None) -> int:
     """Compile each block of `blocks` (the model's repeated block class); returns how many."""
     n = 0
     for block in blocks:
-        compile_block(block, backend)
+        compile_block(block, backend, mode)
         n += 1
     return n
 

@@ -35,6 +35,7 @@ LAUNCHERS = ("auto", "local", "torchrun")
 COMPILE = ("none", "blocks")
 VAE_SPLITS = ("items", "rows")
 QUANTIZE = ("none", "fp8")
+LIVE_LOOPS = ("serial", "overlapped", "pipelined")
 
 
 def option(default, help: str, group: str = "model", flag: str | None = None, choices=None, metavar=None):
@@ -67,7 +68,12 @@ class EngineConfig:
     dtype: str = option("float32", "float32 | bfloat16 | float16 (the transformer's; the Wan VAE stays float32)")
     vae_dtype: str | None = option(None, "the Wan-family VAE's dtype (default float32, as diffusers' Wan examples "
                                          "load it; bfloat16 decodes faster with bf16 rounding, as a Wan pipeline "
-                                         "loaded whole in bfloat16 does)", choices=list(VAE_DTYPES))
+                                         "loaded whole in bfloat16 does; live (causal) models default to bfloat16 "
+                                         "on CUDA)", choices=list(VAE_DTYPES))
+    decoder: str = option("vae", "live (causal) models' frame decoder: vae (the model's own VAE) | tiny (the small "
+                                 "decoder shipped for the model: tiny-live's) | PATH of a TAEHV weight file "
+                                 "(.pth or .safetensors; taew2_1.pth for Wan 2.1 latents): a few convs a frame "
+                                 "instead of the VAE (engine/small_decoder.py)", metavar="vae|tiny|PATH")
     attention: str = option("auto", "auto | sdpa | xformers (Latte on CUDA)", choices=list(ATTENTION))
     attention_backend: str | None = option(None, "diffusers' attention dispatcher backend for the families that run "
                                                  "diffusers' forward (Wan family, Helios, LTX-2, HunyuanVideo-1.5): "
@@ -113,6 +119,9 @@ class EngineConfig:
                                    "(pip install '.[gpu]') and --dtype bfloat16", choices=list(QUANTIZE))
     #: the compile's torch backend: not a flag (the tests' "eager" and "aot_eager" check the mechanism without
     #: inductor's C++ code generation, which takes about half a minute a graph on a small CPU)
+    cuda_graphs: bool = option(False, "with compile=blocks on CUDA, for live (causal) models: replay the compiled "
+                                      "blocks as CUDA graphs (torch.compile's reduce-overhead mode): a live chunk's "
+                                      "forwards have the same shapes from the first chunk on (engine/compile.py)")
     compile_backend: str = field(default="inductor", metadata={"group": "internal"})
     launcher: str = option("auto", "local: start --workers processes; torchrun: join the group torchrun started "
                                    "(auto: torchrun when launched by it)", choices=list(LAUNCHERS))
@@ -140,6 +149,11 @@ class EngineConfig:
     max_steps_per_job: int = option(4, "denoising steps one worker job may run while nothing else waits (fewer "
                                        "round trips; a newcomer waits at most this many steps minus one)",
                                     group="scheduling")
+    live_loop: str = option("serial", "serial | overlapped | pipelined: a causal (live) model's chunk loop. "
+                                      "overlapped decodes chunk k on a decode lane while chunk k+1 denoises; "
+                                      "pipelined (several workers) runs the transformer on workers 0..N-2 and "
+                                      "the decode on worker N-1 (engine/live_lane.py; the same frames)",
+                            choices=list(LIVE_LOOPS), group="scheduling")
     job_timeout_s: float | None = option(600.0, "a worker job taking longer fails its batch and restarts the pool "
                                                 "(seconds; none = no limit)", group="scheduling",
                                          flag="--job-timeout")
@@ -179,6 +193,8 @@ class EngineConfig:
 
             name = check_name(self.attention_backend)          # "none": unset; under "fast", explicitly off
             object.__setattr__(self, "attention_backend", "none" if name is None and self.profile == "fast" else name)
+        if self.live_loop not in LIVE_LOOPS:
+            raise ValueError(f"live_loop must be one of {', '.join(LIVE_LOOPS)}; got {self.live_loop!r}")
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {self.launcher!r}")
         from longserve.engine.dist import parse_dtype
@@ -186,6 +202,8 @@ class EngineConfig:
         parse_dtype(self.dtype)
         if self.vae_dtype is not None and self.vae_dtype not in VAE_DTYPES:
             raise ValueError(f"vae_dtype must be one of {', '.join(VAE_DTYPES)}; got {self.vae_dtype!r}")
+        if not isinstance(self.decoder, str) or not self.decoder:
+            raise ValueError(f"decoder must be vae, tiny or the path of a TAEHV weight file; got {self.decoder!r}")
         if self.cache is not None:
             from longserve.engine.cache import parse_cache
 
@@ -316,6 +334,7 @@ class Capabilities:
     lora: bool = False                 # loads --lora adapters, chosen per request
     compile: bool = False              # takes `compile` and `quantize`
     fps_conditioned: bool = False      # the model is given the video's fps (SkyReels-V2)
+    sound: bool = False                # makes a sound track with the picture (LTX-2: `FramesChunk.audio`)
     # a model that makes sound (LTX-2): the transformer's sound tokens per second of video, and the video pixels
     # (frames x height x width) one of its video tokens stands for, so that a request's work counts both streams:
     # at a low fps the same frames are many more seconds of sound (admission's cost)

@@ -21,6 +21,7 @@ queued again, in front (`Requeued`); the rest of the iteration's decision is dro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import Callable, Protocol
 from longserve.engine import worker as jobs
 from longserve.engine.config import EngineConfig
 from longserve.engine.errors import public_message
+from longserve.engine.live_frames import frames_out
 from longserve.engine.outputs import (
     CANCELLED,
     Admitted,
@@ -164,6 +166,11 @@ class EngineCore:
                         return True
                     break
                 self.scheduler.stepped(req, res["progress"])
+        if plan.decode is not None and not plan.decode.aborted and self.config.live_loop != "serial":
+            # the decode and the steps in one job, the decode on the workers' lane beside them (engine/live_loop.py)
+            batch = [r for r in plan.step.batch if r.state is RequestState.RUNNING] if plan.step is not None else []
+            self._tick(plan.decode, plan.decode_frames, batch, plan.step.num_steps if batch else 0)
+            return True
         if plan.decode is not None and not plan.decode.aborted:
             if not self._decode(plan.decode, plan.decode_frames) and self._pool_lost(restarts):
                 return True
@@ -214,21 +221,53 @@ class EngineCore:
         chunk = self._call(jobs.decode_next, req.id, max_frames, involved=[req])
         if chunk is None:
             return False
+        self._decoded(req, chunk)
+        return True
+
+    def _decoded(self, req: ScheduledRequest, chunk) -> None:
         if req.aborted:
-            return True   # aborted meanwhile: released (its final output) at the next boundary
+            return        # aborted meanwhile: released (its final output) at the next boundary
         done = self.scheduler.decoded(req, chunk)
-        req.stream.put(FramesChunk(req.id, chunk.frames, chunk.start, chunk.stop, chunk.num_frames, chunk.vae_s,
-                                   chunk.info))
+        # a live chunk's frames come as uint8 in a worker's shared-memory slot: read (and made "np") here, at the edge
+        t0 = time.perf_counter()
+        frames = frames_out(chunk.frames, req.spec.output)
+        req.edge_s += time.perf_counter() - t0
+        if "transfer_s" in req.timings or req.edge_s:    # the workers' hand-over (pipelined) and this read
+            req.timings["transfer_s"] = req.timings.get("transfer_s", 0.0) + req.edge_s
+        req.stream.put(FramesChunk(req.id, frames, chunk.start, chunk.stop, chunk.num_frames, chunk.vae_s,
+                                   chunk.audio, chunk.live))
         if done:
             self._release([req.id])
             req.stream.put(Finished(req.id, dict(req.timings)))
-        return True
+
+    def _tick(self, req: ScheduledRequest, max_frames: int, batch: list[ScheduledRequest], num_steps: int) -> None:
+        """`req`'s next chunk decoded on the lane while `batch` runs `num_steps` steps: one job (`jobs.live_tick`);
+        the chunk is handed out first, as a serial decode before the steps would be."""
+        t0 = time.perf_counter()
+        involved = [req] + [r for r in batch if r is not req]
+        ticks = self._call(jobs.live_tick, [r.id for r in batch], num_steps, req.id, max_frames, involved=involved,
+                           every_rank=True)
+        if ticks is None:
+            return
+        head = ticks[0]
+        lane = next((t for t in ticks if t is not None and t.lane), None)
+        if lane is None:
+            raise RuntimeError("no worker reported the decode lane's frames (the pipelined live loop needs the "
+                               "local worker pool: a torchrun group hands back rank 0's results only)")
+        meta = head.decoded
+        self._decoded(req, dataclasses.replace(meta, frames=lane.frames, vae_s=lane.vae_s,
+                                               timings={**meta.timings, "vae_s": lane.vae_total_s}))
+        if head.step is not None:
+            self._stepped(batch, head.step, t0)
 
     def _denoise(self, batch: list[ScheduledRequest], num_steps: int) -> None:
         t0 = time.perf_counter()
         out = self._call(jobs.step, [r.id for r in batch], num_steps, involved=batch)
         if out is None:
             return
+        self._stepped(batch, out, t0)
+
+    def _stepped(self, batch: list[ScheduledRequest], out, t0: float) -> None:
         step_s = (time.perf_counter() - t0) / len(out.progress)
         self.compiled_graphs = out.compiled_graphs
         for progress in out.progress:
@@ -243,12 +282,13 @@ class EngineCore:
 
     # -- worker calls and their failures ---------------------------------------------------------------
 
-    def _call(self, fn, *args, involved: list[ScheduledRequest]):
-        """pool.run(fn, *args), rank 0's result; on a failure apply the failure policy (module docstring) to
-        `involved` and the other admitted requests, and return None."""
+    def _call(self, fn, *args, involved: list[ScheduledRequest], every_rank: bool = False):
+        """pool.run(fn, *args), rank 0's result (`every_rank`: every rank's, rank 0 first); on a failure apply the
+        failure policy (module docstring) to `involved` and the other admitted requests, and return None."""
         restarts = self.pool.restarts
         try:
-            return self.pool.run(fn, *args, timeout_s=self.config.job_timeout_s)[0]
+            out = self.pool.run(fn, *args, timeout_s=self.config.job_timeout_s)
+            return out if every_rank else out[0]
         except WorkerError as e:
             self._failed(fn, e, involved, restarted=self._pool_lost(restarts))
         except Exception as e:  # not the pool's typed failure (the OS, a result that cannot be read): nothing is

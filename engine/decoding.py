@@ -28,6 +28,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from longserve.engine.outputs import LiveChunkInfo, Sound
+
 
 def decoded_frames(latent_frames: int, temporal: int) -> int:
     """Pixel frames a causal VAE makes of `latent_frames` (the first latent frame is one frame)."""
@@ -70,17 +72,23 @@ class FrameStream:
         self.policy, self.open_decoder, self.output, self.rank = policy, open_decoder, output, rank
         self.limit = limit
         self.lead_frames = lead_frames
-        self.pieces = collections.deque()   # [(latents (B, C, k, h, w), info)]: final, not handed out yet
+        self.pieces = collections.deque()   # [(latents (B, C, k, h, w), live)]: final, not handed out yet
         self.complete = False               # the last piece is in
         self.latents_done = 0               # latent frames handed out
         self.frames_out = 0                 # frames handed out
         self.decoder = None                 # the VAE path of the current run, once it started
-        self.info: dict = {}                # the last handed-out piece's (a live chunk: its chunk and prompt index)
+        self.live: LiveChunkInfo | None = None   # the last handed-out piece's (a causal chunk: its index and prompt)
+        self.audio: Sound | None = None     # a sound the family made, handed out with the next frames (`handed_out`)
 
-    def push(self, latents: torch.Tensor, info: dict | None = None, last: bool = False) -> None:
+    def push(self, latents: torch.Tensor, live: LiveChunkInfo | None = None, last: bool = False) -> None:
         """Final latent frames (B, C, k, h, w), after those pushed before; `last`: no more will come."""
-        self.pieces.append((latents, info or {}))
+        self.pieces.append((latents, live))
         self.complete = self.complete or last
+
+    def handed_out(self) -> tuple[Sound | None, LiveChunkInfo | None]:
+        """What goes with the frames just handed out: the family's sound (once), and the chunk they are."""
+        audio, self.audio = self.audio, None
+        return audio, self.live
 
     def ready(self) -> bool:
         """Is there something to hand out?"""
@@ -91,24 +99,37 @@ class FrameStream:
     def next(self, max_frames: int):
         """The next frames (about `max_frames`, at least one): pixels (B, n, H, W, 3) on rank 0, None elsewhere;
         or latents for output "latent". Collective: every rank calls it in the same order."""
+        return self.take(max_frames)()
+
+    def take(self, max_frames: int) -> Callable:
+        """`next` in two parts: the stream's bookkeeping now (which frames, and the counts after them), and the
+        decode as the function returned, to call later and maybe elsewhere (the live loop's decode lane,
+        engine/live_lane.py). The returned functions must be called in the order they were taken: the VAE path's
+        cache carries from one to the next."""
         if self.output == "latent":
-            return self._latents()
+            latents = self._latents()
+            return lambda: latents
         p, start = self.policy, self.frames_out
         if start < p.lead:                            # an extension's input frames first (rank 0 holds them)
             stop = self.frames_out = min(p.lead, start + max_frames)
             pixels = self.lead_frames(start, stop) if self.rank == 0 else None
             if stop == p.lead:
                 self.lead_frames = None                # handed out: not kept
-            return pixels
+            return lambda: pixels
         before = self.latents_done
-        latents, self.info = self._take(self._count(max_frames))
-        if self.decoder is None:
-            self.decoder = self.open_decoder(latents)
+        latents, self.live = self._take(self._count(max_frames))
         self.latents_done += latents.shape[2]
         self.frames_out = p.out(self.latents_done, self.limit)
         first = max(0, p.skip - p.made(before))       # the decoded frames this call hands out: past skip, to limit
-        pixels = self.decoder.decode(latents, slice(first, first + self.frames_out - start))
-        if (p.run and self.latents_done % p.run == 0) or self.frames_out >= self.limit:
+        keep = slice(first, first + self.frames_out - start)
+        last = bool((p.run and self.latents_done % p.run == 0) or self.frames_out >= self.limit)
+        return lambda: self._decode(latents, keep, last)
+
+    def _decode(self, latents: torch.Tensor, keep: slice, last: bool):
+        if self.decoder is None:
+            self.decoder = self.open_decoder(latents)
+        pixels = self.decoder.decode(latents, keep)
+        if last:
             self.decoder.close()                       # the next run decodes on its own
             self.decoder = None
         return pixels
@@ -129,24 +150,24 @@ class FrameStream:
             k += 1
         return k
 
-    def _take(self, k: int) -> tuple[torch.Tensor, dict]:
-        """The first `k` pushed latent frames (B, C, k, h, w), out of the stream, and the first piece's info."""
-        parts, info = [], self.pieces[0][1]
+    def _take(self, k: int) -> tuple[torch.Tensor, LiveChunkInfo | None]:
+        """The first `k` pushed latent frames (B, C, k, h, w), out of the stream, and the first piece's chunk."""
+        parts, live = [], self.pieces[0][1]
         while k:
-            x, piece_info = self.pieces[0]
+            x, piece_live = self.pieces[0]
             n = min(k, x.shape[2])
             parts.append(x[:, :, :n])
             if n == x.shape[2]:
                 self.pieces.popleft()
             else:
-                self.pieces[0] = (x[:, :, n:], piece_info)
+                self.pieces[0] = (x[:, :, n:], piece_live)
             k -= n
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)), info
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)), live
 
     def _latents(self):
         """Output "latent": a live chunk at a time, else every pushed frame in one piece."""
         if self.policy.whole:
-            latents, self.info = self._take(self.pieces[0][0].shape[2])
+            latents, self.live = self._take(self.pieces[0][0].shape[2])
             self.latents_done += latents.shape[2]
             self.frames_out = self.policy.out(self.latents_done, self.limit)
         else:
@@ -161,14 +182,15 @@ class WanVAEDecoder:
     workers by engine/causal_vae.py's `StreamingVAEDecoder` (carrying the causal cache between calls), untiled as
     diffusers' Wan pipelines decode or in diffusers' default tiles (`vae.enable_tiling()`) with `tiling`; split "rows":
     every frame's rows across the workers (engine/vae_split.py's `RowSplitWanDecoder`; a frame with fewer latent rows
-    than workers falls back to the item split)."""
+    than workers falls back to the item split). With `slots` (engine/live_frames.py), rank 0's frames go out as uint8
+    made on the device, in a shared-memory slot."""
 
-    def __init__(self, pipe, pg, latents: torch.Tensor, tiling: bool, output: str, split: str = "items"):
+    def __init__(self, pipe, pg, latents: torch.Tensor, tiling: bool, output: str, split: str = "items", slots=None):
         from longserve.engine.causal_vae import StreamingVAEDecoder, VAETiling
         from longserve.engine.vae_split import RowSplitWanDecoder, split_rows_fits
 
         B, _, _, h, w = latents.shape
-        self.vae, self.processor, self.output = pipe.vae, pipe.video_processor, output
+        self.vae, self.processor, self.output, self.slots = pipe.vae, pipe.video_processor, output, slots
         if split == "rows" and not tiling and split_rows_fits(h, pg.world_size):
             self.stream = RowSplitWanDecoder(pipe.vae, pg, B, h, w)
         else:
@@ -177,7 +199,13 @@ class WanVAEDecoder:
     def decode(self, latents: torch.Tensor, keep: slice):
         with torch.no_grad():
             video = self.stream.decode(unnormalize(self.vae, latents))          # (B, 3, n, H, W) on rank 0
-        return None if video is None else to_pixels(video[:, :, keep], self.processor, self.output)
+        if video is None:
+            return None
+        if self.slots is not None:
+            from longserve.engine.live_frames import to_uint8
+
+            return self.slots.put(to_uint8(video[:, :, keep]))
+        return to_pixels(video[:, :, keep], self.processor, self.output)
 
     def close(self) -> None:
         self.stream.close()

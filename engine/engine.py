@@ -4,7 +4,8 @@ The Python pipeline and the HTTP server both talk to this object and nothing bel
 as vLLM's `LLM` and API server both sit on its engine:
 
     engine = VideoEngine.start(EngineConfig(model="tiny-wan", workers=2))
-    handle = engine.submit(RequestInput("a red ball", seconds=2))   # RequestError naming a field; QueueFullError
+    accepted = engine.accept(RequestInput("a red ball", seconds=2))   # RequestError naming a field
+    handle = engine.submit(accepted)                                  # QueueFullError
     for out in handle: ...                # typed outputs (engine.outputs); `async for` in a coroutine
     engine.abort(handle.request_id, "deleted"); engine.stats(); engine.close()
 
@@ -13,8 +14,9 @@ What it owns:
   (`engine.families`, detected from `model_index.json`) with a parallel plan;
 - the `EngineCore` (`engine/core.py`), which carries out the `Scheduler`'s decision of
   every step boundary on the pool, on a thread of the engine's own;
-- the one completion of a request (`complete`: a door's `RequestInput` -> a checked
-  `GenerationSpec`, engine/request.py), run here before anything is queued;
+- the one accept path of a request (`accept`: a door's `RequestInput` -> `Accepted`, a checked
+  `GenerationSpec` with the frames it hands out and the door's price of it, engine/request.py's completion run
+  once), before anything is queued; `submit(accepted)` queues it as it is;
 - why a request ends early (`abort(id, reason)`): its final output says so.
 """
 
@@ -29,7 +31,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator, Protocol
 
 from longserve.engine import lora, worker
 from longserve.engine.config import EngineConfig, ModelInfo, WorkerConfig
@@ -54,6 +56,27 @@ from longserve.engine.scheduler import PromptSwitch, QueueFullError, RequestStat
 log = logging.getLogger("longserve.engine")
 
 
+class DoorLimits(Protocol):
+    """A front door's own limits on a request (the server's longest video, most steps, ...) and its price."""
+
+    def check(self, spec: GenerationSpec) -> None:
+        """The filled-in spec, before the model's checks: a value past the door's limits never reaches those."""
+
+    def cost(self, spec: GenerationSpec) -> float:
+        """What the checked request costs the door (the server's admission: its work in default requests)."""
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A request the engine accepted (`VideoEngine.accept`): complete and checked once; `submit` queues it as it
+    is. content_frames: the frames it hands out (an extension's: the video's and the new ones); cost: the door's
+    price of it (`DoorLimits.cost`; 0 for a door without limits)."""
+
+    spec: GenerationSpec
+    content_frames: int
+    cost: float = 0.0
+
+
 def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan, model_dir=None) -> None:
     """Refuse, before any worker loads, a `compile`, `quantize` or `attention_backend` that could not run (ValueError
     naming it)."""
@@ -62,6 +85,7 @@ def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan, m
     from longserve.engine.quantize import check_fp8
 
     check_backend(config, family, plan, config.device or default_device(), model_dir)
+    family.check_decoder(config, desc, model_dir)
     if config.sparse_attention != "none" and family.name not in ("wan", "wan-i2v", "wan-ti2v"):
         raise ValueError(f"sparse_attention={config.sparse_attention!r} is built for the Wan family's T2V, I2V and "
                          f"TI2V models; {config.model!r} is a {desc.family} model")
@@ -70,11 +94,20 @@ def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan, m
         if not family.supports_compile:
             raise ValueError(f"compile={config.compile!r} is not available for {config.model!r} (a {desc.family} "
                              f"model): regional compile is built for Latte and the Wan family (T2V, I2V, TI2V, "
-                             f"diffusion forcing)")
+                             f"diffusion forcing, causal live)")
         if config.loras:
             raise ValueError(f"compile={config.compile!r} cannot be used with --lora: the adapters are added per row "
                              f"inside the blocks from state that changes with every batch, which a compiled block "
                              f"would guard on (a recompile per batch) or bake in")
+    if config.cuda_graphs:
+        device = config.device or default_device()
+        if device != "cuda":
+            raise ValueError(f"cuda_graphs=True needs CUDA: this engine runs on {device}")
+        if not family.supports_cuda_graphs:
+            raise ValueError(f"cuda_graphs=True is not available for {config.model!r} (a {desc.family} model): CUDA "
+                             f"graphs are built for live (causal) models, whose forwards keep their shapes")
+        if config.compile != "blocks":
+            raise ValueError("cuda_graphs=True replays the compiled blocks: it needs compile='blocks'")
     if config.quantize != "none":
         if not family.supports_compile:      # the same families: those whose blocks the engine knows
             raise ValueError(f"quantize={config.quantize!r} is not available for {config.model!r} (a {desc.family} "
@@ -304,26 +337,37 @@ class VideoEngine:
         `default_steps`, `default_guidance_scale` and `default_fps` in their place where set."""
         return self.config.request_defaults(self.info.description.defaults)
 
-    def complete(self, request: RequestInput | GenerationSpec, limits=None) -> GenerationSpec:
-        """A door's request -> a complete, checked spec (engine/request.py: defaults, seconds -> frames, prompt
-        checks, the family's checks; RequestError naming the field). `limits(spec)`, a door's own limits, sees
-        the filled-in spec before the model's checks, so a value past them never reaches those."""
+    def accept(self, request: RequestInput | GenerationSpec, limits: DoorLimits | None = None) -> Accepted:
+        """A door's request -> `Accepted`, in one call: complete and check it (engine/request.py: defaults,
+        seconds -> frames, prompt checks, the family's checks; RequestError naming the field), count the frames it
+        hands out and price it. `limits.check`, a door's own limits, sees the filled-in spec before the model's
+        checks, so a value past them never reaches those. A `GenerationSpec` (a stored job read back) is checked
+        as it is."""
+        desc = self.info.description
         if limits is not None and isinstance(request, RequestInput):
-            request = fill_request(request, self.info.description, self.defaults)
-            limits(request)
-        return complete_request(request, self.family, self.info.description, self.config)
+            request = fill_request(request, desc, self.defaults)
+            limits.check(request)
+        spec = complete_request(request, self.family, desc, self.config)
+        content = self.family.content_frames(desc, spec)
+        return Accepted(spec, content, limits.cost(spec) if limits is not None else 0.0)
 
-    def content_frames(self, spec: GenerationSpec) -> int:
-        """Frames a checked request hands out (an extension's: the video's and the new ones)."""
-        return self.family.content_frames(self.info.description, spec)
+    def complete(self, request: RequestInput | GenerationSpec) -> GenerationSpec:
+        """`accept(request).spec`: the checked spec alone (the pipeline's `make_spec`)."""
+        return self.accept(request).spec
 
-    def submit(self, request: RequestInput | GenerationSpec) -> RequestHandle:
-        """Complete and check a request (`complete`: RequestError naming the field) and queue it (QueueFullError
-        when `max_queue` requests wait). Its outputs come through the returned handle."""
+    def submit(self, request: Accepted | RequestInput | GenerationSpec) -> RequestHandle:
+        """Queue an accepted request as it is (QueueFullError when `max_queue` requests wait); anything else is
+        accepted first (`accept`). Its outputs come through the returned handle."""
         if self._closed:
             raise RuntimeError("the engine is closed")
+        accepted = request if isinstance(request, Accepted) else self.accept(request)
+        spec = accepted.spec
         with self.loras.lock:                 # its adapters stay loaded until it is queued (an unload waits)
-            spec = self.complete(request)
+            loaded = {a.name for a in self.config.loras}
+            gone = [e["name"] for e in spec.lora if e["name"] not in loaded]
+            if gone:                          # unloaded between its acceptance and now
+                raise RequestError("lora", f"lora {gone[0]!r} was unloaded while the request was accepted; "
+                                           f"loaded: {', '.join(sorted(loaded)) or 'none'}")
             kv = self.family.kv_bytes(self.info.description, spec, self.config)
             req = self.core.add_request(spec, kv)
         self._notify()

@@ -63,13 +63,40 @@ class StepProgress(RequestOutput):
 
 
 @dataclass(frozen=True)
+class Sound:
+    """A video's sound (LTX-2 makes it with the picture): float32 samples (channels, n) in [-1, 1] at `rate` Hz, as
+    a file holds it; as a chunk carries it, one row per video of the batch, (B, channels, n). A request for latents
+    (output "latent") is handed the audio latents instead, (B, C, L, M), with rate 0: not samples yet."""
+
+    samples: Any
+    rate: int
+
+    @property
+    def latent(self) -> bool:
+        return self.rate == 0
+
+    @property
+    def seconds(self) -> float:
+        return self.samples.shape[-1] / self.rate
+
+
+@dataclass(frozen=True)
+class LiveChunkInfo:
+    """Which chunk of a causal request a piece of frames is, and which of its prompts made it."""
+
+    chunk: int                        # 0, 1, ... in the request (a live session's, or a prompt schedule's)
+    prompt_index: int                 # 0 the first prompt, then one per switch in order
+
+
+@dataclass(frozen=True)
 class FramesChunk(RequestOutput):
     frames: Any                       # (B, n, H, W, 3) float32 ("np") or uint8, or latents ("latent")
     start: int
     stop: int
     num_frames: int
     vae_s: float
-    info: dict = field(default_factory=dict)   # the family's: a causal model's {"chunk", "prompt_index"}
+    audio: Sound | None = None        # a model's sound, with the first frames that follow its making (LTX-2)
+    live: LiveChunkInfo | None = None  # a causal model's chunk: its index and prompt
 
 
 @dataclass(frozen=True)

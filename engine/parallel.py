@@ -127,7 +127,7 @@ def cfg_parallel(forward, cfg: CfgGroups, *args, **kwargs) -> torch.Tensor:
     `args[0]` carries the batch, B rows (unconditional, then conditional). Every tensor argument whose first
     dimension is a multiple k B of it (k entries per row, e.g. FLF2V's two images; dict values included) is
     cut to this half's rows; `forward` runs them on this half's workers; the pair all-gather joins the halves:
-    (B, ...) -> forward's (B/2, ...) -> (B, ...) on every rank.
+    (B, ...) -> forward's (B/2, ...) -> (B, ...) on every rank (a tuple of outputs: each).
     """
     B = args[0].shape[0]
     if B % 2:
@@ -141,6 +141,8 @@ def cfg_parallel(forward, cfg: CfgGroups, *args, **kwargs) -> torch.Tensor:
         return v
 
     out = forward(*(half(a) for a in args), **{k: half(v) for k, v in kwargs.items()})   # (B/2, ...)
+    if isinstance(out, tuple):        # a model of several outputs (LTX-2: video, audio): each joined
+        return tuple(comm.all_gather(o, 0, cfg.pair) for o in out)                         # (B, ...) each
     return comm.all_gather(out, 0, cfg.pair)                                               # (B, ...)
 
 

@@ -10,7 +10,7 @@ default". `complete_request` turns it into a `GenerationSpec` in one place, in t
    "defaults" group: `default_steps`, `default_guidance_scale`, `default_fps`), a random seed;
 3. seconds -> frames at the request's fps under the VAE's frame rule (`frame_count`, the one function
    for it): the nearest count the model makes for a video, the seconds *added* for an extension (a
-   `video` option), rounded down for a live session's length (a `live` option);
+   `video` option), rounded down for a live session's length (`live`);
 4. the engine's own request checks (the LoRA adapters loaded at start, the engine's default `cache`);
 5. the family's `check_request` (its rules and options, `check_common` among them), which raises
    `RequestError` naming the field, so nothing a worker would refuse ever reaches the workers.
@@ -125,6 +125,7 @@ class GenerationSpec:
     options: dict = field(default_factory=dict)
     lora: list = field(default_factory=list)
     fps: int | None = None          # the video's frames per second: what its seconds were counted in, the MP4's rate
+    live: bool = False              # a live session (a causal model): no end of its own to wait for
 
     @property
     def batch_size(self) -> int:
@@ -137,25 +138,32 @@ class GenerationSpec:
     def cfg_at(self, step: int) -> bool:
         """Does denoising step `step` (0-based) run the unconditional branch? Under CFG, unless the request's
         `cfg_trunc_ratio` option (diffusers' Lumina2Pipeline semantics) truncates it: step i of N runs without it
-        once (i + 1) / N > ratio. 1.0, or no option: every step (exact)."""
-        ratio = self.options.get("cfg_trunc_ratio", 1.0)
-        return self.use_cfg and (step + 1) / self.num_inference_steps <= ratio
+        once (i + 1) / N > ratio. 1.0, or no option: every step (exact). `step` may count on past one schedule
+        (a long video's segments or chunks each run the N steps again): each schedule is truncated alike."""
+        ratio = self.options.get("cfg_trunc_ratio")
+        if ratio is None or not self.use_cfg:
+            return self.use_cfg
+        return (step % self.num_inference_steps + 1) / self.num_inference_steps <= ratio
 
-    def params(self) -> dict:
-        """The generation parameters of a one-prompt request as plain data (what the server stores)."""
+    def to_params(self) -> dict:
+        """The generation parameters of a one-prompt request as plain data (what the server stores), read back by
+        `from_params`. `live` is kept among the options, where the records written before it was a field hold it
+        (and the page reads it)."""
         return {"num_frames": self.num_frames, "height": self.height, "width": self.width,
                 "num_inference_steps": self.num_inference_steps, "guidance_scale": self.guidance_scale,
-                "seed": self.seed, "negative_prompt": self.negative_prompt, "options": dict(self.options),
-                "lora": [dict(e) for e in self.lora or []]}
+                "seed": self.seed, "negative_prompt": self.negative_prompt,
+                "options": {**self.options, **({"live": True} if self.live else {})},
+                "lora": [dict(e) for e in self.lora or []], "fps": self.fps}
 
     @classmethod
     def from_params(cls, request_id: str, prompt: str, params: dict, output: str = "uint8") -> "GenerationSpec":
-        """The inverse of `params` (with the server's fps, when stored; other extra keys are ignored)."""
+        """The inverse of `to_params` (other keys a record adds are ignored)."""
+        options = dict(params.get("options") or {})
         return cls(request_id=request_id, prompt=[prompt], negative_prompt=params["negative_prompt"],
                    num_frames=params["num_frames"], height=params["height"], width=params["width"],
                    num_inference_steps=params["num_inference_steps"], guidance_scale=params["guidance_scale"],
-                   seed=params["seed"], output=output, options=dict(params.get("options") or {}),
-                   lora=list(params.get("lora") or []), fps=params.get("fps"))
+                   seed=params["seed"], output=output, options=options, lora=list(params.get("lora") or []),
+                   fps=params.get("fps"), live=options.pop("live", False) is True)
 
     def negative_prompts(self) -> list[str]:
         """One negative prompt per prompt."""
@@ -188,6 +196,7 @@ class RequestInput:
     options: dict = field(default_factory=dict)
     lora: object = None
     request_id: str | None = None
+    live: bool = False               # a live session: its length rounded down, no end of its own (a causal model)
 
 
 def default_request(desc: "ModelDescription", request_id: str) -> RequestInput:
@@ -271,7 +280,7 @@ def request_frames(request: RequestInput, desc: "ModelDescription", defaults: "G
     if extension:                                     # the seconds added: new frames in whole latent frames
         frames = frame_count(overlap + seconds * fps, rule, at_least=overlap + rule)
     else:                                             # a live session never runs past its length
-        frames = frame_count(seconds * fps, rule, down=options.get("live") is True)
+        frames = frame_count(seconds * fps, rule, down=request.live)
     if request.num_frames is not None and request.num_frames != frames:
         raise RequestError("seconds", f"seconds={seconds:g} at fps={fps} is {frames} frames, but num_frames="
                                       f"{request.num_frames}; give one of them, or consistent values")
@@ -283,6 +292,10 @@ def fill_request(request: RequestInput, desc: "ModelDescription", defaults: "Gen
     from longserve.engine.config import MAX_FPS
 
     prompts = prompt_list(request.prompt)
+    if not isinstance(request.live, bool):
+        raise RequestError("live", f"live must be true or false; got {request.live!r}")
+    if request.live and not desc.capabilities.live:
+        raise RequestError("live", f"a {desc.family} model makes no live sessions (a causal model does)")
     fps = _integer("fps", defaults.fps if request.fps is None else request.fps, 1, MAX_FPS)
     options = {k: v for k, v in (request.options or {}).items() if v is not None}
     if "fps" in desc.options:                         # a model conditioned on fps gets the video's
@@ -297,7 +310,7 @@ def fill_request(request: RequestInput, desc: "ModelDescription", defaults: "Gen
         guidance_scale=pick(request.guidance_scale, defaults.guidance_scale),
         seed=random.randrange(MAX_SEED) if request.seed is None else request.seed,
         output=request.output, decode_chunk_size=request.decode_chunk_size, options=options,
-        lora=request.lora, fps=fps)
+        lora=request.lora, fps=fps, live=request.live)
 
 
 def complete_request(request: "RequestInput | GenerationSpec", family, desc: "ModelDescription",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from longserve.engine.outputs import LiveChunkInfo, Sound
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -20,6 +22,7 @@ class Progress:
     model: int = 0             # which of the family's denoisers its next step uses (Wan 2.2: the expert)
     switch_ready: bool = True  # a prompt switch sent now applies at once (a causal request at a chunk's start,
                                # with no switch applied in that chunk yet); the scheduler holds it until then
+    chunk_steps: int = 0       # a chunk loop's forwards per chunk (outside the serial live loop: a job's length)
 
 
 class EncodeRefused(Exception):
@@ -69,4 +72,20 @@ class DecodedChunk:
     done: bool
     progress: Progress
     timings: dict = field(default_factory=dict)
-    info: dict = field(default_factory=dict)     # the family's (a causal model: chunk index, prompt index)
+    audio: Sound | None = None                   # a model's sound, handed out once (engine.outputs)
+    live: LiveChunkInfo | None = None            # a causal model's chunk: its index and prompt
+
+
+
+@dataclass(frozen=True)
+class LiveTick:
+    """What `live_tick` (a decode and the steps beside it, engine/live_loop.py) reports from one rank: rank 0 the
+    steps' result and the chunk's place (`decoded`, its frames None unless rank 0 decoded them), the lane rank the
+    frames and its decode's seconds. The coordinator puts the two together (`engine.core`)."""
+
+    step: StepResult | None = None
+    decoded: DecodedChunk | None = None
+    frames: object = None
+    vae_s: float = 0.0
+    vae_total_s: float = 0.0           # the lane's VAE seconds for the request so far (its `timings["vae_s"]`)
+    lane: bool = False                 # this rank decoded (its frames and vae_s are the chunk's)

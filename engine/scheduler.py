@@ -31,7 +31,9 @@ One iteration's decision (`schedule()`), in the order the engine core carries it
    sessions that run for minutes never keep a video waiting for a slot (issue 32).
 3. `decode`: one chunk of at most `decode_chunk_frames` frames of the oldest request that
    has final frames not yet decoded, so a long VAE decode is spread over several
-   boundaries and never stalls the others' steps for long.
+   boundaries and never stalls the others' steps for long. Outside the serial live loop
+   (`live_loop`) the engine core runs it in the same job as the step, on a decode lane
+   beside the steps (engine/live_lane.py), so it does not hold the step to one step.
 4. `step`: the batch and how many steps it runs -- ONE, or, while nothing else could
    happen at the boundaries in between (nobody waits or was just admitted, nothing is
    cancelled or has frames to decode, no other batch takes turns), up to
@@ -116,6 +118,8 @@ class ScheduledRequest:
     held_prompt: dict | None = None            # the prompt switch waiting for `switch_ready` (one at most)
     prompts: int = 1                           # prompt indexes given out: the next switch's is this one
     switch_ready: bool = True                  # its last progress: a switch sent now applies at once
+    chunk_steps: int = 0                       # a chunk loop's forwards per chunk (0: not a chunk loop)
+    edge_s: float = 0.0                        # the coordinator's reads of its frames (shared memory, "np")
     last_stepped: int = -1                     # the boundary of its last denoising batch (sessions take turns)
     timings: dict = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.time)
@@ -134,13 +138,14 @@ class ScheduledRequest:
     @property
     def live(self) -> bool:
         """A live session: no end of its own to wait for (outside `max_running`, takes turns in a batch)."""
-        return bool(self.spec.options.get("live"))
+        return self.spec.live
 
     def progressed(self, p) -> None:
         """Take in what a worker job reports of it (`engine.results.Progress`)."""
         self.steps_done, self.batch_key, self.decodable = p.steps_done, tuple(p.batch_key), p.decodable
         self.model = p.model
         self.switch_ready = p.switch_ready
+        self.chunk_steps = p.chunk_steps
         if p.num_steps is not None:
             self.num_steps = p.num_steps
         if p.num_frames is not None:
@@ -187,6 +192,7 @@ class Scheduler:
         self.max_waiting = config.max_queue
         self.decode_chunk_frames = config.decode_chunk_frames
         self.max_steps_per_job = config.max_steps_per_job
+        self.overlap = config.live_loop != "serial"
         self.kv_budget = config.live_kv_budget_bytes
         if self.kv_budget is None:            # a quarter of a worker's memory (engine/memory.py)
             from longserve.engine.memory import default_live_kv_budget
@@ -350,11 +356,16 @@ class Scheduler:
                 out.decode_frames = self.decode_chunk_frames
             batch = self._select_batch_locked(stepping)
             if batch:
-                quiet = (not self._waiting and not out.admit and out.decode is None and not out.update
+                # outside the serial live loop a decode runs beside the steps (engine/live_lane.py): no reason to
+                # run fewer of them
+                quiet = (not self._waiting and not out.admit and (out.decode is None or self.overlap)
+                         and not out.update
                          and not any(r.updates or r.held_prompt for r in stepping)
                          and all(r in batch for r in stepping))
-                steps = 1 if not quiet else max(1, min(self.max_steps_per_job,
-                                                       *(r.num_steps - r.steps_done for r in batch)))
+                # outside the serial loop a chunk's forwards go in one job (it ends at the next chunk's start)
+                limit = max(self.max_steps_per_job, *(r.chunk_steps for r in batch)) if self.overlap \
+                    else self.max_steps_per_job
+                steps = 1 if not quiet else max(1, min(limit, *(r.num_steps - r.steps_done for r in batch)))
                 out.step = StepPlan(batch, steps)
                 self._boundary += 1
                 for r in batch:

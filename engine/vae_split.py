@@ -25,7 +25,7 @@ but Wan's and HunyuanVideo-1.5's attention makes the receptive field the whole f
 
 `RowSplit` is one worker's band and its collectives; `row_split_hooks(decoder, rows)` runs diffusers' Wan and LTX-2
 decoder modules on bands (their convolutions' `forward`s wrapped for the call's duration, nothing else changed);
-engine/hunyuan15_vae.py's stream takes a `RowSplit` in its own convolution and attention rules; `RowSplitWanDecoder`
+families/hunyuan15/vae.py's stream takes a `RowSplit` in its own convolution and attention rules; `RowSplitWanDecoder`
 is the Wan family's streamed decode on bands. Every rank must run the same decode in the same order (each
 convolution is a collective). Bands are as even as latent rows allow (the first ranks one row more); a frame with
 fewer latent rows than workers is refused (`split_rows_fits`).

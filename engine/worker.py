@@ -13,6 +13,8 @@ and stay in lockstep. The model family (`engine/families/`) found from the check
 - `decode_next(id, max_frames)`: the next final frames are VAE-decoded, split across the
   workers, and handed to rank 0 (for a long video, while later segments still denoise);
 - `update(id, payload)`: a running request changes course (a live session's new prompt, or stop);
+- `live_tick(ids, max_steps, id, max_frames)`: a live loop's decode and the steps beside it, in one job
+  (engine/live_loop.py: the decode on a lane while the steps run);
 - `release(ids)`: the state is dropped.
 
 The coordinator (`engine.core.EngineCore`, deciding with `engine.scheduler.Scheduler`)
@@ -28,7 +30,7 @@ from longserve.engine.config import WorkerConfig
 from longserve.engine.families import detect_family
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.request import GenerationSpec
-from longserve.engine.results import Admission, AdmitFailure, DecodedChunk, EncodeRefused, StepResult
+from longserve.engine.results import Admission, AdmitFailure, DecodedChunk, EncodeRefused, LiveTick, StepResult
 
 
 def setup_worker(ctx, config: WorkerConfig) -> None:
@@ -92,11 +94,16 @@ def step(ctx, request_ids: list[str], max_steps: int = 1) -> StepResult:
     family = ctx.state["family"]
     t0 = time.perf_counter()
     progress = []
+    # outside the serial live loop a chunk loop's job ends at a chunk's start, its final chunk decoded in the next
+    # job beside the next chunk's forwards (engine/live_loop.py), not as soon as it is final
+    roles = getattr(family, "roles", None)
+    overlap = roles is not None and roles.lane is not None
     for _ in range(max_steps):
         key = reqs[0].batch_key
         family.step(reqs)
         progress.append({r.spec.request_id: r.progress() for r in reqs})
-        if any(r.denoised or r.decodable() or r.batch_key != key for r in reqs):
+        if any(r.denoised or r.batch_key != key or (r.chunk_start() if overlap and r.chunk_steps() else
+                                                    r.decodable()) for r in reqs):
             break
     from longserve.engine.compile import compiled_graphs
 
@@ -115,7 +122,37 @@ def decode_next(ctx, request_id: str, max_frames: int) -> DecodedChunk | None:
         return None
     return DecodedChunk(frames, start, req.decoded_frames, req.num_frames, req.timings["vae_s"] - vae_before,
                         req.decoded_frames >= req.num_frames, req.progress(), dict(req.timings),
-                        dict(getattr(req, "chunk_info", None) or {}))
+                        *req.handed_out())
+
+
+def live_tick(ctx, request_ids: list[str], max_steps: int, decode_id: str, max_frames: int) -> LiveTick:
+    """`decode_next(decode_id)` and `step(request_ids)` at once where the family has a decode lane (the causal
+    family, outside the serial loop): the chunk is taken from the stream on every rank, decoded on the lane while the
+    steps run, and waited for at the end. Elsewhere the one, then the other."""
+    from longserve.engine.live_loop import begin_decode, finish_decode
+
+    family = ctx.state["family"]
+    req = ctx.state["requests"][decode_id]
+    roles = getattr(family, "roles", None)
+    if roles is None or roles.lane is None:
+        chunk = decode_next(ctx, decode_id, max_frames)
+        ran = step(ctx, request_ids, max_steps) if request_ids else None
+        return LiveTick(ran, chunk, None if chunk is None else chunk.frames, 0.0 if chunk is None else chunk.vae_s,
+                        0.0 if chunk is None else chunk.timings.get("vae_s", 0.0), ctx.pg.rank == 0)
+    if not req.decodable() and not family.decode_only:       # the decode rank gets its chunk in `begin_decode`
+        raise RuntimeError(f"request {decode_id!r} has no final frames to decode")
+    pending = begin_decode(family, ctx, req, max_frames)
+    meta = None
+    if ctx.pg.rank == 0:      # the chunk's place as a serial decode reports it: before the steps that follow
+        meta = DecodedChunk(None, pending.start, req.decoded_frames, req.num_frames, 0.0,
+                            req.decoded_frames >= req.num_frames, req.progress(), dict(req.timings),
+                            *req.handed_out())
+    ran = step(ctx, request_ids, max_steps) if request_ids and ctx.pg.rank in roles.denoisers else None
+    frames, vae_s = finish_decode(pending)
+    lane = ctx.pg.rank == roles.lane
+    if ctx.pg.rank != 0 and not lane:
+        return LiveTick()
+    return LiveTick(ran, meta, frames, vae_s, req.timings.get("vae_s", 0.0), lane)
 
 
 def update(ctx, request_id: str, payload: dict) -> dict:

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from longserve.engine import lss
+from longserve.engine import lss, lss_jobs
 from longserve.engine.dist import parse_dtype
 from longserve.engine.pool import WorkerPool
 from longserve.engine.request import RequestError, text_problem
@@ -136,7 +136,7 @@ class TextScoringPipeline:
         tokenizer = AutoTokenizer.from_pretrained(path)
         tokenizer.model_max_length = int(1e30)  # length limits are ours to check (and to window)
         config = AutoConfig.from_pretrained(path)
-        pool = WorkerPool(workers, setup=lss.setup_scoring_worker, setup_args=(str(path), None, 0, dtype),
+        pool = WorkerPool(workers, setup=lss_jobs.setup_scoring_worker, setup_args=(str(path), None, 0, dtype),
                           device=device)
         return cls(pool.start(), tokenizer, config, strategy=strategy, zigzag=zigzag, add_bos=add_bos,
                    name=str(model))
@@ -154,7 +154,7 @@ class TextScoringPipeline:
         device = _check_device(device)
         parse_dtype(dtype)
         cfg = AutoConfig.for_model(**config)
-        pool = WorkerPool(workers, setup=lss.setup_scoring_worker, setup_args=(None, dict(config), seed, dtype),
+        pool = WorkerPool(workers, setup=lss_jobs.setup_scoring_worker, setup_args=(None, dict(config), seed, dtype),
                           device=device)
         return cls(pool.start(), None, cfg, strategy=strategy, zigzag=zigzag, name=cfg.model_type)
 
@@ -245,12 +245,12 @@ class TextScoringPipeline:
         ids = _check_ids(ids, _field, getattr(self.config, "vocab_size", None))
         windows = self._plan(len(ids), window, stride, _field)
         # 2. run on the workers
-        job = lss.ScoreJob(ids=ids, windows=windows, strategy=strategy, zigzag=zigzag,
+        job = lss_jobs.ScoreJob(ids=ids, windows=windows, strategy=strategy, zigzag=zigzag,
                            return_logprobs=bool(return_token_logprobs), measure_memory=bool(measure_memory),
                            attn_kernel=attn_kernel)
         t0 = time.perf_counter()
         with _progress_sink(progress, len(windows) * self.num_layers) as on_event:
-            shards = self.pool.run(lss.score_tokens_job, job, on_event=on_event)
+            shards = self.pool.run(lss_jobs.score_tokens_job, job, on_event=on_event)
         seconds = time.perf_counter() - t0
         # 3. assemble: totals are already reduced; per-token details come from every rank
         result = ScoreResult(num_tokens=shards[0].num_tokens, num_bytes=None, total_nll=shards[0].total_nll,
@@ -271,7 +271,7 @@ class TextScoringPipeline:
         default (SDPA) attention and full logits, run on each worker independently (meant
         for workers=1). Returns rank 0's total_nll, num_tokens, seconds, peak_bytes."""
         ids = _check_ids(ids, "ids", getattr(self.config, "vocab_size", None))
-        return self.pool.run(lss.reference_score_job, ids, bool(measure_memory))[0]
+        return self.pool.run(lss_jobs.reference_score_job, ids, bool(measure_memory))[0]
 
     def _plan(self, n: int, window, stride, field: str) -> list[tuple[int, int, int]]:
         if window is None:

@@ -7,24 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from longserve.engine.outputs import Sound
+
 AAC_BITRATE = "128k"
-
-
-@dataclass(frozen=True)
-class Sound:
-    """samples: float32 (channels, n) in [-1, 1]; rate: samples a second."""
-
-    samples: np.ndarray
-    rate: int
-
-    @property
-    def seconds(self) -> float:
-        return self.samples.shape[-1] / self.rate
 
 
 def as_sound(samples, rate) -> Sound:

@@ -24,8 +24,17 @@ from typing import Callable, Iterator
 import numpy as np
 
 from longserve.engine.config import EngineConfig
-from longserve.engine.engine import VideoEngine
-from longserve.engine.outputs import Cancelled, Failed, Finished, FramesChunk, RequestOutput, Requeued, StepProgress
+from longserve.engine.engine import Accepted, VideoEngine
+from longserve.engine.outputs import (
+    Cancelled,
+    Failed,
+    Finished,
+    FramesChunk,
+    LiveChunkInfo,
+    RequestOutput,
+    Requeued,
+    StepProgress,
+)
 from longserve.engine.pool import WorkerError
 from longserve.engine.request import GenerationSpec, RequestError, RequestInput
 
@@ -57,16 +66,6 @@ class VideoOutput:
 
             mux_audio(path, path, as_sound(self.audio[index], self.audio_rate))
         return str(path)
-
-
-def sound_of(out: FramesChunk) -> dict:
-    """The sound a chunk carries (a model with sound hands it out with its frames: LTX-2's one chunk):
-    {"samples", "rate"}, the audio latents for output "latent", or {}."""
-    if out.info.get("audio") is not None:
-        return {"samples": out.info["audio"], "rate": out.info.get("audio_rate")}
-    if out.info.get("audio_latents") is not None:
-        return {"samples": out.info["audio_latents"]}
-    return {}
 
 
 def save_video(frames: np.ndarray, path, fps: int = 8) -> None:
@@ -136,7 +135,8 @@ class LiveSession:
     def __iter__(self) -> Iterator[LiveChunk]:
         for out in self.handle:
             if isinstance(out, FramesChunk):
-                yield LiveChunk(out.info.get("chunk", 0), out.frames[0], out.info.get("prompt_index", 0), out.start)
+                live = out.live or LiveChunkInfo(0, 0)
+                yield LiveChunk(live.chunk, out.frames[0], live.prompt_index, out.start)
             elif isinstance(out, Failed):
                 raise_failure(out)
             elif isinstance(out, Finished):
@@ -214,7 +214,7 @@ class VideoPipeline:
 
     def request(self, prompt, negative_prompt="", num_frames=None, height=None, width=None,
                 num_inference_steps=None, guidance_scale=None, seed=None, output_type="np", decode_chunk_size=8,
-                lora=None, seconds=None, fps=None, **options) -> RequestInput:
+                lora=None, seconds=None, fps=None, live=False, **options) -> RequestInput:
         """A call's arguments as the engine's request: this door maps only its own syntax (`output_type`, a video
         given as an MP4 path); the engine completes the rest (`VideoEngine.complete`: defaults, seconds ->
         frames, checks)."""
@@ -224,12 +224,17 @@ class VideoPipeline:
         return RequestInput(prompt=prompt, negative_prompt=negative_prompt, num_frames=num_frames, seconds=seconds,
                             height=height, width=width, num_inference_steps=num_inference_steps,
                             guidance_scale=guidance_scale, seed=seed, fps=fps, output=output_type,
-                            decode_chunk_size=decode_chunk_size, lora=lora,
+                            decode_chunk_size=decode_chunk_size, lora=lora, live=live,
                             options=self.read_inputs({k: v for k, v in options.items() if v is not None}))
 
+    def accept(self, prompt, *args, **kwargs) -> Accepted:
+        """A call's arguments, accepted by the engine (`request`, then `VideoEngine.accept`: completed and checked
+        once); what `__call__`, `stream` and `live` submit."""
+        return self.engine.accept(self.request(prompt, *args, **kwargs))
+
     def make_spec(self, prompt, *args, **kwargs) -> GenerationSpec:
-        """The complete, checked request of a call's arguments (`request`, then `VideoEngine.complete`)."""
-        return self.engine.complete(self.request(prompt, *args, **kwargs))
+        """The complete, checked request of a call's arguments (`accept(...).spec`)."""
+        return self.accept(prompt, *args, **kwargs).spec
 
     @staticmethod
     def read_inputs(options: dict) -> dict:
@@ -269,19 +274,18 @@ class VideoPipeline:
         added). Defaults for frames, size, steps, guidance and fps are the checkpoint's, or the engine's
         `default_*` options (`defaults`).
         """
-        spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
-                              guidance_scale, seed, output_type, decode_chunk_size, seconds=seconds, fps=fps,
-                              **options)
+        accepted = self.accept(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
+                               guidance_scale, seed, output_type, decode_chunk_size, seconds=seconds, fps=fps,
+                               **options)
         t_start = time.perf_counter()
-        chunks, timings, sound = [], {}, {}
-        checked: list = []
-        for out in self._outputs(spec, callback, checked):
+        chunks, timings, sound = [], {}, None
+        for out in self._outputs(accepted, callback):
             if isinstance(out, FramesChunk):
                 chunks.append(out.frames)
-                sound.update(sound_of(out))
+                sound = out.audio or sound
             elif isinstance(out, Requeued):
                 chunks.clear()      # the workers restarted under it: it is made again, from the first frame
-                sound.clear()
+                sound = None
             elif isinstance(out, Finished):
                 timings = out.timings
         if output_type == "latent":      # one piece, or a causal model's chunks (B, C, k, h, w) in order
@@ -293,8 +297,9 @@ class VideoPipeline:
         wall = time.perf_counter() - t_start
         timings = dict(timings, wall_s=wall)
         timings["overhead_s"] = wall - timings["encode_s"] - timings["transformer_s"] - timings["vae_s"]
-        return VideoOutput(frames=video, timings=timings, lora=[dict(e) for e in checked[0].lora or []],
-                           audio=sound.get("samples"), audio_rate=sound.get("rate"))
+        return VideoOutput(frames=video, timings=timings, lora=[dict(e) for e in accepted.spec.lora or []],
+                           audio=None if sound is None else sound.samples,
+                           audio_rate=None if sound is None or sound.latent else sound.rate)
 
     def stream(self, prompt: str | list, negative_prompt: str = "", num_frames: int | None = None,
                height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
@@ -320,15 +325,15 @@ class VideoPipeline:
             prompt = prompt[0][1] if len(prompt[0]) == 2 and isinstance(prompt[0][1], str) else ""
         if not isinstance(prompt, str):
             raise RequestError("prompt", "stream() takes one prompt (a string) or a schedule [(chunk, prompt), ...]")
-        spec = self.make_spec(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
-                              guidance_scale, seed, "np", decode_chunk_size, seconds=seconds, fps=fps, **options)
+        accepted = self.accept(prompt, negative_prompt, num_frames, height, width, num_inference_steps,
+                               guidance_scale, seed, "np", decode_chunk_size, seconds=seconds, fps=fps, **options)
         yielded = 0      # frames handed out: after a worker restart the video is made again, the same frames
-        for out in self._outputs(spec, callback):
+        for out in self._outputs(accepted, callback):
             if isinstance(out, FramesChunk) and out.stop > yielded:
                 frames = out.frames[0][max(0, yielded - out.start):]
                 yielded = out.stop
-                if sound is not None and sound_of(out):
-                    sound.update(samples=sound_of(out)["samples"][0], rate=sound_of(out)["rate"])
+                if sound is not None and out.audio is not None:
+                    sound.update(samples=out.audio.samples[0], rate=out.audio.rate)
                 yield frames
             elif isinstance(out, Finished) and timings is not None:
                 timings.update(out.timings)
@@ -341,17 +346,14 @@ class VideoPipeline:
         an (H, W, 3) array) starts it from that image: held as clean context at the start of the cache."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 24 * 3600:
             raise RequestError("seconds", f"seconds must be in (0, 86400]; got {seconds!r}")
-        spec = self.make_spec(prompt, "", None, height, width, None, None, seed, "np", seconds=seconds, fps=fps,
-                              live=True, **options)
-        handle = self.engine.submit(spec)
+        handle = self.engine.submit(self.accept(prompt, "", None, height, width, None, None, seed, "np",
+                                                seconds=seconds, fps=fps, live=True, **options))
         return LiveSession(handle, handle.spec.fps)
 
-    def _outputs(self, spec: GenerationSpec, callback, checked: list | None = None) -> Iterator[RequestOutput]:
-        """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError).
-        `checked` receives the spec as the engine checked it (its `lora` in the normal form)."""
-        handle = self.engine.submit(spec)
-        if checked is not None:
-            checked.append(getattr(handle, "spec", spec))
+    def _outputs(self, accepted: Accepted, callback) -> Iterator[RequestOutput]:
+        """The request's outputs; a failure raises (RequestError for the request's fault, else WorkerError)."""
+        spec = accepted.spec
+        handle = self.engine.submit(accepted)
         for out in handle:
             if isinstance(out, StepProgress) and callback is not None:
                 callback(out.step, out.num_steps)

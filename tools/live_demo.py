@@ -1,7 +1,7 @@
 """`make demo-live`: a 30-second live video of "a red ball bouncing" that switches to "a blue ball bouncing" at 15 s.
 
     python -m tools.live_demo [--model tiny-live] [--seconds 30] [--switch-at 15] -o out/demo_live.mp4 \\
-        [--strip out/demo_live_strip.png] [--chunks-json out/demo_live_chunks.json]
+        [--strip out/demo_live_strip.png] [--chunks-json out/demo_live_chunks.json] [--decoder vae|tiny|PATH]
 
 The switch is a prompt schedule (`VideoPipeline.stream([(0, red), (k, blue)])`): chunk k is the
 first chunk that starts at or after `--switch-at` seconds, so the switch is deterministic.
@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--strip", default=None, help="PNG of the frames around the switch")
     ap.add_argument("--chunks-json", default=None)
+    ap.add_argument("--decoder", default="vae", help="vae (the model's VAE), tiny (its shipped small decoder) or "
+                                                     "the path of a TAEHV weight file (engine/small_decoder.py)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
     from longserve.pipelines import VideoPipeline
     from longserve.pipelines.video import save_video
 
-    with VideoPipeline.from_pretrained(args.model) as pipe:
+    with VideoPipeline.from_pretrained(args.model, decoder=args.decoder) as pipe:
         fps, temporal = pipe.defaults.fps, pipe.info.frame_multiple
         fb = pipe.info.capabilities.frames_per_chunk // temporal          # latent frames a chunk
         frames = int(round(args.seconds * fps))

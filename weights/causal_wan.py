@@ -134,7 +134,6 @@ def read_generator(path: str | Path, state_dict_key: str | None) -> dict:
 def load_causal_transformer(model_dir: str | Path, dtype=None):
     """diffusers' `WanTransformer3DModel` with the released generator's weights (strict: no missing or
     unexpected parameters)."""
-    import torch
     from diffusers import WanTransformer3DModel
 
     model_dir = Path(model_dir)
@@ -153,8 +152,9 @@ def load_causal_transformer(model_dir: str | Path, dtype=None):
                          f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
     model.load_state_dict(sd, assign=True, strict=True)
     model.eval()
-    if dtype is not None and dtype != torch.float32:
-        # what diffusers' from_pretrained(dtype=...) does: the modules it lists stay in float32
+    if dtype is not None:
+        # what diffusers' from_pretrained(dtype=...) does: the modules it lists stay in float32 (and a file saved in
+        # bfloat16, as released generators often are, runs in the engine's dtype, float32 included)
         keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
         for name, p in model.named_parameters():
             p.data = p.data.float() if keep & set(name.split(".")) else p.data.to(dtype)

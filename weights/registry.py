@@ -52,6 +52,9 @@ TINY_MODELS: dict[str, Path] = {
     "tiny-ltx2": _HERE / "tiny-ltx2",
     "tiny-ltx2-i2v": _HERE / "tiny-ltx2-i2v",
     "tiny-ltx2-upsample": _HERE / "tiny-ltx2-upsample",
+    "tiny-sana-video": _HERE / "tiny-sana-video",
+    "tiny-sana-video-i2v": _HERE / "tiny-sana-video-i2v",
+    "tiny-framepack": _HERE / "tiny-framepack",
 }
 
 #: The shipped checkpoints trained to draw their prompts (procedural clips: weights/README.md); every other one keeps
@@ -92,6 +95,9 @@ REBUILD_COMMANDS: dict[str, str] = {
     "tiny-ltx2": "python -m tools.weights.build_tiny_ltx2",
     "tiny-ltx2-i2v": "python -m tools.weights.build_tiny_ltx2 --kind i2v",
     "tiny-ltx2-upsample": "python -m tools.weights.build_tiny_ltx2 --kind upsample",
+    "tiny-sana-video": "python -m tools.weights.build_tiny_sana_video --kind t2v",
+    "tiny-sana-video-i2v": "python -m tools.weights.build_tiny_sana_video --kind i2v",
+    "tiny-framepack": "python -m tools.weights.build_tiny_framepack",
 }
 
 #: Optional longserve file in a checkpoint's root: default call arguments (sizes, steps,

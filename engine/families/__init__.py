@@ -1,19 +1,20 @@
-"""Model families: one module each in this package, found by the `_class_name` of a checkpoint's `model_index.json`.
+"""Model families, found in the one family table (engine/family_index.py): by a checkpoint's `model_index.json`
+`_class_name`, or by what a claiming family's line names.
 
-A family module defines `FAMILY`, a subclass of `engine.families.base.VideoFamily`.
-Adding a family is adding a module here (and its tests): the scheduler, the server and
-the CLI never name one.
+A family's module (a package `engine/families/<name>/` with `family.py`, or one module) defines `FAMILY`: a `Family`
+declaration (engine/families/declaration.py) or a `VideoFamily` subclass, which enters as `Family.of_class`. Adding
+a family is adding its package (and its tests) and its line in the table: the scheduler, the server and the CLI never
+name one.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from functools import cache
 from pathlib import Path
 
-from longserve.engine.families.base import VideoFamily
-from longserve.engine.family_index import CLAIMS, PIPELINE_MODULES, hinted, model_index
+from longserve.engine.families.declaration import Family
+from longserve.engine.family_index import CLAIMS, FAMILIES, PIPELINE_FAMILIES, hinted, model_index
 
 #: transformers' image processors a checkpoint may name (model_index.json: Wan I2V's CLIP, Helios' SigLIP)
 IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor")
@@ -41,50 +42,33 @@ def pil_image_processors() -> None:
 
 
 @cache
-def all_families() -> tuple[type[VideoFamily], ...]:
+def load_family(name: str) -> Family:
+    """The family the table names `name`, its module imported now (and only it)."""
     pil_image_processors()
-    found = []
-    for module in pkgutil.iter_modules(__path__):
-        if module.name == "base":
-            continue
-        family = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FAMILY", None)
-        if family is not None:
-            found.append(family)
-    return tuple(sorted(found, key=lambda f: f.name))
+    family = importlib.import_module(f"{__name__}.{FAMILIES[name].module}").FAMILY
+    return family if isinstance(family, Family) else Family.of_class(family)
 
 
-def family_for(pipeline_class: str) -> type[VideoFamily]:
+def all_families() -> tuple[Family, ...]:
+    """Every family in the table, each imported."""
+    return tuple(sorted((load_family(name) for name in FAMILIES), key=lambda f: f.name))
+
+
+def family_for(pipeline_class: str) -> Family:
     """The family that serves checkpoints whose `model_index.json` names `pipeline_class`."""
-    for family in all_families():
-        if pipeline_class in family.pipeline_classes:
-            return family
-    known = sorted(c for f in all_families() for c in f.pipeline_classes)
+    if pipeline_class in PIPELINE_FAMILIES:
+        return load_family(PIPELINE_FAMILIES[pipeline_class])
     raise ValueError(f"no model family serves {pipeline_class!r} checkpoints; supported pipelines: "
-                     f"{', '.join(known)}")
+                     f"{', '.join(sorted(PIPELINE_FAMILIES))}")
 
 
-def _family_module(name: str) -> type[VideoFamily]:
-    pil_image_processors()
-    return importlib.import_module(f"{__name__}.{name}").FAMILY
-
-
-def detect_family(model_dir: str | Path) -> type[VideoFamily]:
-    """The family of a checkpoint directory: one that claims the directory by a file of its own (a causal
-    model's `causal_config.json`), else the one serving its `model_index.json`'s `_class_name`. Only the
-    families that can answer are imported (`CLAIMS`, `PIPELINE_MODULES`); a `_class_name` the table does not
-    know is looked for in every family (and refused, naming the ones there are)."""
-    from longserve.engine.families.base import read_json
-
+def detect_family(model_dir: str | Path) -> Family:
+    """The family of a checkpoint directory: one that claims the directory by what its table line names (a causal
+    model's `causal_config.json`), else the one serving its `model_index.json`'s `_class_name` (refused, naming
+    the ones there are, when no family serves it). Only the families that can answer are imported."""
     model_dir = Path(model_dir)
-    index_path = model_dir / "model_index.json"
     index = model_index(model_dir)
-    class_name = index.get("_class_name", "?")
-    for module, hint in CLAIMS.items():
-        if hinted(model_dir, index, hint) and (family := _family_module(module)).claims(model_dir):
+    for name, hint in CLAIMS.items():
+        if hinted(model_dir, index, hint) and (family := load_family(name)).claims(model_dir):
             return family
-    if class_name in PIPELINE_MODULES:
-        return _family_module(PIPELINE_MODULES[class_name])
-    for family in all_families():       # not in the table: a family's own claim, or the refusal naming them all
-        if family.claims(model_dir):
-            return family
-    return family_for(read_json(index_path).get("_class_name", "?"))
+    return family_for(index.get("_class_name", "?"))

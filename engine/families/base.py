@@ -1,19 +1,10 @@
-"""What a model family is: the adapter between the generic video engine and one kind of checkpoint.
+"""The worker side of a model family: loading, and a request's life on the workers. The coordinator side (describe,
+checks, costs) is `engine/families/rules.py`; a family is declared in `engine/families/declaration.py` and named in
+`engine/family_index.py`.
 
-The engine (`engine/engine.py`, `engine/core.py`, `engine/scheduler.py`, `engine/worker.py`)
-never names a model. A family says, for the checkpoints whose `model_index.json`
-`_class_name` it lists in `pipeline_classes`:
-
-coordinator side (class methods; they read JSON configs only, no weights, no torch work):
-- `describe(model_dir)` -> `ModelDescription`: heads, defaults, size multiple, frame rule, options;
-- `auto_plan`, `plans`: which parallel plans it supports and which "auto" picks;
-- `check_request(desc, spec)`: validate a request (RequestError naming the field), so
-  nothing a worker would refuse is ever sent to the workers. This is the one validation
-  of a request's model-facing fields; front doors add only their own limits.
-
-worker side (an instance per worker process, built by `engine.worker.setup_worker` from a
-`WorkerConfig`): loading, and a request's life on the workers. Loading, `admit`, `step` and
-`decode_next` are written once, here; a family fills in the parts that differ:
+The engine (`engine/engine.py`, `engine/core.py`, `engine/scheduler.py`, `engine/worker.py`) never names a model.
+A worker (an instance per worker process, built by `engine.worker.setup_worker` from a `WorkerConfig`) runs loading,
+`admit`, `step` and `decode_next`, written once here; a family fills in the parts that differ:
 
     load         load_pipeline (diffusers' components)  ->  load_denoisers: the load pipeline over the
                  denoisers the family declares (`Denoisers`): FP8 -> compile of the repeated blocks ->
@@ -21,14 +12,14 @@ worker side (an instance per worker process, built by `engine.worker.setup_worke
     admit        encode_prompt (rank 0, broadcast)  ->  prepare (latents, scheduler, the request's
                  `FrameStream`: engine/decoding.py)
     step         model_for (Wan 2.2: the expert)  ->  inputs per request  ->  forward (the plan's
-                 parallel forward, engine/models/)  ->  guidance_scale  ->  advance (scheduler step; final
-                 latents pushed into the request's frame stream)
+                 parallel forward through `denoise`, which puts CFG-parallel around it)  ->  guidance_scale
+                 ->  advance (scheduler step; final latents pushed into the request's frame stream)
     decode_next  the request's frame stream: its next final frames through the family's VAE path
                  (`vae_decoder`), timed; or its latents for output "latent"
 
-The parallel forwards themselves (DSP for Latte; hooks on diffusers' Wan modules) live in
-`engine/models/`, apart from these adapters. Families share what they share by composition: the Wan
-architecture's parts (`engine/families/wan_parts.py`) are a mixin every Wan-based family takes whole.
+A declared family (`engine/families/composed.py`) takes these hooks from its parts (encoder, denoiser, loop,
+decoder) instead of a subclass; the families still written as subclasses share what they share by composition (the
+Wan architecture's parts, `engine/families/wan_parts.py`, are a mixin every Wan-based family takes whole).
 """
 
 from __future__ import annotations
@@ -37,31 +28,32 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import Callable
 
 import numpy as np
 import torch
 
-from longserve.engine import comm
-from longserve.engine.config import MAX_STEPS, Capabilities, GenerationDefaults, ModelDescription, WorkerConfig
+from longserve.engine import comm, parallel
+from longserve.engine.config import WorkerConfig
 from longserve.engine.decoding import FramesPolicy, FrameStream
 from longserve.engine.dist import parse_dtype
 from longserve.engine.errors import public_message
-from longserve.engine.lora import step_rows
-from longserve.engine.parallel import ParallelPlan, resolve_plan
-from longserve.engine.request import (
-    OUTPUTS,
-    GenerationSpec,
-    RequestError,
-    check_prompts,
-    complete_request,
-    default_request,
+from longserve.engine.families.rules import (  # noqa: F401 - the rules' helpers, where the families import them
+    FamilyRules,
+    check_cache_option,
+    check_common,
+    check_int,
+    check_number,
+    generation_defaults,
+    read_json,
 )
+from longserve.engine.lora import step_rows
+from longserve.engine.parallel import ParallelPlan
+from longserve.engine.request import GenerationSpec, complete_request, default_request
 from longserve.engine.results import EncodeRefused
 
 log = logging.getLogger("longserve.engine")
@@ -100,109 +92,33 @@ class WorkerRequest:
         """Are there final frames not yet handed out?"""
         return self.frames is not None and self.frames.ready()
 
-    @property
-    def chunk_info(self) -> dict:
-        """What the last decode handed out, in the family's words (a live chunk: its chunk and prompt index)."""
-        return self.frames.info if self.frames is not None else {}
+    def handed_out(self) -> tuple:
+        """(sound, live chunk) of what the last decode handed out (`FrameStream.handed_out`; (None, None) without)."""
+        return self.frames.handed_out() if self.frames is not None else (None, None)
 
     def progress(self):
         """What the coordinator learns after each job (`engine.results.Progress`)."""
         from longserve.engine.results import Progress
 
         return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames,
-                        self.model, self.switch_ready())
+                        self.model, self.switch_ready(), self.chunk_steps())
+
+    def chunk_steps(self) -> int:
+        """Forwards per chunk of a chunk loop (the causal family's), 0 for a request that is not one: outside the
+        serial live loop a job runs a chunk's forwards whole, beside the previous chunk's decode."""
+        return 0
+
+    def chunk_start(self) -> bool:
+        """At a chunk's start (before its first forward): where an overlapped live loop's job ends."""
+        return False
 
     def switch_ready(self) -> bool:
         """Would a prompt switch sent now apply at once (`Progress.switch_ready`)? Yes, but for a chunk loop."""
         return True
 
 
-class VideoFamily:
-    """Base class of a model family (see the module docstring)."""
-
-    name: ClassVar[str]
-    pipeline_classes: ClassVar[frozenset[str]]
-    plans: ClassVar[tuple[str, ...]]
-    auto_plan: ClassVar[str]                       # "dsp" or "sequence" (see engine.parallel.resolve_plan)
-    options: ClassVar[tuple[str, ...]] = ()        # family-specific request options it accepts
-    split_variance: bool = False     # the model predicts [noise; variance] and the scheduler takes the noise alone
-    #: pipeline components only rank 0 loads (it encodes for everyone and broadcasts the result)
-    rank0_components: ClassVar[tuple[str, ...]] = ("text_encoder", "tokenizer")
-    #: step caching (engine/cache.py), for the families whose forward takes it (Latte, the Wan family)
-    step_cache = None
-    cache_kinds: ClassVar[tuple[str, ...]] = ("first_block",)     # the `cache` kinds its forward takes
-    #: loads `--lora` adapters (into `self.lora`, an `engine.lora.LoraSet`) and applies them per row in `step`
-    supports_lora: ClassVar[bool] = False
-    #: takes the `compile` and `quantize` engine options (engine/compile.py, engine/quantize.py): its workers compile
-    #: / quantise their transformer's repeated blocks at load
-    supports_compile: ClassVar[bool] = False
-    #: its attention runs through diffusers' dispatcher, so it takes `attention_backend` (engine/attention.py);
-    #: else why not (a family without it takes only "native", which changes nothing)
-    dispatcher_attention: ClassVar[bool] = False
-    dispatcher_attention_note: ClassVar[str] = "its attention is longserve's own (PyTorch SDPA)"
-    #: its attention takes a mask (the start's probe of the backend passes one)
-    attention_masks: ClassVar[bool] = False
-    #: what of its attention longserve merges across sequence-parallel workers itself (a backend other than
-    #: "native" is refused there), or "" when only Ring does
-    merges_across_workers: ClassVar[str] = ""
-
-    # -- coordinator side ------------------------------------------------------------------
-
-    @classmethod
-    def claims(cls, model_dir: Path) -> bool:
-        """Does this family serve `model_dir` whatever its `model_index.json` names? (Most families: no.)"""
-        return False
-
-    @classmethod
-    def describe(cls, model_dir: Path) -> ModelDescription:
-        raise NotImplementedError
-
-    @classmethod
-    def capabilities(cls, options: tuple[str, ...] = (), **facts) -> Capabilities:
-        """The checkpoint's capabilities: what the family's class takes (LoRA, compile, step caching when `cache` is
-        among its request `options`, the video's fps) and the checkpoint's own `facts` (inputs, experts, live)."""
-        return Capabilities(lora=cls.supports_lora, compile=cls.supports_compile,
-                            cache_kinds=tuple(cls.cache_kinds) if "cache" in options else (),
-                            fps_conditioned="fps" in options, **facts)
-
-    @classmethod
-    def resolve_plan(cls, desc: ModelDescription, parallel: str, workers: int, ulysses_degree: int | None = None,
-                     cfg_parallel: bool = False) -> ParallelPlan:
-        return resolve_plan(parallel, cls.plans, workers, desc.heads, cls.auto_plan, ulysses_degree, cfg_parallel)
-
-    @classmethod
-    def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
-        """Validate what every family shares; families extend it for their own rules and options."""
-        check_common(desc, spec)
-        return spec
-
-    @classmethod
-    def check_cache(cls, desc: ModelDescription, spec) -> GenerationSpec:
-        """The request's `cache` option checked against the kinds the family's forward takes (and the checkpoint's
-        MagCache calibration, for a family that reads one)."""
-        return check_cache_option(spec, cls.cache_kinds, cls.mag_ratios(desc))
-
-    @classmethod
-    def mag_ratios(cls, desc: ModelDescription) -> list | None:
-        """The checkpoint's MagCache calibration (its `mag_ratios.json`), for a `mag` cache that brings none."""
-        return None
-
-    @classmethod
-    def content_frames(cls, desc: ModelDescription, spec: GenerationSpec) -> int:
-        """Frames a checked request hands out: its num_frames, but for an extension (diffusion forcing's `video`),
-        which hands out the input's frames and then the new ones."""
-        return spec.num_frames
-
-    @classmethod
-    def kv_bytes(cls, desc: ModelDescription, spec: GenerationSpec, config) -> int:
-        """The KV cache a request holds per worker (counted against `live_kv_budget`): none but causal models'."""
-        return 0
-
-    @classmethod
-    def check_update(cls, desc: ModelDescription, spec: GenerationSpec, payload: dict) -> dict:
-        """Validate a change to a running request (`VideoEngine.update`)."""
-        raise RequestError("request", f"a {cls.name} request cannot be changed while it runs (live sessions of "
-                                      f"causal models can)")
+class VideoFamily(FamilyRules):
+    """The worker side of a model family (see the module docstring); its coordinator side is `FamilyRules`."""
 
     # -- worker side: loading ------------------------------------------------------------------
 
@@ -219,6 +135,11 @@ class VideoFamily:
         self.cfg_groups = None
         self.lora = None                 # engine.lora.LoraSet, when the family loaded adapters
         self.residency = None            # engine.offload.ExpertResidency, under expert offload
+
+    @property
+    def rules(self) -> type[FamilyRules]:
+        """The family's coordinator side: a class-based family is its own."""
+        return type(self)
 
     def load_pipeline(self, pipeline_class, dtype, on_host=()):
         """The family's diffusers pipeline on this worker's device (the text encoder on rank 0 only; the
@@ -261,7 +182,8 @@ class VideoFamily:
             from longserve.engine.compile import compile_blocks
 
             for m in modules:
-                compile_blocks(denoisers.blocks(m), engine.compile_backend)
+                compile_blocks(denoisers.blocks(m), engine.compile_backend,
+                               "reduce-overhead" if engine.cuda_graphs else None)
         if denoisers.cache_units:
             from longserve.engine.cache import StepCache
 
@@ -282,7 +204,32 @@ class VideoFamily:
         return denoiser
 
     def set_plan(self, plan: ParallelPlan) -> None:
-        raise NotImplementedError
+        """Build the worker groups of `plan` (collective: every rank calls it): the sequence-parallel groups over
+        all workers and, with CFG-parallel, over each half (`denoise` picks between them)."""
+        pg, backend = self.pg, self.config.engine.attention_backend
+        if plan.cfg_parallel and pg.world_size > 1:
+            self.cfg_groups = parallel.make_cfg_groups(pg)
+            ranks = list(range(pg.world_size))
+            halves = [ranks[:len(ranks) // 2], ranks[len(ranks) // 2:]]
+            # new_group is collective over the world: build both halves' groups on every rank
+            sps = [parallel.make_sequence_parallel(self.cfg_groups.half if i == self.cfg_groups.index else None,
+                                                   plan.name, plan.ulysses_degree, members=m,
+                                                   attention_backend=backend)
+                   for i, m in enumerate(halves)]
+            self.sp_cfg = sps[self.cfg_groups.index]
+        else:
+            self.cfg_groups, self.sp_cfg = None, None
+        self.sp = parallel.make_sequence_parallel(pg, plan.name, plan.ulysses_degree, attention_backend=backend)
+        self.plan = plan
+
+    def denoise(self, entry, cfg_parallel: bool, *args, **kwargs):
+        """One parallel forward of a sharded denoiser (`entry(*args, sp=..., **kwargs)`, the plan's entry point),
+        with CFG-parallel put around it here, once for every family: under CFG-parallel the batch's unconditional
+        rows run on one half of the workers and its conditional rows on the other, each half sequence-parallel over
+        its own group (`engine.parallel.cfg_parallel`); else every row runs on every worker's group."""
+        if cfg_parallel:
+            return parallel.cfg_parallel(entry, self.cfg_groups, *args, sp=self.sp_cfg, **kwargs)
+        return entry(*args, sp=self.sp, **kwargs)
 
     def warm_up(self) -> float:
         """Denoising steps of throw-away requests at the model's default size (CFG's two rows, the default frames
@@ -290,8 +237,8 @@ class VideoFamily:
         than in the first requests: one request's step, then a step of it with a second whose prompt is longer
         (more rows, another text length and, for Latte, a text mask: the sizes that change between batches become
         symbolic here, also after Wan's graph break). Collective: every rank runs it at load. -> wall time (s)."""
-        desc = self.describe(Path(self.model_dir))
-        spec = complete_request(default_request(desc, "warm-up"), type(self), desc, self.config.engine)
+        desc = self.rules.describe(Path(self.model_dir))
+        spec = complete_request(default_request(desc, "warm-up"), self.rules, desc, self.config.engine)
         longer = dataclasses.replace(spec, request_id="warm-up-2",
                                      prompt=["a longer warm-up prompt, so that the length of the text changes"])
         t0 = time.perf_counter()
@@ -439,14 +386,21 @@ class VideoFamily:
 
     # -- helpers the families share ----------------------------------------------------------
 
+    @property
+    def text_group(self):
+        """The ranks that take part in `broadcast_from_first`: every worker (a family whose ranks do not all need
+        the embeddings narrows it: the causal family's pipelined loop, whose decode rank runs no transformer)."""
+        return self.pg
+
     def broadcast_from_first(self, make):
         """Run `make()` on rank 0 only (e.g. the text encoder, loaded there alone) and share its result.
 
         When `make` fails (a tokenizer that cannot take the text, an image the encoder refuses), rank 0 shares the
         failure instead, and every rank raises `EncodeRefused` after the broadcast: no rank is left waiting in it,
         so the failure is the request's alone. Running out of memory is raised as it is (the pool's failure model)."""
+        pg = self.text_group
         value = None
-        if self.pg.rank == 0:
+        if pg.rank == 0:
             try:
                 value = make()
             except Exception as e:  # noqa: BLE001 - shared with the other ranks, raised on all
@@ -456,7 +410,7 @@ class VideoFamily:
                     raise
                 log.warning("rank 0 could not encode a request's inputs", exc_info=True)   # the log keeps it, once
                 value = _Refused(f"{type(e).__name__}: {public_message(str(e))}", getattr(e, "field", None))
-        value = comm.broadcast_object(value, self.pg)
+        value = comm.broadcast_object(value, pg)
         if isinstance(value, _Refused):
             raise EncodeRefused(value.message, value.field)
         return value
@@ -486,17 +440,6 @@ class Denoisers:
     cache_units: int = 0                          # step caching's units (engine/cache.py); 0: no step caching
     cache_hooks: Callable | None = None           # (denoiser, StepCache) -> step caching's hooks on its blocks
     offload: bool = False                         # expert offload: one denoiser on the device at a time
-
-
-def read_json(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def generation_defaults(model_dir: Path, fallback: dict) -> GenerationDefaults:
-    """The checkpoint's optional `generation_defaults.json` (longserve's; diffusers ignores it) over `fallback`."""
-    from longserve import weights
-    return GenerationDefaults.from_dict({**fallback, **weights.generation_defaults(model_dir)})
 
 
 def seeded_generator(seed: int) -> torch.Generator:
@@ -557,9 +500,11 @@ def cfg_rows(r: WorkerRequest, x: torch.Tensor) -> torch.Tensor:
 
 
 def sync_cuda() -> None:
-    """Wait for this process's CUDA work (nothing on CPU): a stage's time must include its kernels."""
+    """Wait for this thread's CUDA work (nothing on CPU): a stage's time must include its kernels. Its current
+    stream only: the live loop's decode lane runs on a stream of its own beside it (engine/live_lane.py), and a
+    device-wide sync here would wait for that decode too."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 class Timer:
@@ -581,97 +526,9 @@ class Timer:
         self.timings[self.key] += time.perf_counter() - self.t0
 
 
-# -- request validation shared by the families ---------------------------------------------------
-
-
-def check_int(field_name: str, value, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise RequestError(field_name, f"{field_name} must be an integer; got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise RequestError(field_name, f"{field_name} must be {bound}; got {value}")
-
-
-def check_number(field_name: str, value, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) \
-            or not low <= value <= high:
-        raise RequestError(field_name, f"{field_name} must be a number in [{low:g}, {high:g}]; got {value!r}")
-
-
-
-def check_cache_option(spec: GenerationSpec, kinds: tuple[str, ...] = ("first_block",),
-                       mag_ratios: list | None = None) -> GenerationSpec:
-    """The request's `cache` (step caching, engine/cache.py) validated and normalised: a dict, or dropped.
-    `kinds`: the cache kinds the family's forward takes; `mag_ratios`: the checkpoint's MagCache calibration
-    (its `mag_ratios.json`), for a `mag` cache that brings none."""
-    if "cache" not in spec.options:
-        return spec
-    from longserve.engine.cache import parse_cache
-
-    config = parse_cache(spec.options["cache"])
-    if config is not None and config["kind"] not in kinds:
-        raise RequestError("cache.kind", f"cache.kind {config['kind']!r} is not available for this model (it takes "
-                                         f"{', '.join(kinds)})")
-    if config is not None and config["kind"] == "mag" and config.get("mag_ratios") is None \
-            and not config.get("calibrate"):
-        if mag_ratios is None:
-            raise RequestError("cache.mag_ratios", "a mag cache needs the checkpoint's calibration: this checkpoint "
-                                                   "has no mag_ratios.json, so give cache.mag_ratios, or run once "
-                                                   "with cache.calibrate true to measure them")
-        config["mag_ratios"] = mag_ratios
-    options = {k: v for k, v in spec.options.items() if k != "cache"}
-    if config is not None:
-        options["cache"] = config
-    spec.options = options
-    return spec
-
-
 @dataclass(frozen=True)
 class _Refused:
     """What rank 0 broadcasts in place of a result `broadcast_from_first`'s `make` could not make."""
 
     message: str
     field: str | None = None
-
-
-def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:
-    """Checks every family needs: prompts, frames, size, steps, guidance, seed, output, options."""
-    check_prompts(spec.prompt)
-    neg = spec.negative_prompt
-    if isinstance(neg, (list, tuple)):
-        if len(neg) != spec.batch_size or not all(isinstance(p, str) for p in neg):
-            raise RequestError("negative_prompt", f"negative_prompt must be a string or a list of "
-                                                  f"{spec.batch_size} strings (one per prompt)")
-    elif not isinstance(neg, str):
-        raise RequestError("negative_prompt", f"negative_prompt must be a string or a list of strings; "
-                                              f"got {type(neg).__name__}")
-    check_int("num_frames", spec.num_frames, 1)
-    rule = desc.frame_multiple
-    if rule > 1 and (spec.num_frames - 1) % rule:
-        lower = (spec.num_frames - 1) // rule * rule + 1
-        raise RequestError("num_frames", f"num_frames must be {rule}k+1 for this model (its VAE compresses "
-                                         f"{rule} frames into one); got {spec.num_frames}, try {lower} or "
-                                         f"{lower + rule}")
-    m = desc.size_multiple
-    for name, value in (("height", spec.height), ("width", spec.width)):
-        check_int(name, value, m)
-        if value % m:
-            raise RequestError(name, f"{name} must be a multiple of {m} (VAE factor x patch size); got {value}")
-    check_int("num_inference_steps", spec.num_inference_steps, 1, MAX_STEPS)
-    check_number("guidance_scale", spec.guidance_scale, 0, 100)
-    check_int("seed", spec.seed, 0, 2**63 - 1)
-    if spec.output not in OUTPUTS:
-        raise RequestError("output_type", f"output_type must be one of {', '.join(OUTPUTS)}; got {spec.output!r}")
-    check_int("decode_chunk_size", spec.decode_chunk_size, 1)
-    unknown = sorted(set(spec.options) - set(desc.options))
-    for name in ("image", "last_image"):
-        if name in unknown:
-            raise RequestError(name, f"{name} is not supported: this model generates video from text only (a "
-                                     f"{desc.family} model; image-to-video needs a WanImageToVideoPipeline checkpoint)")
-    if unknown:
-        raise RequestError(unknown[0], f"{unknown[0]} is not an option of this model (a {desc.family} model "
-                                       f"accepts: {', '.join(desc.options) or 'no extra options'})")
-    if "cfg_trunc_ratio" in spec.options:
-        ratio = spec.options["cfg_trunc_ratio"]
-        check_number("cfg_trunc_ratio", ratio, 0, 1)
-        spec.options = {**spec.options, "cfg_trunc_ratio": float(ratio)}

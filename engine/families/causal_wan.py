@@ -11,6 +11,11 @@ batched forwards (any phase: a row's timestep, prompt and cache are its own):
     step n        the context pass: model(x0, context_noise) writes the chunk's K/V into the cache
                   (skipped after the last chunk); then the next chunk starts from fresh noise
 
+Inside the loop nothing waits for the device: a chunk's noises (its start and each step's) are drawn
+at its start from the request's CPU generator (the same video from a seed on any device) into one
+pinned buffer and moved without a sync; timesteps are made on the device; RoPE rows are built there
+(engine/models/causal.py); the device is waited for only in bench's timing mode (`TIMED_STAGES_ENV`).
+
 Prompts: a request starts with prompt index 0. `options["prompt_schedule"]` ([[chunk, prompt],
 ...], the first at chunk 0) switches at the listed chunks; `update(prompt=..., prompt_index=...)`
 (the scheduler numbers and holds switches, one per request, until `switch_ready`: a chunk's start
@@ -20,8 +25,8 @@ the schedule's still to come: a session's prompt history is bounded, however man
 A switch recomputes the cached frames' K/V under the
 new prompt (LongLive's recache: context passes over the cached clean latents, oldest first)
 and the text K/V. Every decoded chunk says which chunk it is and which prompt made it
-(`DecodedChunk.info`), so a switch is observable exactly. `update(stop=True)` ends a request
-after the chunk it is making; `options["live"]` marks a session (its length, `num_frames`, is
+(`FramesChunk.live`), so a switch is observable exactly. `update(stop=True)` ends a request
+after the chunk it is making; `GenerationSpec.live` marks a session (its length, `num_frames`, is
 then the front door's limit).
 
 From an image (`options["image"]`, as Self-Forcing / CausVid inference takes an initial latent): rank 0 VAE-encodes
@@ -47,6 +52,8 @@ the latents of the cached frames (for a recache), the current chunk, and the str
 from __future__ import annotations
 
 import math
+import operator
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +61,7 @@ from pathlib import Path
 import torch
 
 from longserve.engine.config import EngineConfig, FamilyFacts, ModelDescription
-from longserve.engine.decoding import FramesPolicy, decoded_frames
+from longserve.engine.decoding import FramesPolicy, WanVAEDecoder, decoded_frames
 from longserve.engine.families.base import (
     Denoisers,
     VideoFamily,
@@ -67,12 +74,18 @@ from longserve.engine.families.base import (
 )
 from longserve.engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
 from longserve.engine.images import as_rgb_array, to_pil
+from longserve.engine.live_frames import FrameSlots
+from longserve.engine.live_loop import loop_roles, solo_group
 from longserve.engine.models.causal import CausalConfig, CausalWan, KVCache
+from longserve.engine.outputs import LiveChunkInfo
 from longserve.engine.parallel import ParallelPlan
 from longserve.engine.request import GenerationSpec, RequestError
 
 CAUSAL_CONFIG_FILE = "causal_config.json"
-OPTIONS = ("prompt_schedule", "live", "image")
+#: set to 1 by `bench` (timing mode): the loop then waits for the device after each step and around a recache,
+#: so `timings["transformer_s"]` holds the kernels' time; otherwise it never syncs inside the loop
+TIMED_STAGES_ENV = "LONGSERVE_TIMED_STAGES"
+OPTIONS = ("prompt_schedule", "image")
 
 
 def chunk_frames(chunks: int, frames_per_block: int, temporal: int, lead: int = 0) -> int:
@@ -103,6 +116,7 @@ class CausalRequest(WorkerRequest):
     phase: int = 0                                  # its next forward: 0..n-1 denoise, n context pass
     x: torch.Tensor = None                          # the chunk's noisy latents (B, C, fb, h, w), float32
     x0: torch.Tensor = None                         # the chunk once final
+    noise: torch.Tensor = None                      # the chunk's noises, drawn at its start (n, B, C, fb, h, w)
     texts: dict = field(default_factory=dict)       # prompt index -> (B, L, C_text): the current and scheduled
     prompt_index: int = 0
     schedule: dict = field(default_factory=dict)    # chunk -> prompt index (the request's prompt_schedule)
@@ -113,6 +127,12 @@ class CausalRequest(WorkerRequest):
     def switch_ready(self) -> bool:
         return self.phase == 0 and not self.denoised and self.switched_chunk != self.chunk
 
+    def chunk_steps(self) -> int:
+        return self.cfg.steps_per_chunk
+
+    def chunk_start(self) -> bool:
+        return self.phase == 0 and not self.denoised
+
 
 class CausalWanFamily(WanParts, VideoFamily):
     """Self-Forcing / LongLive / CausVid-style checkpoints on diffusers' `WanTransformer3DModel`."""
@@ -122,7 +142,9 @@ class CausalWanFamily(WanParts, VideoFamily):
     auto_plan = "sequence"
     pipeline_classes = frozenset()          # claimed by causal_config.json, not by model_index.json
     supports_lora = False                   # its own step and cached attention: no per-row adapters
-    dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache with per-row masks "
+    supports_compile = True                 # regional compile: the cached attention runs eager between graphs
+    supports_cuda_graphs = True             # and those graphs replayed: a chunk's shapes never change
+    dispatcher_attention_note = ("its attention reads and writes longserve's own KV cache, a prefix slice per row "
                                  "(PyTorch SDPA), which diffusers' dispatcher does not run")
 
     @classmethod
@@ -192,10 +214,15 @@ class CausalWanFamily(WanParts, VideoFamily):
             raise RequestError("num_frames", f"from a start image the video is the image's frame and at least one "
                                              f"made latent frame: num_frames must be at least {1 + temporal}; got "
                                              f"{spec.num_frames}")
-        live = spec.options.get("live", False)
-        if not isinstance(live, bool):
-            raise RequestError("live", f"live must be true or false; got {live!r}")
         return spec
+
+    @classmethod
+    def check_decoder(cls, config, desc: ModelDescription, model_dir: Path) -> None:
+        """`decoder` "tiny" or a TAEHV file: it must load and take this model's latents (ValueError naming it)."""
+        if config.decoder != "vae":
+            from longserve.engine.small_decoder import open_small_decoder
+
+            open_small_decoder(config.decoder, model_dir)
 
     @classmethod
     def check_update(cls, desc: ModelDescription, spec: GenerationSpec, payload: dict) -> dict:
@@ -220,7 +247,8 @@ class CausalWanFamily(WanParts, VideoFamily):
 
         f = desc.facts
         tokens = (spec.height // f.vae_spatial // f.patch[1]) * (spec.width // f.vae_spatial // f.patch[2])
-        per_video = KVCache.nbytes(f.config, f.layers, tokens, math.ceil(desc.heads / config.workers), desc.heads,
+        denoisers = loop_roles(config.live_loop, config.workers).denoisers     # pipelined: not the decode rank
+        per_video = KVCache.nbytes(f.config, f.layers, tokens, math.ceil(desc.heads / len(denoisers)), desc.heads,
                                    f.head_dim, MAX_SEQUENCE_LENGTH, parse_dtype(config.dtype).itemsize)
         return per_video * spec.batch_size
 
@@ -251,13 +279,84 @@ class CausalWanFamily(WanParts, VideoFamily):
         self.pipe = diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                                           vae=vae, scheduler=scheduler)
         self.pipe.set_progress_bar_config(disable=True)
-        # no FP8, compile or step caching: its own KV-cached forward (engine/models/causal.py)
-        self.model, = self.load_denoisers(Denoisers((transformer,)))
+        # compile (and FP8) of diffusers' blocks; no step caching: its own KV-cached forward (engine/models/causal.py),
+        # whose cached attention is a deliberate graph break in a compiled block
+        self.model, = self.load_denoisers(Denoisers((transformer,), blocks=operator.attrgetter("blocks")))
         self.vae_spatial, self.vae_temporal = vae_factors(dict(vae.config))
-        self.set_plan(config.plan)        # Ulysses over every worker, no CFG-parallel (resolve_plan)
+        self.slots = FrameSlots()         # a chunk's uint8 frames leave through shared memory (engine/live_frames.py)
+        self.lane = None                  # the decode lane, on the rank that decodes outside the serial loop
+        self.set_plan(config.plan)        # Ulysses over the denoising workers, no CFG-parallel (resolve_plan)
+        self.timed = os.environ.get(TIMED_STAGES_ENV) == "1"
+        self.small_decoder = None
+        if config.engine.decoder != "vae":        # the live frames through a small decoder (rank 0 decodes them)
+            from longserve.engine.small_decoder import open_small_decoder
+
+            self.small_decoder = open_small_decoder(config.engine.decoder, model_dir).to(
+                device, self.component_dtypes()["vae"])
+
+    def component_dtypes(self) -> dict:
+        """As the Wan family's, but the VAE defaults to bfloat16 on CUDA: a live stream decodes every chunk, and
+        bf16 halves its cost within bf16 rounding (tests/engine/test_causal_vae.py); float32 stays the CPU's."""
+        dtypes = super().component_dtypes()
+        if self.config.engine.vae_dtype is None and self.pg.device.type == "cuda":
+            dtypes["vae"] = torch.bfloat16
+        return dtypes
+
+    def _timed_sync(self) -> None:
+        if self.timed:
+            sync_cuda()
+
+    def set_plan(self, plan) -> None:
+        """The live loop's roles (engine/live_loop.py), then Ulysses over the ranks that run the transformer: every
+        worker, or in the pipelined loop all but the last, which decodes (collective: `new_group` is)."""
+        import torch.distributed as dist
+
+        from longserve.engine.live_lane import DecodeLane
+        from longserve.engine.live_loop import lane_threads
+        from longserve.engine.parallel import make_sequence_parallel
+
+        self.roles = loop_roles(self.config.engine.live_loop, self.pg.world_size)
+        if self.roles.transfer:
+            ranks = list(self.roles.denoisers)
+            group = dist.new_group(ranks)
+            self.tpg = self.pg.subgroup(ranks, group) if self.pg.rank in ranks else None
+            self.sp = None if self.tpg is None else make_sequence_parallel(
+                self.tpg, plan.name, plan.ulysses_degree, attention_backend=self.config.engine.attention_backend)
+            self.cfg_groups, self.sp_cfg, self.plan = None, None, plan
+        else:
+            super().set_plan(plan)
+            self.tpg = self.pg
+        if self.pg.rank == self.roles.lane and self.lane is None:
+            self.lane = DecodeLane(self.pg.device, lane_threads())
+
+    @property
+    def text_group(self):
+        return self.tpg
+
+    @property
+    def decode_only(self) -> bool:
+        """This rank only decodes (the pipelined loop's last): no transformer, no text, no KV cache."""
+        return self.roles.transfer and self.pg.rank == self.roles.lane
+
+    def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor):
+        """The Wan VAE's streaming decode (across the workers in the serial loop; on the lane's rank alone
+        otherwise) or the small decoder (rank 0's, or the lane's), whose frames leave as uint8 in a shared-memory
+        slot unless the request wants latents."""
+        slots = self.slots if spec.output in ("np", "uint8") else None
+        if self.small_decoder is not None:
+            from longserve.engine.small_decoder import SmallDecoderPath
+
+            rank = self.pg.rank if self.roles.lane is None else 0      # the lane decodes as a group of one
+            return SmallDecoderPath(self.small_decoder, rank, spec.output, slots)
+        if self.roles.lane is None:
+            return WanVAEDecoder(self.pipe, self.pg, latents, self.vae_tiling, spec.output, split=self.vae_split,
+                                 slots=slots)
+        return WanVAEDecoder(self.pipe, solo_group(self.pg), latents, self.vae_tiling, spec.output, slots=slots)
 
     def shard(self, denoiser):
-        return CausalWan(denoiser, self.cfg)
+        model = CausalWan(denoiser, self.cfg)
+        model.cuda_graphs = self.config.engine.cuda_graphs
+        return model
 
     # -- a request ----------------------------------------------------------------------------------
 
@@ -294,6 +393,19 @@ class CausalWanFamily(WanParts, VideoFamily):
             self.model(latent.to(self.dtype), t, text, self.sp, r.caches, [r.prompt_index] * B, [True] * B)
         r.clean[:, :, r.caches[0].slot_of(0)] = latent[:, :, 0].float()
 
+    def admit(self, spec: GenerationSpec) -> CausalRequest:
+        if not self.decode_only:
+            return super().admit(spec)
+        # the decode rank holds the request's frame stream alone: its chunks come from rank 0 (engine/live_loop.py)
+        cfg = self.cfg
+        latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
+        lead = int(spec.options.get("image") is not None)
+        num_chunks = -(-(latent_frames - lead) // cfg.frames_per_block)
+        return CausalRequest(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=("causal", "lane"),
+                             num_frames=spec.num_frames, cfg=cfg, num_chunks=num_chunks, latent_frames=latent_frames,
+                             lead=lead, frames=self.frame_stream(spec, spec.num_frames,
+                                                                 FramesPolicy(self.vae_temporal, whole=True)))
+
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, image_latent: torch.Tensor = None) -> CausalRequest:
         cfg = self.cfg
         latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
@@ -326,9 +438,16 @@ class CausalWanFamily(WanParts, VideoFamily):
             return ("causal", "done")
         return ("causal", *(r.x if r.x is not None else r.x0).shape[1:])
 
-    def _noise(self, r: CausalRequest) -> torch.Tensor:
-        return torch.randn(r.x0.shape if r.x is None else r.x.shape, generator=r.generator,
-                           dtype=torch.float32).to(self.pg.device)
+    def _chunk_noise(self, r: CausalRequest, shape: tuple) -> torch.Tensor:
+        """Every noise a chunk takes, drawn at its start: its starting latents and one per denoising step but the
+        last, (n, *shape). Drawn in the order and sizes the steps used to draw them, from the request's CPU
+        generator (a seed makes the same video on any device), into one pinned buffer moved without a sync."""
+        n = len(self.cfg.timesteps)
+        pin = self.pg.device.type == "cuda"
+        noise = torch.empty((n, *shape), dtype=torch.float32, pin_memory=pin)
+        for i in range(n):
+            torch.randn(shape, generator=r.generator, out=noise[i])
+        return noise.to(self.pg.device, non_blocking=pin)
 
     def _start_chunk(self, r: CausalRequest) -> None:
         """A new chunk from fresh noise, under the prompt that applies from it (a switch recaches first)."""
@@ -341,8 +460,8 @@ class CausalWanFamily(WanParts, VideoFamily):
         r.pending_prompt = None
         B, C = r.spec.batch_size, self.pipe.transformer.config.in_channels
         h, w = r.spec.height // self.vae_spatial, r.spec.width // self.vae_spatial
-        r.x = torch.randn((B, C, self.cfg.frames_per_block, h, w), generator=r.generator,
-                          dtype=torch.float32).to(self.pg.device)
+        r.noise = self._chunk_noise(r, (B, C, self.cfg.frames_per_block, h, w))
+        r.x = r.noise[0]
         r.phase = 0
         r.batch_key = self.batch_key(r)
 
@@ -356,7 +475,7 @@ class CausalWanFamily(WanParts, VideoFamily):
         order = sorted((f, s) for s, f in enumerate(r.caches[0].slot_frame) if f >= 0)
         if not order:
             return
-        sync_cuda()
+        self._timed_sync()
         t0 = time.perf_counter()
         latents = r.clean[:, :, [s for _, s in order]]                    # (B, C, P, h, w), oldest first
         for c in r.caches:
@@ -370,11 +489,13 @@ class CausalWanFamily(WanParts, VideoFamily):
                 self.model(part.to(self.dtype), t, text, self.sp, r.caches, [index] * B, [True] * B)
                 for i in range(part.shape[2]):
                     r.clean[:, :, r.caches[0].slot_of(g + i)] = part[:, :, i]
-        sync_cuda()
+        self._timed_sync()
         r.timings["transformer_s"] += time.perf_counter() - t0
 
     def step(self, reqs: list[CausalRequest]) -> None:
         """One forward for every request's rows (each at its own phase), then each request's update."""
+        if self.decode_only:
+            return
         t0 = time.perf_counter()
         n, cfg = len(self.cfg.timesteps), self.cfg
         xs, ts, texts, caches, versions, writes = [], [], [], [], [], []
@@ -382,20 +503,21 @@ class CausalWanFamily(WanParts, VideoFamily):
             B = r.spec.batch_size
             context = r.phase == n
             xs.append((r.x0 if context else r.x).to(self.dtype))
-            ts.append(torch.full((B,), cfg.context_noise if context else cfg.timesteps[r.phase]))
+            ts.append(torch.full((B,), cfg.context_noise if context else cfg.timesteps[r.phase],
+                                 device=self.pg.device))
             texts.append(r.texts[r.prompt_index].expand(B, -1, -1))
             caches += r.caches
             versions += [r.prompt_index] * B
             writes += [context] * B
         with torch.no_grad():
-            out = self.model(torch.cat(xs), torch.cat(ts).to(self.pg.device), torch.cat(texts), self.sp, caches,
+            out = self.model(torch.cat(xs), torch.cat(ts), torch.cat(texts), self.sp, caches,
                              versions, writes).float()
         rows = 0
         for r in reqs:
             pred = out[rows:rows + r.spec.batch_size]
             rows += r.spec.batch_size
             self._advance(r, pred)
-        sync_cuda()
+        self._timed_sync()
         elapsed = time.perf_counter() - t0
         for r in reqs:
             r.timings["transformer_s"] += elapsed / len(reqs)
@@ -407,7 +529,7 @@ class CausalWanFamily(WanParts, VideoFamily):
             x0 = r.x - cfg.sigma(cfg.timesteps[r.phase]) * pred
             if r.phase < n - 1:
                 s = cfg.sigma(cfg.timesteps[r.phase + 1])
-                r.x = (1 - s) * x0 + s * self._noise(r)
+                r.x = (1 - s) * x0 + s * r.noise[r.phase + 1]
                 r.phase += 1
             else:
                 r.x0, r.x = x0, None
@@ -416,7 +538,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                 made = x0[:, :, :r.latent_frames - r.lead - r.chunk * cfg.frames_per_block]
                 if r.image_latent is not None:
                     made, r.image_latent = torch.cat([r.image_latent, made], dim=2), None
-                r.frames.push(made, info={"chunk": r.chunk, "prompt_index": r.prompt_index})
+                r.frames.push(made, live=LiveChunkInfo(r.chunk, r.prompt_index))
                 r.phase = n
         else:                                   # the context pass wrote the chunk: keep its clean latents
             first = r.caches[0].frames_written - r.x0.shape[2]
@@ -426,12 +548,14 @@ class CausalWanFamily(WanParts, VideoFamily):
             r.x0 = None
             self._start_chunk(r)
         if r.denoised:
-            r.x = r.x0 = None
+            r.x = r.x0 = r.noise = None
         r.batch_key = self.batch_key(r) if r.x is not None or r.x0 is not None else ("causal", "done")
 
     def update(self, r: CausalRequest, payload: dict) -> dict:
         """A new prompt (applied at the next chunk boundary; at once when no forward of the current chunk ran
         yet) or stop (after the chunk being made). Returns the progress and, for a prompt, where it applies."""
+        if self.decode_only:            # a stop's frame limit comes with the chunks (engine/live_loop.py)
+            return {"progress": r.progress()}
         info = {}
         if "prompt" in payload:
             index = payload.get("prompt_index", r.prompt_index + 1)    # the scheduler's numbering
@@ -448,16 +572,18 @@ class CausalWanFamily(WanParts, VideoFamily):
                 info = {"prompt_index": index, "chunk": r.chunk + 1}
         if payload.get("stop") and not r.denoised:
             # the chunk being made is the last (at a boundary: the one about to start, so that a chunk always
-            # follows a stop and ends the request); a final chunk's context pass is not needed
+            # follows a stop and ends the request; or, outside the serial live loop, where the chunk before it is
+            # still to be decoded beside it, that one); a final chunk's context pass is not needed
             n = len(self.cfg.timesteps)
-            chunks = r.chunk + 1
+            pending = r.phase == 0 and r.chunk > 0 and r.decodable()
+            chunks = r.chunk + (0 if pending else 1)
             r.num_chunks = chunks
-            r.num_steps = r.steps_done + (n - r.phase)
+            r.num_steps = r.steps_done + (0 if pending else n - r.phase)
             r.num_frames = r.frames.limit = min(r.num_frames, chunk_frames(chunks, self.cfg.frames_per_block,
                                                                             self.vae_temporal, r.lead))
             r.latent_frames = min(r.latent_frames, r.lead + chunks * self.cfg.frames_per_block)
-            if r.denoised:                       # phase n: the chunk was final already
-                r.x = r.x0 = None
+            if r.denoised:                       # phase n (or a pending chunk): the chunk was final already
+                r.x = r.x0 = r.noise = None
                 r.batch_key = ("causal", "done")
         return {"progress": r.progress(), **info}
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from longserve.engine import timeline
 from longserve.engine.config import FamilyFacts, ModelDescription
 from longserve.engine.decoding import FramesPolicy, decoded_frames
 from longserve.engine.families.base import (
@@ -45,11 +46,11 @@ from longserve.engine.families.base import (
     read_json,
     seeded_generator,
 )
-from longserve.engine.families.wan_parts import WanParts, vae_factors
+from longserve.engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
 from longserve.engine.models.helios import HeliosSequenceParallel
 from longserve.engine.request import GenerationSpec, RequestError
 
-OPTIONS = ("history_sizes", "num_latent_frames_per_chunk", "sigmas")
+OPTIONS = ("history_sizes", "num_latent_frames_per_chunk", "sigmas", timeline.OPTION)
 HISTORY = ("latents_history_long", "latents_history_mid", "latents_history_short")
 
 
@@ -91,6 +92,8 @@ class HeliosRequest(WorkerRequest):
     start_point: torch.Tensor = None      # the stage's starting latents (the distilled DMD scheduler renoises to them)
     history: torch.Tensor = None          # (B, C, sum(history_sizes), h, w) float32: the last latent frames made
     prefix: torch.Tensor = None           # (B, C, 1, h, w): the video's first latent frame (zeros before it exists)
+    texts: list = None                    # each distinct prompt's rows, like `text` (one without a timeline)
+    chunk_prompts: list = None            # per chunk, which of them conditions it (engine/timeline.py)
 
 
 class HeliosFamily(WanParts, VideoFamily):
@@ -123,6 +126,7 @@ class HeliosFamily(WanParts, VideoFamily):
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
+        spec = timeline.check_timeline(spec, spec.fps or desc.defaults.fps)        # a prompt per chunk
         check_common(desc, spec)
         o, d = spec.options, desc.defaults.options
         sizes = o.get("history_sizes", d.get("history_sizes", [16, 2, 1]))
@@ -172,7 +176,11 @@ class HeliosFamily(WanParts, VideoFamily):
             return ("helios", "done")
         return ("helios", *r.latents.shape, r.history_sizes)
 
-    def prepare(self, spec: GenerationSpec, text: torch.Tensor) -> HeliosRequest:
+    def encode_conditions(self, spec: GenerationSpec) -> dict[str, torch.Tensor]:
+        """Rank 0: a prompt timeline's other prompts (engine/timeline.py), each once."""
+        return timeline.encode_other_prompts(self.pipe, spec, self.pg.device, MAX_SEQUENCE_LENGTH)
+
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor, prompt_texts: torch.Tensor = None) -> HeliosRequest:
         o = spec.options
         sizes, chunk = tuple(o["history_sizes"]), o["num_latent_frames_per_chunk"]
         chunks, frames = video_frames(spec.num_frames, chunk, self.vae_temporal)
@@ -190,6 +198,11 @@ class HeliosFamily(WanParts, VideoFamily):
                             prefix=torch.zeros(B, C, 1, h, w, device=self.pg.device),
                             # each chunk decodes on its own, as diffusers decodes it
                             frames=self.frame_stream(spec, frames, FramesPolicy(self.vae_temporal, run=chunk)))
+        # a prompt timeline: each chunk the prompt of its first frame's time (a chunk's frames decode on their own)
+        window = chunk_frames(chunk, self.vae_temporal)
+        req.chunk_prompts = timeline.segment_prompts(spec, [i * window for i in range(chunks)],
+                                                     spec.fps or self.desc.defaults.fps)
+        req.texts = timeline.prompt_rows(text, prompt_texts, spec.use_cfg)
         self._start_chunk(req)
         return req
 
@@ -219,6 +232,7 @@ class HeliosFamily(WanParts, VideoFamily):
     def _start_chunk(self, r: HeliosRequest) -> None:
         """The chunk's noise (the request's generator, in order, as diffusers' `prepare_latents`)."""
         B, C, _, h, w = r.history.shape
+        r.text = r.texts[r.chunk_prompts[r.index]]
         noise = torch.randn((B, C, r.chunk, h, w), generator=r.generator, dtype=torch.float32).to(self.pg.device)
         r.latents, r.stage = self.chunk_start(noise), 0
         self._start_stage(r)
@@ -242,8 +256,8 @@ class HeliosFamily(WanParts, VideoFamily):
         r = reqs[0]
         return functools.partial(self._forward_with_indices, history_indices(list(r.history_sizes), r.chunk))
 
-    def _forward_with_indices(self, indices: dict, x, t, text, history: dict, sp, cfg=None):
-        return self.experts[0](x, t, text, {**history, **indices}, sp, cfg=cfg)
+    def _forward_with_indices(self, indices: dict, x, t, text, history: dict, sp):
+        return self.experts[0](x, t, text, {**history, **indices}, sp)
 
     def inputs(self, r: HeliosRequest) -> dict:
         long, mid, short_1x = r.history.split(list(r.history_sizes), dim=2)
@@ -260,8 +274,7 @@ class HeliosFamily(WanParts, VideoFamily):
     def forward(self, model, inputs: dict, cfg_parallel: bool) -> torch.Tensor:
         x, t, text = (torch.cat(inputs[k]) for k in ("x", "t", "text"))
         history = {name: torch.cat(inputs[name]) for name in HISTORY}
-        return model(x, t.to(self.pg.device), text, history, self.sp_cfg if cfg_parallel else self.sp,
-                     cfg=self.cfg_groups if cfg_parallel else None)                # (rows, C, chunk, h, w)
+        return self.denoise(model, cfg_parallel, x, t.to(self.pg.device), text, history)   # (rows, C, chunk, h, w)
 
     def advance(self, r: HeliosRequest, pred: torch.Tensor) -> None:
         r.latents = self.scheduler_step(r, pred)

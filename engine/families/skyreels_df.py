@@ -44,15 +44,17 @@ from pathlib import Path
 
 import torch
 
+from longserve.engine import timeline
 from longserve.engine.config import ModelDescription
 from longserve.engine.decoding import FramesPolicy, decoded_frames, to_pixels
 from longserve.engine.families.base import cfg_rows, check_common, check_int, check_number, read_json, seeded_generator
 from longserve.engine.families.wan import WanFacts, WanFamily, WanRequest
+from longserve.engine.families.wan_parts import MAX_SEQUENCE_LENGTH
 from longserve.engine.images import as_rgb_array, as_video_array, to_pil, video_frames
 from longserve.engine.request import GenerationSpec, RequestError
 
 DF_OPTIONS = ("base_num_frames", "overlap_history", "ar_step", "causal_block_size", "addnoise_condition", "fps",
-              "image", "video", "last_image")
+              "image", "video", "last_image", timeline.OPTION)
 T2V, I2V, V2V = ("SkyReelsV2DiffusionForcingPipeline", "SkyReelsV2DiffusionForcingImageToVideoPipeline",
                  "SkyReelsV2DiffusionForcingVideoToVideoPipeline")
 #: what a checkpoint takes, by the class its model_index.json names. The published DF checkpoints name the
@@ -134,6 +136,8 @@ class DFRequest(WanRequest):
     schedulers: list = field(default_factory=list)    # one per latent frame of the current segment
     tail: torch.Tensor = None                         # the last `overlap` final latent frames (the next prefix)
     condition: torch.Tensor = None                    # the first segment's prefix (B, C, k, h, w): image or video
+    texts: list = None                                # a prompt timeline: each distinct prompt's rows, like `text`
+    segment_prompts: list = None                      # ... and per segment, which of them it is conditioned on
 
 
 class SkyReelsDiffusionForcingFamily(WanFamily):
@@ -186,7 +190,9 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
-        """diffusers' rules for the long-video arguments, naming the field; fills in their defaults."""
+        """diffusers' rules for the long-video arguments, naming the field; fills in their defaults (and a prompt
+        timeline's: engine/timeline.py)."""
+        spec = timeline.check_timeline(spec, spec.fps or desc.defaults.fps)
         check_common(desc, spec)
         condition, options = cls.check_conditions(desc, spec)
         o, d = options, desc.defaults.options
@@ -278,9 +284,10 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         """Rank 0: the first segment's prefix latents (B, C, k, h, w), by the DF-I2V / DF-V2V pipelines' own
         `prepare_latents`: the image VAE-encoded (k = 1), or the video's last `overlap_history` frames (k: their
         latent frames, cut to whole causal blocks)."""
+        texts = timeline.encode_other_prompts(self.pipe, spec, self.pg.device, MAX_SEQUENCE_LENGTH)
         condition = self.condition_of(spec)
         if condition == "text":
-            return {}
+            return texts
         o, device, B = spec.options, self.pg.device, spec.batch_size
         z, temporal = self.pipe.vae.config.z_dim, self.vae_temporal
         if condition == "image":
@@ -308,9 +315,10 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                 # its lead frames, handed out by rank 0 (prepare); kept only once the encode has succeeded (a
                 # failure here fails the request in admit, and nothing would ever take them)
                 self._decoded[spec.request_id] = frames
-        return {"condition": prefix.expand(B, -1, -1, -1, -1).contiguous()}                # (B, C, k, h, w)
+        return {**texts, "condition": prefix.expand(B, -1, -1, -1, -1).contiguous()}       # (B, C, k, h, w)
 
-    def prepare(self, spec: GenerationSpec, text: torch.Tensor, condition: torch.Tensor = None) -> DFRequest:
+    def prepare(self, spec: GenerationSpec, text: torch.Tensor, condition: torch.Tensor = None,
+                prompt_texts: torch.Tensor = None) -> DFRequest:
         o, d = spec.options, self.desc.defaults
         decoded = self._decoded.pop(spec.request_id, None)          # rank 0: the video encode_conditions decoded
         cbs = o["causal_block_size"]
@@ -346,8 +354,19 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
                         generator=seeded_generator(spec.seed), noise_generator=seeded_generator(spec.seed + 1),
                         matrices=matrices, condition=condition,
                         frames=self.frame_stream(spec, num_frames, policy, lead_frames))
+        self.prompt_segments(req, prompt_texts)
         self._start_segment(req)
         return req
+
+    def prompt_segments(self, r: DFRequest, texts: torch.Tensor | None) -> None:
+        """The request's prompt rows per distinct prompt ([negative; positive] under CFG, as `text`) and which one
+        each segment takes: the prompt of its first new frame's time (engine/timeline.py)."""
+        starts, latent = [], 0
+        for i, (frames, _) in enumerate(r.plan["segments"]):
+            starts.append(decoded_frames(latent, self.vae_temporal))
+            latent += frames - (r.plan["overlap"] if i else 0)
+        r.segment_prompts = timeline.segment_prompts(r.spec, starts, r.spec.fps or self.desc.defaults.fps)
+        r.texts = timeline.prompt_rows(r.text, texts, r.spec.use_cfg)
 
     def input_frames(self, video, spec: GenerationSpec, start: int, stop: int):
         """Rank 0: frames [start, stop) of the video an extension continues, at the request's size as diffusers'
@@ -360,6 +379,7 @@ class SkyReelsDiffusionForcingFamily(WanFamily):
         """Draw the segment's noise (the request's generator, in order, as diffusers), put the prefix in: the end
         of the segment before, or for the first, the image's or the video's latent frames."""
         frames, prefix = r.plan["segments"][r.segment]
+        r.text = r.texts[r.segment_prompts[r.segment]]
         latents = torch.randn(self.latent_shape(r.spec, frames), generator=r.generator,
                               dtype=torch.float32).to(self.pg.device)
         if prefix and r.segment == 0:

@@ -1,7 +1,8 @@
 """What every family on Wan's architecture shares (Wan T2V/I2V/TI2V, diffusion forcing, Helios, causal Wan): UMT5
-prompts encoded on rank 0, the Wan VAE's factors and its streaming decode, and the sequence-parallel groups of a
-plan. `WanParts` is a complete mixin: a family takes it whole beside `VideoFamily` and switches nothing off; what
-differs between these families (their transformers' sharded forwards, their loops) stays in each family's module.
+prompts encoded on rank 0 and the Wan VAE's factors and its streaming decode (the sequence-parallel groups of a plan
+are every family's: `VideoFamily.set_plan`). `WanParts` is a complete mixin: a family takes it whole beside
+`VideoFamily` and switches nothing off; what differs between these families (their transformers' sharded forwards,
+their loops) stays in each family's module.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from longserve.engine.decoding import WanVAEDecoder
-from longserve.engine.parallel import ParallelPlan, make_cfg_groups, make_sequence_parallel
 from longserve.engine.request import GenerationSpec
 
 MAX_SEQUENCE_LENGTH = 512            # the prompt length the Wan pipelines pad UMT5's output to
@@ -44,24 +44,6 @@ class WanParts:
         return self.pipe.encode_prompt(prompt=spec.prompt, negative_prompt=spec.negative_prompts(),
                                        do_classifier_free_guidance=spec.use_cfg, num_videos_per_prompt=1,
                                        max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.pg.device)
-
-    def set_plan(self, plan: ParallelPlan) -> None:
-        """Build the worker groups of `plan` (collective: every rank calls it): the sequence-parallel groups over
-        all workers and, with CFG-parallel, over each half."""
-        pg, backend = self.pg, self.config.engine.attention_backend
-        if plan.cfg_parallel and pg.world_size > 1:
-            self.cfg_groups = make_cfg_groups(pg)
-            ranks = list(range(pg.world_size))
-            halves = [ranks[:len(ranks) // 2], ranks[len(ranks) // 2:]]
-            # new_group is collective over the world: build both halves' groups on every rank
-            sps = [make_sequence_parallel(self.cfg_groups.half if i == self.cfg_groups.index else None, plan.name,
-                                          plan.ulysses_degree, members=m, attention_backend=backend)
-                   for i, m in enumerate(halves)]
-            self.sp_cfg = sps[self.cfg_groups.index]
-        else:
-            self.cfg_groups, self.sp_cfg = None, None
-        self.sp = make_sequence_parallel(pg, plan.name, plan.ulysses_degree, attention_backend=backend)
-        self.plan = plan
 
     def vae_decoder(self, spec: GenerationSpec, latents: torch.Tensor) -> WanVAEDecoder:
         """The Wan VAE's streaming decode across the workers (diffusers' tiles with `vae_tiling`)."""

@@ -10,9 +10,9 @@ causal plan is that plan with two attention processors, and its geometry carries
 cache and prompt version); what changes is each block's attention:
 
     attn1   `CachedSelfAttention`: diffusers' projections and q/k norms on my tokens; Ulysses
-            all-to-all (tokens -> heads) when sharded; RoPE at cache-relative positions; attention
-            over [cached frames | the chunk] of each row's `KVCache`; on a context pass the chunk's
-            K/V (before RoPE) are written into the cache; all-to-all back
+            all-to-all (tokens -> heads) when sharded; RoPE on the chunk's q/k at its frames' positions;
+            attention over [cached frames | the chunk] of each row's `KVCache`; on a context pass the
+            chunk's rotated K/V are kept in the cache; all-to-all back
     attn2   `CachedCrossAttention`: the text's K/V come from the row's cache, computed once per prompt
 
 The cache of one video (`KVCache`, one per row per worker) is preallocated: per layer K and V of
@@ -20,15 +20,25 @@ The cache of one video (`KVCache`, one per row per worker) is preallocated: per 
 
     slots [0, sink)             the first `sink_size` frames of the video, never evicted
     slots [sink, capacity)      a ring of the most recent frames: frame j >= sink goes to sink + (j - sink) % W
-    slots [capacity, +chunk)    the chunk being computed (scratch; never valid across forwards)
+    slots [P, P + chunk)        the chunk being computed, right after the P cached frames (P = capacity once
+                                full; before that its slots are the ones its frames are kept in)
 
-Keys are stored before RoPE and rotated when read, at positions *relative to the cache*: the
-cached frames, oldest first, take positions 0..P-1 and the chunk P..P+chunk-1. Before any
-eviction that is exactly the absolute frame index (so cached generation equals a recompute
-over all frames: the exactness test); after it the kept frames are rebased, so a stream never
-needs a position past `local_attn_size` and runs past Wan's 1024-frame RoPE table. Shapes are
-fixed from the first chunk (invalid slots are masked), and memory per video is
-`KVCache.nbytes(...)`, known before admission.
+Keys are stored *rotated*: RoPE is applied once, to the chunk's keys as they are computed, at
+their frame's index j; a context pass keeps them. What attention sees is only the distance
+between a query and a key, so frame j at position j is the cache-relative layout (oldest cached
+frame 0, the chunk after the cached ones) shifted by a constant, except for the sink: its
+frames must sit right before the oldest kept frame, which moves on as the ring evicts. So the
+sink's keys are also kept before RoPE (`sink_k`, sink frames x tokens per layer) and re-rotated
+from that copy, once per chunk and for every layer in one op, when the window has moved.
+Before any eviction the positions are the frame indices exactly (so cached generation equals a
+recompute over all frames: the exactness test). Frame positions past Wan's 1024-frame RoPE
+table are computed as diffusers computes the table (float64 angles, `FrameRotary`): a stream
+runs on past it, exact at any length.
+
+The keys attended are always one contiguous slice, [0, P + chunk): no mask from the first
+chunk on, so flash / cuDNN kernels run at every chunk, over the filled prefix only. Shapes are
+fixed from the first full window, and memory per video is `KVCache.nbytes(...)`, known before
+admission.
 """
 
 from __future__ import annotations
@@ -102,15 +112,65 @@ class CausalConfig:
         return t / self.num_train_timesteps
 
 
+class FrameRotary:
+    """Wan's rotary table at any frame position, built on the device: (cos, sin) of `frames` frames from frame
+    position `start`, (frames * tokens, hd) in the compute dtype.
+
+    diffusers' `WanRotaryPosEmbed` keeps a table of `rope_max_seq_len` (1024) frame positions; a live stream's
+    keys sit at their frame's index (see `KVCache`), which runs past it. The frame axis's angles are computed
+    here as diffusers computes its table (float64 `outer(position, inverse frequency)`, then cos/sin, then
+    float32): bit for bit the table inside it, as exact past it. The height and width parts are the table's own."""
+
+    def __init__(self, rope, h: int, w: int, dtype, device):
+        _, p_h, p_w = rope.patch_size
+        pph, ppw = h // p_h, w // p_w
+        dims = [rope.t_dim, rope.h_dim, rope.w_dim]
+        cos_t, cos_h, cos_w = rope.freqs_cos.to(device).split(dims, dim=1)
+        sin_t, sin_h, sin_w = rope.freqs_sin.to(device).split(dims, dim=1)
+
+        def spatial(h_part, w_part):            # (tokens, h_dim + w_dim): the same for every frame
+            return torch.cat([h_part[:pph, None].expand(pph, ppw, -1), w_part[None, :ppw].expand(pph, ppw, -1)],
+                             dim=-1).flatten(0, 1)
+
+        self.spatial_cos, self.spatial_sin = spatial(cos_h, cos_w), spatial(sin_h, sin_w)
+        self.tokens, self.dtype, self.device = pph * ppw, dtype, device
+        self.inverse = 1.0 / (10000.0 ** (torch.arange(0, rope.t_dim, 2, dtype=torch.float64, device=device)
+                                          / rope.t_dim))                                   # (t_dim / 2,)
+        # a change of diffusers' formula (theta, layout) would show here; a device's last-bit cos/sin (float64 on
+        # a GPU against the table's CPU values) or the table's bf16 copy would not
+        probe = min(8, len(cos_t))
+        mine = self._frame_axis(0, probe)
+        if not (torch.allclose(mine[0], cos_t[:probe].float(), atol=4e-3) and
+                torch.allclose(mine[1], sin_t[:probe].float(), atol=4e-3)):
+            raise RuntimeError("diffusers' WanRotaryPosEmbed changed: the frame axis no longer matches its table")
+
+    def _frame_axis(self, start: int, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + frames, dtype=torch.float64, device=self.device)   # no host copy
+        angles = torch.outer(pos, self.inverse)                                                 # (frames, t_dim/2)
+        return (angles.cos().repeat_interleave(2, dim=1).float(), angles.sin().repeat_interleave(2, dim=1).float())
+
+    def __call__(self, start: int, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t_cos, t_sin = self._frame_axis(start, frames)                                           # (frames, t_dim)
+        ft = self.tokens
+
+        def full(t_part, spatial):                                                               # (frames*ft, hd)
+            return torch.cat([t_part[:, None].expand(-1, ft, -1), spatial[None].expand(frames, -1, -1)],
+                             dim=-1).flatten(0, 1).to(self.dtype)
+
+        return full(t_cos, self.spatial_cos), full(t_sin, self.spatial_sin)
+
+
 class KVCache:
-    """One video's K/V on one worker (see the module docstring for the slot layout)."""
+    """One video's K/V on one worker (see the module docstring for the slot layout and the positions)."""
 
     def __init__(self, cfg: CausalConfig, layers: int, frame_tokens: int, heads: int, head_dim: int,
                  text_len: int, text_heads: int, dtype, device):
         self.cfg, self.frame_tokens = cfg, frame_tokens
         slots = (cfg.capacity + cfg.frames_per_block) * frame_tokens
-        self.k = torch.zeros(layers, heads, slots, head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(layers, heads, slots, head_dim, dtype=dtype, device=device)    # rotated
         self.v = torch.zeros_like(self.k)
+        # the sink's keys before RoPE: re-rotated from these, once per chunk, when the window moves on
+        self.sink_k = torch.zeros(layers, heads, cfg.sink_size * frame_tokens, head_dim, dtype=dtype, device=device)
         # the text's K/V, per layer (all heads: cross-attention is not sharded)
         self.text_k = torch.zeros(layers, text_heads, text_len, head_dim, dtype=dtype, device=device)
         self.text_v = torch.zeros_like(self.text_k)
@@ -118,60 +178,74 @@ class KVCache:
         self.slot_frame = [-1] * cfg.capacity   # the video frame index held by each slot, -1: empty
         self.frames_written = 0                 # frames ever written (the next frame's index)
         self.write = False                      # this forward is a context pass: write the chunk
-        self._prepared = None
+        self.sink_shift = 0                     # the position offset the sink's stored keys are rotated at
+        self.sink_rotations = 0                 # times the sink was re-rotated (once per chunk past the window)
+        self._chunk = None                      # the coming forward's (cos, sin, first slot, frames)
 
     @staticmethod
     def nbytes(cfg: CausalConfig, layers: int, frame_tokens: int, heads_per_worker: int, heads: int,
                head_dim: int, text_len: int, dtype_bytes: int) -> int:
         """Bytes one video's cache takes on one worker."""
-        slots = (cfg.capacity + cfg.frames_per_block) * frame_tokens
+        slots = (cfg.capacity + cfg.frames_per_block + cfg.sink_size) * frame_tokens   # K/V, chunk, sink's copy
         return 2 * layers * head_dim * dtype_bytes * (heads_per_worker * slots + heads * text_len)
 
     @property
     def cached_frames(self) -> int:
-        return sum(f >= 0 for f in self.slot_frame)
+        return min(self.frames_written, self.cfg.capacity)
+
+    @property
+    def shift(self) -> int:
+        """Frames evicted from the ring so far: the sink sits just before the oldest kept frame, at positions
+        shift..shift+sink-1 (0..sink-1 until the window is full)."""
+        return max(0, self.frames_written - self.cfg.capacity)
 
     def slot_of(self, frame: int) -> int:
         cfg = self.cfg
         return frame if frame < cfg.sink_size else cfg.sink_size + (frame - cfg.sink_size) % cfg.window
 
-    def prepare(self, frames: int, rope_rows, device) -> None:
-        """Positions, key rotations and mask of the coming forward over a chunk of `frames` frames."""
-        ft = self.frame_tokens
-        order = sorted((f, s) for s, f in enumerate(self.slot_frame) if f >= 0)   # oldest first
-        P = len(order)
-        pos = torch.zeros(self.cfg.capacity, dtype=torch.long)
-        for rank, (_, s) in enumerate(order):
-            pos[s] = rank
-        frame_pos = torch.cat([pos, torch.arange(P, P + frames), torch.zeros(self.cfg.frames_per_block - frames,
-                                                                             dtype=torch.long)])
-        rows = (frame_pos[:, None] * ft + torch.arange(ft)).flatten().to(device)     # rope table rows per slot token
-        cos, sin = rope_rows
-        key_cos, key_sin = cos[rows], sin[rows]                                        # (slots, hd)
-        valid = torch.tensor([f >= 0 for f in self.slot_frame] + [True] * frames +
-                             [False] * (self.cfg.frames_per_block - frames))
-        mask = None if bool(valid.all()) else valid.repeat_interleave(ft).to(device)
-        chunk = slice(self.cfg.capacity * ft, (self.cfg.capacity + frames) * ft)
-        self._prepared = (key_cos, key_sin, key_cos[chunk], key_sin[chunk], mask, chunk)
+    def prepare(self, frames: int, rotary: FrameRotary) -> None:
+        """The coming forward over a chunk of `frames` frames: its rotary rows (the chunk's frame indices) and
+        its slots, right after the cached ones; the sink re-rotated if the window moved since the last chunk."""
+        sink = self.cfg.sink_size
+        shift = self.shift
+        if sink and shift != self.sink_shift:
+            cos, sin = rotary(shift, sink)                                      # (sink*ft, hd)
+            self.k[:, :, :sink * self.frame_tokens] = rotate(self.sink_k, cos, sin)   # every layer, one op
+            self.sink_shift = shift
+            self.sink_rotations += 1
+        if self._chunk is None or self._chunk[2:] != (self.cached_frames * self.frame_tokens, frames,
+                                                      self.frames_written):
+            cos, sin = rotary(self.frames_written, frames)        # once per chunk: its forwards share them
+            self._chunk = (cos, sin, self.cached_frames * self.frame_tokens, frames, self.frames_written)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q/k/v: the chunk's (heads, S, hd), before RoPE -> (heads, S, hd)."""
-        key_cos, key_sin, q_cos, q_sin, mask, chunk = self._prepared
-        self.k[layer, :, chunk] = k
-        self.v[layer, :, chunk] = v
-        keys = rotate(self.k[layer], key_cos, key_sin)
-        q = rotate(q, q_cos, q_sin)
-        out = F.scaled_dot_product_attention(q[None], keys[None], self.v[layer][None],
-                                             attn_mask=None if mask is None else mask.view(1, 1, 1, -1))[0]
+        """q/k/v: the chunk's (heads, S, hd), before RoPE -> (heads, S, hd). The keys attended are one
+        contiguous slice, [cached frames | the chunk], so no mask: any SDPA kernel (flash, cuDNN) runs."""
+        cos, sin, start, frames, _ = self._chunk
+        end = start + k.shape[1]
+        rotated = rotate(k, cos, sin)
+        self.k[layer, :, start:end] = rotated
+        self.v[layer, :, start:end] = v
+        out = F.scaled_dot_product_attention(rotate(q, cos, sin)[None], self.k[layer, :, :end][None],
+                                             self.v[layer, :, :end][None])[0]
         if self.write:
-            frames = (chunk.stop - chunk.start) // self.frame_tokens
-            for i in range(frames):
-                s = self.slot_of(self.frames_written + i)
-                dst = slice(s * self.frame_tokens, (s + 1) * self.frame_tokens)
-                src = slice(i * self.frame_tokens, (i + 1) * self.frame_tokens)
-                self.k[layer, :, dst] = k[:, src]
-                self.v[layer, :, dst] = v[:, src]
+            self._keep(layer, k, start, frames)
         return out
+
+    def _keep(self, layer: int, k: torch.Tensor, start: int, frames: int) -> None:
+        """A context pass: each chunk frame's rotated K/V to its slot (where the chunk's slots are not already
+        its own: once the ring wraps), and a sink frame's keys before RoPE to the sink's copy."""
+        ft = self.frame_tokens
+        for i in range(frames):
+            frame = self.frames_written + i
+            src = slice(start + i * ft, start + (i + 1) * ft)
+            s = self.slot_of(frame)
+            if s * ft != src.start:
+                dst = slice(s * ft, (s + 1) * ft)
+                self.k[layer, :, dst] = self.k[layer, :, src]
+                self.v[layer, :, dst] = self.v[layer, :, src]
+            if frame < self.cfg.sink_size:
+                self.sink_k[layer, :, frame * ft:(frame + 1) * ft] = k[:, i * ft:(i + 1) * ft]
 
     def commit(self, frames: int) -> None:
         """After a context pass over `frames` frames: they are cached now (evicting the oldest ring frames)."""
@@ -181,9 +255,10 @@ class KVCache:
         self.frames_written += frames
 
     def reset(self) -> None:
-        """Forget every cached frame (a recache rebuilds them); the buffers stay."""
+        """Forget every cached frame (a recache rebuilds them, from frame 0 again); the buffers stay."""
         self.slot_frame = [-1] * self.cfg.capacity
         self.frames_written = 0
+        self.sink_shift = 0
 
 
 @dataclass(frozen=True)
@@ -201,6 +276,40 @@ def _running(owner) -> CausalShard:
     return shard
 
 
+@torch.compiler.disable
+def cached_self_attention(owner, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Every row's attention over its `KVCache`, my tokens' q/k/v (B, Sl, H, hd) -> (B, Sl, H, hd). Inside a
+    compiled block (`compile` blocks) it runs eager, by design: it reads and writes per-row caches (Python state
+    that changes every chunk, which a graph would guard on) and does the Ulysses all-to-alls on our own process
+    groups. The projections before it and the output projection after it stay in the graph."""
+    shard = _running(owner)
+    u = shard.sp.ulysses
+    qkv = torch.stack([q, k, v])
+    if u.world_size > 1:                      # tokens -> heads: (3, B, S, Hl, hd)
+        qkv = comm.all_to_all_switch(qkv, scatter_dim=3, gather_dim=2, gather_size=shard.S, pg=u)
+    else:
+        qkv = qkv[:, :, :shard.S]
+    qkv = qkv.transpose(2, 3)                                                            # (3, B, Hl, S, hd)
+    out = torch.stack([c.attend(layer, *qkv[:, b]) for b, c in enumerate(shard.caches)])  # (B, Hl, S, hd)
+    out = out.transpose(1, 2).type_as(q)                                                 # (B, S, Hl, hd)
+    if u.world_size > 1:                      # heads -> tokens
+        return comm.all_to_all_switch(out, scatter_dim=1, gather_dim=2, gather_size=q.shape[2], pg=u)
+    return comm.pad_dim(out, 1, shard.Sl)
+
+
+@torch.compiler.disable
+def cached_text_kv(owner, layer: int, attn, encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every row's text K/V for this layer (B, H, L, hd) each, computed once per prompt into the row's cache (eager
+    in a compiled block: whether to compute depends on each row's prompt version)."""
+    shard = _running(owner)
+    for b, c in enumerate(shard.caches):
+        if c.text_version != shard.versions[b]:
+            text = encoder_hidden_states[b:b + 1]
+            c.text_k[layer] = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
+            c.text_v[layer] = attn.to_v(text).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
+    return (torch.stack([c.text_k[layer] for c in shard.caches]), torch.stack([c.text_v[layer] for c in shard.caches]))
+
+
 class CachedSelfAttention:
     """A block's self-attention over [cached frames | chunk] of every row (see the module docstring)."""
 
@@ -209,24 +318,10 @@ class CachedSelfAttention:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
-        shard = _running(self.owner)
-        caches = shard.caches
         q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)  # (B, Sl, H*hd)
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))                         # (B, Sl, H, hd)
-        u = shard.sp.ulysses
-        qkv = torch.stack([q, k, v])
-        if u.world_size > 1:                      # tokens -> heads: (3, B, S, Hl, hd)
-            qkv = comm.all_to_all_switch(qkv, scatter_dim=3, gather_dim=2, gather_size=shard.S, pg=u)
-        else:
-            qkv = qkv[:, :, :shard.S]
-        qkv = qkv.transpose(2, 3)                                                            # (3, B, Hl, S, hd)
-        out = torch.stack([c.attend(self.layer, *qkv[:, b]) for b, c in enumerate(caches)])  # (B, Hl, S, hd)
-        out = out.transpose(1, 2).type_as(q)                                                 # (B, S, Hl, hd)
-        if u.world_size > 1:                      # heads -> tokens
-            out = comm.all_to_all_switch(out, scatter_dim=1, gather_dim=2, gather_size=attn.heads, pg=u)
-        else:
-            out = comm.pad_dim(out, 1, shard.Sl)
+        out = cached_self_attention(self.owner, self.layer, q, k, v)                           # (B, Sl, H, hd)
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
 
 
@@ -238,16 +333,8 @@ class CachedCrossAttention:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
-        shard = _running(self.owner)
-        caches, versions = shard.caches, shard.versions
-        for b, c in enumerate(caches):
-            if c.text_version != versions[b]:
-                text = encoder_hidden_states[b:b + 1]
-                c.text_k[self.layer] = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
-                c.text_v[self.layer] = attn.to_v(text).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
+        k, v = cached_text_kv(self.owner, self.layer, attn, encoder_hidden_states)             # (B, H, L, hd)
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1)).transpose(1, 2)  # (B, H, Sl, hd)
-        k = torch.stack([c.text_k[self.layer] for c in caches])
-        v = torch.stack([c.text_v[self.layer] for c in caches])
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -268,7 +355,8 @@ class CausalWan:
     def __init__(self, model, cfg: CausalConfig):
         self.model, self.cfg = model, cfg
         self.sharded = shard_model(model, CAUSAL_WAN_PLAN)
-        self._rope: dict[tuple, tuple] = {}
+        self.cuda_graphs = False           # the compiled blocks are CUDA graphs: each forward is a new step
+        self._rope: dict[tuple, FrameRotary] = {}
 
     def frame_tokens(self, h: int, w: int) -> int:
         _, p_h, p_w = self.model.config.patch_size
@@ -283,14 +371,12 @@ class CausalWan:
         return KVCache(self.cfg, c.num_layers, self.frame_tokens(h, w), self.heads_per_worker(sp),
                        c.attention_head_dim, text_len, c.num_attention_heads, p.dtype, p.device)
 
-    def rope_rows(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """diffusers' rotary table for frame positions 0..local_attn_size-1 at this size: (positions*tokens, hd)."""
+    def rotary(self, h: int, w: int) -> FrameRotary:
+        """The rotary rows of any frame position at this size (built once per size, on the device)."""
         key = (h, w)
         if key not in self._rope:
             p = self.model.patch_embedding.weight
-            dummy = torch.empty(1, 1, self.cfg.local_attn_size, h, w, device=p.device)
-            cos, sin = self.model.rope(dummy)                    # (1, L*tokens, 1, hd); no shard is active here
-            self._rope[key] = (cos[0, :, 0].to(p.dtype), sin[0, :, 0].to(p.dtype))
+            self._rope[key] = FrameRotary(self.model.rope, h, w, p.dtype, p.device)
         return self._rope[key]
 
     def __call__(self, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, sp: SequenceParallel,
@@ -300,10 +386,12 @@ class CausalWan:
         changes); `write[b]`: row b is a context pass (its chunk's K/V are written into its cache)."""
         if sp.ring.world_size > 1:
             raise ValueError("a causal model shards its chunks with Ulysses only (plan 'ulysses')")
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         frames, h, w = x.shape[2:]
-        rope = self.rope_rows(h, w)
+        rotary = self.rotary(h, w)
         for c, wr in zip(caches, write):
-            c.prepare(frames, rope, x.device)
+            c.prepare(frames, rotary)
             c.write = wr
         shard = CausalShard.of(self.model, x, sp, caches=tuple(caches), versions=tuple(versions))
         out = self.sharded(shard, x, timestep, text, return_dict=False)[0]

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_helios import apply_rotary_emb_transposed
 
-from longserve.engine.parallel import CfgGroups, SequenceParallel, cfg_parallel
+from longserve.engine.parallel import SequenceParallel
 from longserve.engine.sharding import At, Gather, Replace, ShardedAttention, ShardPlan, Split, TokenShard, shard_model
 
 
@@ -122,15 +122,13 @@ class HeliosSequenceParallel:
         return S, S_cur
 
     def __call__(self, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, history: dict,
-                 sp: SequenceParallel, cfg: CfgGroups | None = None) -> torch.Tensor:
+                 sp: SequenceParallel) -> torch.Tensor:
         """diffusers' forward over the group. x (B, C, F, H, W) the chunk; timestep (B,); text (B, L, C_text);
         `history`: the forward's history arguments (`latents_history_short` (B, C, 1+n, H, W), `..._mid`,
         `..._long` and their `indices_*`, `indices_hidden_states`) -> (B, C_out, F, H, W) on every rank.
 
-        `cfg`: the unconditional and conditional halves of the batch run on two halves of the workers
-        (`engine.parallel.cfg_parallel`). One worker runs diffusers' forward itself."""
-        if cfg is not None:
-            return cfg_parallel(self, cfg, x, timestep, text, history, sp)
+        One worker runs diffusers' forward itself (CFG-parallel is the worker's, around this forward:
+        `VideoFamily.denoise`)."""
         if sp.world_size == 1:
             return self.model(x, timestep, text, return_dict=False, **history)[0]
         shard = HeliosShard.of(*self.tokens(x, history), sp)

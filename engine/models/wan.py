@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
-from longserve.engine.parallel import BlockCausal, CfgGroups, SequenceParallel, cfg_parallel
+from longserve.engine.parallel import BlockCausal, SequenceParallel
 from longserve.engine.sharding import (
     At,
     Place,
@@ -159,8 +159,8 @@ class WanSequenceParallel:
         return (x.shape[2] // p_t) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
 
     def __call__(self, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, sp: SequenceParallel,
-                 cfg: CfgGroups | None = None, fps: int | None = None, frames_per_block: int = 1,
-                 image: torch.Tensor | None = None, radial: bool = False) -> torch.Tensor:
+                 fps: int | None = None, frames_per_block: int = 1, image: torch.Tensor | None = None,
+                 radial: bool = False) -> torch.Tensor:
         """diffusers' forward over the group. x (B, C, F, H, W); timestep (B,), or (B, F) per latent frame
         (diffusion forcing, SkyReels-V2), or (B, S) per token (Wan 2.2 TI2V's expand_timesteps: what
         `WanTransformer3DModel` reads a 2-D timestep as); text (B, L, C_text) -> (B, C_out, F, H, W) on every
@@ -171,15 +171,12 @@ class WanSequenceParallel:
         path is cross-attention (replicated keys, per-token queries) and the extra input channels (the condition
         concatenated to the latents) only widen `patch_embedding`'s input: neither needs a rule.
 
-        `cfg`: the unconditional and conditional halves of the batch run on two halves of the workers
-        (`engine.parallel.cfg_parallel`). `fps`: SkyReels' fps id, one for the whole batch (diffusers' forward
-        adds a batch of one fps embedding to every row; with one per row its per-frame broadcast fits a batch
-        of one only). `frames_per_block` > 1: diffusion forcing's block-causal mask. `radial`: self-attention under
-        radial attention's static sparse mask (engine/attention.py's `RadialMask`), a training-free approximation.
+        CFG-parallel is the worker's, around this forward (`VideoFamily.denoise`). `fps`: SkyReels' fps id, one
+        for the whole batch (diffusers' forward adds a batch of one fps embedding to every row; with one per row
+        its per-frame broadcast fits a batch of one only). `frames_per_block` > 1: diffusion forcing's
+        block-causal mask. `radial`: self-attention under radial attention's static sparse mask
+        (engine/attention.py's `RadialMask`), a training-free approximation.
         """
-        if cfg is not None:
-            return cfg_parallel(self, cfg, x, timestep, text, sp, fps=fps, frames_per_block=frames_per_block,
-                                image=image, radial=radial)
         per_frame = timestep.ndim == 2 and self.skyreels
         if timestep.ndim == 2 and not self.skyreels and timestep.shape[1] != self._tokens(x):
             raise ValueError(f"per-token timesteps must be one per token: {self._tokens(x)}; got {timestep.shape[1]}")

@@ -47,6 +47,16 @@ def input_cost(limits, nbytes: int) -> float:
     return nbytes / (limits.default_frames * limits.default_width * limits.default_height * 3)
 
 
+def job_cost(limits, spec, frames_per_chunk: int = 0) -> float:
+    """A checked request's admission cost: its work (`request_cost`; a live session's in whole chunks of
+    `frames_per_chunk` frames, 0 for a video) plus what its inputs hold while it waits (`input_cost`)."""
+    frames = spec.num_frames
+    if frames_per_chunk:                             # a session runs whole chunks
+        frames = math.ceil(frames / frames_per_chunk) * frames_per_chunk
+    return request_cost(limits, frames, spec.width, spec.height, spec.num_inference_steps, spec.fps) + \
+        input_cost(limits, input_bytes(getattr(spec, "options", None) or {}))
+
+
 def most_expensive_cost(limits) -> float:
     """The cost of the largest request the limits allow (at 1 fps, for a model whose sound is longer the lower
     the fps)."""
@@ -79,12 +89,8 @@ class AdmissionGate:
             self.storage.check_room()
 
     def cost(self, spec, kind: str) -> float:
-        """The job's work (`request_cost`) plus what its inputs hold while it waits (`input_cost`)."""
-        frames = spec.num_frames
-        if kind == LIVE and self.frames_per_chunk:       # a session runs whole chunks
-            frames = math.ceil(frames / self.frames_per_chunk) * self.frames_per_chunk
-        return request_cost(self.limits, frames, spec.width, spec.height, spec.num_inference_steps, spec.fps) + \
-            input_cost(self.limits, input_bytes(getattr(spec, "options", None) or {}))
+        """`job_cost` of a job of `kind` (what a door's `Accepted.cost` holds: `VideoRequests`)."""
+        return job_cost(self.limits, spec, self.frames_per_chunk if kind == LIVE else 0)
 
     def admit(self, job: Job, here: bool = True) -> None:
         """Let `job` in if its cost fits (429 naming the limit otherwise), and register it when it runs `here`.

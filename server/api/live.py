@@ -24,7 +24,7 @@
                        (recorded: and "video_id", the stored video's id, the session's)
 
 The start message is mapped by the server's request door (`VideoRequests.live`: its size string
-and limits) to an engine request (`options["live"]`, `seconds` = --max-live-seconds, rounded down
+and limits) to an engine request (`live=True`, `seconds` = --max-live-seconds, rounded down
 to whole latent frames by the engine's completion; a seed left out is a random one, as through
 every door), so it batches with every other session and job at the step level. A session is a job
 like any video: the admission gate counts it (its longest length in whole chunks x its size x its
@@ -63,7 +63,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from longserve.engine.errors import public_message
-from longserve.engine.outputs import FramesChunk
+from longserve.engine.outputs import FramesChunk, LiveChunkInfo
 from longserve.engine.request import GenerationSpec, RequestError
 from longserve.engine.scheduler import KVBudgetError, QueueFullError
 from longserve.server.api import webrtc
@@ -91,17 +91,19 @@ def header_key(ws: WebSocket, keys: tuple[str, ...]) -> str | None:
 
 
 class LiveSessions:
-    """The live door of a `VideoService` (its engine, request door, admission gate, registry and runner)."""
+    """The live door: the engine, the request door (`VideoRequests`), the admission gate, the job registry and
+    runner, the drain (`Shutdown`), and for a recorded session the storage side and the served model's name."""
 
-    def __init__(self, service):
-        self.service = service
-        self.max_seconds = service.config.max_live_seconds
-        self.buffer_chunks = service.config.live_buffer_chunks
-        self.networks = webrtc.parse_networks(service.config.webrtc_networks)
+    def __init__(self, config, engine, requests, admission, jobs, runner, shutdown, storage, model_name: str):
+        self.engine, self.requests, self.admission, self.jobs = engine, requests, admission, jobs
+        self.runner, self.shutdown, self.storage, self.model_name = runner, shutdown, storage, model_name
+        self.max_seconds = config.max_live_seconds
+        self.buffer_chunks = config.live_buffer_chunks
+        self.networks = webrtc.parse_networks(config.webrtc_networks)
 
     @property
     def supported(self) -> bool:
-        return self.service.engine.info.capabilities.live
+        return self.engine.info.capabilities.live
 
     async def run(self, ws: WebSocket, api_keys: tuple[str, ...]) -> None:
         await ws.accept()
@@ -153,12 +155,11 @@ class LiveSessions:
         if not self.supported:
             raise APIError(400, "this model does not stream live video (a causal model does); use POST /v1/videos",
                            code="unsupported_model")
-        service = self.service
-        if service.draining:
+        if self.shutdown.draining:
             await self._refuse(ws, "server_shutdown", "the server is shutting down and starts no new sessions",
                                CLOSE_SERVICE_RESTART)
             return
-        peer, job = None, None
+        peer, job, admitted = None, None, False
         try:
             if msg is None:
                 msg = await asyncio.wait_for(read_message(ws), START_TIMEOUT_S)
@@ -169,19 +170,22 @@ class LiveSessions:
             if not isinstance(record, bool):
                 raise APIError(400, f"record must be true or false; got {record!r}", param="record",
                                code="invalid_value")
-            spec = service.requests.live(msg, self.max_seconds)
-            job = Job(spec.request_id, LIVE, service.admission.cost(spec, LIVE), client_id(key) if key else None)
-            service.admission.check_open(writes_files=record)
-            await run_in_threadpool(service.admission.admit, job)  # (with replicas: the shared store's transaction)
+            accepted = self.requests.live(msg, self.max_seconds)
+            spec = accepted.spec
+            job = Job(spec.request_id, LIVE, accepted.cost, client_id(key) if key else None)
+            self.admission.check_open(writes_files=record)
+            await run_in_threadpool(self.admission.admit, job)  # (with replicas: the shared store's transaction)
+            admitted = True
             if offer is not None:                                   # admitted: now the SDP work, off the loop
-                per_chunk = service.engine.info.capabilities.frames_per_chunk
+                per_chunk = self.engine.info.capabilities.frames_per_chunk
                 peer = await webrtc.answer_offer(offer, spec, per_chunk, ws, self.networks)
-            job.handle = service.engine.submit(spec)
+            self.runner.launch(job, accepted, follow=False)     # followed by this socket (`_session`)
         except BaseException as e:
             if peer is not None:
                 await peer.close()
-            if job is not None and service.jobs.remove(job):
-                await run_in_threadpool(service.admission.release, job)
+            if admitted:
+                self.jobs.remove(job)
+                await run_in_threadpool(self.admission.release, job)
             if isinstance(e, (ValueError, KeyError)) and not isinstance(e, APIError):   # RequestError included
                 param = getattr(e, "field", None)
                 raise APIError(400, str(e) if param else f"not a valid start message: {e}", param=param,
@@ -194,23 +198,24 @@ class LiveSessions:
         try:
             await self._session(ws, job, spec, peer, record)
         finally:
-            await run_in_threadpool(service.admission.release, job)
+            await run_in_threadpool(self.admission.release, job)
 
     async def _session(self, ws: WebSocket, job: Job, spec: GenerationSpec, peer=None, record: bool = False) -> None:
-        service, handle = self.service, job.handle
+        handle = job.handle
         recording = None
         if record:
             from longserve.server.api.live_recording import LiveRecording
 
-            recording = await service.runner.run_io(LiveRecording, service, spec, job.owner, peer is not None)
+            recording = await self.runner.run_io(LiveRecording, self.storage, self.model_name, spec, job.owner,
+                                                 peer is not None)
         prompts = {0: spec.prompt[0]}           # prompt index -> text: the pending switch and the last applied
         stopped = asyncio.Event()
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.buffer_chunks)
-        per_chunk = service.engine.info.capabilities.frames_per_chunk
+        per_chunk = self.engine.info.capabilities.frames_per_chunk
         # made on the runner's thread: the fMP4 muxer starts an encoder process, which takes the event loop
         # hundreds of milliseconds in a large process
-        job.sink = await service.runner.run_io(LiveOutputs, service.runner, spec, queue, prompts, stopped,
-                                               peer.track if peer else None, recording)
+        job.sink = await self.runner.run_io(LiveOutputs, self.runner, spec, queue, prompts, stopped,
+                                            peer.track if peer else None, recording)
         if peer is not None:
             def sent(index: int, pts: int) -> None:         # a chunk's first frame left on the track
                 if not queue.full():
@@ -237,7 +242,7 @@ class LiveSessions:
                 kind = msg.get("type")
                 try:
                     if kind == "prompt":
-                        service.requests.check_text("prompt", msg.get("prompt"))
+                        self.requests.check_text("prompt", msg.get("prompt"))
                         switched = handle.switch(msg.get("prompt"))
                         if switched is not None:
                             prompts[switched.prompt_index] = msg["prompt"]
@@ -258,10 +263,10 @@ class LiveSessions:
 
         async def produce() -> None:
             try:
-                await service.runner.follow(job)
+                await self.runner.follow(job)
             finally:
                 if job.sink.muxer is not None:
-                    await service.runner.run_io(job.sink.muxer.close)
+                    await self.runner.run_io(job.sink.muxer.close)
                 await queue.put(None)
 
         async def send() -> None:
@@ -282,7 +287,7 @@ class LiveSessions:
             if peer is not None:
                 await peer.close()
             if recording is not None and not recording.closed:     # the client left first: what was made is kept
-                await service.runner.run_io(recording.finish)
+                await self.runner.run_io(recording.finish)
         if tasks[2] in done and ws.application_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 await ws.close(1000)
@@ -316,23 +321,24 @@ class LiveOutputs:
         if not isinstance(out, FramesChunk):
             return None
         pixels, left_engine = out.frames[0], time.time()
+        live = out.live or LiveChunkInfo(self.chunks, 0)
         extra = {"t": round(left_engine, 4)}            # when the chunk left the engine (for clients' latency)
         if self.track is not None:
             data = None
-            self.track.push(pixels, out.info.get("chunk", self.chunks))
+            self.track.push(pixels, live.chunk)
         else:
             data = await self.runner.run_io(self.muxer.push, pixels)
-        p = out.info.get("prompt_index", 0)
+        p = live.prompt_index
         if self.recording is not None:          # before any drop: the recording has every chunk
             await self.runner.run_io(self.recording.add, data, pixels, self.prompts.get(p))
         items = []
         if p != self.last_prompt:
             items.append(("event", {"type": "prompt.applied", "prompt_index": p, "prompt": self.prompts.get(p),
-                                    "chunk": out.info.get("chunk")}))
+                                    "chunk": live.chunk}))
             for older in [i for i in self.prompts if i < p]:          # bounded: what applied before goes
                 del self.prompts[older]
             self.last_prompt = p
-        items.append(("chunk", {"type": "chunk", "index": out.info.get("chunk", self.chunks), "frames": len(pixels),
+        items.append(("chunk", {"type": "chunk", "index": live.chunk, "frames": len(pixels),
                                 "start_frame": out.start, "prompt_index": p, "bytes": len(data or b""),
                                 "dropped": self.dropped, **extra}, data))
         self.chunks, self.frames = self.chunks + 1, self.frames + len(pixels)

@@ -25,14 +25,14 @@ FENCE = 0
 
 
 class LiveRecording:
-    """`service`: the `VideoService`; `spec`: the session's request; `owner`: its key's id. Its methods touch files:
-    call them on the runner's io threads."""
+    """`storage`: the server's `VideoStorage`; `model_name`: the served model's; `spec`: the session's request;
+    `owner`: its key's id. Its methods touch files: call them on the runner's io threads."""
 
-    def __init__(self, service, spec, owner: str | None, own_muxer: bool):
+    def __init__(self, storage, model_name: str, spec, owner: str | None, own_muxer: bool):
         from longserve.server.live_media import ChunkMuxer
 
-        self.service, self.spec, self.owner = service, spec, owner
-        self.store = service.storage.store
+        self.storage, self.model_name, self.spec, self.owner = storage, model_name, spec, owner
+        self.store = storage.store
         self.created_at = int(time.time())
         self.muxer = ChunkMuxer(spec.width, spec.height, spec.fps) if own_muxer else None
         self.path = self.store.partial_path(spec.request_id, FENCE)
@@ -76,14 +76,14 @@ class LiveRecording:
             self.store.publish_files(vid, FENCE)
             self.store.published(vid, FENCE)
             rec = self.record()
-            self.service.storage.insert(rec, "the live recording")
+            self.storage.insert(rec, "the live recording")
             self.store.update(vid, expires_at=rec.expires_at, bytes=rec.bytes)   # (insert writes neither)
         except Exception:  # noqa: BLE001 - the session ended all the same; its recording is lost, and said so
             log.exception("recording live session %s failed", self.spec.request_id)
             self.store.remove_files(self.spec.request_id, FENCE)
             return None
-        if self.service.storage.quotas.on:          # its owner's quota counts it as any video
-            self.service.storage.quota(self.owner)
+        if self.storage.quotas.on:          # its owner's quota counts it as any video
+            self.storage.quota(self.owner)
         return vid
 
     def abort(self) -> None:
@@ -94,11 +94,11 @@ class LiveRecording:
 
     def record(self) -> VideoRecord:
         spec, now, vid = self.spec, int(time.time()), self.spec.request_id
-        params = {**spec.params(), "num_frames": self.frames, "fps": spec.fps}
+        params = {**spec.to_params(), "num_frames": self.frames}
         options = {k: v for k, v in params["options"].items() if k in ("live",)}
         params["options"] = {**options, "live": True, "prompts": self.prompts}
-        return VideoRecord(id=vid, created_at=self.created_at, status="completed", model=self.service.model_name,
+        return VideoRecord(id=vid, created_at=self.created_at, status="completed", model=self.model_name,
                            prompt=spec.prompt[0], seconds=f"{self.frames / spec.fps:g}",
                            size=f"{spec.width}x{spec.height}", params=params, progress=100, completed_at=now,
-                           expires_at=self.service.storage.expiry(now), owner=self.owner,
+                           expires_at=self.storage.expiry(now), owner=self.owner,
                            bytes=self.store.files_bytes(vid))

@@ -20,20 +20,13 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from longserve.server.api.pg_leases import LeaseLost, ReplicaRows, update_sql
 from longserve.server.api.store import (
-    ANY_OWNER,
-    COLUMNS,
-    INPUTS_SQL,
     INSERTED,
-    KEPT_SQL,
-    Kept,
     StoredFiles,
     StoreUnavailable,
     VideoRecord,
+    VideoRows,
     check_storable,
     inserted_values,
-    owner_clause,
-    page_clause,
-    record_from_row,
 )
 from longserve.server.api.store_wait import wait_for_database
 
@@ -88,9 +81,6 @@ MIGRATIONS: list[tuple[int, tuple[str, ...]]] = [
          "INSERT INTO longserve_settings_version VALUES (1, 0)")),
 ]
 
-_SELECT = f"SELECT {', '.join(COLUMNS)} FROM videos"
-
-
 def migrate(pool: ConnectionPool) -> list[int]:
     """Apply the migrations this database lacks (one transaction, under the advisory lock); the versions applied."""
     applied = []
@@ -113,8 +103,9 @@ def migrate(pool: ConnectionPool) -> list[int]:
 UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 
 
-class PostgresJobStore(ReplicaRows, StoredFiles):
-    """Thread-safe: each call takes a connection from the pool (autocommit; a claim is its own transaction).
+class PostgresJobStore(ReplicaRows, VideoRows, StoredFiles):
+    """The rows' queries are the SQLite store's (`VideoRows`, with psycopg's placeholder). Thread-safe: each call
+    takes a connection from the pool (autocommit; a claim is its own transaction).
 
     `timeout_s` (`--store-timeout`) bounds how long a call waits for a connection (the pool's wait, and each new
     connection's connect timeout): a database that refuses or drops connections is `StoreUnavailable` within it,
@@ -123,6 +114,9 @@ class PostgresJobStore(ReplicaRows, StoredFiles):
     again at once: the pool recovers by itself seconds after the database is back. `unavailable` says why the last
     call failed, until one succeeds (`/health`'s reason). At start, `wait_s` (`--store-wait`) is how long a
     database that does not answer yet is tried again (`wait_for_database`)."""
+
+    MARK = "%s"
+    SAME = "IS NOT DISTINCT FROM"
 
     def __init__(self, url: str, data_dir, video_dir=None, pool_size: int = 8, objects=None,
                  timeout_s: float = 3.0, wait_s: float = 0.0):
@@ -197,7 +191,7 @@ class PostgresJobStore(ReplicaRows, StoredFiles):
         with self._connection() as conn:
             return conn.execute(sql, args).rowcount
 
-    # -- rows (the SQLite store's interface) ----------------------------------------------------------
+    # -- writes (the reads are `VideoRows`') ----------------------------------------------------------
 
     def insert(self, rec: VideoRecord, cost: float = 1.0, conn=None, lease: tuple[str, float] | None = None) -> int:
         """Store a new record with its work (`cost`); in `conn`'s transaction when given (admission's); with `lease`
@@ -226,46 +220,6 @@ class PostgresJobStore(ReplicaRows, StoredFiles):
             sql = sql.replace("SET ", "SET lease_owner = NULL, lease_until = NULL, ", 1)
         if self._run(sql, args) == 0:
             raise LeaseLost(f"{video_id}: its lease (fence {fence}) was lost; another replica runs it")
-
-    def delete(self, video_id: str) -> bool:
-        return self._run("DELETE FROM videos WHERE id = %s", (video_id,)) > 0
-
-    def completed_with_key(self, request_key: str, owner: str | None) -> VideoRecord | None:
-        row = self._one(f"{_SELECT} WHERE request_key = %s AND owner IS NOT DISTINCT FROM %s AND status = "
-                        f"'completed' AND expired = 0 ORDER BY seq DESC LIMIT 1", (request_key, owner))
-        return record_from_row(row) if row else None
-
-    def get(self, video_id: str) -> VideoRecord | None:
-        row = self._one(f"{_SELECT} WHERE id = %s", (video_id,))
-        return record_from_row(row) if row else None
-
-    def page(self, after_seq: int | None, limit: int, order: str,
-             owner: str | None = None) -> tuple[list[VideoRecord], bool]:
-        where, direction, args = page_clause(after_seq, order, owner, "%s")
-        rows = self._all(f"{_SELECT} {where} ORDER BY seq {direction} LIMIT %s", (*args, limit + 1))
-        return [record_from_row(r) for r in rows[:limit]], len(rows) > limit
-
-    def counts_by_status(self) -> dict[str, int]:
-        return dict(self._all("SELECT status, COUNT(*) FROM videos GROUP BY status"))
-
-    def expired(self, now: int) -> list[str]:
-        return [r[0] for r in self._all("SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at <= %s "
-                                        "AND expired = 0 ORDER BY seq", (now,))]
-
-    def stored(self, owner=ANY_OWNER) -> list[Kept]:
-        where, args = owner_clause(owner, "%s")
-        return [Kept(*r) for r in self._all(KEPT_SQL.format(where=where), args)]
-
-    def active_inputs(self, owner=ANY_OWNER) -> int:
-        where, args = owner_clause(owner, "%s")
-        return int(self._one(INPUTS_SQL.format(where=where), args)[0])
-
-    def unmeasured(self) -> list[str]:
-        return [r[0] for r in self._all("SELECT id FROM videos WHERE status = 'completed' AND expired = 0 AND "
-                                        "bytes IS NULL")]
-
-    def by_status(self, status: str) -> list[VideoRecord]:
-        return [record_from_row(r) for r in self._all(f"{_SELECT} WHERE status = %s ORDER BY seq", (status,))]
 
 
 def first_line(error: BaseException) -> str:

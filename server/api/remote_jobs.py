@@ -23,7 +23,7 @@ from longserve.server.notify import Notifier
 log = logging.getLogger("longserve.server")
 
 #: how often a job that runs on another replica is looked at (once for all of this replica's clients)
-REMOTE_POLL_S = 0.25
+REMOTE_POLL_S = 0.5
 ACTIVE = ("queued", "in_progress")
 
 

@@ -214,22 +214,17 @@ class Replica:
         service.lifecycle.claimed(job, attempts, fence)
         service.jobs.add(job)
         try:
-            spec = GenerationSpec.from_params(rec.id, rec.prompt, rec.params)
-            spec.options.update(inputs)
-            job.handle = service.engine.submit(spec)
+            service.runner.launch(job, service.requests.stored(rec, inputs))
         except QueueFullError:
-            service.jobs.remove(job)
             self.store.unclaim(rec.id, fence)          # another replica, or this one later
             return
         except ValueError as e:
-            service.jobs.remove(job)
+            service.jobs.remove(job)                   # (refused before it was launched: still registered)
             if getattr(e, "field", None) == "lora" and any(service.loras.sync.wanted(a["name"])
                                                            for a in rec.params.get("lora") or []):
                 self.store.unclaim(rec.id, fence)      # an adapter this replica is still loading: another, or later
                 return
             self._fail(rec, fence, str(e))
-            return
-        service.runner.start(job)
 
     def _fail(self, rec, fence: int, message: str) -> None:
         self.store.update(rec.id, fence=fence, status="failed", completed_at=int(time.time()),

@@ -4,9 +4,11 @@ Its syntax: the `size` string ("WxH"), `seconds` as text, the multipart files (`
 on a model that extends, an MP4 to continue; `last_image`), the extend route's source video, the live start
 message. Its limits (`Limits`, from `ServeConfig` and the model): the longest video, the largest size, the
 most steps, the highest fps, the longest prompt, the largest upload. Everything else -- defaults, seconds ->
-frames under the VAE's frame rule, the prompt's and the model's checks -- is the engine's one completion
-(`VideoEngine.complete`, engine/request.py), whose `RequestError` becomes a 400 naming the HTTP field.
-The server's limits are applied to the filled-in spec before the model's checks see it.
+frames under the VAE's frame rule, the prompt's and the model's checks -- is the engine's one accept path
+(`VideoEngine.accept`, engine/request.py), whose `RequestError` becomes a 400 naming the HTTP field.
+The server's limits are applied to the filled-in spec before the model's checks see it (`ServerLimits.check`),
+and its admission prices the checked request in the same call (`ServerLimits.cost`): each door returns the
+engine's `Accepted` (spec, content frames, cost), which the service queues as it is.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass
 import PIL.Image
 
 from longserve.engine.config import REQUIRED
+from longserve.engine.engine import Accepted
 from longserve.engine.errors import public_message
 from longserve.engine.request import OVERLAP_OPTION, GenerationSpec, RequestError, RequestInput, frame_count
 from longserve.pipelines.media import VideoInputError, encoded_video, is_mp4
+from longserve.server.api.admission import job_cost
 from longserve.server.api.errors import APIError
 from longserve.server.api.protocol import VideoCreateRequest, VideoExtendRequest, parse_size
 from longserve.server.api.store import VideoRecord
@@ -79,6 +83,21 @@ class Limits:
                    pixels_per_token=max(1, info.capabilities.pixels_per_token))
 
 
+class ServerLimits:
+    """The server's `DoorLimits` for one request: `check` (its own limits on the filled-in spec, before the
+    model's; none for a stored job read back) and `cost` (admission's price, `admission.job_cost`)."""
+
+    def __init__(self, limits: Limits, frames_per_chunk: int = 0, check=None):
+        self.limits, self.frames_per_chunk, self._check = limits, frames_per_chunk, check
+
+    def check(self, spec: GenerationSpec) -> None:
+        if self._check is not None:
+            self._check(spec)
+
+    def cost(self, spec: GenerationSpec) -> float:
+        return job_cost(self.limits, spec, self.frames_per_chunk)
+
+
 class VideoRequests:
     """`engine`: the `VideoEngine` (read at every request: its capabilities decide what an upload may be)."""
 
@@ -91,7 +110,7 @@ class VideoRequests:
 
     # -- the three doors --------------------------------------------------------------------------------
 
-    def create(self, req: VideoCreateRequest) -> GenerationSpec:
+    def create(self, req: VideoCreateRequest) -> Accepted:
         """`POST /v1/videos` -> a complete spec (APIError naming the field)."""
         self._check_model(req.model)
         self.check_text("prompt", req.prompt)
@@ -115,7 +134,7 @@ class VideoRequests:
                                lora=req.lora, request_id=f"video_{uuid.uuid4().hex}")
         return self._complete(request, "input_reference", given_frames="num_frames" if seconds is None else None)
 
-    def extend(self, source: VideoRecord, path, req: VideoExtendRequest) -> GenerationSpec:
+    def extend(self, source: VideoRecord, path, req: VideoExtendRequest) -> Accepted:
         """`POST /v1/videos/{id}/extend` of the completed `source` (its MP4 at `path`): its size, fps, steps,
         guidance, negative prompt, LoRA adapters and model options carry over unless the request sets them."""
         self.check_extends()
@@ -140,7 +159,7 @@ class VideoRequests:
                                lora=pick(req.lora, p.get("lora") or []), request_id=f"video_{uuid.uuid4().hex}")
         return self._complete(request, "video_id")
 
-    def remix(self, source: VideoRecord, path, req: VideoExtendRequest) -> tuple[GenerationSpec, str]:
+    def remix(self, source: VideoRecord, path, req: VideoExtendRequest) -> tuple[Accepted, str]:
         """`POST /v1/videos/{id}/remix` of the completed `source` (its MP4 at `path`) with a new prompt -> (spec,
         how): on a model that extends ("extension"), the source continued under the new prompt; on one that takes
         an image ("image"), a video of the source's size, length and settings whose first frame is the source's
@@ -202,7 +221,7 @@ class VideoRequests:
                             f"most {lim.max_frames} frames: the nearest seconds it takes is \"{nearest}\"",
                        param="seconds", code="invalid_value")
 
-    def live(self, msg: dict, max_seconds: float) -> GenerationSpec:
+    def live(self, msg: dict, max_seconds: float) -> Accepted:
         """A live session's start message -> its spec: a request as long as `max_seconds` (--max-live-seconds)."""
         if msg.get("type") != "start":
             raise APIError(400, "the first message must be {\"type\": \"start\", \"prompt\": ...}", param="type",
@@ -222,7 +241,7 @@ class VideoRequests:
         image = msg.get("input_reference")        # a start image: a data URL, or {"image_url": data URL} as in create
         refs = self._references({"image_url": image} if isinstance(image, str) else image, {}) if image else {}
         request = RequestInput(prompt=prompt, seconds=max_seconds, height=height, width=width, seed=msg.get("seed"),
-                               fps=msg.get("fps"), output="uint8", options={"live": True, **refs},
+                               fps=msg.get("fps"), output="uint8", options=refs, live=True,
                                request_id=f"live_{uuid.uuid4().hex}")
         return self._complete(request, "input_reference", session=True, params={"image": "input_reference"})
 
@@ -241,10 +260,18 @@ class VideoRequests:
 
     # -- completion with the server's limits ---------------------------------------------------------------
 
+    def stored(self, rec: VideoRecord, inputs: dict | None = None) -> Accepted:
+        """A stored job read back (a restart's queued job, a replica's claim; `inputs`: its uploads) -> `Accepted`:
+        checked again as it is by this server's engine (its adapters, its model), priced by its admission."""
+        spec = GenerationSpec.from_params(rec.id, rec.prompt, rec.params)
+        spec.options.update(inputs or {})
+        return self.engine.accept(spec, ServerLimits(self.limits))
+
     def _complete(self, request: RequestInput, source_field: str, given_frames: str | None = None,
-                  session: bool = False, params: dict | None = None) -> GenerationSpec:
-        """`engine.complete` with the server's limits; a RequestError is a 400 naming the HTTP field (`params`:
-        the engine's field -> the door's, by default a size's sides -> `size`, a media input -> its file)."""
+                  session: bool = False, params: dict | None = None) -> Accepted:
+        """`engine.accept` with the server's limits and price; a RequestError is a 400 naming the HTTP field
+        (`params`: the engine's field -> the door's, by default a size's sides -> `size`, a media input -> its
+        file)."""
         lim = self.limits
         video = request.options.get("video")
 
@@ -259,16 +286,17 @@ class VideoRequests:
                 raise APIError(400, f"num_inference_steps must be in [1, {lim.max_steps}]; got "
                                     f"{spec.num_inference_steps}", param="num_inference_steps", code="invalid_value")
 
+        per_chunk = self.engine.info.capabilities.frames_per_chunk if session else 0
         try:
-            spec = self.engine.complete(request, limits)
+            accepted = self.engine.accept(request, ServerLimits(lim, per_chunk, limits))
         except RequestError as e:
             if params is None:
                 params = {"height": "size", "width": "size", "image": "input_reference", "video": source_field}
             param = params.get(e.field, e.field)
             raise APIError(400, public_message(e), param=param, code="invalid_value") from None
-        if video is not None and (content := self.engine.content_frames(spec)) > lim.max_frames:
-            self._too_long(spec, request, source_field, video, content)
-        return spec
+        if video is not None and accepted.content_frames > lim.max_frames:
+            self._too_long(accepted.spec, request, source_field, video, accepted.content_frames)
+        return accepted
 
     def _too_long(self, spec, request: RequestInput, source_field: str, video, content: int | None = None):
         lim, fps = self.limits, spec.fps

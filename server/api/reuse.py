@@ -16,7 +16,7 @@ def stored_params(spec: GenerationSpec) -> dict:
     """The spec's parameters as the record keeps them (JSON), with its fps: an image is kept as its size, a video as
     its frame count and size, not their pixels. A queued job with either is therefore not run again after a
     restart (its input lived in memory only)."""
-    params = {**spec.params(), "fps": spec.fps}
+    params = spec.to_params()
     options = params["options"]
     for name in ("image", "last_image"):
         if name in options:
@@ -45,7 +45,7 @@ def checkpoint_fingerprint(model_dir, dtype: str, loras=()) -> str:
 def request_key(checkpoint: str, spec: GenerationSpec, fps: int, adapters=()) -> str:
     """Two create requests with equal keys make the same video: the checkpoint, the prompt, every generation
     parameter with the seed, the fps, and the input images by their pixels' digest."""
-    params = spec.params()
+    params = spec.to_params()
     options = params["options"]
     for name, value in list(options.items()):
         if isinstance(value, EncodedImage) or is_encoded_video(value):   # an uploaded file: its digest

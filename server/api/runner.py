@@ -12,7 +12,9 @@ output that follows, which is that failure (or, if the request had already finis
 all the same). A job deleted meanwhile (no longer in the registry) only gets `cancelled(job, DELETED)`,
 whatever its final output: what it wrote is dropped.
 
-Videos are followed on the runner's own event loop thread (`start`), so a client's connection never
+Every job starts one way, `launch(job, accepted)`: its request queued on the engine, rolled back out of the registry
+when the engine refuses it, then followed. Videos are followed on the runner's own event loop thread, so a client's
+connection never
 holds one up; a live session's coroutine runs in its WebSocket's loop (`follow`). Blocking work (SQLite,
 PNG, feeding ffmpeg) runs on the runner's small thread pool (`run_io`), awaited by that job alone.
 """
@@ -45,8 +47,11 @@ class JobSink(Protocol):
 
 
 class JobRunner:
+    """`jobs`: the registry a job leaves when it ends; `engine`: what `launch` queues on (set once it is loaded)."""
+
     def __init__(self, jobs: JobRegistry, io_threads: int = 8):
         self.jobs = jobs
+        self.engine = None
         self.io = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="longserve-io")
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="longserve-jobs", daemon=True)
@@ -58,8 +63,29 @@ class JobRunner:
         """Run a coroutine on the runner's loop (a video's follower, the store's housekeeping)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
+    def launch(self, job: Job, accepted, then=None, follow: bool = True) -> None:
+        """Start a job already in the registry (admitted, or added: a restart's queued job, a replica's claim):
+        queue its accepted request on the engine (`job.handle`), run `then()` (a create storing and announcing its
+        record), and follow it on the runner's loop (`follow=False`: a live session's socket follows it in its own
+        loop). When the engine refuses the request or `then` fails, the request ends, the job leaves the registry
+        and the error propagates: its caller says what it means (a 429, an unclaim, a failed record)."""
+        try:
+            job.handle = self.engine.submit(accepted)
+        except BaseException:
+            self.jobs.remove(job)
+            raise
+        if then is not None:
+            try:
+                then()
+            except BaseException:
+                job.handle.abort(DELETED)     # nothing was stored: nothing to follow
+                self.jobs.remove(job)
+                raise
+        if follow:
+            self.start(job)
+
     def start(self, job: Job) -> None:
-        """Follow a video's handle on the runner's loop."""
+        """Follow a launched video's handle on the runner's loop."""
         self.spawn(self.follow(job))
 
     async def run_io(self, fn, *args):

@@ -3,8 +3,8 @@
 It holds the parts, each with one job, and does the API's video operations with them (create, extend, get, list,
 delete, content, events):
 
-    requests.py    VideoRequests   HTTP shapes -> a complete spec: the server's syntax and limits only
-                                   (the engine completes a request: `VideoEngine.complete`)
+    requests.py    VideoRequests   HTTP shapes -> the engine's `Accepted`: the server's syntax and limits only
+                                   (the engine accepts a request once: `VideoEngine.accept`)
     admission.py   AdmissionGate   one gate for create, extend and live: draining 503, disk 507, work 429
     jobs.py        JobRegistry     the active jobs, videos and live sessions, with their cost and owner
     runner.py      JobRunner       follows each job's engine handle; its final output, handled in one place
@@ -30,7 +30,7 @@ import re
 import time
 from pathlib import Path
 
-from longserve.engine.engine import VideoEngine
+from longserve.engine.engine import Accepted, VideoEngine
 from longserve.engine.request import GenerationSpec
 from longserve.engine.scheduler import QueueFullError
 from longserve.server.api.admission import AdmissionGate
@@ -73,11 +73,11 @@ class VideoService:
         self.broker = EventBroker()
         self.runner = JobRunner(self.jobs)
         self.shutdown = Shutdown(self.jobs, self.broker)
-        self.monitor = ServerHealth(self)
+        self.startup = StartupProgress()  # what the start is doing (/health/ready's body)
+        self.monitor = ServerHealth(config, self.startup, self.shutdown)
         self.metrics = ServerMetrics(self)
         self.lifecycle = None             # a job's transitions: log lines, metrics, webhooks (lifecycle.py)
         self.replica = None               # with a shared store: this replica's claim cycle (replicas.py)
-        self.startup = StartupProgress()  # what the start is doing (/health/ready's body)
         self.started = False              # the model is loaded and warmed: the API's routes answer
         self._closing = False
 
@@ -92,6 +92,7 @@ class VideoService:
         except BaseException as e:
             self.startup.failed(str(e).splitlines()[0] if str(e) else type(e).__name__)
             raise
+        self.monitor.serving(self.engine, self.storage, self.model_name, self.warm_up_s, self.replica)
         self.started = True
         self.startup.finish()
         return self
@@ -120,7 +121,7 @@ class VideoService:
         except BaseException:
             engine.close()
             raise
-        self.engine = engine
+        self.engine = self.runner.engine = engine
         self.engine.add_batch_listener(self.metrics.on_batch)
         self.limits = Limits.of(self.engine, cfg)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
@@ -130,7 +131,8 @@ class VideoService:
         self.lifecycle = JobLifecycle(self.metrics, self.model_name, self.replica_id, self.webhooks)
         self.outputs = VideoOutputs(self.jobs, self.storage, self.broker, self.runner, self.lifecycle,
                                     keyframe_interval=cfg.engine.decode_chunk_frames)
-        self.live = LiveSessions(self)
+        self.live = LiveSessions(cfg, self.engine, self.requests, self.admission, self.jobs, self.runner,
+                                 self.shutdown, self.storage, self.model_name)
         self._checkpoint = checkpoint_fingerprint(self.engine.model_dir, cfg.engine.dtype, self.engine.config.loras)
         self.runner.start_loop()
         progress.begin("recover", "the last run's queued jobs")
@@ -167,25 +169,22 @@ class VideoService:
                     "message": "the server stopped before this job ran, and its input (an image, or the video it "
                                "extends) was held in memory only; create it again"})
                 continue
-            spec = GenerationSpec.from_params(rec.id, rec.prompt, rec.params)
-            job = Job(rec.id, VIDEO, self.admission.cost(spec, VIDEO), rec.owner, record=rec, sink=self.outputs)
-            self.jobs.add(job)                            # counted by admission, never refused
             try:
-                job.handle = self.engine.submit(spec)
+                accepted = self.requests.stored(rec)
+                job = Job(rec.id, VIDEO, accepted.cost, rec.owner, record=rec, sink=self.outputs)
+                self.jobs.add(job)                        # counted by admission, never refused
+                self.runner.launch(job, accepted)
             except (QueueFullError, ValueError) as e:
-                self.jobs.remove(job)
                 self.storage.finish_record(rec, status="failed", error={"code": "server_restarted",
                                                                         "message": str(e)})
-                continue
-            self.runner.start(job)
 
     # -- the API's operations -----------------------------------------------------------------------
 
     def create(self, req: VideoCreateRequest, caller: Caller = NO_KEY) -> Video:
         """`POST /v1/videos` (blocking: run it in a thread). `caller`: who asks (the video is its owner's)."""
         self.admission.check_open()
-        spec = self.requests.create(req)
-        return self._submit(spec, caller.owner, seeded=req.seed is not None, asked_seconds=req.seconds)
+        accepted = self.requests.create(req)
+        return self._submit(accepted, caller.owner, seeded=req.seed is not None, asked_seconds=req.seconds)
 
     def extend(self, video_id: str, req: VideoExtendRequest, caller: Caller = NO_KEY) -> Video:
         """`POST /v1/videos/{id}/extend`: a new video whose content is the completed video `video_id` continued.
@@ -195,8 +194,8 @@ class VideoService:
         self.requests.check_extends()
         if source.status != "completed":
             raise not_ready(source)
-        spec = self.requests.extend(source, self.content_path(video_id, "video", caller), req)
-        return self._submit(spec, caller.owner, seeded=req.seed is not None, extended_from=video_id)
+        accepted = self.requests.extend(source, self.content_path(video_id, "video", caller), req)
+        return self._submit(accepted, caller.owner, seeded=req.seed is not None, extended_from=video_id)
 
     def remix(self, video_id: str, req: VideoExtendRequest, caller: Caller = NO_KEY) -> Video:
         """`POST /v1/videos/{id}/remix`: a new video from the completed `video_id` under a new prompt (an extension
@@ -211,24 +210,24 @@ class VideoService:
             path = self.content_path(video_id, "video", caller)
         else:
             path = None                               # refused by the door, naming model
-        spec, how = self.requests.remix(source, path, req)
-        return self._submit(spec, caller.owner, seeded=req.seed is not None, remixed_from=video_id,
+        accepted, how = self.requests.remix(source, path, req)
+        return self._submit(accepted, caller.owner, seeded=req.seed is not None, remixed_from=video_id,
                             extended_from=video_id if how == "extension" else None)
 
-    def _submit(self, spec: GenerationSpec, owner: str | None, seeded: bool, extended_from: str | None = None,
+    def _submit(self, accepted: Accepted, owner: str | None, seeded: bool, extended_from: str | None = None,
                 asked_seconds: str | None = None, remixed_from: str | None = None):
         """Admit a complete request, queue it and store its record; with an explicit seed (`seeded`), a repeat of a
         completed request of the same owner reuses its content (`--reuse-completed`). The record's `seconds` is
         the caller's own text where a create gave one (`num_frames` has the count made, by the model's frame rule),
         else the content's length."""
-        key = None
+        spec, key = accepted.spec, None
         if seeded and self.config.reuse_completed == "seeded":
             key = request_key(self._checkpoint, spec, spec.fps, self.engine.config.loras)   # inputs by digest
             reused = self._reuse(key, spec, owner, extended_from)
             if reused is not None:
                 return reused
         # an extension's content is the video it continues and the new frames: what seconds and num_frames say
-        frames = self.engine.content_frames(spec)
+        frames = accepted.content_frames
         params = stored_params(spec)
         if remixed_from is not None:
             params["remixed_from"] = remixed_from
@@ -239,32 +238,28 @@ class VideoService:
                           prompt=spec.prompt[0], seconds=seconds or f"{frames / spec.fps:g}",
                           size=f"{spec.width}x{spec.height}",
                           params=params, request_key=key, extended_from=extended_from, owner=owner)
-        job = Job(spec.request_id, VIDEO, self.admission.cost(spec, VIDEO), owner, record=rec, sink=self.outputs)
+        job = Job(spec.request_id, VIDEO, accepted.cost, owner, record=rec, sink=self.outputs)
         if self.replica is not None and self.replica.enqueue(job, spec):   # stored for a replica to claim
             self.lifecycle.created(job)
             return video_view(rec)
         # 429 past the work limits; with replicas (an upload with no shared media store: its input is in this
         # process's memory) stored at once, claimed by this replica
         self.admission.admit(job)
+
+        def created() -> None:                      # stored (with replicas: already), then announced
+            if self.replica is None:
+                self.storage.insert(rec, "the job")
+            self.lifecycle.created(job)
+
         try:
-            job.handle = self.engine.submit(spec)
+            self.runner.launch(job, accepted, then=created)
         except BaseException as e:
-            self.jobs.remove(job)
-            if self.replica is not None:
+            if self.replica is not None and job.handle is None:
                 self.storage.delete(rec.id)
             if isinstance(e, QueueFullError):
                 raise APIError(429, f"the queue is full ({self.config.engine.max_queue} videos waiting); retry "
                                     f"later", code="queue_full", headers={"Retry-After": "5"}) from None
             raise
-        if self.replica is None:
-            try:
-                self.storage.insert(rec, "the job")
-            except BaseException:
-                job.handle.abort(DELETED)           # nothing was stored: nothing to follow
-                self.jobs.remove(job)
-                raise
-        self.lifecycle.created(job)
-        self.runner.start(job)
         return video_view(rec)
 
     def _reuse(self, key: str, spec: GenerationSpec, owner: str | None, extended_from: str | None) -> Video | None:

@@ -25,7 +25,7 @@ from longserve.server.api.config import safe_url
 from longserve.server.api.errors import APIError
 from longserve.server.api.media_store import media_dir, open_objects
 from longserve.server.api.quota import StorageQuota
-from longserve.server.api.store import ANY_OWNER, JobStore, StoreUnavailable, VideoRecord
+from longserve.server.api.store import ANY_OWNER, SqliteJobStore, StoreUnavailable, VideoRecord
 from longserve.server.media import storage_error_code
 
 log = logging.getLogger("longserve.server")
@@ -344,7 +344,7 @@ def open_store(config):
                                     timeout_s=config.store_timeout_s, wait_s=getattr(config, "store_wait_s", 0.0))
         except StoreUnavailable as e:        # at start: one line naming the flag (the CLI prints ValueErrors)
             raise ValueError(f"--store {safe_url(url)}: {e}") from None
-    return JobStore(config.data_dir, video_dir)
+    return SqliteJobStore(config.data_dir, video_dir)
 
 
 def retried(write):

@@ -1,4 +1,9 @@
-"""The job store: one SQLite table of video jobs, and their files under the data directory.
+"""The job store: one table of video jobs, and their files under the data directory.
+
+`VIDEO_TABLE` defines the table once (each column's name, kind and constraints) for both stores: SQLite (here, one
+server) and PostgreSQL (`pg_store.py`, the replicas' shared store, whose versioned migrations must build the same
+columns: `tests/server/test_store_contract.py` compares them). `JobStore` is the protocol the service uses;
+`VideoRows` writes its queries once over a driver's placeholder, and each store adds its connection and its writes.
 
     <data-dir>/                        mode 0700 when the server creates it (prompts are private)
     <data-dir>/longserve.db            jobs (WAL mode; survives restarts; mode 0600)
@@ -28,45 +33,48 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from longserve.server.api.errors import StoreUnavailable  # noqa: F401 - the stores raise it (one name for both)
 from longserve.server.api.json_input import door_text_problem, safe_text
 from longserve.server.api.stored_files import StoredFiles
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS videos (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
-    id           TEXT NOT NULL UNIQUE,
-    created_at   INTEGER NOT NULL,
-    completed_at INTEGER,
-    status       TEXT NOT NULL,
-    progress     INTEGER NOT NULL DEFAULT 0,
-    model        TEXT NOT NULL,
-    prompt       TEXT NOT NULL,
-    seconds      TEXT NOT NULL,
-    size         TEXT NOT NULL,
-    params       TEXT NOT NULL,
-    error        TEXT,
-    expires_at   INTEGER,
-    expired      INTEGER NOT NULL DEFAULT 0,
-    bytes        INTEGER,
-    request_key  TEXT,
-    extended_from TEXT,
-    owner        TEXT,
-    content      TEXT,
-    input_bytes  INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS videos_status ON videos(status);
-"""
+#: the videos table, for both stores: (column, kind, constraints). Kinds: "seq" the row's order (the key), "text",
+#: "int" a small integer, "big" a count of seconds or bytes (64-bit in PostgreSQL)
+VIDEO_TABLE = (
+    ("seq", "seq", ""), ("id", "text", "NOT NULL UNIQUE"), ("created_at", "big", "NOT NULL"),
+    ("completed_at", "big", ""), ("status", "text", "NOT NULL"), ("progress", "int", "NOT NULL DEFAULT 0"),
+    ("model", "text", "NOT NULL"), ("prompt", "text", "NOT NULL"), ("seconds", "text", "NOT NULL"),
+    ("size", "text", "NOT NULL"), ("params", "text", "NOT NULL"), ("error", "text", ""), ("expires_at", "big", ""),
+    ("expired", "int", "NOT NULL DEFAULT 0"), ("bytes", "big", ""), ("request_key", "text", ""),
+    ("extended_from", "text", ""), ("owner", "text", ""), ("content", "text", ""),
+    ("input_bytes", "big", "NOT NULL DEFAULT 0"),
+)
+COLUMNS = tuple(name for name, _, _ in VIDEO_TABLE)
+#: each kind's type in each store
+COLUMN_TYPES = {"sqlite": {"seq": "INTEGER", "text": "TEXT", "int": "INTEGER", "big": "INTEGER"},
+                "postgresql": {"seq": "BIGINT", "text": "TEXT", "int": "INTEGER", "big": "BIGINT"}}
+#: indexes both stores keep (PostgreSQL's replicas add their own: `pg_store.MIGRATIONS`)
+VIDEO_INDEXES = {"videos_status": "status", "videos_request_key": "request_key", "videos_owner": "owner, seq"}
 
-COLUMNS = ("seq", "id", "created_at", "completed_at", "status", "progress", "model", "prompt", "seconds", "size",
-            "params", "error", "expires_at", "expired", "bytes", "request_key",
-            "extended_from", "owner", "content", "input_bytes")
-#: columns added after the first release, with their declarations (a data dir written before gets them)
-_ADDED = {"expires_at": "INTEGER", "expired": "INTEGER NOT NULL DEFAULT 0", "bytes": "INTEGER",
-          "request_key": "TEXT", "extended_from": "TEXT", "owner": "TEXT", "content": "TEXT",
-          "input_bytes": "INTEGER NOT NULL DEFAULT 0"}
+
+def column_declaration(name: str, kind: str, constraints: str, dialect: str) -> str:
+    if kind == "seq":
+        return f"{name} INTEGER PRIMARY KEY AUTOINCREMENT" if dialect == "sqlite" else f"{name} BIGSERIAL PRIMARY KEY"
+    return f"{name} {COLUMN_TYPES[dialect][kind]} {constraints}".rstrip()
+
+
+def create_sqlite_table(db: sqlite3.Connection) -> None:
+    """The SQLite store's table and indexes, from `VIDEO_TABLE`; a data dir written before a column existed gets
+    it (every column added after the first release has a default or takes NULL)."""
+    columns = ", ".join(column_declaration(*c, "sqlite") for c in VIDEO_TABLE)
+    db.execute(f"CREATE TABLE IF NOT EXISTS videos ({columns})")
+    present = {row[1] for row in db.execute("PRAGMA table_info(videos)")}
+    for name, kind, constraints in VIDEO_TABLE:
+        if name not in present:
+            db.execute(f"ALTER TABLE videos ADD COLUMN {column_declaration(name, kind, constraints, 'sqlite')}")
+    for name, columns in VIDEO_INDEXES.items():
+        db.execute(f"CREATE INDEX IF NOT EXISTS {name} ON videos({columns})")
 
 
 #: `stored` and `active_inputs` of every owner (the default of their `owner`)
@@ -75,7 +83,7 @@ ANY_OWNER = "*"
 
 @dataclass
 class VideoRecord:
-    """One job as stored. `params`: the generation parameters (`GenerationSpec.params()`) and the fps."""
+    """One job as stored. `params`: the generation parameters (`GenerationSpec.to_params()`, its fps among them)."""
 
     id: str
     created_at: int
@@ -120,8 +128,109 @@ def check_storable(rec: VideoRecord) -> None:
             raise ValueError(f"video {rec.id}: its {name} {problem}")
 
 
-class JobStore(StoredFiles):
-    """The SQLite store. Thread-safe (one connection behind a lock: statements are tiny)."""
+class JobStore(Protocol):
+    """What the service asks of a job store (`SqliteJobStore`; `pg_store.PostgresJobStore`, which the replicas
+    share, adds claims and leases): the rows, plus the files (`StoredFiles`). Both pass one contract
+    (`tests/server/test_store_contract.py`)."""
+
+    def insert(self, rec: VideoRecord, cost: float = 1.0) -> int: ...
+
+    def update(self, video_id: str, **fields) -> None: ...
+
+    def delete(self, video_id: str) -> bool: ...
+
+    def get(self, video_id: str) -> VideoRecord | None: ...
+
+    def completed_with_key(self, request_key: str, owner: str | None) -> VideoRecord | None: ...
+
+    def page(self, after_seq: int | None, limit: int, order: str,
+             owner: str | None = None) -> tuple[list[VideoRecord], bool]: ...
+
+    def counts_by_status(self) -> dict[str, int]: ...
+
+    def expired(self, now: int) -> list[str]: ...
+
+    def stored(self, owner=ANY_OWNER) -> list[Kept]: ...
+
+    def active_inputs(self, owner=ANY_OWNER) -> int: ...
+
+    def unmeasured(self) -> list[str]: ...
+
+    def by_status(self, status: str) -> list[VideoRecord]: ...
+
+    def close(self) -> None: ...
+
+
+class VideoRows:
+    """The queries of `JobStore` both stores share, written once: a store gives its driver's placeholder (`MARK`),
+    its null-safe equality (`SAME`) and `_all` / `_one` / `_run` (a statement's rows, first row, rows touched)."""
+
+    MARK = "?"
+    SAME = "IS"
+
+    def _all(self, sql: str, args=()) -> list[tuple]:
+        raise NotImplementedError
+
+    def _one(self, sql: str, args=()) -> tuple | None:
+        raise NotImplementedError
+
+    def _run(self, sql: str, args=()) -> int:
+        raise NotImplementedError
+
+    def delete(self, video_id: str) -> bool:
+        return self._run(f"DELETE FROM videos WHERE id = {self.MARK}", (video_id,)) > 0
+
+    def completed_with_key(self, request_key: str, owner: str | None) -> VideoRecord | None:
+        """The newest completed video whose files are kept, made by a request with this key, of this owner (None:
+        the rows without one): reuse never crosses owners."""
+        m = self.MARK
+        row = self._one(f"{SELECT} WHERE request_key = {m} AND owner {self.SAME} {m} AND status = 'completed' AND "
+                        f"expired = 0 ORDER BY seq DESC LIMIT 1", (request_key, owner))
+        return record_from_row(row) if row else None
+
+    def get(self, video_id: str) -> VideoRecord | None:
+        row = self._one(f"{SELECT} WHERE id = {self.MARK}", (video_id,))
+        return record_from_row(row) if row else None
+
+    def page(self, after_seq: int | None, limit: int, order: str,
+             owner: str | None = None) -> tuple[list[VideoRecord], bool]:
+        """Up to `limit` records after `after_seq` in creation order (`asc` or `desc`), and whether more follow;
+        only `owner`'s when given (None: every record)."""
+        where, direction, args = page_clause(after_seq, order, owner, self.MARK)
+        rows = self._all(f"{SELECT} {where} ORDER BY seq {direction} LIMIT {self.MARK}", (*args, limit + 1))
+        return [record_from_row(r) for r in rows[:limit]], len(rows) > limit
+
+    def counts_by_status(self) -> dict[str, int]:
+        return dict(self._all("SELECT status, COUNT(*) FROM videos GROUP BY status"))
+
+    def expired(self, now: int) -> list[str]:
+        """Ids of the finished jobs whose `expires_at` has passed and that are not yet marked expired."""
+        return [r[0] for r in self._all(f"SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at <= "
+                                        f"{self.MARK} AND expired = 0 ORDER BY seq", (now,))]
+
+    def stored(self, owner=ANY_OWNER) -> list[Kept]:
+        """Every completed video whose files are kept (`owner`'s only, when given: None is the rows without one),
+        oldest completed first."""
+        where, args = owner_clause(owner, self.MARK)
+        return [Kept(*r) for r in self._all(KEPT_SQL.format(where=where), args)]
+
+    def active_inputs(self, owner=ANY_OWNER) -> int:
+        """Bytes of the uploads the active jobs keep in the media store (`owner`'s only, when given)."""
+        where, args = owner_clause(owner, self.MARK)
+        return int(self._one(INPUTS_SQL.format(where=where), args)[0])
+
+    def unmeasured(self) -> list[str]:
+        """Completed videos kept from before `bytes` was recorded."""
+        return [r[0] for r in self._all("SELECT id FROM videos WHERE status = 'completed' AND expired = 0 AND "
+                                        "bytes IS NULL")]
+
+    def by_status(self, status: str) -> list[VideoRecord]:
+        return [record_from_row(r) for r in self._all(f"{SELECT} WHERE status = {self.MARK} ORDER BY seq",
+                                                      (status,))]
+
+
+class SqliteJobStore(VideoRows, StoredFiles):
+    """The SQLite store (one server). Thread-safe (one connection behind a lock: statements are tiny)."""
 
     def __init__(self, data_dir: str | Path, video_dir: str | Path | None = None):
         super().__init__(data_dir, video_dir)
@@ -133,19 +242,25 @@ class JobStore(StoredFiles):
         self._db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(videos)")}
-        for name, declaration in _ADDED.items():  # a data dir written before the column existed
-            if name not in columns:
-                self._db.execute(f"ALTER TABLE videos ADD COLUMN {name} {declaration}")
-        self._db.execute("CREATE INDEX IF NOT EXISTS videos_request_key ON videos(request_key)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS videos_owner ON videos(owner, seq)")
+        create_sqlite_table(self._db)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    # -- rows -----------------------------------------------------------------------------------
+    def _all(self, sql: str, args=()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _one(self, sql: str, args=()) -> tuple | None:
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
+
+    def _run(self, sql: str, args=()) -> int:
+        with self._lock:
+            return self._db.execute(sql, args).rowcount
+
+    # -- writes -----------------------------------------------------------------------------------
 
     def insert(self, rec: VideoRecord, cost: float = 1.0) -> int:
         """Store a new record (`cost`: its work, what replicas claim by; one server has no use for it)."""
@@ -165,75 +280,7 @@ class JobStore(StoredFiles):
         if "expired" in fields:
             fields["expired"] = int(fields["expired"])
         sets = ", ".join(f"{k} = ?" for k in fields)
-        with self._lock:
-            self._db.execute(f"UPDATE videos SET {sets} WHERE id = ?", (*fields.values(), video_id))
-
-    def delete(self, video_id: str) -> bool:
-        with self._lock:
-            return self._db.execute("DELETE FROM videos WHERE id = ?", (video_id,)).rowcount > 0
-
-    def completed_with_key(self, request_key: str, owner: str | None) -> VideoRecord | None:
-        """The newest completed video whose files are kept, made by a request with this key, of this owner (None:
-        the rows without one): reuse never crosses owners."""
-        with self._lock:
-            row = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos WHERE request_key = ? AND owner IS ? "
-                                   f"AND status = 'completed' AND expired = 0 ORDER BY seq DESC LIMIT 1",
-                                   (request_key, owner)).fetchone()
-        return record_from_row(row) if row else None
-
-    def get(self, video_id: str) -> VideoRecord | None:
-        with self._lock:
-            row = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos WHERE id = ?", (video_id,)).fetchone()
-        return record_from_row(row) if row else None
-
-    def page(self, after_seq: int | None, limit: int, order: str,
-             owner: str | None = None) -> tuple[list[VideoRecord], bool]:
-        """Up to `limit` records after `after_seq` in creation order (`asc` or `desc`), and whether more follow;
-        only `owner`'s when given (None: every record)."""
-        where, direction, args = page_clause(after_seq, order, owner, "?")
-        with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos {where} ORDER BY seq {direction} "
-                                    f"LIMIT ?", (*args, limit + 1)).fetchall()
-        return [record_from_row(r) for r in rows[:limit]], len(rows) > limit
-
-    def counts_by_status(self) -> dict[str, int]:
-        with self._lock:
-            rows = self._db.execute("SELECT status, COUNT(*) FROM videos GROUP BY status").fetchall()
-        return dict(rows)
-
-    def expired(self, now: int) -> list[str]:
-        """Ids of the finished jobs whose `expires_at` has passed and that are not yet marked expired."""
-        with self._lock:
-            rows = self._db.execute("SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at <= ? "
-                                    "AND expired = 0 ORDER BY seq", (now,)).fetchall()
-        return [r[0] for r in rows]
-
-    def stored(self, owner=ANY_OWNER) -> list[Kept]:
-        """Every completed video whose files are kept (`owner`'s only, when given: None is the rows without one),
-        oldest completed first."""
-        where, args = owner_clause(owner, "?")
-        with self._lock:
-            rows = self._db.execute(KEPT_SQL.format(where=where), args).fetchall()
-        return [Kept(*r) for r in rows]
-
-    def active_inputs(self, owner=ANY_OWNER) -> int:
-        """Bytes of the uploads the active jobs keep in the media store (`owner`'s only, when given)."""
-        where, args = owner_clause(owner, "?")
-        with self._lock:
-            return self._db.execute(INPUTS_SQL.format(where=where), args).fetchone()[0]
-
-    def unmeasured(self) -> list[str]:
-        """Completed videos kept from before `bytes` was recorded."""
-        with self._lock:
-            rows = self._db.execute("SELECT id FROM videos WHERE status = 'completed' AND expired = 0 AND "
-                                    "bytes IS NULL").fetchall()
-        return [r[0] for r in rows]
-
-    def by_status(self, status: str) -> list[VideoRecord]:
-        with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM videos WHERE status = ? ORDER BY seq",
-                                    (status,)).fetchall()
-        return [record_from_row(r) for r in rows]
+        self._run(f"UPDATE videos SET {sets} WHERE id = ?", (*fields.values(), video_id))
 
 
 #: the columns a new record is stored with, and their values (both stores)
@@ -242,6 +289,7 @@ INSERTED = ("id", "created_at", "completed_at", "status", "progress", "model", "
 KEPT_SQL = ("SELECT id, owner, COALESCE(content, id), COALESCE(bytes, 0), expires_at FROM videos WHERE status = "
             "'completed' AND expired = 0{where} ORDER BY completed_at, seq")
 INPUTS_SQL = "SELECT COALESCE(SUM(input_bytes), 0) FROM videos WHERE status IN ('queued', 'in_progress'){where}"
+SELECT = f"SELECT {', '.join(COLUMNS)} FROM videos"
 
 
 def inserted_values(rec: VideoRecord) -> tuple:

@@ -77,8 +77,8 @@ class VideoOutputs:
                 t0 = time.perf_counter()
                 await job.writer.write_async(out.frames[0])     # (n, H, W, 3) uint8: this job's own hand-off
                 job.times["mux_s"] = job.times.get("mux_s", 0.0) + time.perf_counter() - t0
-                if out.info.get("audio") is not None:             # a sound that came after the first frames: muxed
-                    job.writer.add_audio(out.info["audio"][0], out.info["audio_rate"])   # in when the picture is done
+                if out.audio is not None:                         # a sound that came after the first frames: muxed
+                    job.writer.add_audio(out.audio.samples[0], out.audio.rate)   # in when the picture is done
             except OSError as e:                                  # the thumbnail, or the writer's part file
                 return self._write_failed(storage_error_code(e), f"writing the video failed: {e}")
             if job.writer.failed:
@@ -105,10 +105,10 @@ class VideoOutputs:
         if job.writer is None:           # a replica's claim writes files of its own (`StoredFiles`)
             write_png(store.thumbnail_path(rec.id, job.fence), out.frames[0][0])
             sound = None
-            if out.info.get("audio") is not None:   # a model's sound, with the first frames: in every fragment
+            if out.audio is not None:   # a model's sound, with the first frames: in every fragment
                 from longserve.pipelines.sound import as_sound
 
-                sound = as_sound(out.info["audio"][0], out.info["audio_rate"])
+                sound = as_sound(out.audio.samples[0], out.audio.rate)
             job.writer = FragmentedMP4Writer(store.partial_path(rec.id, job.fence),
                                              store.video_path(rec.id, job.fence), p["width"], p["height"], p["fps"],
                                              keyframe_interval=self.keyframe_interval, sound=sound)

@@ -1,9 +1,14 @@
 """`longserve bench live`: a causal few-step model streamed chunk by chunk, against diffusion forcing.
 
     longserve bench live [--model tiny-live] [--size 64x64] [--seconds 10] [--memory-chunks 10,100,1000] \\
+        [--workers 1,2] [--loops serial,overlapped,pipelined] [--threads 1] [--pin] \\
         [--df-steps 30] [--json out.json] [--markdown docs/benchmarks.md]
 
 One run, one process, the same machine, side by side:
+
+- loops: a live row per worker count and live loop (`--workers`, `--loops`; server/bench/live_loops.py: a
+  chunk's time by stage where each runs, transformer / VAE / transfer / mux / rest, the overlap achieved, and
+  the frames per second against 1 worker's serial loop); the rows below run on the first pair;
 
 - live: a `VideoPipeline.live` session of `--seconds` of video; time from the call to the first
   fMP4 fragment (the chunk decoded and muxed by `server.live_media.ChunkMuxer`, what the
@@ -11,7 +16,8 @@ One run, one process, the same machine, side by side:
   and a chunk's milliseconds by stage on the worker (the session's transformer and VAE timings, the rest of the
   chunk's wall time) and the muxer's, which runs on the caller beside the worker's next chunk;
 - memory: peak tensor memory per worker over sessions of 10, 100, 1000 chunks (separate runs
-  with the tracker on: engine/memory.py), and each against the first (flat: 1.0);
+  with the tracker on: engine/memory.py), and each against the first (flat: 1.0), on the first pair and, when
+  the run has one, on the first pipelined pair;
 - prompt switch: `switch()` called as a chunk arrives; the latency in chunks (from the chunk
   being made at the call to the first chunk under the new prompt) and in seconds;
 - diffusion forcing: the same number of frames by `SkyReelsV2DiffusionForcingPipeline`'s
@@ -59,11 +65,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--memory-chunks", default="10,100,1000", help="session lengths (chunks) for peak memory")
     parser.add_argument("--df-steps", type=int, default=30, help="diffusion forcing's steps per segment")
     parser.add_argument("--no-df", action="store_true", help="skip the diffusion-forcing comparison")
+    parser.add_argument("--workers", default="1", help="worker counts, one row each (e.g. 1,2)")
+    parser.add_argument("--loops", default="serial,overlapped,pipelined",
+                        help="live loops (engine/live_lane.py), one row each; pipelined needs 2 workers")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads of each worker (default: the machine's over the workers)")
+    parser.add_argument("--pin", action="store_true", help="pin each worker to a core of its own")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--markdown", default=None, metavar="PATH",
                         help=f"replace the section '{SECTION}' of this Markdown file with the tables")
     add_cli_args(parser, EngineConfig, groups=("model",), defaults={"model": "tiny-live"},
-                 titles={"model": "engine options"})
+                 titles={"model": "engine options"}, exclude=("workers",))
 
 
 def counted(pipe, make) -> dict:
@@ -91,18 +103,24 @@ def _live_frames(pipe, seconds: float, width: int, height: int) -> int:
 
 
 def _live_row(pipe, seconds: float, width: int, height: int) -> dict:
+    import dataclasses
+
+    from longserve.pipelines.video import LiveSession
+    from longserve.server.bench.live_loops import stage_columns
     from longserve.server.live_media import ChunkMuxer
 
     fps = pipe.defaults.fps
+    # the server's path: uint8 frames (as a live socket asks for them) into the muxer
+    spec = dataclasses.replace(pipe.make_spec(PROMPT, "", None, height, width, None, None, 0, "np", seconds=seconds,
+                                              live=True), output="uint8")
     t0 = time.perf_counter()
     first = None
     frames = chunks = 0
     mux_s = 0.0
-    with pipe.live(PROMPT, seconds=seconds, width=width, height=height, seed=0) as session, \
-            ChunkMuxer(width, height, fps) as muxer:
+    with LiveSession(pipe.engine.submit(spec), fps) as session, ChunkMuxer(width, height, fps) as muxer:
         for chunk in session:
             t_mux = time.perf_counter()
-            data = muxer.push((chunk.frames.clip(0, 1) * 255).round().astype("uint8"))
+            data = muxer.push(chunk.frames)
             mux_s += time.perf_counter() - t_mux
             if first is None:
                 first = time.perf_counter() - t0
@@ -110,19 +128,12 @@ def _live_row(pipe, seconds: float, width: int, height: int) -> dict:
             frames += len(chunk.frames)
             chunks += 1
             assert data
-        stages = session.timings               # the session's own (worker 0's), once it has finished
+        stages = session.timings               # the session's own (worker 0's, the lane's VAE), once it has finished
     total = time.perf_counter() - t0
     sustained = (frames - frames_first) / max(1e-9, time.perf_counter() - t_first) if chunks > 1 else 0.0
-    # where a chunk's time goes on the worker: the transformer (every step and the context pass), the VAE decode, and
-    # the rest of the chunk's wall time (the pool's round trips, the sampler's own work, waiting on the caller); the
-    # muxer runs on the caller's side, beside the worker making the next chunk, so it is not part of that sum
-    n = max(1, chunks)
-    per_chunk = {f"{k}_ms_per_chunk": 1000 * stages.get(f"{k}_s", 0.0) / n for k in ("transformer", "vae")}
-    per_chunk["rest_ms_per_chunk"] = 1000 * total / n - sum(per_chunk.values())
-    per_chunk["mux_ms_per_chunk"] = 1000 * mux_s / n
-    return dict(kind="live", chunks=chunks, frames=frames, seconds=total, first_fragment_s=first,
-                fps=sustained, s_per_chunk=(total - first) / max(1, chunks - 1), video_seconds=frames / fps,
-                **per_chunk)
+    row = dict(kind="live", chunks=chunks, frames=frames, seconds=total, first_fragment_s=first,
+               fps=sustained, s_per_chunk=(total - first) / max(1, chunks - 1), video_seconds=frames / fps)
+    return stage_columns(row, stages, chunks, total, mux_s)
 
 
 def _switch_row(pipe, width: int, height: int) -> dict:
@@ -210,22 +221,29 @@ def _df_row(model_dir: str, config, frames: int, width: int, height: int, steps:
 
 
 COLUMNS = [
-    Column("run", "kind"),
+    Column("run", lambda r: r["kind"] if r["kind"] != "live" else f"live, {r['workers']} worker(s), {r['loop']}"),
     Column("frames", "frames"),
     Column("s", "seconds", ".2f"),
     Column("s to first fragment",
            lambda r: "" if r.get("first_fragment_s") is None else f"{r['first_fragment_s']:.2f}"),
     Column("frames / s", "fps", ".1f"),
-    Column("ms / chunk: transformer, VAE, rest; mux", lambda r: "" if "vae_ms_per_chunk" not in r else
-           " / ".join(f"{r[f'{k}_ms_per_chunk']:.0f}" for k in ("transformer", "vae", "rest"))
+    Column("vs 1 worker serial", lambda r: "" if r.get("vs_serial_1") is None else f"{r['vs_serial_1']:.2f}x"),
+    Column("ms / chunk: transformer, VAE, transfer, rest; mux", lambda r: "" if "vae_ms_per_chunk" not in r else
+           " / ".join(f"{r[f'{k}_ms_per_chunk']:.0f}" for k in ("transformer", "vae", "transfer", "rest"))
            + f"; {r['mux_ms_per_chunk']:.0f}"),
+    Column("overlap (stages / wall)", lambda r: "" if "overlap" not in r else f"{r['overlap']:.2f}"),
+    Column("switch: chunks after", lambda r: "" if r.get("switch_chunks") is None else str(r["switch_chunks"])),
     Column("vs diffusion forcing", lambda r: "" if r.get("vs_df") is None else f"{r['vs_df']:.1f}x"),
-    Column("transformer forwards / frame", "forwards_per_frame", ".2f"),
-    Column("self-attn q x k pairs / frame", lambda r: f"{r['self_pairs_per_frame']:,.0f}"),
-    Column("cross-attn q x k pairs / frame", lambda r: f"{r['cross_pairs_per_frame']:,.0f}"),
-    Column("work vs live", lambda r: f"{r['work_vs_live']:.1f}x"),
+    Column("transformer forwards / frame", lambda r: "" if "forwards_per_frame" not in r else
+           f"{r['forwards_per_frame']:.2f}"),
+    Column("self-attn q x k pairs / frame", lambda r: "" if "self_pairs_per_frame" not in r else
+           f"{r['self_pairs_per_frame']:,.0f}"),
+    Column("cross-attn q x k pairs / frame", lambda r: "" if "cross_pairs_per_frame" not in r else
+           f"{r['cross_pairs_per_frame']:,.0f}"),
+    Column("work vs live", lambda r: "" if "work_vs_live" not in r else f"{r['work_vs_live']:.1f}x"),
 ]
 MEMORY_COLUMNS = [
+    Column("workers, loop", lambda r: f"{r['workers']}, {r['loop']}"),
     Column("chunks", "chunks"),
     Column("latent frames", "latent_frames"),
     Column("peak MiB / worker", lambda r: f"{r['peak_bytes'] / 2**20:.2f}"),
@@ -237,41 +255,60 @@ def run(args) -> int:
     import torch
 
     from longserve.engine.config import EngineConfig, from_cli_args
-    from longserve.pipelines import VideoPipeline
     from longserve.pipelines.video import PIPELINE_DEFAULTS
     from longserve.server.api.protocol import parse_size
+    from longserve.server.bench.live_loops import combos, markdown_command, open_pipeline, ratios, say
     from longserve.weights import resolve_model
 
     width, height = parse_size(args.size)
     counts = int_list(args.memory_chunks, "--memory-chunks")
+    pairs = combos(int_list(args.workers, "--workers"), [v.strip() for v in args.loops.split(",") if v.strip()])
     model_dir = str(resolve_model(args.model))
-    config = from_cli_args(EngineConfig, args, model=model_dir, **PIPELINE_DEFAULTS)
+    config = from_cli_args(EngineConfig, args, model=model_dir, **{**PIPELINE_DEFAULTS, "workers": pairs[0][0]})
     load = load_average()
-    with VideoPipeline.from_config(config) as pipe:
+
+    def warm_up(pipe) -> None:
         if not pipe.info.capabilities.live:
             raise ValueError(f"--model: {args.model} is not a causal (live) checkpoint")
-        window = pipe.info.capabilities.live_window
-        list(pipe.stream(PROMPT, num_frames=2 * pipe.info.frame_multiple + 1, width=width, height=height))  # warm-up
-        live = _live_row(pipe, args.seconds, width, height)
-        print(f"  live: {live['frames']} frames, first fragment {live['first_fragment_s']:.2f} s, "
-              f"{live['fps']:.1f} frames/s", file=sys.stderr, flush=True)
-        switch = _switch_row(pipe, width, height)
-        memory = _memory_rows(pipe, counts, width, height)
-        add_work(live, counted(pipe, lambda: _live_frames(pipe, args.seconds, width, height)))
-    rows = [live]
+        list(pipe.stream(PROMPT, num_frames=2 * pipe.info.frame_multiple + 1, width=width, height=height))
+
+    lives, memory, switch, window = [], [], None, None
+    for i, (n, loop) in enumerate(pairs):
+        with open_pipeline(config, n, loop, args.threads, args.pin, warm_up) as pipe:
+            window = pipe.info.capabilities.live_window
+            live = _live_row(pipe, args.seconds, width, height)
+            live.update(workers=n, loop=loop, pinned=pipe.pinned, threads=args.threads)
+            say(f"  live, {n} worker(s), {loop}: {live['frames']} frames, first fragment "
+                f"{live['first_fragment_s']:.2f} s, {live['fps']:.1f} frames/s, overlap {live['overlap']:.2f}")
+            row_switch = _switch_row(pipe, width, height)
+            live.update(switch_chunks=row_switch["switch_chunks"], switch_s=row_switch["switch_s"])
+            if i == 0:
+                switch = row_switch
+                add_work(live, counted(pipe, lambda: _live_frames(pipe, args.seconds, width, height)))
+            if i == 0 or (loop == "pipelined" and not any(m["loop"] == "pipelined" for m in memory)):
+                for m in _memory_rows(pipe, counts, width, height):
+                    memory.append({**m, "workers": n, "loop": loop})
+            lives.append(live)
+    ratios(lives)
+    rows = list(lives)
     if not args.no_df:
-        df = _df_row(model_dir, config, live["frames"], width, height, args.df_steps, window)
-        live["vs_df"] = live["fps"] / df["fps"]
+        df = _df_row(model_dir, config.replace(workers=pairs[0][0]), lives[0]["frames"], width, height,
+                     args.df_steps, window)
+        for live in lives:
+            live["vs_df"] = live["fps"] / df["fps"]
         rows.append(df)
     for r in rows:
-        r["work_vs_live"] = r["self_pairs_per_frame"] / live["self_pairs_per_frame"]
+        if "self_pairs_per_frame" in r:
+            r["work_vs_live"] = r["self_pairs_per_frame"] / lives[0]["self_pairs_per_frame"]
     machine = machine_info(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     for r in rows + memory + [switch]:
-        r.update(machine=machine, model=args.model, size=args.size, workers=config.workers, loadavg_before=load,
+        r.update(machine=machine, model=args.model, size=args.size, loadavg_before=load,
                  loadavg_after=load_average())
+        r.setdefault("workers", pairs[0][0])
     table, mem_table = markdown_table(rows, COLUMNS), markdown_table(memory, MEMORY_COLUMNS)
-    switch_line = (f"Prompt switch: `switch()` called as chunk 2 arrived applied {switch['switch_chunks']} chunk(s) "
-                   f"after the chunk then being made, {switch['switch_s']:.2f} s after the call.")
+    switch_line = (f"Prompt switch ({pairs[0][0]} worker(s), {pairs[0][1]}): `switch()` called as chunk 2 arrived "
+                   f"applied {switch['switch_chunks']} chunk(s) after the chunk then being made, "
+                   f"{switch['switch_s']:.2f} s after the call.")
     print()
     print(text_table(rows, COLUMNS))
     print(text_table(memory, MEMORY_COLUMNS))
@@ -279,13 +316,15 @@ def run(args) -> int:
     if args.json:
         write_json(rows + memory + [switch], args.json)
     if args.markdown:
-        command = (f"longserve bench live --model {args.model} --size {args.size} --seconds {args.seconds:g} "
-                   f"--memory-chunks {args.memory_chunks} --df-steps {args.df_steps} --workers {config.workers}")
+        command = markdown_command(args, args.memory_chunks)
+        pinned = "each worker pinned to a core of its own" if args.pin else "workers not pinned"
         body = (f"Measured with `{command}` on {machine['cpu']} ({machine['cores']} cores, {machine['device']}, "
-                f"torch {machine['torch']}); load average before {load}, after {rows[-1]['loadavg_after']}. "
-                f"The last four columns do not depend on the machine (engine/workcount.py: counted on worker 0 in "
-                f"a second run of each row, after the timed ones); 'work vs live' is the ratio of self-attention "
-                f"pairs a frame.\n\n{table}\n\nPeak tensor memory per worker "
-                f"by session length (the tracker on; engine/memory.py):\n\n{mem_table}\n\n{switch_line}")
+                f"torch {machine['torch']}; {pinned}); load average before {load}, after "
+                f"{rows[-1]['loadavg_after']}. A chunk's stages are measured where they run "
+                f"(server/bench/live_loops.py); 'overlap' is their sum over the wall time. The last four columns "
+                f"do not depend on the machine (engine/workcount.py: counted on worker 0 in a second run of the "
+                f"first row, after the timed ones); 'work vs live' is the ratio of self-attention pairs a frame."
+                f"\n\n{table}\n\nPeak tensor memory per worker by session length (the tracker on; "
+                f"engine/memory.py):\n\n{mem_table}\n\n{switch_line}")
         replace_markdown_section(args.markdown, SECTION, body)
     return 0

@@ -3,7 +3,8 @@
 Each model is diffusers' own transformer class built at a published checkpoint's shape with seeded random
 weights (speed and memory do not depend on the values), fed one denoising step's inputs at the published default
 video size, and run two ways: diffusers' `model(...)` ("diffusers") and longserve's sequence-parallel wrapper of
-the family's plan (`engine/models/ltx2.py`, `engine/models/hunyuan15.py`) under each plan the family declares.
+the family's plan (`engine/families/ltx2/plan.py`, `engine/families/hunyuan15/plan.py`) under each plan the family
+declares.
 
     --config bench   the published transformer and input sizes (below); `--layers`, `--frames`, `--size` cut them
     --config tiny    tiny-ltx2's / tiny-hunyuan15's transformer config (weights/): seconds on a CPU, for tests
@@ -55,11 +56,9 @@ TINY_INPUT = {"ltx2-shaped": dict(frames=3, latent=(3, 5), audio_frames=7, text_
 
 def strategies(model: str) -> tuple[str, ...]:
     """The plans the family declares (engine.families.*.plans)."""
-    if model == "ltx2-shaped":
-        from longserve.engine.families.ltx2 import LTX2Family as family
-    else:
-        from longserve.engine.families.hunyuan15 import Hunyuan15Family as family
-    return tuple(family.plans)
+    from longserve.engine.families import load_family
+
+    return tuple(load_family("ltx2" if model == "ltx2-shaped" else "hunyuan15").plans)
 
 
 def model_config(model: str, config: str) -> dict:
@@ -152,10 +151,10 @@ def step_inputs(model: str, cfg: dict, seed: int, device, dtype) -> dict:
 def wrap(model: str, net):
     """The family's sequence-parallel wrapper (the plan's hooks and processors)."""
     if model == "ltx2-shaped":
-        from longserve.engine.models.ltx2 import LTX2SequenceParallel
+        from longserve.engine.families.ltx2.plan import LTX2SequenceParallel
 
         return LTX2SequenceParallel(net)
-    from longserve.engine.models.hunyuan15 import Hunyuan15SequenceParallel
+    from longserve.engine.families.hunyuan15.plan import Hunyuan15SequenceParallel
 
     return Hunyuan15SequenceParallel(net)
 
@@ -177,6 +176,6 @@ def reference(model: str, net, kw: dict):
 def parallel(model: str, wrapped, kw: dict, sp):
     """The family's plan over `sp` (every rank gets the whole output)."""
     if model == "ltx2-shaped":
-        return _joined(wrapped(sp, **kw))
+        return _joined(wrapped(sp=sp, **kw))
     cond = {k: v for k, v in kw.items() if k not in ("hidden_states", "timestep")}
     return wrapped(kw["hidden_states"], kw["timestep"], cond, sp)

@@ -94,7 +94,7 @@ def test_plans_that_merge_attention_themselves_take_only_native():
     """Ring and USP's ring merge partial attentions with a log-sum-exp; so does LTX-2's video->audio attention on
     more than one sequence-parallel worker (also when a running engine's plan changes: `VideoEngine.set_plan`)."""
     from longserve.engine.attention import check_plan
-    from longserve.engine.families.ltx2 import LTX2Family
+    from longserve.engine.families.ltx2.family import FAMILY as LTX2Family
     from longserve.engine.families.wan import WanFamily
     from longserve.engine.parallel import ParallelPlan
 

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from longserve.engine.decoding import FramesPolicy, FrameStream
+from longserve.engine.outputs import LiveChunkInfo, Sound
 
 
 class FrameIds:
@@ -31,11 +32,11 @@ def stream(policy, limit, max_frames, pushes, output="np"):
     runs = []
     s = FrameStream(policy, lambda z: FrameIds(runs, policy.temporal), output, 0, limit,
                     lead_frames=lambda a, b: np.array([("lead", i) for i in range(a, b)]).reshape(1, b - a, 2))
-    for i, (size, info) in enumerate(pushes):
-        s.push(torch.zeros(1, 2, size, 1, 1), info, last=i == len(pushes) - 1)
+    for i, (size, live) in enumerate(pushes):
+        s.push(torch.zeros(1, 2, size, 1, 1), live, last=i == len(pushes) - 1)
     calls = []
     while s.ready():
-        calls.append((s.next(max_frames), dict(s.info)))
+        calls.append((s.next(max_frames), s.handed_out()[1]))
     assert s.frames_out == limit
     return calls
 
@@ -55,8 +56,8 @@ def test_helios_chunks_decode_on_their_own_and_the_video_is_cut_to_its_length():
     assert frames == [(0, i) for i in range(5)] + [(1, i) for i in range(5)] + [(2, i) for i in range(3)]
 
 
-def test_a_live_chunk_is_handed_out_whole_with_its_info_whatever_max_frames():
-    pushes = [(3, {"chunk": i, "prompt_index": int(i >= 1)}) for i in range(2)] + [(1, {"chunk": 2, "prompt_index": 1})]
+def test_a_live_chunk_is_handed_out_whole_with_its_chunk_whatever_max_frames():
+    pushes = [(3, LiveChunkInfo(i, int(i >= 1))) for i in range(2)] + [(1, LiveChunkInfo(2, 1))]
     calls = stream(FramesPolicy(temporal=4, whole=True), 1 + 6 * 4, 1, pushes)
     assert [out.shape[1] for out, _ in calls] == [9, 12, 4] and [info for _, info in calls] == [p[1] for p in pushes]
     latents = stream(FramesPolicy(temporal=4, whole=True), 25, 1, pushes, output="latent")
@@ -66,3 +67,15 @@ def test_a_live_chunk_is_handed_out_whole_with_its_info_whatever_max_frames():
 def test_latents_of_a_long_video_come_out_in_one_piece_once_the_last_is_final():
     calls = stream(FramesPolicy(temporal=4), 17, 2, [(3, None), (2, None)], output="latent")
     assert len(calls) == 1 and calls[0][0].shape == (1, 2, 5, 1, 1)
+
+
+def test_a_family_s_sound_is_handed_out_once_with_the_frames_that_follow_it():
+    s = FrameStream(FramesPolicy(temporal=4), lambda z: FrameIds([], 4), "np", 0, 9)
+    s.push(torch.zeros(1, 2, 1, 1, 1))
+    s.push(torch.zeros(1, 2, 2, 1, 1), last=True)
+    sound = Sound(np.zeros((1, 2, 10), np.float32), 24000)
+    s.audio = sound                     # as LTX-2's decoder sets it before the first window
+    s.next(1)
+    assert s.handed_out() == (sound, None)
+    s.next(100)
+    assert s.handed_out() == (None, None)

@@ -1,12 +1,12 @@
 """HunyuanVAEStream decodes tiny-hunyuan15's VAE chunk by chunk in time exactly as diffusers' `vae.decode` of the
-whole clip (the decoder is causal in time: engine/hunyuan15_vae.py), however the clip is cut (a first chunk of one
+whole clip (the decoder is causal in time: families/hunyuan15/vae.py), however the clip is cut (a first chunk of one
 frame and of several; the one-chunk case is the pipeline's default path, tests/pipelines/test_hunyuan15_pipeline.py).
 A stream that dropped its caches between chunks would differ at every chunk's start."""
 
 import pytest
 import torch
 
-from longserve.engine.hunyuan15_vae import HunyuanVAEStream
+from longserve.engine.families.hunyuan15.vae import HunyuanVAEStream
 from longserve.weights import resolve_model
 
 ATOL = 1e-5       # chunked and whole convolutions round differently

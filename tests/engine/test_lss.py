@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from longserve.engine import lss
+from longserve.engine import lss, lss_jobs
 from longserve.engine.memory import LiveTensorTracker, PeakMemory
 from longserve.pipelines.scoring import plan_windows
 
@@ -100,7 +100,7 @@ def test_sdpa_kernel_on_gathered_kv_equals_global_causal_attention(zigzag, heads
 
 
 def test_score_job_settings_are_sized_for_the_device():
-    job = lss.ScoreJob(ids=torch.arange(4), windows=[(0, 4, 1)])
+    job = lss_jobs.ScoreJob(ids=torch.arange(4), windows=[(0, 4, 1)])
     cpu, cuda = job.resolved("cpu"), job.resolved(torch.device("cuda", 0))
     assert (cpu.attn_kernel, cpu.logits_chunk_elems, cpu.mlp_chunk_tokens) == (
         "blocks", lss.DEFAULT_LOGITS_CHUNK_ELEMS, lss.DEFAULT_MLP_CHUNK_TOKENS)
@@ -108,7 +108,7 @@ def test_score_job_settings_are_sized_for_the_device():
         "sdpa", lss.CUDA_ATTN_CHUNK_ELEMS, lss.CUDA_LOGITS_CHUNK_ELEMS, lss.CUDA_MLP_CHUNK_TOKENS)
     # at a 128k vocabulary a CUDA logits chunk is thousands of tokens, not 4 (one launch per chunk)
     assert cuda.logits_chunk_elems // 128256 >= 2048 > cpu.logits_chunk_elems // 128256
-    explicit = lss.ScoreJob(ids=torch.arange(4), windows=[(0, 4, 1)], attn_kernel="blocks", mlp_chunk_tokens=0)
+    explicit = lss_jobs.ScoreJob(ids=torch.arange(4), windows=[(0, 4, 1)], attn_kernel="blocks", mlp_chunk_tokens=0)
     assert explicit.resolved("cuda").attn_kernel == "blocks" and explicit.resolved("cuda").mlp_chunk_tokens == 0
 
 
@@ -128,9 +128,9 @@ def test_top_left_causal_alignment_would_be_wrong_for_a_later_segment():
 
 def test_labels_are_shifted_before_sharding_and_windows_score_only_new_tokens():
     ids = torch.arange(100, 110)
-    assert lss.shifted_targets(ids, 0, 10, 1).tolist() == list(range(101, 110)) + [-100]
+    assert lss_jobs.shifted_targets(ids, 0, 10, 1).tolist() == list(range(101, 110)) + [-100]
     # window [4, 10) whose tokens before 7 were scored by an earlier window
-    assert lss.shifted_targets(ids, 4, 10, 7).tolist() == [-100, -100, 107, 108, 109, -100]
+    assert lss_jobs.shifted_targets(ids, 4, 10, 7).tolist() == [-100, -100, 107, 108, 109, -100]
     assert plan_windows(10, None, None) == [(0, 10, 1)]
     assert plan_windows(10, 10, 3) == [(0, 10, 1)]
     assert plan_windows(10, 4, 2) == [(0, 4, 0), (2, 6, 4), (4, 8, 6), (6, 10, 8)]

@@ -1,13 +1,13 @@
-"""LTX2WindowedDecode (engine/ltx2_vae.py) decodes tiny-ltx2's video VAE a window at a time, each window with its
-halo, exactly as diffusers' one-call `vae.decode` of the whole clip, however the clip is cut (windows of one latent
-frame, windows at the clip's first and last frames where the decoder pads with its own replicate rule, a window
+"""LTX2WindowedDecode (engine/families/ltx2/vae.py) decodes tiny-ltx2's video VAE a window at a time, each window
+with its halo, exactly as diffusers' one-call `vae.decode` of the whole clip, however the clip is cut (windows of one
+latent frame, windows at the clip's first and last frames where the decoder pads with its own replicate rule, a window
 longer than the halo); the halo derived from the modules is the decoder's receptive field in time: perturbing one
 latent frame moves exactly the frames of the latent frames within H of it, and a halo one frame short differs."""
 
 import pytest
 import torch
 
-from longserve.engine.ltx2_vae import LTX2WindowedDecode, halos, not_streamable
+from longserve.engine.families.ltx2.vae import LTX2WindowedDecode, halos, not_streamable
 from longserve.weights import resolve_model
 
 ATOL = 1e-5       # windowed and whole convolutions round differently

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from longserve.engine import comm
 from longserve.engine.models.wan import WanSequenceParallel
-from longserve.engine.parallel import make_cfg_groups, make_sequence_parallel, resolve_plan
+from longserve.engine.parallel import cfg_parallel, make_cfg_groups, make_sequence_parallel, resolve_plan
 from longserve.server.bench.models import random_wan_transformer
 
 ATOL = 1e-5
@@ -62,7 +62,10 @@ def _run(ctx, model_kwargs, inputs, cases, forward_kwargs=None, cfg=False):
                 sp, groups = ctx.state["sps"][case], None
                 run = sp is not None
             comm.STATS.reset()
-            out = model(*inputs, sp, cfg=groups, **(forward_kwargs or {})) if run else None
+            if run and groups is not None:      # CFG-parallel around the forward, as `VideoFamily.denoise` puts it
+                out = cfg_parallel(model, groups, *inputs, sp=sp, **(forward_kwargs or {}))
+            else:
+                out = model(*inputs, sp, **(forward_kwargs or {})) if run else None
             results[case] = (out, comm.STATS.snapshot())
     return results if ctx.pg.rank == 0 else None
 

@@ -632,7 +632,7 @@ def test_expert_offload_serves_a_request_waiting_for_the_other_expert_within_its
 
 def live(rid, steps=400):
     s = spec(rid, steps=steps)
-    s.options = {"live": True}
+    s.live = True
     return s
 
 

@@ -70,7 +70,7 @@ def _decode(name, vae, pg, z, chunks, rows):
                 start += k
             dec.close()
         elif name == "tiny-hunyuan15":
-            from longserve.engine.hunyuan15_vae import HunyuanVAEStream
+            from longserve.engine.families.hunyuan15.vae import HunyuanVAEStream
 
             stream = HunyuanVAEStream(vae, RowSplit(pg, z.shape[3]) if rows else None)
             parts = []
@@ -78,7 +78,7 @@ def _decode(name, vae, pg, z, chunks, rows):
                 parts.append(stream.decode(z[:, :, start:start + k]))
                 start += k
         else:
-            from longserve.engine.ltx2_vae import LTX2WindowedDecode
+            from longserve.engine.families.ltx2.vae import LTX2WindowedDecode
 
             window = LTX2WindowedDecode(vae, z, rows=RowSplit(pg, z.shape[3]) if rows else None)
             parts = []

@@ -39,8 +39,10 @@ def test_bad_values_and_impossible_combinations_are_refused_at_start_naming_the_
         VideoPipeline.from_pretrained("tiny-wan", device="cpu", dtype="bfloat16", quantize="fp8")
     with pytest.raises(ValueError, match=r"compile='blocks' cannot be used with --lora"):
         VideoPipeline.from_pretrained("tiny-wan", device="cpu", loras={"l": "tiny-wan-lora"}, **COMPILED)
-    with pytest.raises(ValueError, match=r"compile='blocks' is not available for 'tiny-live'"):
-        VideoPipeline.from_pretrained("tiny-live", device="cpu", **COMPILED)
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs CUDA: this engine runs on cpu"):
+        VideoPipeline.from_pretrained("tiny-live", device="cpu", cuda_graphs=True, **COMPILED)
+    with pytest.raises(ValueError, match=r"compile='blocks' is not available for 'tiny-helios'"):
+        VideoPipeline.from_pretrained("tiny-helios", device="cpu", **COMPILED)
 
 
 def test_a_compiled_block_is_the_innermost_forward_under_the_hooks_and_one_graph_serves_every_batch_size():
@@ -83,6 +85,22 @@ def test_compiled_wan_on_two_workers_equals_one_uncompiled_worker_and_stops_comp
             assert np.abs(got.frames - cached.frames).max() <= 1e-4
             graphs.append(pipe.engine.stats().compiled_graphs)
         assert graphs[1] == graphs[0], "the same batches again compiled nothing new"
+
+
+def test_compiled_tiny_live_equals_eager_with_its_cached_attention_as_a_graph_break(pipeline):
+    """The causal family's blocks compiled (engine/models/causal.py: the cached attention and the per-prompt text K/V
+    run eager between the graphs): 4 chunks of tiny-live, the last evicting from the window and re-rotating the sink,
+    equal the eager loop; the same video again compiles nothing."""
+    live = dict(num_frames=12, seed=0, output_type="latent")
+    want = pipeline("tiny-live", workers=1)("a red ball bouncing", **live).frames
+    with VideoPipeline.from_pretrained("tiny-live", device="cpu", workers=1, **COMPILED) as pipe:
+        assert pipe.info.compile == "blocks" and pipe.info.compiled_graphs > 0    # warmed up at load
+        graphs = []
+        for _ in range(2):
+            got = pipe("a red ball bouncing", **live).frames
+            assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-5
+            graphs.append(pipe.engine.stats().compiled_graphs)
+        assert graphs[1] == graphs[0], "the same video again compiled nothing new"
 
 
 def test_compiled_latte_dsp_equals_uncompiled_with_step_caching_and_its_baselines_run_eager(pipeline):

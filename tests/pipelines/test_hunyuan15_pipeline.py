@@ -130,7 +130,7 @@ def test_bad_hunyuan15_options_are_refused_naming_the_field(pipe1, options, fiel
 
 
 def test_auto_is_ulysses_at_any_worker_count_and_unknown_plans_are_refused_naming_the_field():
-    from longserve.engine.families.hunyuan15 import Hunyuan15Family
+    from longserve.engine.families.hunyuan15.family import FAMILY as Hunyuan15Family
 
     desc = Hunyuan15Family.describe(resolve_model("tiny-hunyuan15"))
     assert desc.heads == 3

@@ -1,6 +1,6 @@
 """`make demo-live` on the trained tiny-live: the 30-second video's chunks are red before the switch at 15 s and
-blue from one chunk after it (tests/support/content.py names each chunk's colour), and the README's strip is that
-run's."""
+blue from one chunk after it (tests/support/content.py names each chunk's colour), also through the small decoder
+(`DECODER=tiny`), and the README's strip is that run's."""
 
 from __future__ import annotations
 
@@ -21,20 +21,24 @@ pytestmark = pytest.mark.skipif(not (TINY_MODELS.get("tiny-live", Path("/nonexis
                                 .exists(), reason="weights/tiny-live is not built")
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def run_demo(out: Path, *decoder: str) -> Path:
     from tools.live_demo import main
 
-    makefile = (ROOT / "Makefile").read_text()
-    recipe = re.search(r"^demo-live:.*?\n((?:\t.*\n)+)", makefile, re.M).group(1)
-    assert "tools.live_demo --model tiny-live --seconds 30 --switch-at 15" in recipe
-    out = tmp_path_factory.mktemp("demo-live")
     assert main(["--model", "tiny-live", "--seconds", "30", "--switch-at", "15", "-o", str(out / "demo_live.mp4"),
-                 "--strip", str(out / "strip.png"), "--chunks-json", str(out / "chunks.json")]) == 0
+                 "--strip", str(out / "strip.png"), "--chunks-json", str(out / "chunks.json"), *decoder]) == 0
     return out
 
 
-def test_the_demo_is_red_before_the_switch_and_blue_from_one_chunk_after(demo):
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^demo-live:.*?\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "tools.live_demo --model tiny-live --seconds 30 --switch-at 15" in recipe
+    assert "--decoder $(DECODER)" in recipe and re.search(r"^DECODER \?= vae$", makefile, re.M)
+    return run_demo(tmp_path_factory.mktemp("demo-live"))
+
+
+def assert_red_then_blue(demo: Path) -> None:
     info = json.loads((demo / "chunks.json").read_text())
     fps, switch, chunks = info["fps"], info["switch_chunk"], info["chunks"]
     reader = imageio_ffmpeg.read_frames(str(demo / "demo_live.mp4"))
@@ -48,6 +52,16 @@ def test_the_demo_is_red_before_the_switch_and_blue_from_one_chunk_after(demo):
     red = sum(c == "red" for c in before) / len(before)
     blue = sum(c == "blue" for c in after) / len(after)
     assert red >= 0.9 and blue >= 0.9, (red, blue, colours)
+
+
+def test_the_demo_is_red_before_the_switch_and_blue_from_one_chunk_after(demo):
+    assert_red_then_blue(demo)
+
+
+def test_the_demo_on_the_small_decoder_is_red_then_blue_too(tmp_path):
+    """`make demo-live DECODER=tiny`: the same video's frames through tiny-live's small TAEHV-shaped decoder
+    (weights/tiny-decoder-live) instead of its VAE."""
+    assert_red_then_blue(run_demo(tmp_path, "--decoder", "tiny"))
 
 
 def test_the_readme_strip_is_the_demo_s(demo):

@@ -11,7 +11,7 @@ from causal_models import TINY_CAUSAL, build_tiny_causal, recompute_reference
 
 from longserve.engine.config import EngineConfig
 from longserve.engine.engine import VideoEngine
-from longserve.engine.outputs import FramesChunk
+from longserve.engine.outputs import FramesChunk, LiveChunkInfo
 from longserve.engine.request import RequestError
 from longserve.engine.scheduler import KVBudgetError
 from longserve.pipelines import VideoPipeline
@@ -76,7 +76,10 @@ def test_cached_chunks_equal_a_recompute_and_two_and_three_workers_equal_one(pip
             assert (latents(p) - one).abs().max() <= 1e-5
 
 
-def test_the_cache_keeps_its_sinks_and_rebases_positions_past_the_window(causal_dir):
+def test_the_cache_keeps_its_sinks_and_moves_them_up_to_the_window_past_it(causal_dir):
+    """Keys sit at their frame's index; once frames are evicted the sink is re-rotated just before the oldest kept
+    frame, so the positions a chunk sees are the cache-relative ones shifted by a constant: every distance from the
+    chunk to a cached frame is under local_attn_size."""
     from longserve.engine.models.causal import CausalConfig, KVCache
 
     cfg = CausalConfig.from_dict({**TINY_CAUSAL, "local_attn_size": 9, "sink_size": 1})   # 6 cached: 1 sink + 5
@@ -85,12 +88,17 @@ def test_the_cache_keeps_its_sinks_and_rebases_positions_past_the_window(causal_
         cache.commit(3)
     assert cache.slot_frame[0] == 0                                    # the sink is never evicted
     assert sorted(cache.slot_frame[1:]) == [10, 11, 12, 13, 14]         # the ring: the 5 most recent frames
-    rope = (torch.arange(9 * 2, dtype=torch.float32)[:, None].expand(-1, 4),) * 2
-    cache.prepare(3, rope, "cpu")
-    key_cos = cache._prepared[0][:, 0].view(-1, 2)[:, 0] / 2           # each slot's frame position
-    by_frame = dict(zip(cache.slot_frame, key_cos[:6].tolist()))
-    assert [by_frame[f] for f in (0, 10, 11, 12, 13, 14)] == [0, 1, 2, 3, 4, 5]
-    assert key_cos[6:].tolist() == [6, 7, 8]                            # the chunk after them: all < 9
+    asked = []
+
+    def rotary(start, frames):
+        asked.append((start, frames))
+        return torch.ones(frames * 2, 4), torch.zeros(frames * 2, 4)
+
+    cache.prepare(3, rotary)
+    assert asked == [(9, 1), (15, 3)]          # the sink at 9, right before frame 10; the chunk at 15..17
+    assert cache.sink_rotations == 1 and cache._chunk[2] == 6 * 2   # the chunk's slots follow the 6 cached
+    cache.prepare(3, rotary)                   # the chunk's next forward: nothing rotated again
+    assert len(asked) == 2
 
 
 def test_a_prompt_schedule_switches_at_its_chunk_and_a_live_switch_at_the_next(pipe):
@@ -100,7 +108,7 @@ def test_a_prompt_schedule_switches_at_its_chunk_and_a_live_switch_at_the_next(p
     spec = pipe.make_spec("", num_frames=FRAMES, height=H, width=W, seed=1,
                           prompt_schedule=[[0, "a red ball bouncing"], [2, "a blue ball bouncing"]])
     chunks = [o for o in pipe.engine.submit(spec) if isinstance(o, FramesChunk)]
-    assert [c.info for c in chunks] == [{"chunk": i, "prompt_index": int(i >= 2)} for i in range(4)]
+    assert [c.live for c in chunks] == [LiveChunkInfo(chunk=i, prompt_index=int(i >= 2)) for i in range(4)]
     for a, b in zip(red_chunks[:2], chunks[:2]):                   # the same frames until the switch ...
         np.testing.assert_array_equal(a.frames, b.frames)
     assert np.abs(red_chunks[2].frames - chunks[2].frames).max() > 1e-3   # ... and other ones from it on
@@ -169,7 +177,8 @@ def test_a_session_past_the_kv_budget_is_refused_with_a_clear_error(causal_dir):
 
 def test_a_stream_of_2000_latent_frames_past_the_rope_table_keeps_per_worker_memory_flat(tmp_path):
     """Wan's rotary table has `rope_max_seq_len` (1024) frame positions; a causal stream never uses more than
-    `local_attn_size` of them (cache-relative), so it runs on past it, and each worker's peak tensor memory
+    `local_attn_size` of them apart, and positions past it are computed as the table is (FrameRotary), so it
+    runs on past it, and each worker's peak tensor memory
     (engine/memory.py, the tracker on) over 20 chunks (2000 latent frames, 17 of them evicting from the cache)
     is that over 3 within 5%. Chunks of 100 latent frames and one denoising step keep the tracked run short
     (the tracker's cost is per op); 2 workers, Ulysses pads the 3 heads."""
@@ -237,7 +246,9 @@ def test_a_start_image_is_the_first_frame_and_context_in_jobs_and_sessions_and_t
     assert (held[:, :, 1:4] - plain[:, :, :3]).abs().max() > 1e-2    # the first chunk attends to it
     video = pipe("a red ball bouncing", seed=0, num_frames=FRAMES, height=H, width=W, image=image).frames[0]
     assert video.shape == (FRAMES, H, W, 3)
-    assert np.abs(video - decode(held)).max() <= 1e-4                 # the whole video decoded in one call
+    # the whole video decoded in one call; a live chunk's frames leave the worker as uint8 (engine/live_frames.py):
+    # "np" is uint8 / 255, at most half a level from the float32 decode
+    assert np.abs(video - decode(held)).max() <= 0.5 / 255 + 1e-4
     with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0, image=image) as session:
         first = np.asarray(next(iter(session)).frames)
     with pipe.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0) as session:
@@ -247,7 +258,8 @@ def test_a_start_image_is_the_first_frame_and_context_in_jobs_and_sessions_and_t
     with VideoPipeline.from_pretrained(str(causal_dir), workers=2) as p:
         assert (latents(p, image=image) - held).abs().max() <= 1e-5
         with p.live("a red ball bouncing", seconds=1.0, height=H, width=W, seed=0, image=image) as session:
-            assert np.abs(np.asarray(next(iter(session)).frames) - first).max() <= 1e-4
+            # within a level: 2 workers' latents are 1 worker's within 1e-5, which may cross a uint8 rounding edge
+            assert np.abs(np.asarray(next(iter(session)).frames) - first).max() <= 1 / 255 + 1e-4
     with pytest.raises(RequestError) as e:
         latents(pipe, image="not an image")
     assert e.value.field == "image"
@@ -270,3 +282,13 @@ def latents_of(causal_dir, dtype, **kw):
     with VideoPipeline.from_pretrained(str(causal_dir), workers=1, dtype=dtype, **kw) as p:
         return p("a red ball bouncing", seed=0, num_frames=9, height=H, width=W, output_type="latent",
                  image=blue_ball(H, W)).frames
+
+
+def test_tiny_live_on_two_workers_equals_one_past_the_window_through_a_switch(pipeline):
+    """Stored-rotated keys per worker (Ulysses: each its own heads), the sink re-rotated once per chunk, a recache at
+    the switch: 8 chunks of tiny-live (the window full from chunk 3) on 2 workers make what 1 makes."""
+    kw = dict(seed=3, num_frames=24, output_type="latent",
+              prompt_schedule=[[0, "a red ball bouncing"], [4, "a blue ball bouncing"]])
+    one, two = (torch.as_tensor(pipeline("tiny-live", workers=w)("", **kw).frames) for w in (1, 2))
+    assert one.shape == (1, 4, 24, 8, 8) and one[:, :, 12:].std() > 0.1
+    assert (one - two).abs().max() <= 1e-5

@@ -50,10 +50,13 @@ def pipe1():
 
 
 def run(pipe, prompt=PROMPT, seed=0, **kw):
-    """(frames (B, T, H, W, 3) or latents, the last chunk's info: the sound) of one request through the engine."""
+    """(frames (B, T, H, W, 3) or latents, the sound (`FramesChunk.audio`)) of one request through the engine."""
     spec = pipe.make_spec(prompt, NEGATIVE, seed=seed, **kw)
     chunks = [o for o in pipe.engine.submit(spec) if isinstance(o, FramesChunk)]
-    return np.concatenate([c.frames for c in chunks], axis=1 if spec.output != "latent" else 2), chunks[-1].info
+    sounds = [c.audio for c in chunks if c.audio is not None]
+    assert len(sounds) <= 1, "a sound is handed out once"
+    return np.concatenate([c.frames for c in chunks], axis=1 if spec.output != "latent" else 2), \
+        (sounds[0] if sounds else None)
 
 
 def assert_close(got, want, atol=ATOL):
@@ -69,9 +72,9 @@ def test_one_worker_matches_diffusers_video_and_audio_with_every_guidance_term(p
     assert frames.shape == (1, 17, 96, 160, 3)
     assert want.frames.std() > 0.05 and float(want.audio.std()) > 1e-3, "the reference should not be flat or silent"
     assert_close(frames, want.frames)
-    assert info["audio_rate"] == 24000
-    assert info["audio"].shape == tuple(want.audio.shape) and info["audio"].shape[1] == 2      # stereo
-    assert_close(info["audio"], want.audio.numpy())
+    assert info.rate == 24000 and not info.latent
+    assert info.samples.shape == tuple(want.audio.shape) and info.samples.shape[1] == 2      # stereo
+    assert_close(info.samples, want.audio.numpy())
     # the guidance terms matter: without STG and modality guidance the video differs
     assert np.abs(run(pipe1, **CASE, **PLAIN)[0] - frames).max() > 1e-3
 
@@ -88,7 +91,7 @@ def test_distilled_schedule_without_cfg_matches_diffusers(pipe1, diffusers_pipe)
     assert pipe1.make_spec(PROMPT, seed=0, **dict(CASE, guidance_scale=1.0)).options["audio_guidance_scale"] == 1.0
     frames, info = run(pipe1, height=96, width=160, num_frames=17, distilled=True)
     assert_close(frames, want.frames)
-    assert_close(info["audio"], want.audio.numpy())
+    assert_close(info.samples, want.audio.numpy())
 
 
 def test_latent_output_is_diffusers_video_and_audio_latents(pipe1, diffusers_pipe):
@@ -96,7 +99,8 @@ def test_latent_output_is_diffusers_video_and_audio_latents(pipe1, diffusers_pip
     latents, info = run(pipe1, seed=1, output_type="latent", **CASE, **PLAIN)
     assert latents.shape == tuple(want.frames.shape) == (1, 8, 3, 3, 5)
     assert_close(latents, want.frames.numpy())
-    assert_close(info["audio_latents"], want.audio.numpy())
+    assert info.latent
+    assert_close(info.samples, want.audio.numpy())
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -110,7 +114,7 @@ def test_n_workers_match_one_worker_under_each_plan(pipe1, workers):
             pipe.engine.set_plan(parallel, None, cfg_parallel=cfg_parallel)
             got, info = run(pipe, **kw)
             assert_close(got, want, ATOL_WORKERS)
-            assert_close(info["audio_latents"], want_info["audio_latents"], ATOL_WORKERS)
+            assert_close(info.samples, want_info.samples, ATOL_WORKERS)
 
 
 def test_two_requests_batched_each_equal_their_run_alone(pipe1):
@@ -122,12 +126,13 @@ def test_two_requests_batched_each_equal_their_run_alone(pipe1):
     for (want, want_info), out in zip(alone, outs):
         chunks = [o for o in out if isinstance(o, FramesChunk)]
         assert_close(chunks[-1].frames, want, ATOL_WORKERS)
-        assert_close(chunks[-1].info["audio_latents"], want_info["audio_latents"], ATOL_WORKERS)
+        assert chunks[-1].audio.latent
+        assert_close(chunks[-1].audio.samples, want_info.samples, ATOL_WORKERS)
 
 
 def test_audio_false_skips_the_sound(pipe1):
     frames, info = run(pipe1, audio=False, **CASE, **PLAIN)
-    assert frames.shape == (1, 17, 96, 160, 3) and "audio" not in info
+    assert frames.shape == (1, 17, 96, 160, 3) and info is None
 
 
 @pytest.mark.parametrize("options, field", [
@@ -241,7 +246,7 @@ def test_the_latent_upsamplers_second_stage_matches_diffusers_two_stage_recipe_o
 
 def test_a_long_clip_is_decoded_window_by_window_as_diffusers_decodes_it_whole(pipe1, diffusers_pipe):
     """30 latent frames are longer than a window and its halos on tiny-ltx2 (H = 7: 14 + 2 x 7), so the video comes
-    in two windows (14 latent frames, then the 16 left), each decoded with its halo (engine/ltx2_vae.py), and equals
+    in two windows (14 latent frames, then the 16 left), each decoded with its halo (families/ltx2/vae.py), and equals
     diffusers' one-call decode; the sound comes with the first window (the 17-frame clips above are one window)."""
     kw = dict(height=64, width=64, num_frames=233, num_inference_steps=2, guidance_scale=1.0,
               audio_guidance_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0, **PLAIN)
@@ -249,6 +254,6 @@ def test_a_long_clip_is_decoded_window_by_window_as_diffusers_decodes_it_whole(p
     spec = pipe1.make_spec(PROMPT, NEGATIVE, seed=0, **kw)
     chunks = [o for o in pipe1.engine.submit(spec) if isinstance(o, FramesChunk)]
     assert [c.frames.shape[1] for c in chunks] == [1 + 8 * 13, 8 * 16]
-    assert "audio" in chunks[0].info and "audio" not in chunks[1].info
+    assert chunks[0].audio is not None and chunks[1].audio is None
     assert_close(np.concatenate([c.frames for c in chunks], axis=1), want.frames)
-    assert_close(chunks[0].info["audio"], want.audio.numpy())
+    assert_close(chunks[0].audio.samples, want.audio.numpy())

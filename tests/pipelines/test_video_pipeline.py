@@ -257,7 +257,9 @@ def test_a_request_made_again_after_a_worker_restart_is_not_handed_out_twice():
 
     outputs = [chunk(0, 5, 0.1), Requeued("r", "restart"), chunk(0, 5, 0.2), chunk(5, 9, 0.3),
                Finished("r", {"encode_s": 0.0, "transformer_s": 0.0, "vae_s": 0.0})]
-    engine = SimpleNamespace(submit=lambda spec: iter(outputs), complete=lambda request: request,
+    from longserve.engine.engine import Accepted
+
+    engine = SimpleNamespace(submit=lambda accepted: iter(outputs), accept=lambda request: Accepted(request, 9),
                              defaults=GenerationDefaults(num_frames=9, height=2, width=2, num_inference_steps=2,
                                                          guidance_scale=1.0, fps=8))
     pipe = VideoPipeline(engine)
@@ -302,7 +304,7 @@ def test_one_completion_fills_the_defaults_and_counts_seconds_under_the_frame_ru
     assert complete(num_frames=13).num_frames == 13 and complete().num_frames == 9
     video = np.zeros((10, 64, 64, 3), np.uint8)
     assert complete(seconds=1, fps=8, options={"video": video}).num_frames == 9 + 8, "an extension: seconds added"
-    assert complete(seconds=2, options={"live": True}).num_frames == 29, "a session never runs past its length"
+    assert complete(seconds=2, live=True).num_frames == 29, "a session never runs past its length"
     assert complete().seed != complete().seed, "no seed: a random one"
     for given, field in ((dict(seconds=-1), "seconds"), (dict(seconds=2, num_frames=5), "seconds"),
                          (dict(fps=0), "fps"), (dict(prompt=3), "prompt")):

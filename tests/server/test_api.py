@@ -861,7 +861,7 @@ def test_any_json_the_create_schema_admits_maps_to_a_spec_or_a_4xx_never_an_exce
     @given(body=fields, extra=extras)
     def mapping(body, extra):
         try:
-            spec = requests.create(VideoCreateRequest.model_validate({**extra, **body}))
+            accepted = requests.create(VideoCreateRequest.model_validate({**extra, **body}))
         except ValidationError:
             seen["4xx"] += 1                   # the route answers it 400 naming the field (errors.validation_error)
             return
@@ -869,7 +869,7 @@ def test_any_json_the_create_schema_admits_maps_to_a_spec_or_a_4xx_never_an_exce
             assert 400 <= e.status < 500, (e.status, e.message)
             seen["4xx"] += 1
             return
-        assert isinstance(spec, GenerationSpec)
+        assert isinstance(accepted.spec, GenerationSpec) and accepted.cost > 0
         seen["spec"] += 1
 
     mapping()
@@ -913,3 +913,33 @@ def test_a_job_s_life_is_one_log_line_per_transition_and_the_latency_histograms_
     assert line["message"].startswith(f"job {v['id']} finished owner=- replica=- ") and "e2e_s" in line
     r = http.post(f"/v1/videos/{v['id']}/remix", json={"prompt": "a blue ball"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+
+
+def test_every_door_completes_a_request_once(server, http, monkeypatch):
+    """Issue 44: a request is completed and checked once (`VideoEngine.accept`), whatever its door, and queued as
+    it was accepted (`submit(accepted)` never completes it again): HTTP create, a restart's recovered job (the
+    `stored` door that replicas' claims use too) and the Python pipeline."""
+    from longserve.engine import engine as engine_module
+    from longserve.pipelines import VideoPipeline
+    from longserve.server.api.store import VideoRecord
+
+    completed, real = [], engine_module.complete_request
+
+    def counting(request, *args):
+        spec = real(request, *args)
+        completed.append(spec.request_id)
+        return spec
+
+    monkeypatch.setattr(engine_module, "complete_request", counting)
+    service = server["service"]
+    video = create(http, size="32x32", num_frames=2, num_inference_steps=1)
+    assert completed == [video["id"]], completed
+    assert wait(http, video["id"])["status"] == "completed"
+    rec = VideoRecord(id="video_stored_once", created_at=0, status="queued", model="tiny-latte", prompt="a",
+                      seconds="1", size="32x32", params=service.storage.store.get(video["id"]).params)
+    accepted = service.requests.stored(rec)
+    assert completed[1:] == ["video_stored_once"] and accepted.cost > 0 and accepted.content_frames == 2
+    pipe = VideoPipeline(service.engine)
+    pipe("a red ball", num_frames=2, num_inference_steps=1, height=32, width=32)
+    list(pipe.stream("a red ball", num_frames=2, num_inference_steps=1, height=32, width=32))
+    assert len(completed) == 4 and len(set(completed)) == 4, completed

@@ -120,3 +120,23 @@ def test_seconds_up_to_the_limit_become_a_frame_count_the_model_makes(http):
                                       "num_inference_steps": 1}).json()
     assert v["num_frames"] == 80 and v["fps"] == 8, "10 s at the checkpoint's 8 fps (its VAE takes any frame count)"
     assert http.delete(f"/v1/videos/{v['id']}").status_code == 200
+
+
+def test_a_prompt_timeline_streams_segment_by_segment_and_a_bad_one_is_400_naming_the_entry(server, http):
+    """The timeline of tests/pipelines/test_prompt_timeline.py (whose content test draws each prompt's colour) as a
+    create's JSON extension: its first bytes stream before the last segment denoises, and the stored options keep
+    the timeline; an entry without seconds before the last is refused naming it."""
+    timeline = [{"prompt": "a red ball bouncing", "seconds": 3}, {"prompt": "a blue ball bouncing"}]
+    v = http.post("/v1/videos", json=dict(LONG, prompts=timeline)).json()
+    assert v["options"]["prompts"] == [dict(timeline[0], seconds=3.0), dict(timeline[1], seconds=None)], v
+    first_bytes_progress, size = [], 0
+    with http.stream("GET", f"/v1/videos/{v['id']}/content", params={"stream": "true"}) as r:
+        for chunk in r.iter_bytes():
+            if not size:
+                first_bytes_progress.append(http.get(f"/v1/videos/{v['id']}").json()["progress"])
+            size += len(chunk)
+    done = http.get(f"/v1/videos/{v['id']}").json()
+    assert done["status"] == "completed" and first_bytes_progress[0] < 90 * 3 // 4, (done, first_bytes_progress)
+    assert iio.imread(http.get(f"/v1/videos/{v['id']}/content").content, extension=".mp4").shape == (37, 64, 64, 3)
+    r = http.post("/v1/videos", json=dict(LONG, prompts=[{"prompt": "a"}, {"prompt": "b"}]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompts[0].seconds", r.text

@@ -44,7 +44,7 @@ def test_the_admission_cost_counts_the_sound_so_a_lower_fps_costs_more(served):
 
     def cost(fps):
         body = {"prompt": "a red ball bouncing", "size": "160x96", "fps": fps, **LTX2}
-        return service.admission.cost(service.requests.create(VideoCreateRequest.model_validate(body)), "video")
+        return service.requests.create(VideoCreateRequest.model_validate(body)).cost
 
     video_tokens = 17 * 160 * 96 / (32 * 32 * 8)
     assert cost(1) / cost(24) == pytest.approx((video_tokens + 17 * 25) / (video_tokens + 17 / 24 * 25))
@@ -83,7 +83,7 @@ def test_audio_false_gives_a_video_only_file_and_a_stream_carries_picture_and_so
     with httpx.Client(base_url=server, timeout=120) as http:
         quiet = http.post("/v1/videos", json={"prompt": "a quiet sea", "size": "160x96", "audio": False, **LTX2})
         assert quiet.status_code == 200, quiet.text
-        # a clip long enough to be decoded in two windows (30 latent frames: engine/ltx2_vae.py), the sound before the
+        # a clip long enough to be decoded in two windows (30 latent frames: families/ltx2/vae.py), the sound before the
         # first: the writer has it for the first fragment
         loud = http.post("/v1/videos", json={"prompt": "a loud sea", "size": "64x64", **dict(LTX2, num_frames=233)})
         assert loud.status_code == 200, loud.text

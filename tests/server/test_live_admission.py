@@ -156,8 +156,10 @@ def test_sessions_filling_a_keys_limit_and_every_slot_leave_another_keys_video_s
     sessions = []
     try:
         # A's limit holds two sessions (a third is refused), which take both running slots
-        cost = service.admission.cost(service.requests.live({"type": "start", "prompt": "x", "size": SIZE},
-                                                            service.config.max_live_seconds), LIVE)
+        accepted = service.requests.live({"type": "start", "prompt": "x", "size": SIZE},
+                                         service.config.max_live_seconds)
+        cost = accepted.cost
+        assert cost == service.admission.cost(accepted.spec, LIVE), "the door prices it as admission does"
         admission.max_work_per_key = 2.5 * cost
         sessions = [Session(server, KEYS[0]) for _ in range(2)]
         assert [s.first["type"] for s in sessions] == ["session.created"] * 2

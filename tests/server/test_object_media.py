@@ -142,7 +142,7 @@ def test_a_jobs_uploaded_inputs_are_read_back_by_the_replica_that_claims_it(pair
     from longserve.engine.images import EncodedImage
     from longserve.pipelines.media import EncodedVideo
     from longserve.server.api.job_inputs import pack_inputs, read_inputs
-    from longserve.server.api.store import JobStore
+    from longserve.server.api.store import SqliteJobStore
 
     a, b = pair
     image, video = EncodedImage(b"png-bytes", 3, 2, "d1"), EncodedVideo(b"mp4-bytes", 4, 32, 32, "d2", 1024)
@@ -156,7 +156,7 @@ def test_a_jobs_uploaded_inputs_are_read_back_by_the_replica_that_claims_it(pair
     assert read_inputs(b, record("video_plain")) == {}
     b.remove_files(rec.id)                                                 # a DELETE or expiry: they go
     assert object_names(s3, f"inputs/{rec.id}") == [] and read_inputs(a, rec) is None
-    local = JobStore(tmp_path / "one")                                     # no shared media: none to read
+    local = SqliteJobStore(tmp_path / "one")                                     # no shared media: none to read
     assert read_inputs(local, rec) is None
     local.close()
 

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from longserve.server.api.store import JobStore
+from longserve.server.api.store import SqliteJobStore
 
 
 @pytest.mark.parametrize("bad", [0, -5, float("nan"), True])
@@ -47,7 +47,7 @@ def test_a_data_dir_from_before_retention_gets_the_new_columns(tmp_path):
                 ['{"negative_prompt": "a\\ud800"}'])
     old.commit()
     old.close()
-    store = JobStore(tmp_path)
+    store = SqliteJobStore(tmp_path)
     try:
         rec = store.get("video_old")
         assert rec is not None and rec.expires_at is None and rec.expired is False and rec.bytes is None

@@ -288,7 +288,7 @@ def test_300_streamed_downloads_of_a_job_another_replica_runs_cost_a_few_transac
     saved, fairness.max_streams = fairness.max_streams, None
     try:
         time.sleep(1.0)
-        base = checkouts.rate(2.0)                       # replica A's own cycle (claims, heartbeats, leases, probe)
+        base = checkouts.rate(3.0)                       # replica A's own cycle (claims, heartbeats, leases, probe)
 
         async def clients(n):
             async with httpx.AsyncClient(base_url=replicas["A"]["url"], headers=auth(KEY_A), timeout=120,

@@ -28,7 +28,7 @@ import longserve.server.api.store as store_module
 import longserve.server.api.stored_files as stored_files
 import longserve.server.media as media
 from longserve.server.api.metrics import parse_text
-from longserve.server.api.store import JobStore
+from longserve.server.api.store import SqliteJobStore
 from longserve.server.media import FragmentedMP4Writer
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -82,14 +82,14 @@ class FakeDisk:
         monkeypatch.setattr(media, "open", fake_open, raising=False)
         monkeypatch.setattr(stored_files, "disk_free_bytes", lambda path: 0 if self.full else 1 << 40, raising=False)
         for name in ("insert", "update"):
-            real = getattr(JobStore, name)
+            real = getattr(SqliteJobStore, name)
 
             def guarded(store, *args, _real=real, **kwargs):
                 if self.full:
                     raise sqlite3.OperationalError("database or disk is full")
                 return _real(store, *args, **kwargs)
 
-            monkeypatch.setattr(JobStore, name, guarded)
+            monkeypatch.setattr(SqliteJobStore, name, guarded)
 
 
 def noise(n, size, seed=0):
@@ -200,7 +200,7 @@ def test_a_stalled_encoder_holds_its_producer_no_longer_than_the_hand_off_timeou
 
 
 def test_the_data_dir_is_private_to_the_server_user(tmp_path):
-    store = JobStore(tmp_path / "new" / "data")
+    store = SqliteJobStore(tmp_path / "new" / "data")
     try:
         store.insert(store_module.VideoRecord(id="video_x", created_at=1, status="queued", model="m", prompt="p",
                                               seconds="1", size="32x32", params={}))

@@ -10,7 +10,7 @@ import time
 import pytest
 from postgres import fresh_schema
 
-from longserve.server.api.store import JobStore, VideoRecord
+from longserve.server.api.store import COLUMN_TYPES, VIDEO_TABLE, JobStore, SqliteJobStore, VideoRecord
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def pg_url():
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store(request, tmp_path):
     if request.param == "sqlite":
-        s = JobStore(tmp_path / "data")
+        s = SqliteJobStore(tmp_path / "data")
     else:
         from longserve.server.api.pg_store import PostgresJobStore
 
@@ -312,3 +312,24 @@ def test_a_database_that_goes_away_is_unavailable_within_the_timeout_and_the_poo
     assert time.monotonic() - started < 5
     message = str(bad.value)
     assert message.startswith("--store postgresql://") and "\n" not in message and "refused" in message, message
+
+
+def test_both_stores_build_the_one_table_definition_and_answer_the_protocol(store):
+    """`VIDEO_TABLE` is the videos table of both stores: SQLite creates it from the definition; PostgreSQL's
+    versioned migrations (never edited once released) must end in the same columns, types and nullability."""
+    if isinstance(store, SqliteJobStore):
+        rows = store._all("SELECT name, type, \"notnull\" FROM pragma_table_info('videos')")
+        dialect = "sqlite"
+    else:
+        rows = store._all("SELECT column_name, upper(data_type), is_nullable = 'NO' FROM information_schema.columns "
+                          "WHERE table_name = 'videos' AND table_schema = current_schema()")
+        dialect = "postgresql"
+    found = {name: (kind.replace("CHARACTER VARYING", "TEXT"), bool(not_null)) for name, kind, not_null in rows}
+    for name, kind, constraints in VIDEO_TABLE:
+        assert name in found, f"{dialect}: videos lacks {name}"
+        declared = COLUMN_TYPES[dialect][kind]
+        assert found[name][0] == declared, (dialect, name, found[name], declared)
+        if kind != "seq":                     # (SQLite reports its rowid key as nullable)
+            assert found[name][1] == ("NOT NULL" in constraints), (dialect, name, found[name])
+    protocol = {n for n in vars(JobStore) if not n.startswith("_")}
+    assert protocol <= set(dir(store)), protocol - set(dir(store))

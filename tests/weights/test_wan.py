@@ -104,7 +104,8 @@ def test_resolve_model_finds_every_shipped_name_from_any_cwd(tmp_path, monkeypat
                "tiny-helios": "HeliosPipeline", "tiny-helios-distilled": "HeliosPyramidPipeline",
                "tiny-hunyuan15": "HunyuanVideo15Pipeline", "tiny-hunyuan15-i2v": "HunyuanVideo15ImageToVideoPipeline",
                "tiny-ltx2": "LTX2Pipeline", "tiny-ltx2-i2v": "LTX2ImageToVideoPipeline",
-               "tiny-ltx2-upsample": "LTX2Pipeline"}
+               "tiny-ltx2-upsample": "LTX2Pipeline", "tiny-sana-video": "SanaVideoPipeline",
+               "tiny-sana-video-i2v": "SanaImageToVideoPipeline", "tiny-framepack": "HunyuanVideoFramepackPipeline"}
     assert sorted(TINY_MODELS) == sorted(classes)
     for name, cls in classes.items():
         root = resolve_model(name)

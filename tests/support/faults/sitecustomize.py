@@ -2,7 +2,7 @@
 folder first on the process's PYTHONPATH, so Python runs this file at start-up.
 
 With LONGSERVE_TEST_PAUSE_BEFORE_COMMIT set, a video whose prompt is its value stops between its complete MP4 and
-the record that says so: measuring the finished files (`JobStore.files_bytes`, the last step before the record is
+the record that says so: measuring the finished files (`SqliteJobStore.files_bytes`, the last step before the record is
 written) blocks until the process is killed, a crash at the worst moment for the store. The variable is taken
 out of the environment here, so the server's workers start without the patch.
 
@@ -20,9 +20,9 @@ _PROMPT = os.environ.pop("LONGSERVE_TEST_PAUSE_BEFORE_COMMIT", None)
 if _PROMPT:
     import threading
 
-    from longserve.server.api.store import JobStore
+    from longserve.server.api.store import SqliteJobStore
 
-    _measure = JobStore.files_bytes
+    _measure = SqliteJobStore.files_bytes
 
     def _files_bytes(self, video_id, *args):
         record = self.get(video_id)
@@ -30,7 +30,7 @@ if _PROMPT:
             threading.Event().wait()            # forever: the test kills the process
         return _measure(self, video_id, *args)
 
-    JobStore.files_bytes = _files_bytes
+    SqliteJobStore.files_bytes = _files_bytes
 
 _HOLD = os.environ.pop("LONGSERVE_TEST_HOLD_FILE", None)
 _SLEEP_S = float(os.environ.pop("LONGSERVE_TEST_STEP_SLEEP_S", "0"))

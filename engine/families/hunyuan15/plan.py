@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from longserve.engine import comm
 from longserve.engine.attention import attend
-from longserve.engine.parallel import CfgGroups, SequenceParallel, cfg_parallel
+from longserve.engine.parallel import SequenceParallel
 from longserve.engine.sharding import At, Gather, ShardedModel, ShardPlan, Split, TokenShard, shard_model
 
 
@@ -163,14 +163,11 @@ class Hunyuan15SequenceParallel:
         self.model = model
         self.sharded = shard_model(model, HUNYUAN15_PLAN)
 
-    def __call__(self, x: torch.Tensor, timestep: torch.Tensor, cond: dict, sp: SequenceParallel,
-                 cfg: CfgGroups | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, timestep: torch.Tensor, cond: dict, sp: SequenceParallel) -> torch.Tensor:
         """x (B, C_in, F, H, W) (latents, condition latents and mask joined on channels); timestep (B,); cond:
         the forward's condition tensors by diffusers' argument names (`encoder_hidden_states` (B, L1, C1),
         `encoder_attention_mask` (B, L1), `encoder_hidden_states_2` (B, L2, C2), `encoder_attention_mask_2`
-        (B, L2), `image_embeds` (B, L3, C3)) -> (B, C_out, F, H, W) on every rank. `cfg`: the unconditional and
-        conditional rows on two halves of the workers (`engine.parallel.cfg_parallel`)."""
-        if cfg is not None:
-            return cfg_parallel(self, cfg, x, timestep, cond, sp)
+        (B, L2), `image_embeds` (B, L3, C3)) -> (B, C_out, F, H, W) on every rank. (CFG-parallel is the worker's,
+        around it: `VideoFamily.denoise`.)"""
         shard = HunyuanShard.of(self.model, x, sp)
         return self.sharded(shard, hidden_states=x, timestep=timestep, return_dict=False, **cond)[0]

@@ -29,6 +29,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from longserve.engine.decoding import to_pixels
+from longserve.engine.families.composed import Decoder
+from longserve.engine.request import GenerationSpec
+
 
 class HunyuanVAEStream:
     """One clip's decode, chunk by chunk in time order, on the caller's device."""
@@ -138,3 +142,57 @@ class HunyuanVAEStream:
         parts.append(up(h, r1=2, r2=2, r3=2))
         shortcut.append(up(x, r1=2, r2=2, r3=2).repeat_interleave(repeats=m.repeats, dim=1))
         return torch.cat(parts, dim=2) + torch.cat(shortcut, dim=2)
+
+
+class Hunyuan15Decoder:
+    """The HunyuanVideo-1.5 VAE on rank 0: streamed in time, a chunk of latent frames at a time as the frame stream
+    hands them (`HunyuanVAEStream`: the decoder is causal in time, so the chunks' frames are diffusers' decode);
+    with `vae_tiling`, the clip whole through diffusers' tiled decode, as the pipeline does; with `rows`, streamed on
+    every rank, each its band of the frame's rows (engine/vae_split.py), gathered on rank 0."""
+
+    def __init__(self, pipe, pg, tiling: bool, output: str, rows_of: int | None = None):
+        """rows_of: the latent height whose rows split across the workers (None: rank 0 decodes whole frames)."""
+        from longserve.engine.vae_split import RowSplit
+
+        self.pipe, self.pg, self.output, self.tiling = pipe, pg, output, tiling
+        self.rows = rows_of is not None and not tiling
+        if tiling:
+            pipe.vae.enable_tiling()
+        else:
+            pipe.vae.disable_tiling()
+        self.stream = None
+        if self.rows:
+            self.stream = HunyuanVAEStream(pipe.vae, RowSplit(pg, rows_of))
+        elif pg.rank == 0 and not tiling:
+            self.stream = HunyuanVAEStream(pipe.vae)
+
+    def decode(self, latents: torch.Tensor, keep: slice):
+        vae = self.pipe.vae
+        if self.rows:
+            video = self.stream.decode(latents.to(vae.dtype) / vae.config.scaling_factor)  # (B, 3, n, H, W) on 0
+            return None if video is None else to_pixels(video[:, :, keep], self.pipe.video_processor, self.output)
+        if self.pg.rank != 0:
+            return None
+        z = latents.to(vae.dtype) / vae.config.scaling_factor
+        if self.stream is not None:
+            video = self.stream.decode(z)                                        # (B, 3, n, H, W)
+        else:
+            with torch.no_grad():
+                video = vae.decode(z, return_dict=False)[0]
+        return to_pixels(video[:, :, keep], self.pipe.video_processor, self.output)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+
+class Hunyuan15VAE(Decoder):
+    """The decoder part: a request's run of final latents -> its `Hunyuan15Decoder` (the rows split across the
+    workers when `vae_split` is "rows" and the latent height covers them)."""
+
+    def __call__(self, spec: GenerationSpec, latents: torch.Tensor) -> Hunyuan15Decoder:
+        from longserve.engine.vae_split import split_rows_fits
+
+        w = self.w
+        rows = w.vae_split == "rows" and w.pg.world_size > 1 and split_rows_fits(latents.shape[3], w.pg.world_size)
+        return Hunyuan15Decoder(w.pipe, w.pg, w.vae_tiling, spec.output, rows_of=latents.shape[3] if rows else None)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longserve.engine.parallel import CfgGroups, SequenceParallel, cfg_parallel
+from longserve.engine.parallel import SequenceParallel
 from longserve.engine.sharding import (
     At,
     Gather,
@@ -199,30 +199,17 @@ class LTX2SequenceParallel:
     """Makes `model` (an `LTX2VideoTransformer3DModel`) run sequence-parallel.
 
         sp_model = LTX2SequenceParallel(model)                   # once: the plan's hooks and processors
-        video, audio = sp_model(sp, hidden_states=..., audio_hidden_states=..., ...)   # diffusers' forward kwargs
+        video, audio = sp_model(hidden_states, sp=sp, audio_hidden_states=..., ...)   # diffusers' forward kwargs
 
     Every rank of `sp` calls it with the same replicated inputs and gets the same outputs: video (B, S, C_out) and
-    audio (B, A, C_audio_out)."""
+    audio (B, A, C_audio_out). (CFG-parallel is the worker's, around it: `VideoFamily.denoise`.)"""
 
     def __init__(self, model):
         self.model = model
         self.sharded = shard_model(model, LTX2_PLAN)
 
-    def __call__(self, sp: SequenceParallel, cfg: CfgGroups | None = None, **kwargs):
-        x, a = kwargs["hidden_states"], kwargs["audio_hidden_states"]
-        if cfg is not None:
-            # one tensor for cfg_parallel's pair all-gather: video and audio outputs flattened side by side
-            B, S, A = x.shape[0], x.shape[1], a.shape[1]
-            both = cfg_parallel(self._joined, cfg, x, sp=sp, **{k: v for k, v in kwargs.items()
-                                                                 if k != "hidden_states"})
-            video, audio = both.split([S * self.model.config.out_channels, both.shape[1] - S *
-                                       self.model.config.out_channels], dim=1)
-            return video.reshape(B, S, -1), audio.reshape(B, A, -1)
-        S = x.shape[1]
+    def __call__(self, hidden_states: torch.Tensor, sp: SequenceParallel, **kwargs):
+        S = hidden_states.shape[1]
         Sl, start, stop = LTX2Shard.token_range(S, sp)
         shard = LTX2Shard(sp, S, Sl, start, stop)
-        return tuple(self.sharded(shard, return_dict=False, **kwargs))
-
-    def _joined(self, hidden_states, sp, **kwargs):
-        video, audio = self(sp, hidden_states=hidden_states, **kwargs)
-        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+        return tuple(self.sharded(shard, hidden_states=hidden_states, return_dict=False, **kwargs))

@@ -34,11 +34,23 @@ attention, so nothing else crosses a band; rank `rows.dst` gathers the bands.
 Not streamed (`not_streamable` says why; the family then decodes the clip whole): noise injection
 (`decoder_inject_noise`: a fresh random draw per decode call), diffusers' spatial tiling or frame-wise decoding
 (enabled on the VAE: its own temporal tiles blend over the clip).
+
+The family's decoder part (`LTX2VAE`) hands a clip out window by window: a window keeps 2H latent frames, whatever
+`decode_chunk_frames` (the last one the rest); a clip no longer than a window plus its two halos is decoded whole, in
+one call, as diffusers does, and so is every clip where the VAE cannot be windowed. The sound: the audio latents
+through the audio VAE and the vocoder, decoded before the first video window and handed out with it
+(`FramesChunk.audio`, an `engine.outputs.Sound`: float32 (B, channels, samples) at the vocoder's rate), so a
+streamed download knows the sound when it writes the first frames. A request with `audio: false` skips the audio
+decode (its latents are still denoised: the two streams are one model).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from longserve.engine.families.composed import Decoder
+from longserve.engine.outputs import Sound
 
 
 def temporal_ops(decoder) -> list[tuple]:
@@ -132,3 +144,79 @@ class LTX2WindowedDecode:
         with row_split_hooks(self.vae.decoder, self.rows):
             band = self.vae.decode(self.rows.take(self.z[:, :, s:e]), self.timestep, return_dict=False)[0]
         return self.rows.gather_to_dst(band[:, :, first - t * s: t * (b - 1) + 1 - t * s])
+
+
+class LTX2VAE(Decoder):
+    """The decoder part: the video VAE windowed in time and the sound (audio VAE, vocoder), all in float32."""
+
+    dtypes = {"vae": torch.float32, "audio_vae": torch.float32, "vocoder": torch.float32}
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.halos = halos(worker.pipe.vae.decoder)          # (before, after): latent frames a window reads
+        self.refused = not_streamable(worker.pipe.vae)        # why the clip is decoded whole, or None
+
+    def clip(self, r) -> "LTX2Decoder":
+        return LTX2Decoder(self, r)
+
+    def frames_per_call(self, r, max_frames: int) -> int:
+        """The frames a decode call hands out (`FrameStream.next`'s max_frames), whatever the scheduler's: a window
+        of 2H latent frames (fewer would decode more halo than frames; more would hand out the first frames later),
+        the last window taking the rest (less than two windows); the whole clip in one call when it is no longer
+        than a window and its two halos (4H latent frames), or the VAE cannot be windowed."""
+        before, after = self.halos
+        window = before + after                                       # latent frames kept per call
+        if r.spec.output == "latent" or self.refused or r.latent_frames <= 2 * window:
+            return r.num_frames                                       # the whole clip, one call
+        if r.latent_frames - r.frames.latents_done < 2 * window:
+            return r.num_frames                                       # the rest: no window shorter than the others
+        return window * self.w.pipe.vae_temporal_compression_ratio
+
+    def sound(self, r) -> np.ndarray:
+        """The request's sound: the audio VAE's mel spectrogram through the vocoder -> float32 (B, channels, n)."""
+        pipe = self.w.pipe
+        latents = self.w.loop.final_audio_latents(r).to(pipe.audio_vae.dtype)
+        mel = pipe.audio_vae.decode(latents, return_dict=False)[0]
+        return pipe.vocoder(mel).float().cpu().numpy()
+
+
+class LTX2Decoder:
+    """A clip's decode on rank 0, a window of latent frames at a time as the frame stream hands them
+    (`LTX2WindowedDecode`: each with its halo from the whole clip's latents; one window of the whole clip is
+    diffusers' one call), and the sound with the first window, decoded before it."""
+
+    def __init__(self, vae: LTX2VAE, r):
+        self.vae, self.r = vae, r
+        self.window = None
+        self.start = 0                      # the clip's latent frames handed out so far
+
+    def decode(self, latents: torch.Tensor, keep: slice):
+        w = self.vae.w
+        rows = w.vae_split == "rows" and w.pg.world_size > 1     # every rank decodes its band of the rows
+        if w.pg.rank != 0 and not rows:
+            return None
+        from longserve.engine.decoding import to_pixels
+        from longserve.engine.vae_split import RowSplit, split_rows_fits
+
+        pipe, r = w.pipe, self.r
+        with torch.no_grad():
+            if self.start == 0 and r.spec.options.get("audio", True) and w.pg.rank == 0:   # the sound first
+                r.frames.audio = Sound(self.vae.sound(r), w.desc.facts.audio_rate)
+            if self.window is None:
+                clip = r.clip.to(pipe.vae.dtype)
+                timestep = None
+                if pipe.vae.config.timestep_conditioning:
+                    timestep = torch.zeros(clip.shape[0], device=clip.device, dtype=clip.dtype)
+                split = RowSplit(w.pg, clip.shape[3]) if rows and split_rows_fits(clip.shape[3],
+                                                                                   w.pg.world_size) else None
+                if w.pg.rank != 0 and split is None:
+                    self.start += latents.shape[2]
+                    return None
+                self.window = LTX2WindowedDecode(pipe.vae, clip, timestep, self.vae.halos, rows=split)
+            a = self.start
+            self.start += latents.shape[2]
+            video = self.window.decode(a, self.start)
+        return None if video is None else to_pixels(video[:, :, keep], pipe.video_processor, r.spec.output)
+
+    def close(self) -> None:
+        self.window, self.r.clip = None, None          # the clip is handed out: its latents are not kept
