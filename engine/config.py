@@ -51,7 +51,7 @@ class EngineConfig:
     """How a video engine is built: the model, its workers and plan, the numerics, the scheduler's limits."""
 
     # -- the model and its workers --------------------------------------------------------------------
-    profile: str = option("exact", "exact | fast: fast turns on, for every option left at its default, the speed "
+    profile: str = option("exact", "exact | fast: fast turns on, for every lever option left unset, the speed "
                                    "levers measured to win on the engine's device (CUDA: regional compile, the "
                                    "best attention backend installed, a bf16 VAE; several workers: the VAE's rows "
                                    "split; families that take them: step caching and CFG truncation at calibrated "
@@ -96,6 +96,12 @@ class EngineConfig:
                                      "\"threshold\": 0.1}' (diffusers' FirstBlockCache, or MagCache on the Wan "
                                      "family: '{\"kind\": \"mag\", \"calibrate\": true}' measures its ratios; "
                                      "per request, engine/cache.py); default none: exact", metavar="PRESET|JSON")
+    sparse_attention: str = option("none", "none | radial: the Wan family's (T2V, I2V, TI2V) self-attention under "
+                                           "radial attention's static sparse mask, training-free (a query sees "
+                                           "whole neighbouring frames and a window that halves as the frame "
+                                           "distance doubles: O(n log n) keys; block-sparse FlexAttention on "
+                                           "CUDA at one worker or Ulysses; engine/attention.py). Changes the "
+                                           "frames: an approximation for long videos", choices=["none", "radial"])
     cfg_trunc_ratio: float | None = option(None, "CFG truncation for requests that do not set their own "
                                                  "`cfg_trunc_ratio`: step i of N runs the unconditional branch "
                                                  "only while (i + 1) / N <= this (diffusers' Lumina2 semantics; "
@@ -214,6 +220,8 @@ class EngineConfig:
             for name, off in (("compile", "none"), ("vae_split", "items")):
                 if getattr(self, name) is None:
                     object.__setattr__(self, name, off)
+        if self.sparse_attention not in ("none", "radial"):
+            raise ValueError(f"sparse_attention must be 'none' or 'radial'; got {self.sparse_attention!r}")
         if self.vae_split not in (*VAE_SPLITS, None):
             raise ValueError(f"vae_split must be one of {', '.join(VAE_SPLITS)}; got {self.vae_split!r}")
         if self.vae_split == "rows" and self.vae_tiling:

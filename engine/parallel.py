@@ -252,6 +252,13 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """
     if causal is None:
         return attend(q, k, v, scale, backend)
+    if not isinstance(causal, BlockCausal):   # another mask by global positions: its `visible` rows (RadialMask)
+        from longserve.engine.attention import RadialMask, radial_attention
+
+        Lq, Lk = q.shape[2], k.shape[2]
+        if isinstance(causal, RadialMask) and q_start == 0 and Lq == Lk == causal.tokens and backend is None:
+            return radial_attention(q, k, v, causal, scale)                    # block-sparse on CUDA
+        return attend(q, k, v, scale, backend, attn_mask=causal.visible(q_start, Lq, 0, Lk, q.device))
     span = causal.frame_tokens * causal.frames_per_block
     outs = []
     Lq, Lk = q.shape[2], k.shape[2]

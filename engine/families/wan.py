@@ -195,7 +195,8 @@ class WanFamily(WanParts, VideoFamily):
     def forward(self, model, inputs: dict, cfg_parallel: bool) -> torch.Tensor:
         x, t, text = (torch.cat(inputs[k]) for k in ("x", "t", "text"))
         image = torch.cat(inputs["image"]) if "image" in inputs else None        # image-to-video's CLIP tokens
-        return self.denoise(model, cfg_parallel, x, t.to(self.pg.device), text, image=image)  # (rows, C, F, h, w)
+        return self.denoise(model, cfg_parallel, x, t.to(self.pg.device), text, image=image,
+                            radial=self.config.engine.sparse_attention == "radial")  # (rows, C, F, h, w)
 
     def guidance_scale(self, r: WanRequest) -> float:
         if self.expert(r.timesteps_cpu[r.steps_done]) == 0:

@@ -60,12 +60,13 @@ class WanShard(TokenShard):
     f1: int
     p_t: int                            # latent frames per patch
     frame_timesteps: bool = False       # SkyReels' diffusion forcing: a timestep per frame, modulation per token
-    causal: BlockCausal | None = None
+    causal: BlockCausal | None = None   # or radial attention's RadialMask (the same `visible` protocol)
 
     UNITS = ("tokens", "frames", "latent_frames", "tokens_of_my_frames")
 
     @classmethod
-    def of(cls, model, x: torch.Tensor, sp: SequenceParallel, frames_per_block: int = 1, **extra) -> "WanShard":
+    def of(cls, model, x: torch.Tensor, sp: SequenceParallel, frames_per_block: int = 1, radial: bool = False,
+           **extra) -> "WanShard":
         _, _, F, H, W = x.shape
         p_t, p_h, p_w = model.config.patch_size
         f, frame_tokens = F // p_t, (H // p_h) * (W // p_w)
@@ -74,6 +75,12 @@ class WanShard(TokenShard):
         f0 = min(start // frame_tokens, f - 1)                       # at least one frame, even with no tokens
         f1 = max(-(-stop // frame_tokens), f0 + 1)
         causal = BlockCausal(frame_tokens, frames_per_block) if frames_per_block > 1 else None
+        if radial:                                    # radial attention's static sparse mask (engine/attention.py)
+            from longserve.engine.attention import RadialMask
+
+            if causal is not None:
+                raise ValueError("radial attention with a block-causal mask (diffusion forcing) is not built")
+            causal = RadialMask(f, frame_tokens)
         return cls(sp, S, Sl, start, stop, frame_tokens, f0, f1, p_t, causal=causal, **extra)
 
     def split(self, x: torch.Tensor, dim: int, unit: str) -> torch.Tensor:
@@ -152,7 +159,8 @@ class WanSequenceParallel:
         return (x.shape[2] // p_t) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
 
     def __call__(self, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, sp: SequenceParallel,
-                 fps: int | None = None, frames_per_block: int = 1, image: torch.Tensor | None = None) -> torch.Tensor:
+                 fps: int | None = None, frames_per_block: int = 1, image: torch.Tensor | None = None,
+                 radial: bool = False) -> torch.Tensor:
         """diffusers' forward over the group. x (B, C, F, H, W); timestep (B,), or (B, F) per latent frame
         (diffusion forcing, SkyReels-V2), or (B, S) per token (Wan 2.2 TI2V's expand_timesteps: what
         `WanTransformer3DModel` reads a 2-D timestep as); text (B, L, C_text) -> (B, C_out, F, H, W) on every
@@ -166,7 +174,8 @@ class WanSequenceParallel:
         CFG-parallel is the worker's, around this forward (`VideoFamily.denoise`). `fps`: SkyReels' fps id, one
         for the whole batch (diffusers' forward adds a batch of one fps embedding to every row; with one per row
         its per-frame broadcast fits a batch of one only). `frames_per_block` > 1: diffusion forcing's
-        block-causal mask.
+        block-causal mask. `radial`: self-attention under radial attention's static sparse mask
+        (engine/attention.py's `RadialMask`), a training-free approximation.
         """
         per_frame = timestep.ndim == 2 and self.skyreels
         if timestep.ndim == 2 and not self.skyreels and timestep.shape[1] != self._tokens(x):
@@ -176,5 +185,5 @@ class WanSequenceParallel:
             kwargs = {"enable_diffusion_forcing": per_frame, "fps": None if fps is None else [fps]}
         if image is not None:
             kwargs["encoder_hidden_states_image"] = image
-        shard = WanShard.of(self.model, x, sp, frames_per_block, frame_timesteps=per_frame)
+        shard = WanShard.of(self.model, x, sp, frames_per_block, radial=radial, frame_timesteps=per_frame)
         return self.sharded(shard, x, timestep, text, return_dict=False, **kwargs)[0]

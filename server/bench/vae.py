@@ -172,11 +172,11 @@ def _diffusers_job(ctx, model, z, tiling, measure):
         vae.enable_tiling(tiling.sample_min_height, tiling.sample_min_width,
                           tiling.sample_stride_height, tiling.sample_stride_width)
     with torch.no_grad(), PeakMemory(ctx.pg.device, enabled=measure) as mem:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = vae.decode(z).sample
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     vae.use_tiling = False
-    return dict(video=None if measure else out, peak=mem.peak_bytes, seconds=seconds, bytes_sent=0)
+    return dict(video=None if measure else out, peak=mem.peak_bytes, seconds=seconds, cpu_s=cpu, bytes_sent=0)
 
 
 def _stream_job(ctx, model, z, tiling, chunk, measure):
@@ -225,7 +225,7 @@ def _rows_job(ctx, model, z, measure):
     comm.STATS.reset()
     outs = []
     with torch.no_grad(), PeakMemory(pg.device, enabled=measure) as mem:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         decoder = RowSplitWanDecoder(vae, pg, z.shape[0], z.shape[3], z.shape[4])
         for start in range(z.shape[2]):
             out = decoder.decode(z[:, :, start:start + 1])
@@ -234,8 +234,8 @@ def _rows_job(ctx, model, z, measure):
             del out
         caches = decoder.cache_bytes
         decoder.close()
-        seconds = time.perf_counter() - t0
-    return dict(video=torch.cat(outs, dim=2) if outs else None, peak=mem.peak_bytes, seconds=seconds,
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return dict(video=torch.cat(outs, dim=2) if outs else None, peak=mem.peak_bytes, seconds=seconds, cpu_s=cpu,
                 bytes_sent=comm.STATS.bytes_sent, items=None, grid=None, caches=caches)
 
 
@@ -244,24 +244,28 @@ def _run_both(pool, job, *args, memory=True):
     merged."""
     timed = pool.run(job, *args, False)
     if not memory:
-        return [dict(t, peak=0) for t in timed]
+        return [dict(t, peak=None) for t in timed]
     mem = pool.run(job, *args, True)
     return [dict(t, peak=m["peak"]) for m, t in zip(mem, timed)]
 
 
 def _row(method, tiling_text, frames, latent_frames, chunk, results, reference):
     MiB = 2**20
-    peaks = [r["peak"] for r in results]
+    measured = results[0]["peak"] is not None          # --no-memory: no peak was measured
+    peaks = [r["peak"] if measured else 0 for r in results]
     err = None
     if reference is not None and results[0]["video"] is not None:
         err = (results[0]["video"] - reference).abs().max().item()
     return dict(method=method, tiling=tiling_text, frames=frames, latent_frames=latent_frames, chunk=chunk,
-                workers=len(results), peak_mib=max(peaks) / MiB, dst_peak_mib=peaks[0] / MiB,
-                others_peak_mib=max(peaks[1:]) / MiB if len(peaks) > 1 else None,
+                workers=len(results), peak_mib=max(peaks) / MiB if measured else None,
+                dst_peak_mib=peaks[0] / MiB if measured else None,
+                others_peak_mib=max(peaks[1:]) / MiB if len(peaks) > 1 and measured else None,
                 items=[r.get("items") for r in results], grid=results[0].get("grid"),
                 cache_mib=max(r["caches"] for r in results) / MiB if "caches" in results[0] else None,
                 sent_mib=max(r["bytes_sent"] for r in results) / MiB,
-                seconds=max(r["seconds"] for r in results), max_abs_err=err)
+                seconds=max(r["seconds"] for r in results),
+                cpu_s=max(r["cpu_s"] for r in results) if all("cpu_s" in r for r in results) else None,
+                max_abs_err=err)
 
 
 def _worker_setup(ctx, threads: int = 1, pin: bool = False) -> None:
@@ -295,7 +299,7 @@ def measure(args) -> list[dict]:
     def log(row):
         rows.append(row)
         print(f"  {row['method']:<28} workers={row['workers']} frames={row['frames']} chunk={row['chunk']}: "
-              f"peak {row['peak_mib']:.2f} MiB/worker, {row['seconds']:.2f} s", file=sys.stderr, flush=True)
+              f"peak {row['peak_mib'] or 0:.2f} MiB/worker, {row['seconds']:.2f} s", file=sys.stderr, flush=True)
 
     for n in sorted(set(workers) | {1}):
         with WorkerPool(n, setup=_worker_setup, setup_args=(args.threads, args.pin)) as pool:
@@ -323,9 +327,12 @@ def measure(args) -> list[dict]:
         one = next((b for b in same if b["method"] == r["method"] and b["workers"] == 1), None)
         diffusers = same[1] if tiling is not None and r["method"] != "rows split" else same[0]
         split = r["method"] in ("streaming", "rows split")
-        r["vs_1_worker"] = r["peak_mib"] / one["peak_mib"] if one and split and one["peak_mib"] else None
-        r["vs_diffusers"] = r["peak_mib"] / diffusers["peak_mib"] if diffusers["peak_mib"] else None
+        measured = r["peak_mib"] is not None
+        r["vs_1_worker"] = r["peak_mib"] / one["peak_mib"] if measured and one and split else None
+        r["vs_diffusers"] = r["peak_mib"] / diffusers["peak_mib"] if measured else None
         r["speedup"] = one["seconds"] / r["seconds"] if one and split else None
+        r["cpu_speedup"] = one["cpu_s"] / r["cpu_s"] if one and split and r.get("cpu_s") and one.get("cpu_s") \
+            else None
     return sorted(rows, key=lambda r: (r["frames"], not r["method"].startswith("diffusers"), r["workers"]))
 
 
@@ -344,6 +351,8 @@ COLUMNS = [
     Column("MiB sent / worker", "sent_mib", ".2f"),
     Column("seconds", "seconds", ".2f"),
     Column("speed vs 1 worker", "speedup", lambda v: f"{v:.2f}x"),
+    Column("CPU s / worker", "cpu_s", ".2f"),
+    Column("CPU vs 1 worker", "cpu_speedup", lambda v: f"{v:.2f}x"),
     Column("max abs err", "max_abs_err", ".1e"),
 ]
 
@@ -381,10 +390,15 @@ def markdown_section(rows: list[dict], args, load) -> str:
     model = ", ".join(f"{k} {v}" for k, v in MODELS[args.model].items())
     grid = next((r["grid"] for r in rows if r["grid"]), (1, 1))
     grid = f"a {grid[0]}x{grid[1]} grid of tiles per video (edge tiles smaller)" if tiling else "one item per video"
+    rows_only = _splits(args.split) == ["rows"]
+    what = ("engine/vae_split.py's `RowSplitWanDecoder` (every frame's rows split across the workers, the "
+            "decoder's convolutions exchanging their edge rows, bands gathered on one rank; one latent frame per "
+            "call, the causal caches per band)" if rows_only else
+            "engine/causal_vae.py's `StreamingVAEDecoder` (chunks of latent frames, per-(video, tile) caches, work "
+            "split across workers, tiles gathered and blended on one rank)")
     return "\n".join([
-        "Decoding Wan latents with engine/causal_vae.py's `StreamingVAEDecoder` (chunks of latent frames, "
-        "per-(video, tile) caches, work split across workers, tiles gathered and blended on one rank) "
-        "against diffusers' own one-shot `AutoencoderKLWan.decode`. Rerun with:", "",
+        f"Decoding Wan latents with {what} against diffusers' own one-shot `AutoencoderKLWan.decode`. Rerun "
+        "with:", "",
         "```", command_line(args), "```", "",
         f"- Machine: {machine()}; the CPU is shared with other work: 1/5/15-minute load average before "
         f"the run {load[0]}, after it {load[1]}. Memory is a count of tensor storage, independent of load; "
@@ -397,7 +411,9 @@ def markdown_section(rows: list[dict], args, load) -> str:
         "that gathers, blends and returns each chunk, \"others\" the largest of the rest. A streaming run keeps "
         "no returned chunk (a streaming caller writes each out), so its peak counts one chunk of output; "
         "diffusers' one-shot decode returns (and counts) the whole video.",
-        "- seconds: slowest worker, separate run without the memory tracker. MiB sent: engine/comm.py's "
+        "- seconds: slowest worker, separate run without the memory tracker; CPU s / worker: the busiest worker's "
+        "CPU time in that run (process time: time it waits for a shared core does not count, so it reads the "
+        "split's work per worker when the machine is busy). MiB sent: engine/comm.py's "
         "accounting (a rank sends its padded tile chunks once per call; dst sends nothing).",
         "- vs 1 worker: over the same streaming run on 1 worker; vs diffusers: over diffusers' one-shot decode "
         "of the same frames (tiled when tiling is on). max abs err: the output against that decode.", "",
@@ -424,8 +440,11 @@ def summary(rows: list[dict], args) -> str:
                                                                      else "") for r in split)
         err = max(r["max_abs_err"] for r in split if r["max_abs_err"] is not None)
         pinned = "each worker pinned to its own core, " if args.pin else ""
+        cpu = ", ".join(f"{r['cpu_s']:.2f} s on {r['workers']}" + (f" ({r['cpu_speedup']:.2f}x)" if r["workers"] > 1
+                                                                  else "") for r in split if r.get("cpu_s"))
         said.append(f"Rows split ({pinned}{args.threads} thread(s) each): {per} worker(s), at most {err:.1e} from "
-                    "diffusers' plain decode.")
+                    f"diffusers' plain decode. CPU seconds of the busiest worker (what a worker computes, whatever "
+                    f"else shares its core): {cpu}.")
     if one and args.memory:
         per = ", ".join(f"{r['peak_mib']:.2f} MiB on {r['workers']}" + (f" ({r['vs_1_worker']:.2f}x)" if
                                                                          r["workers"] > 1 else "")

@@ -255,3 +255,37 @@ def test_diffusion_forcing_modulation_is_built_for_each_rank_s_frames_only(pool)
     rows = pool.run(_modulation_rows, model_kwargs, inputs)
     S, frame_tokens, Sl = 8 * 15, 15, 30
     assert all(r <= Sl + 2 * frame_tokens and r < S for r in rows), rows
+
+
+# -- through the Wan family's sharded self-attention (engine/models/wan.py, engine/parallel.py) ------------------
+
+
+class _Masked:
+    """diffusers' own Wan self-attention processor, handed a dense radial mask: the reference."""
+
+    def __init__(self, inner, mask):
+        self.inner, self.mask = inner, mask
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        return self.inner(attn, hidden_states, encoder_hidden_states, self.mask, rotary_emb)
+
+
+def test_radial_wan_forward_on_every_plan_equals_diffusers_with_the_dense_mask(bare_pool4):
+    """Ulysses, Ring and USP at 1-4 workers (3 heads, 5 latent frames, a 5x7 patch grid: uneven everywhere) with
+    `radial=True` equal diffusers' forward whose self-attention gets the dense mask (ATOL 1e-5), and differ from the
+    dense forward: the mask is applied, by global positions, on every shard."""
+    from longserve.engine.attention import RadialMask
+
+    inputs = wan_inputs()
+    model = random_wan_transformer(heads=3)
+    mask = RadialMask(5, 35, dense_frames=1).dense()           # 5 latent frames of 5 x 7 patches
+    for block in model.blocks:
+        block.attn1.set_processor(_Masked(block.attn1.processor, mask))
+    with torch.no_grad():
+        want = model(*inputs, return_dict=False)[0]
+    dense = reference(dict(heads=3), inputs)
+    assert (want - dense).abs().max() > 1e-3, "the radial mask should change the output"
+    got = bare_pool4.run(_run, dict(heads=3), inputs, ALL_CASES, {"radial": True})[0]
+    for case, (out, _) in got.items():
+        err = (out - want).abs().max().item()
+        assert err <= ATOL, f"{case}: radial differs from the dense-masked reference by {err:.2e}"

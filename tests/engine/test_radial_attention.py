@@ -73,3 +73,15 @@ def test_a_sequence_that_is_not_the_masks_is_refused():
     q = torch.zeros(1, 1, 10, 4)
     with pytest.raises(ValueError, match="covers 3 x 4 = 12 tokens"):
         radial_attention(q, q, q, RadialMask(3, 4))
+
+
+
+def test_the_option_runs_the_wan_family_and_is_refused_elsewhere_naming_it(pipeline):
+    request = dict(num_frames=9, height=48, width=64, num_inference_steps=2, seed=0)
+    dense = pipeline("tiny-wan")("a red ball bouncing", **request).frames
+    radial = pipeline("tiny-wan", sparse_attention="radial")("a red ball bouncing", **request).frames
+    assert radial.shape == dense.shape and abs(radial - dense).max() > 1e-4
+    from longserve.pipelines import VideoPipeline
+
+    with pytest.raises(ValueError, match="sparse_attention='radial' is built for the Wan family"):
+        VideoPipeline.from_pretrained("tiny-latte", device="cpu", sparse_attention="radial")
