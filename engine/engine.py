@@ -189,7 +189,7 @@ class RequestHandle:
         return self.abort(CANCELLED)
 
     def switch(self, prompt: str) -> PromptSwitch | None:
-        """A live session's new prompt, applied at its next chunk (its chunks' `info["prompt_index"]` tells):
+        """A live session's new prompt, applied at its next chunk (its chunks' `FramesChunk.live.prompt_index` tells):
         its index, and the held switch it replaced (`VideoEngine.switch`); None once the request ended."""
         return self._engine.switch(self.request_id, prompt)
 

@@ -112,7 +112,8 @@ def _pin(seg: shared_memory.SharedMemory) -> None:
         return
     ptr = torch.frombuffer(seg.buf, dtype=torch.uint8).data_ptr()
     try:
-        if torch.cuda.cudart().cudaHostRegister(ptr, seg.size, 0) == 0:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, seg.size, 0)
+        if int(getattr(err, "value", err)) == 0:           # cudaSuccess (a pybind enum or an int)
             _pinned.add(seg.name)
     except Exception:  # noqa: BLE001 - pinning is an optimisation
         pass

@@ -37,8 +37,16 @@ class DecodeLane:
                                                            initializer=self._start)
 
     def _start(self) -> None:
+        import threading
+
+        self.native_id = threading.get_native_id()    # what a bench pins to a core of its own (`bench live --pin`)
         if self.device.type == "cpu" and self.threads:
             torch.set_num_threads(self.threads)
+
+    def thread_id(self) -> int:
+        """The lane thread's OS id (the thread is started now if it was not yet)."""
+        self._pool.submit(lambda: None).result()
+        return self.native_id
 
     def submit(self, fn: Callable) -> concurrent.futures.Future:
         if self.stream is None:

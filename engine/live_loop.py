@@ -54,16 +54,17 @@ def solo_group(pg: ParallelGroup) -> ParallelGroup:
 
 @dataclass
 class PendingDecode:
-    """A tick's decode, taken from the stream (`meta`: where the chunk sits) and maybe running on the lane."""
+    """A tick's decode, taken from the request's stream (`start`: its first frame), running or made on the lane
+    rank."""
 
     request: object
     start: int
-    future: object = None              # the lane's, on the lane rank
-    value: object = None               # what a non-lane rank hands out (nothing, or latents it holds)
+    future: object = None              # on the lane rank: (frames, seconds) when done; None elsewhere
 
 
 def begin_decode(family, ctx, req, max_frames: int) -> PendingDecode:
-    """Take `req`'s next chunk from its stream on every rank; on the lane rank, start decoding it on the lane."""
+    """Take `req`'s next chunk from its stream on every rank; on the lane rank, start decoding it on the lane thread
+    (beside this rank's steps), or decode it now (a decode worker, which runs no steps)."""
     roles, rank = family.roles, ctx.pg.rank
     if roles.transfer and rank in (0, roles.lane):
         t0 = time.perf_counter()
@@ -78,7 +79,10 @@ def begin_decode(family, ctx, req, max_frames: int) -> PendingDecode:
             t0 = time.perf_counter()           # the lane's own time, from when it takes the chunk up
             return run(), time.perf_counter() - t0
 
-        pending.future = family.lane.submit(decode)
+        if rank in roles.denoisers:            # the steps run on this rank's main thread meanwhile
+            pending.future = family.lane.submit(decode)
+        else:                                  # a decode worker: nothing else runs here, so its main thread
+            pending.future = _Done(*decode())
     return pending
 
 
@@ -89,6 +93,16 @@ def finish_decode(pending: PendingDecode):
     frames, vae_s = pending.future.result()
     pending.request.timings["vae_s"] = pending.request.timings.get("vae_s", 0.0) + vae_s
     return frames, vae_s
+
+
+class _Done:
+    """A decode already made (a future that resolved)."""
+
+    def __init__(self, frames, vae_s: float):
+        self._value = (frames, vae_s)
+
+    def result(self):
+        return self._value
 
 
 def _hand_over(req, rank: int, lane: int, device) -> None:

@@ -155,6 +155,16 @@ def live_tick(ctx, request_ids: list[str], max_steps: int, decode_id: str, max_f
     return LiveTick(ran, meta, frames, vae_s, req.timings.get("vae_s", 0.0), lane)
 
 
+def lane_thread(ctx) -> int | None:
+    """The OS thread id of this worker's decode lane, when it runs one beside its steps (`bench live --pin` gives it
+    a core of its own); None otherwise."""
+    family = ctx.state["family"]
+    roles, lane = getattr(family, "roles", None), getattr(family, "lane", None)
+    if roles is None or lane is None or ctx.pg.rank not in roles.denoisers:
+        return None
+    return lane.thread_id()
+
+
 def update(ctx, request_id: str, payload: dict) -> dict:
     """Change a running request between two steps (a live session: a new prompt, or stop); the family
     validated `payload` on the coordinator. Returns what the family says of it."""

@@ -401,10 +401,11 @@ class CausalWanFamily(WanParts, VideoFamily):
         latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
         lead = int(spec.options.get("image") is not None)
         num_chunks = -(-(latent_frames - lead) // cfg.frames_per_block)
+        frames = self.frame_stream(spec, spec.num_frames, FramesPolicy(self.vae_temporal, whole=True))
+        frames.rank = 0                   # it hands the frames (or latents) out, as rank 0 does in the serial loop
         return CausalRequest(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=("causal", "lane"),
                              num_frames=spec.num_frames, cfg=cfg, num_chunks=num_chunks, latent_frames=latent_frames,
-                             lead=lead, frames=self.frame_stream(spec, spec.num_frames,
-                                                                 FramesPolicy(self.vae_temporal, whole=True)))
+                             lead=lead, frames=frames)
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, image_latent: torch.Tensor = None) -> CausalRequest:
         cfg = self.cfg

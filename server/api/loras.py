@@ -40,11 +40,12 @@ LOAD_WAIT_S = 300.0
 
 
 class LoraAdmin:
-    """The routes' side: checks, the shared settings, this replica's `LoraSync`."""
+    """The routes' side: checks, the shared settings, this replica's `LoraSync`. The parts: the `ServeConfig`, the
+    engine, the settings store, the job runner (its loop and io threads) and this replica's id (None: one server)."""
 
-    def __init__(self, service):
-        self.service = service
-        self.sync = LoraSync(service)
+    def __init__(self, config, engine, settings, runner, replica_id: str | None):
+        self.config, self.engine, self.settings, self.runner = config, engine, settings, runner
+        self.sync = LoraSync(engine, settings, runner, replica_id)
 
     def check_admin(self, caller) -> None:
         if not caller.admin:
@@ -53,7 +54,7 @@ class LoraAdmin:
 
     def resolve(self, path) -> str:
         """`path` under --lora-dir -> the adapter file's real path (400 naming `path` otherwise)."""
-        root = self.service.config.lora_dir
+        root = self.config.lora_dir
         if root is None:
             raise APIError(400, "loading LoRA adapters while serving is off: the operator starts the server with "
                                 "--lora-dir DIR (the directory adapters may be loaded from)", param="path",
@@ -88,8 +89,8 @@ class LoraAdmin:
             param = "scale" if "scale" in str(e) else "name"
             raise APIError(400, str(e).replace("--lora ", ""), param=param, code="invalid_value") from None
         path = self.resolve(body.get("path"))
-        settings = self.service.settings
-        if any(a.name == name for a in self.service.engine.config.loras) or \
+        settings = self.settings
+        if any(a.name == name for a in self.engine.config.loras) or \
                 await self._io(settings.get, KIND, name) is not None:
             raise APIError(409, f"a LoRA adapter named {name!r} is loaded already (DELETE /v1/loras/{name} first)",
                            param="name", code="lora_exists")
@@ -104,9 +105,9 @@ class LoraAdmin:
 
     async def remove(self, name: str, caller) -> dict:
         self.check_admin(caller)
-        settings = self.service.settings
+        settings = self.settings
         if await self._io(settings.get, KIND, name) is None:
-            if any(a.name == name for a in self.service.engine.config.loras):
+            if any(a.name == name for a in self.engine.config.loras):
                 raise APIError(409, f"LoRA adapter {name!r} was loaded at start (--lora): it stays until a restart "
                                     f"without it", param="name", code="lora_from_start")
             raise APIError(404, f"no LoRA adapter named {name!r}", param="name", code="lora_not_found")
@@ -118,13 +119,13 @@ class LoraAdmin:
         return next(a for a in (await self.listing())["data"] if a["name"] == name)
 
     async def listing(self) -> dict:
-        settings = self.service.settings
+        settings = self.settings
         rows = await self._io(settings.list, KIND)
         states = {}
         for _, _, data, _ in await self._io(settings.list, STATE):
             states.setdefault(data["name"], {})[data["replica"]] = data["state"]
         data = [{"object": "lora", "name": a.name, "path": Path(a.path).name, "scale": a.scale, "source": "start",
-                 "replicas": {self.sync.replica: "loaded"}} for a in self.service.config.engine.loras]
+                 "replicas": {self.sync.replica: "loaded"}} for a in self.config.engine.loras]
         data += [{"object": "lora", "name": name, "path": Path(d["path"]).name, "scale": d["scale"], "source": "api",
                   "replicas": states.pop(name, {})} for name, _, d, _ in rows]
         # deleted, and still unloading on some replica (a request of its own names it): listed until it is gone
@@ -139,9 +140,9 @@ class LoraAdmin:
 class LoraSync:
     """This replica's adapters made equal to the shared settings' (on the runner's loop)."""
 
-    def __init__(self, service):
-        self.service = service
-        self.replica = service.replica_id() or "local"
+    def __init__(self, engine, settings, runner, replica_id: str | None):
+        self.engine, self.settings, self.runner = engine, settings, runner
+        self.replica = replica_id or "local"
         self.loaded: set[str] = set()             # the adapters this replica loaded from the settings
         self.state: dict[str, str] = {}
         self._version = None
@@ -150,13 +151,13 @@ class LoraSync:
 
     def wanted(self, name: str) -> bool:
         """Is `name` an adapter the settings hold (a job naming it waits for it rather than failing)?"""
-        return self.service.settings.get(KIND, name) is not None
+        return self.settings.get(KIND, name) is not None
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                version = await loop.run_in_executor(self.service.runner.io, self.service.settings.version)
+                version = await loop.run_in_executor(self.runner.io, self.settings.version)
                 if version != self._version or any(s == "unloading" for s in self.state.values()):
                     self._version = version
                     await self.reconcile()
@@ -172,10 +173,10 @@ class LoraSync:
         if self._lock is None:
             self._lock, self._changed = asyncio.Lock(), asyncio.Event()
         async with self._lock:
-            loop, io = asyncio.get_running_loop(), self.service.runner.io
-            rows = await loop.run_in_executor(io, self.service.settings.list, KIND)
+            loop, io = asyncio.get_running_loop(), self.runner.io
+            rows = await loop.run_in_executor(io, self.settings.list, KIND)
             wanted = {name: data for name, _, data, _ in rows}
-            engine = self.service.engine
+            engine = self.engine
             for name, data in wanted.items():
                 if name in self.loaded or self.state.get(name, "").startswith("failed"):
                     continue
@@ -200,20 +201,20 @@ class LoraSync:
             self._changed = asyncio.Event()
 
     async def _set(self, name: str, state: str | None) -> None:
-        loop, settings = asyncio.get_running_loop(), self.service.settings
+        loop, settings = asyncio.get_running_loop(), self.settings
         key = f"{name}@{self.replica}"
         if state is None:
             self.state.pop(name, None)
-            await loop.run_in_executor(self.service.runner.io, settings.delete, STATE, key)
+            await loop.run_in_executor(self.runner.io, settings.delete, STATE, key)
         else:
             self.state[name] = state
-            await loop.run_in_executor(self.service.runner.io, settings.put, STATE, key,
+            await loop.run_in_executor(self.runner.io, settings.put, STATE, key,
                                        {"name": name, "replica": self.replica, "state": state})
 
     async def settle(self, name: str, states: tuple[str, ...], timeout_s: float = LOAD_WAIT_S) -> str:
         """(From any loop) reconcile now, then wait until this replica's state of `name` starts with one of
         `states` ("gone": none); the state reached (or the last one at the timeout)."""
-        runner = self.service.runner
+        runner = self.runner
         deadline = time.monotonic() + timeout_s
         while True:
             await asyncio.wrap_future(runner.spawn(self.reconcile()))

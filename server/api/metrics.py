@@ -61,11 +61,13 @@ class CallbackGauges:
 
 
 class ServerMetrics:
-    """`service`: a `VideoService` (read at scrape time: its engine, jobs, storage, replica; any may be None while it
-    starts)."""
+    """The job registry and the server's health (`ServerHealth`: /health/ready's answer) from the start; the
+    engine, the storage side and the replica set by the server's start as each exists (None until then: their
+    gauges read 0)."""
 
-    def __init__(self, service):
-        self.service = service
+    def __init__(self, jobs, health):
+        self.jobs, self.health = jobs, health
+        self.engine = self.storage = self.replica = None
         self._last: dict = {}                 # the store's gauges as last read
         r = self.registry = CollectorRegistry()
         g = self.gauges = CallbackGauges()
@@ -74,10 +76,10 @@ class ServerMetrics:
         g.add("longserve_running_requests", "Admitted video requests (denoising or decoding).",
               lambda: self._stat("running"))
         g.add("longserve_live_sessions", "Open live sessions (WebSocket /v1/videos/live).",
-              lambda: service.jobs.count("live"))
+              lambda: self.jobs.count("live"))
         g.add("longserve_kv_cache_bytes", "KV cache held per worker by causal-model requests (counted against "
               "--live-kv-budget; freed when a request ends).",
-              lambda: service.engine.kv_bytes_held() if service.engine is not None else 0)
+              lambda: self.engine.kv_bytes_held() if self.engine is not None else 0)
         g.add("longserve_batch_size", "Requests in the most recent denoising step.",
               lambda: self._stat("last_batch_size"))
         g.add("longserve_jobs", "Video jobs in the store, by status.", self._jobs_by_status, ("status",))
@@ -88,21 +90,21 @@ class ServerMetrics:
               "admission's unit; a replica takes --max-batch of it), by status: the metric to scale replicas on.",
               lambda: self._from_store("cluster", self._cluster, ({}, {}))[1], ("status",))
         g.add("longserve_stored_video_bytes", "Bytes of the completed videos kept (--max-storage-bytes counts these).",
-              lambda: self._from_store("stored", lambda: service.storage.stored_bytes(), 0))
+              lambda: self._from_store("stored", lambda: self.storage.stored_bytes(), 0))
         g.add("longserve_disk_free_bytes", "Free bytes on the data dir's file system, as last measured.",
-              lambda: (service.storage.free_bytes or 0) if service.storage is not None else 0)
+              lambda: (self.storage.free_bytes or 0) if self.storage is not None else 0)
         g.add("longserve_worker_restarts", "Worker pool restarts since the server started.",
               lambda: self._stat("restarts"))
         g.add("longserve_workers_ready", "1 while the worker pool is up.",
               lambda: 1 if self._stat("workers_ready") else 0)
         g.add("longserve_ready", "1 while /health/ready answers 200 (loaded, warm, workers up, store fine).",
-              lambda: 1 if service.started and service.monitor.health()[0] == 200 else 0)
+              lambda: 1 if self.health.started and self.health.health()[0] == 200 else 0)
         g.add("longserve_replica_claimed_jobs", "Jobs this replica claimed from the shared store, by replica "
               "(--store postgresql://; none with the SQLite store).", lambda: self._replica("claimed"), ("replica",))
         g.add("longserve_replica_work", "Work of this replica's active jobs in default requests, by replica.",
               lambda: self._replica("work"), ("replica",))
         g.add("longserve_loras", "LoRA adapters this server has loaded (at start and over POST /v1/loras).",
-              lambda: len(service.engine.config.loras) if service.engine is not None else 0)
+              lambda: len(self.engine.config.loras) if self.engine is not None else 0)
         self.batch = Histogram("longserve_step_batch_size", "Requests per denoising step.",
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.step_latency = Histogram("longserve_step_latency_seconds", "Wall time of one denoising step.",
@@ -135,22 +137,22 @@ class ServerMetrics:
     # -- reads ----------------------------------------------------------------------------------------------
 
     def _stat(self, name: str):
-        engine = self.service.engine
+        engine = self.engine
         return getattr(engine.stats(), name) if engine is not None else 0
 
     def _replica(self, name: str) -> dict:
-        replica = self.service.replica
+        replica = self.replica
         return {} if replica is None else {replica.id: replica.describe()[name]}
 
     def _jobs_by_status(self) -> dict:
         counts = {s: 0 for s in ("queued", "in_progress", "completed", "failed")}
-        counts.update(self._from_store("by_status", lambda: self.service.storage.store.counts_by_status(), {}))
+        counts.update(self._from_store("by_status", lambda: self.storage.store.counts_by_status(), {}))
         return counts
 
     def _from_store(self, name: str, read, default):
         """A gauge read from the job store; while it does not answer, the value last read (/metrics still answers;
         /health says why the store is degraded)."""
-        storage = self.service.storage
+        storage = self.storage
         if storage is None:
             return default
         if getattr(storage.store, "unavailable", None) is not None:     # known down: no wait for the pool
@@ -166,14 +168,14 @@ class ServerMetrics:
         else this server's registry."""
         jobs = {"queued": 0, "in_progress": 0}
         work = {"queued": 0.0, "in_progress": 0.0}
-        store = self.service.storage.store
+        store = self.storage.store
         if getattr(store, "pool", None) is not None:
             with store._connection() as conn:    # the store's own: an outage is its StoreUnavailable
                 for status, n, cost in conn.execute("SELECT status, COUNT(*), COALESCE(SUM(cost), 0) FROM videos "
                                                     "WHERE status IN ('queued', 'in_progress') GROUP BY status"):
                     jobs[status], work[status] = n, float(cost)
             return jobs, work
-        for job in self.service.jobs.jobs("video"):
+        for job in self.jobs.jobs("video"):
             status = "queued" if job.record is None or job.record.status == "queued" else "in_progress"
             jobs[status] += 1
             work[status] += job.cost

@@ -53,10 +53,11 @@ class JobWatch:
 
 
 class RemoteJobs:
-    """`service`: the replica's `VideoService` (its store, broker, registry and runner)."""
+    """A replica's watches of the jobs other replicas run: the shared store, the job runner (its loop and io
+    threads), the event broker and this replica's job registry."""
 
-    def __init__(self, service):
-        self.service, self.store = service, service.storage.store
+    def __init__(self, store, runner, broker, jobs):
+        self.store, self.runner, self.broker, self.jobs = store, runner, broker, jobs
         self._lock = threading.Lock()
         self._watches: dict[str, JobWatch] = {}
 
@@ -71,7 +72,7 @@ class RemoteJobs:
             if download:
                 watch.users += 1
         if new:
-            self.service.runner.spawn(self._poll(watch))
+            self.runner.spawn(self._poll(watch))
         return watch
 
     def leave(self, watch: JobWatch) -> None:
@@ -80,8 +81,8 @@ class RemoteJobs:
 
     def _wanted(self, watch: JobWatch) -> bool:
         with self._lock:
-            wanted = watch.users > 0 or self.service.broker.has_subscribers(watch.video_id)
-            if not wanted or self.service.jobs.get(watch.video_id) is not None:     # (or it runs here now)
+            wanted = watch.users > 0 or self.broker.has_subscribers(watch.video_id)
+            if not wanted or self.jobs.get(watch.video_id) is not None:     # (or it runs here now)
                 self._watches.pop(watch.video_id, None)
                 return False
             return True
@@ -89,7 +90,7 @@ class RemoteJobs:
     async def _poll(self, watch: JobWatch) -> None:
         from longserve.server.api.video_jobs import video_view
 
-        loop, io, broker = asyncio.get_running_loop(), self.service.runner.io, self.service.broker
+        loop, io, broker = asyncio.get_running_loop(), self.runner.io, self.broker
         video_id, published = watch.video_id, None
         try:
             while self._wanted(watch):
@@ -135,7 +136,7 @@ class RemoteJobs:
         ends."""
         watch = self.watch(video_id, download=True)
         try:
-            while self.service.jobs.get(video_id) is None and not await disconnected():
+            while self.jobs.get(video_id) is None and not await disconnected():
                 version = watch.changed.version
                 if watch.known and not watch.active:
                     break

@@ -45,32 +45,40 @@ from longserve.server.api.remote_jobs import RemoteJobs
 log = logging.getLogger("longserve.server")
 
 TICK_S = 0.2
-#: options whose value is an upload (`service.stored_params` keeps their shape; the media store their files)
+#: options whose value is an upload (`reuse.stored_params` keeps their shape; the media store their files)
 IN_MEMORY = INPUTS
 
 
-def attach_replica(service) -> "Replica | None":
-    """A started service's replica, claiming (None when its store is not shared): admission then counts every
-    replica's work."""
-    if not service.storage.replicated:
+def attach_replica(config, model_name: str, storage, admission, requests, jobs, runner, shutdown, outputs,
+                   lifecycle, broker, adapter_loading) -> "Replica | None":
+    """A started server's replica, claiming (None when its store is not shared): admission then counts every
+    replica's work, and the request door sends a model served elsewhere there. The parts are the server's
+    (`VideoService`'s composition: config, storage side, admission gate, request door, job registry and runner,
+    drain, video outputs, job lifecycle, event broker); `adapter_loading(name)`: is that LoRA adapter being loaded
+    here (a claim that names it waits for it)."""
+    if not storage.replicated:
         return None
     from longserve.server.api.pg_admission import SharedLedger
 
-    replica = Replica(service)
-    service.admission.shared = replica.ledger = SharedLedger(service.storage.store, replica.id, replica.lease_s,
-                                                             whole=service.config.max_queued_work is not None)
-    service.requests.elsewhere = replica.check_model
-    service.runner.spawn(replica.run())
+    replica = Replica(config, model_name, storage, admission, requests, jobs, runner, shutdown, outputs, lifecycle,
+                      broker, adapter_loading)
+    admission.shared = replica.ledger = SharedLedger(storage.store, replica.id, replica.lease_s,
+                                                     whole=config.max_queued_work is not None)
+    requests.elsewhere = replica.check_model
+    runner.spawn(replica.run())
     return replica
 
 
 class Replica:
-    """`service`: a started `VideoService` whose store is shared (`VideoStorage.replicated`)."""
+    """A started server's claim cycle on a shared store (`VideoStorage.replicated`); the parts: `attach_replica`."""
 
-    def __init__(self, service):
-        self.service = service
-        cfg = service.config
-        self.store = service.storage.store
+    def __init__(self, config, model_name: str, storage, admission, requests, jobs, runner, shutdown, outputs,
+                 lifecycle, broker, adapter_loading):
+        self.model_name, self.storage, self.admission, self.requests = model_name, storage, admission, requests
+        self.jobs, self.runner, self.shutdown, self.outputs = jobs, runner, shutdown, outputs
+        self.lifecycle, self.broker, self.adapter_loading = lifecycle, broker, adapter_loading
+        cfg = config
+        self.store = storage.store
         self.id = cfg.replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.lease_s = float(cfg.lease_seconds)
         self.max_attempts = cfg.max_attempts
@@ -84,12 +92,13 @@ class Replica:
         self.claim_latency_s: list[float] = []           # created -> claimed, of the jobs this replica claimed
         self.closed = False
         self.ledger = None                               # its admission's ledger (`attach_replica`)
-        self.remote = RemoteJobs(service)                # the jobs other replicas run, as clients here follow them
+        # the jobs other replicas run, as clients here follow them
+        self.remote = RemoteJobs(self.store, runner, broker, jobs)
         self._store_down = False
 
     @property
     def models(self) -> list[str]:
-        return [self.service.model_name]
+        return [self.model_name]
 
     # -- the doors the service uses --------------------------------------------------------------------
 
@@ -103,15 +112,15 @@ class Replica:
         if uploads:
             files = pack_inputs(spec.options)
             job.record.input_bytes = sum(len(data) for data in files.values())
-            self.service.storage.make_room(job.owner, job.record.input_bytes)     # its owner's quota counts them
+            self.storage.make_room(job.owner, job.record.input_bytes)     # its owner's quota counts them
             try:
                 self.store.put_inputs(job.id, files)
             except Exception as e:
-                self.service.storage.failed(f"storing the inputs of {job.id} failed: {e}")
+                self.storage.failed(f"storing the inputs of {job.id} failed: {e}")
                 raise APIError(503, f"the job's input could not be stored ({e}); retry later",
                                code="storage_error", headers={"Retry-After": "30"}) from None
         try:               # 429 past the work of every replica; stored in the same transaction
-            self.service.admission.admit(job, here=False)
+            self.admission.admit(job, here=False)
         except BaseException:
             if uploads:
                 self.store.remove_inputs(job.id)
@@ -136,16 +145,16 @@ class Replica:
 
     def describe(self) -> dict:
         """This replica's capacity (/health; the heartbeat): what a router chooses by."""
-        jobs = self.service.jobs
+        jobs = self.jobs
         return {"id": self.id, "models": self.models, "work": round(jobs.work(), 4), "budget": self.budget,
                 "running": jobs.count(VIDEO), "claimed": self.claimed, "live_sessions": jobs.count("live"),
-                "draining": self.service.shutdown.draining, "claim_p50_s": median(self.claim_latency_s[-1000:])}
+                "draining": self.shutdown.draining, "claim_p50_s": median(self.claim_latency_s[-1000:])}
 
     # -- the cycle ----------------------------------------------------------------------------------------
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        io = self.service.runner.io
+        io = self.runner.io
         last_beat = last_renew = last_lapse = float("-inf")
         while not self.closed:
             now = time.monotonic()
@@ -161,7 +170,7 @@ class Replica:
                     last_renew = now
                     await self.renew(loop, io)
                 await self.drop_deleted(loop, io)
-                if not self.service.shutdown.draining:
+                if not self.shutdown.draining:
                     for claim in await loop.run_in_executor(io, self.claim):
                         self.start(*claim)
                 self._store_down = False
@@ -176,7 +185,7 @@ class Replica:
             await asyncio.sleep(TICK_S)
 
     def claim(self) -> list:
-        jobs = self.service.jobs
+        jobs = self.jobs
         work, count = jobs.work(), jobs.count(VIDEO)
         if count and (work >= self.budget or count >= self.max_jobs):
             return []
@@ -202,7 +211,6 @@ class Replica:
     def start(self, rec, fence: int, attempts: int, cost: float, inputs: dict | None = None) -> None:
         """Run a claimed job here, as the service runs any job (`inputs`: its uploads, read back; None: they are
         gone)."""
-        service = self.service
         self.claimed += 1
         self.claim_latency_s.append(max(0.0, time.time() - rec.created_at))
         if inputs is None:
@@ -210,17 +218,17 @@ class Replica:
                                    "replica that took the request, which stopped, or could not be read from the "
                                    "media store; create it again")
             return
-        job = Job(rec.id, VIDEO, cost, rec.owner, record=rec, sink=service.outputs, fence=fence)
-        service.lifecycle.claimed(job, attempts, fence)
-        service.jobs.add(job)
+        job = Job(rec.id, VIDEO, cost, rec.owner, record=rec, sink=self.outputs, fence=fence)
+        self.lifecycle.claimed(job, attempts, fence)
+        self.jobs.add(job)
         try:
-            service.runner.launch(job, service.requests.stored(rec, inputs))
+            self.runner.launch(job, self.requests.stored(rec, inputs))
         except QueueFullError:
             self.store.unclaim(rec.id, fence)          # another replica, or this one later
             return
         except ValueError as e:
-            service.jobs.remove(job)                   # (refused before it was launched: still registered)
-            if getattr(e, "field", None) == "lora" and any(service.loras.sync.wanted(a["name"])
+            self.jobs.remove(job)                   # (refused before it was launched: still registered)
+            if getattr(e, "field", None) == "lora" and any(self.adapter_loading(a["name"])
                                                            for a in rec.params.get("lora") or []):
                 self.store.unclaim(rec.id, fence)      # an adapter this replica is still loading: another, or later
                 return
@@ -229,23 +237,23 @@ class Replica:
     def _fail(self, rec, fence: int, message: str) -> None:
         self.store.update(rec.id, fence=fence, status="failed", completed_at=int(time.time()),
                           error={"code": "replica_lost", "message": message},
-                          expires_at=self.service.storage.expiry(int(time.time())))
+                          expires_at=self.storage.expiry(int(time.time())))
         if self.store.shared:                   # what is left of its uploads: it never runs again
             self.store.remove_inputs(rec.id)
 
     def _mine(self) -> dict[str, Job]:
-        return {j.id: j for j in self.service.jobs.jobs(VIDEO)     # (a finished one lets its lease go itself)
+        return {j.id: j for j in self.jobs.jobs(VIDEO)     # (a finished one lets its lease go itself)
                 if j.fence is not None and j.record.status not in ("completed", "failed")}
 
     async def renew(self, loop, io) -> None:
         mine = self._mine()
-        sessions = [j.id for j in self.service.jobs.jobs(LIVE)]
+        sessions = [j.id for j in self.jobs.jobs(LIVE)]
         await loop.run_in_executor(io, self.ledger.renew, sessions)      # counted by every replica's admission
         held = await loop.run_in_executor(io, lambda: self.store.renew(self.id, {i: j.fence for i, j in mine.items()},
                                                                        self.lease_s))
         for video_id in set(mine) - held:
             log.warning("replica %s: the lease of %s was lost; it stops here", self.id, video_id)
-            self.service.outputs.lost(mine[video_id])
+            self.outputs.lost(mine[video_id])
 
     async def drop_deleted(self, loop, io) -> None:
         mine = self._mine()
@@ -253,9 +261,9 @@ class Replica:
             return
         present = await loop.run_in_executor(io, lambda: self.store.existing(mine))
         for video_id in set(mine) - present:
-            self.service.outputs.lost(mine[video_id])
-            self.service.lifecycle.cancelled(mine[video_id], "deleted")
-            self.service.broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted",
+            self.outputs.lost(mine[video_id])
+            self.lifecycle.cancelled(mine[video_id], "deleted")
+            self.broker.publish(video_id, "video.deleted", {"id": video_id, "object": "video.deleted",
                                                                     "deleted": True})
 
     # -- any replica answers for any job: events and streams of a job that runs on another ------------------
@@ -263,7 +271,7 @@ class Replica:
     def watch(self, video_id: str) -> None:
         """An SSE subscriber here for a job that is not: the job's one watcher on this replica publishes its
         changes to every subscriber here, until it ends or they all leave (`remote_jobs.py`)."""
-        if self.service.jobs.get(video_id) is None:
+        if self.jobs.get(video_id) is None:
             self.remote.watch(video_id)
 
     async def remote_writer(self, video_id: str, disconnected):

@@ -75,7 +75,7 @@ class VideoService:
         self.shutdown = Shutdown(self.jobs, self.broker)
         self.startup = StartupProgress()  # what the start is doing (/health/ready's body)
         self.monitor = ServerHealth(config, self.startup, self.shutdown)
-        self.metrics = ServerMetrics(self)
+        self.metrics = ServerMetrics(self.jobs, self.monitor)
         self.lifecycle = None             # a job's transitions: log lines, metrics, webhooks (lifecycle.py)
         self.replica = None               # with a shared store: this replica's claim cycle (replicas.py)
         self.started = False              # the model is loaded and warmed: the API's routes answer
@@ -102,8 +102,9 @@ class VideoService:
 
         cfg, progress = self.config, self.startup
         progress.begin("store", f"jobs in {describe_store(cfg)}")
-        self.storage = VideoStorage(cfg, self.runner.io, busy=lambda vid: self.jobs.get(vid) is not None,
-                                    on_expired=self.metrics.expired.inc)
+        self.storage = self.metrics.storage = VideoStorage(cfg, self.runner.io,
+                                                           busy=lambda vid: self.jobs.get(vid) is not None,
+                                                           on_expired=self.metrics.expired.inc)
         self.settings = open_settings(self.storage.store)
         self.webhooks = Webhooks(cfg, self.settings, self.runner, self.metrics.webhooks)
         progress.done()
@@ -121,7 +122,7 @@ class VideoService:
         except BaseException:
             engine.close()
             raise
-        self.engine = self.runner.engine = engine
+        self.engine = self.runner.engine = self.metrics.engine = engine
         self.engine.add_batch_listener(self.metrics.on_batch)
         self.limits = Limits.of(self.engine, cfg)
         self.model_name = cfg.served_model_name or Path(str(cfg.model).rstrip("/")).name or str(cfg.model)
@@ -140,8 +141,13 @@ class VideoService:
         progress.done()
         self.storage.measure_free()
         self.runner.spawn(self.storage.housekeeping())
-        self.replica = attach_replica(self)                   # None unless the store is shared
-        self.loras = LoraAdmin(self)                          # adapters loaded while serving (POST /v1/loras)
+        # None unless the store is shared; a claim naming an adapter still loading here waits (`self.loras`, next)
+        self.replica = attach_replica(cfg, self.model_name, self.storage, self.admission, self.requests, self.jobs,
+                                      self.runner, self.shutdown, self.outputs, self.lifecycle, self.broker,
+                                      adapter_loading=lambda name: self.loras.sync.wanted(name))
+        self.metrics.replica = self.replica
+        # adapters loaded while serving (POST /v1/loras)
+        self.loras = LoraAdmin(cfg, self.engine, self.settings, self.runner, self.replica_id())
         self.runner.spawn(self.loras.sync.run())
 
     def _check_open(self) -> None:

@@ -15,8 +15,10 @@ its first chunk, the first fMP4 fragment, and a chunk's milliseconds by stage, e
 
 and the overlap achieved: the sum of the four stages over the wall time (1.0: one after the other; 2.0: two stages
 always at once). `--threads N` holds each worker to N intra-op threads (the decode lane gets its own N) and `--pin`
-pins each worker, with its threads, to a core of its own (`sched_setaffinity`, as `bench replicas` does), so that
-2 workers use 2 cores and 1 worker 1 core.
+pins each worker, with its threads, to a core of its own (`sched_setaffinity`, as `bench replicas` does), and a
+decode lane that runs beside its worker's steps (the overlapped loop) to the next core no worker has, when there is
+one (its own thread budget): the "cores" column says which. So 1 worker's serial loop uses 1 core, its overlapped
+loop 2 (on a 2-core machine), and 2 workers 2.
 """
 
 from __future__ import annotations
@@ -37,16 +39,27 @@ def combos(workers: list[int], loops: list[str]) -> list[tuple[int, str]]:
     return [(n, loop) for n in workers for loop in loops if not (loop == "pipelined" and n < 2)]
 
 
-def pin_workers(pids: list[int]) -> list[int]:
-    """Pin worker r (every thread it has, and what it starts later) to the r-th core this process may use."""
+def pin_workers(pids: list[int], lanes: list[int | None]) -> str:
+    """Pin worker r (every thread it has, and what it starts later) to the r-th core this process may use; a decode
+    lane beside a worker's steps (`lanes`: its thread id, engine/live_lane.py) to the next core no worker has, its
+    own thread budget, or its worker's core when there is none left. -> the cores, as the table shows them."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < len(pids):
         raise ValueError(f"--pin needs a core per worker: {len(cores)} core(s) for {len(pids)} workers")
+    free = cores[len(pids):]
+    shown = []
     for r, pid in enumerate(pids):
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(int(tid), {cores[r]})
-    return cores[:len(pids)]
+        text = str(cores[r])
+        if lanes[r] is not None:
+            core = free.pop(0) if free else cores[r]
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(lanes[r], {core})
+            text += f" (lane {core})"
+        shown.append(text)
+    return ", ".join(shown)
 
 
 @contextlib.contextmanager
@@ -77,7 +90,12 @@ def open_pipeline(config, workers: int, loop: str, threads: int | None, pin: boo
         except BaseException:
             pipe.close()
             raise
-    pipe.pinned = pin_workers(pipe.pool.pids) if pin else None
+    if pin:
+        from longserve.engine import worker
+
+        pipe.pinned = pin_workers(pipe.pool.pids, pipe.pool.run(worker.lane_thread))
+    else:
+        pipe.pinned = None
     return pipe
 
 

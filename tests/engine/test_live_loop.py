@@ -124,6 +124,18 @@ def test_overlapped_and_pipelined_loops_make_the_serial_loop_s_frames_and_never_
         got = runs[loop]
         assert got["live"] == want["live"]                                   # in order, switched at the same chunk
         np.testing.assert_array_equal(got["frames"], want["frames"])         # exact: the same decode, elsewhere
+        if loop == "pipelined":                 # latents come out of the decode worker too, as the serial loop's
+            with VideoPipeline.from_pretrained(str(causal_dir), workers=2, live_loop=loop) as p:
+                latents = p("a red ball bouncing", seed=0, num_frames=FRAMES, height=H, width=W,
+                            output_type="latent").frames
+            with VideoPipeline.from_pretrained(str(causal_dir), workers=1) as p:
+                want_latents = p("a red ball bouncing", seed=0, num_frames=FRAMES, height=H, width=W,
+                                 output_type="latent").frames
+            assert (latents - want_latents).abs().max() <= 1e-5
+            with VideoPipeline.from_pretrained(str(causal_dir), workers=2, live_loop="overlapped") as p:
+                ulysses = p("a red ball bouncing", seed=0, num_frames=FRAMES, height=H, width=W,
+                            output_type="latent").frames                  # Ulysses on 2, the lane on rank 0
+            assert (ulysses - want_latents).abs().max() <= 1e-5
         names = [n for n, _ in got["jobs"]]
         assert "decode_next" not in names
         # every chunk but the last is decoded in the job that makes the next one's steps

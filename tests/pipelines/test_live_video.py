@@ -175,13 +175,15 @@ def test_a_session_past_the_kv_budget_is_refused_with_a_clear_error(causal_dir):
 
 
 
-def test_a_stream_of_2000_latent_frames_past_the_rope_table_keeps_per_worker_memory_flat(tmp_path):
+@pytest.mark.parametrize("live_loop", ["serial", "pipelined"])
+def test_a_stream_of_2000_latent_frames_past_the_rope_table_keeps_per_worker_memory_flat(tmp_path, live_loop):
     """Wan's rotary table has `rope_max_seq_len` (1024) frame positions; a causal stream never uses more than
     `local_attn_size` of them apart, and positions past it are computed as the table is (FrameRotary), so it
     runs on past it, and each worker's peak tensor memory
     (engine/memory.py, the tracker on) over 20 chunks (2000 latent frames, 17 of them evicting from the cache)
     is that over 3 within 5%. Chunks of 100 latent frames and one denoising step keep the tracked run short
-    (the tracker's cost is per op); 2 workers, Ulysses pads the 3 heads."""
+    (the tracker's cost is per op); 2 workers, Ulysses pads the 3 heads; or pipelined (engine/live_loop.py: the
+    transformer on worker 0, the chunks handed to worker 1)."""
     from longserve.engine import worker
     from longserve.weights.causal_wan import load_causal_transformer
 
@@ -189,7 +191,7 @@ def test_a_stream_of_2000_latent_frames_past_the_rope_table_keeps_per_worker_mem
                               local_attn_size=250, sink_size=4)
     assert load_causal_transformer(model).config.rope_max_seq_len < 2000
     peaks = {}
-    with VideoPipeline.from_pretrained(str(model), workers=2) as p:
+    with VideoPipeline.from_pretrained(str(model), workers=2, live_loop=live_loop) as p:
         for chunks in (3, 20):
             p.pool.run(worker.memory_start)
             out = p("a red ball bouncing", num_frames=1 + (chunks * 100 - 1) * 4, height=16, width=16,

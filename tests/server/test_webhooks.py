@@ -44,8 +44,7 @@ def test_the_server_s_endpoint_gets_a_failed_video_signed_and_a_dead_one_is_give
     receiver = Receiver()
     secret_file = tmp_path / "secret"
     secret_file.write_text("whsec_" + "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3I=\n")
-    metrics = ServerMetrics(types.SimpleNamespace(engine=None, storage=None, replica=None, jobs=JobRegistry(),
-                                                  started=False))
+    metrics = ServerMetrics(JobRegistry(), types.SimpleNamespace(started=False))
     try:
         hooks = Webhooks(config(webhook_url=receiver.url, webhook_secret_file=str(secret_file)), NoSettings(), runner,
                          metrics.webhooks)

@@ -37,6 +37,7 @@ def test_two_stream_training_form_is_the_chunk_by_chunk_sampler():
     """Noisy chunk j of a training window sees what the sampler's chunk sees: the clean chunks before it
     (block-causal among themselves) at the same positions, under the same caption; the compressed text
     (real rows + one weighted zero row) attends like the 512 padded rows."""
+    from tools.weights import live_teacher_forcing as TF
     from tools.weights import train_tiny_live as T
     from tools.weights.eval_tiny_live import Sampler
 
@@ -48,13 +49,13 @@ def test_two_stream_training_form_is_the_chunk_by_chunk_sampler():
     index = T.PROMPTS.index(prompt)
     clean, noisy = torch.randn(1, 4, 9, 8, 8), torch.randn(1, 4, 12, 8, 8)
     t = [1000.0, 900.0, 750.0, 500.0]
-    layout = T.install_processors(model)
+    layout = TF.install_processors(model)
     try:
         with torch.no_grad():
-            out = T.two_stream_forward(model, layout, clean, noisy, [0, 1, 2, 3], torch.tensor([t]), text, bias,
-                                       torch.full((1, 3), index), torch.full((1, 4), index))
+            out = TF.two_stream_forward(model, layout, clean, noisy, [0, 1, 2, 3], torch.tensor([t]), text, bias,
+                                        torch.full((1, 3), index), torch.full((1, 4), index))
     finally:
-        T.restore_processors(model)
+        TF.restore_processors(model)
         for block in model.blocks:
             block.attn1.set_processor(sampler.proc)
     for j in range(4):

@@ -39,7 +39,7 @@ class MaskedSelfAttn:
     mask: torch.Tensor | None = None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        from tools.weights.train_tiny_live import rotate
+        from tools.weights.live_teacher_forcing import rotate
 
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         k = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))

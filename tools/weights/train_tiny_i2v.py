@@ -58,10 +58,10 @@ from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # 
 from longserve.weights.wan import WAN_2_1_I2V_MODEL_INDEX, WAN_2_1_I2V_SCHEDULER  # noqa: E402
 from tools.weights.build_tiny_wan import build_scheduler  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
+from tools.weights.live_teacher_forcing import Layout  # noqa: E402
 from tools.weights.loop import train_with_ema, training_main  # noqa: E402
 from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
-    Layout,
     compress_text,
     encode_prompts,
     load_text,

@@ -66,11 +66,10 @@ from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # 
 from longserve.weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER  # noqa: E402
 from tools.weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_scheduler  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
+from tools.weights.live_teacher_forcing import CrossAttnProcessor, Layout  # noqa: E402
 from tools.weights.loop import train_with_ema, training_main  # noqa: E402
 from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
-    CrossAttnProcessor,
-    Layout,
     adaln_zero_,
     compress_text,
     encode_clips,

@@ -24,8 +24,11 @@ def test_bench_live_reports_a_chunk_s_time_by_stage_flat_memory_and_the_switch(t
     assert sum(live[f"{k}_ms_per_chunk"] for k in ("transformer", "vae", "transfer", "rest")) == \
         pytest.approx(wall)                                            # the worker's stages and the rest: the wall
     assert live["rest_ms_per_chunk"] >= -0.05 * wall                   # serial: the stages fit in the wall time
-    assert 0 < live["overlap"] < 1.1 and lives[1]["vae_ms_per_chunk"] > 0 and lives[1]["vs_serial_1"] > 0
+    # (overlap counts the caller's muxer too, which runs beside the workers' next chunk even in the serial loop)
+    assert live["overlap"] > 0 and lives[1]["vae_ms_per_chunk"] > 0 and lives[1]["vs_serial_1"] > 0
     memory = [r for r in rows if r["kind"] == "memory"]
-    assert [r["chunks"] for r in memory] == [2, 4] and memory[1]["vs_first"] < 1.2
+    assert [(r["loop"], r["chunks"]) for r in memory] == [("serial", 2), ("serial", 4), ("overlapped", 2),
+                                                           ("overlapped", 4)]
+    assert all(r["vs_first"] < 1.2 for r in memory)                    # flat in either loop
     switch = next(r for r in rows if r["kind"] == "prompt switch")
     assert switch["switch_chunks"] <= 1
