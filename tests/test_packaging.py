@@ -1,5 +1,6 @@
 """What `pip install .` ships and how the runtime imports itself: the packages hold runtime code only (the tiny
-checkpoints' builders, training and evaluation stay in tools/weights/, the tests' helpers in tests/), and no
+checkpoints' builders, training and evaluation and their helpers stay in tools/weights/, the benchmarks and the GPU
+scripts in tools/, the tests' helpers in tests/), and no
 runtime module imports another that (directly or through others) imports it back."""
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def test_one_top_level_name_holding_runtime_code_and_the_shipped_checkpoints_onl
     assert {f.split("/")[1] for f in files if f.count("/") > 1} == set(RUNTIME)
     assert not [f for f in modules if DEV_MODULE.match(Path(f).name)], "builders/training/evaluation are tools/"
     assert not [f for f in modules if "/tiny-" in f]
-    assert {"longserve/__init__.py", "longserve/weights/registry.py", "longserve/weights/seeded.py",
-            "longserve/weights/prompts.py", "longserve/server/cli/__init__.py"} <= set(files)
+    assert {"longserve/__init__.py", "longserve/weights/registry.py", "longserve/server/cli/__init__.py",
+            "longserve/server/cli/bench.py"} <= set(files)
     assert "longserve/weights/tiny-latte/model_index.json" in files and \
         "longserve/weights/tiny-lm/model.safetensors" in files
 
@@ -154,3 +155,21 @@ def test_every_rebuild_command_the_registry_names_is_a_script_in_tools_weights()
         assert script.is_file(), (name, command)
         if "--kind" in words:
             assert f'"{words[words.index("--kind") + 1]}"' in script.read_text(), (name, command)
+
+
+def test_the_wheel_holds_no_benchmark_nor_gpu_script_and_the_bench_command_says_where_they_are(monkeypatch, capsys):
+    """Issue 44: the wheel's file list (pyproject's packages and package-dir, as setuptools builds it) holds the
+    runtime: no benchmark module (they are a clone's tools/bench/), no GPU session script, none of the weight
+    builders' helpers (published configs, seeded redraws, the procedural prompts: tools/weights/). From a clone
+    `longserve bench` finds them; without one it says what to do, and exits 2."""
+    files = shipped_files()
+    assert not [f for f in files if "/bench/" in f or Path(f).name.startswith("gpu") or f.endswith(".sh")], files
+    assert not {"longserve/weights/wan.py", "longserve/weights/seeded.py", "longserve/weights/prompts.py"} & \
+        set(files)
+    assert (ROOT / "tools" / "bench" / "gpu.py").is_file() and (ROOT / "tools" / "weights" / "seeded.py").is_file()
+    from longserve.server.cli import bench, main
+
+    assert bench.clone_root() == ROOT
+    monkeypatch.setattr(bench, "clone_root", lambda: None)
+    assert main(["bench", "gpu", "--smoke"]) == 2
+    assert "from a clone of the repository" in capsys.readouterr().err

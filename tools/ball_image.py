@@ -13,8 +13,8 @@ import sys
 
 import numpy as np
 
-from longserve.weights.prompts import PALETTE
 from tools.weights.clips import SIZE, draw_frame
+from tools.weights.prompts import PALETTE
 
 
 def ball_image(colour: str, x: float, y: float, radius: float = 7.5, shape: str = "ball") -> np.ndarray:

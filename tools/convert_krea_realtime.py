@@ -31,7 +31,7 @@ import shutil
 from pathlib import Path
 
 from longserve.weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream
-from longserve.weights.wan import WAN_2_1_T2V_14B_TRANSFORMER, WAN_2_1_VAE
+from tools.weights.wan import WAN_2_1_T2V_14B_TRANSFORMER, WAN_2_1_VAE
 
 PUBLISHED_WEIGHTS = "krea-realtime-video-14b.safetensors"
 PREFIX = "model."

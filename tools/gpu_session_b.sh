@@ -11,6 +11,6 @@ timeout 95 python3 -m server.cli bench score --config llama-1b --dtype bfloat16 
   --workers 1 --strategies lss --repeat 1 --json "$OUT/score.json" > "$OUT/score.log" 2>&1; echo "score rc=$?"
 timeout 40 python3 -m server.cli bench serve --model tiny-latte --workers 1 --concurrency 1,8 --requests 8 --steps 50 \
   --json "$OUT/serve_tiny.json" > "$OUT/serve_tiny.log" 2>&1; echo "serve tiny rc=$?"
-python3 -c "from pathlib import Path; from server.bench.gpu import build_latte_dir; p = Path('/tmp/latte1'); p.mkdir(); build_latte_dir(p, False)" \
+python3 -c "from pathlib import Path; from tools.bench.gpu import build_latte_dir; p = Path('/tmp/latte1'); p.mkdir(); build_latte_dir(p, False)" \
   && timeout 60 python3 -m server.cli bench serve --model /tmp/latte1 --workers 1 --concurrency 1,8 --requests 8 --steps 10 --dtype bfloat16 \
   --size 256x256 --frames 16 --json "$OUT/serve_latte1.json" > "$OUT/serve_latte1.log" 2>&1; echo "serve latte-1 rc=$?"

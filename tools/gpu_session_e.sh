@@ -13,8 +13,8 @@ W=${WORK:-/tmp/lsgpu}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, diffusers, transformers, torchao; print(torch.__version__, diffusers.__version__, \
 transformers.__version__, torchao.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
-step build-wan 100 python3 -c "import argparse; from longserve.server.bench.gpu_wan import checkpoint; \
-from longserve.server.bench.gpu import build_wan_dir; \
+step build-wan 100 python3 -c "import argparse; from tools.bench.gpu_wan import checkpoint; \
+from tools.bench.gpu import build_wan_dir; \
 print(checkpoint(argparse.Namespace(work_dir='$W', smoke=False), 'wan2.1-1.3b', build_wan_dir))"
 step build-longlive 80 python3 -m tools.weights.build_causal --out "$W/longlive" --components-from "$W/wan2.1-1.3b" \
   --dtype bfloat16

@@ -13,8 +13,8 @@ DEADLINE=$((SECONDS + ${DEADLINE_S:-540}))
 W=${WORK:-/tmp/lsgpu}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
-step build-wan 100 python3 -c "import argparse; from longserve.server.bench.gpu_wan import checkpoint; \
-from longserve.server.bench.gpu_models import build_wan_dir; \
+step build-wan 100 python3 -c "import argparse; from tools.bench.gpu_wan import checkpoint; \
+from tools.bench.gpu_models import build_wan_dir; \
 print(checkpoint(argparse.Namespace(work_dir='$W', smoke=False), 'wan2.1-1.3b', build_wan_dir))"
 step step-14b 150 python3 -m longserve.server.cli bench gpu --sections step-14b --step-layers 2 --repeats 3 \
   --work-dir "$W" --json "$OUT/gpu_fast.jsonl"

@@ -63,8 +63,8 @@ lever() {     # lever NAME LIMIT FLAG ARGS...: the step when bench live takes FL
 }
 
 if [ "$MODE" = gpu ]; then
-  step build-wan 100 $PY -c "import argparse; from longserve.server.bench.gpu_wan import checkpoint; \
-from longserve.server.bench.gpu_models import build_wan_dir; \
+  step build-wan 100 $PY -c "import argparse; from tools.bench.gpu_wan import checkpoint; \
+from tools.bench.gpu_models import build_wan_dir; \
 print(checkpoint(argparse.Namespace(work_dir='$W', smoke=False), 'wan2.1-1.3b', build_wan_dir))"
   step build-longlive 80 $PY -m tools.weights.build_causal --out "$MODEL" --components-from "$W/wan2.1-1.3b" \
     --dtype bfloat16

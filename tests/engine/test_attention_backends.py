@@ -13,7 +13,7 @@ from longserve.engine.config import EngineConfig
 from longserve.engine.dist import ParallelGroup
 from longserve.engine.models.wan import WanSequenceParallel
 from longserve.engine.parallel import make_sequence_parallel
-from longserve.server.bench.models import random_wan_transformer
+from tools.bench.models import random_wan_transformer
 
 SOLO = ParallelGroup(rank=0, world_size=1, device=torch.device("cpu"))
 

@@ -20,7 +20,7 @@ from longserve.engine.causal_vae import StreamingVAEDecoder, VAETiling, assign_i
 from longserve.engine.dist import ParallelGroup
 from longserve.engine.memory import PeakMemory
 from longserve.engine.pool import WorkerError, WorkerPool
-from longserve.server.bench.models import random_wan_vae
+from tools.bench.models import random_wan_vae
 
 ATOL = 1e-5
 WORKERS = (1, 2, 3)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from longserve.engine import comm
 from longserve.engine.models.wan import WanSequenceParallel
 from longserve.engine.parallel import cfg_parallel, make_cfg_groups, make_sequence_parallel, resolve_plan
-from longserve.server.bench.models import random_wan_transformer
+from tools.bench.models import random_wan_transformer
 
 ATOL = 1e-5
 PLANS = [("ulysses", None), ("ring", None), ("usp", 2)]

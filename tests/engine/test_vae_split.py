@@ -31,7 +31,7 @@ def _vae(ctx, name):
 
             cache[name] = AutoencoderKLWan.from_pretrained(str(resolve_model("tiny-wan")), subfolder="vae").eval()
         elif name == "wan22":
-            from longserve.server.bench.models import random_wan_vae
+            from tools.bench.models import random_wan_vae
 
             cache[name] = random_wan_vae(patch_size=2)
         elif name == "tiny-hunyuan15":

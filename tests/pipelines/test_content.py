@@ -22,7 +22,7 @@ import pytest
 from content import describe, recognises, recognition_rate
 
 from longserve.weights import TINY_LATTE_DIR
-from longserve.weights.prompts import COLOURS, MOTIONS, SHAPES
+from tools.weights.prompts import COLOURS, MOTIONS, SHAPES
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 0

@@ -16,7 +16,7 @@ from wan_models import (
 from longserve.engine.request import RequestError
 from longserve.pipelines import VideoPipeline
 from longserve.weights import resolve_model
-from longserve.weights.wan import SKYREELS_V2_T2V_14B_540P_TRANSFORMER
+from tools.weights.wan import SKYREELS_V2_T2V_14B_540P_TRANSFORMER
 
 ATOL = 1e-4
 PROMPT, NEGATIVE = "a red ball bouncing", "blurry, low quality"

@@ -19,7 +19,7 @@ from api_server import TERMINAL, VALID, collect_events, create, metric, wait, wa
 from longserve.server.api.app import create_app, serve_in_thread
 from longserve.server.api.metrics import parse_text
 from longserve.server.api.service import ServeConfig, VideoService
-from longserve.server.bench import serve as bench_serve
+from tools.bench import serve as bench_serve
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from content import as_float_clip, object_mask
 
-from longserve.weights.prompts import PALETTE
+from tools.weights.prompts import PALETTE
 
 ROOT = Path(__file__).resolve().parents[2]
 HOW = ("needs Chromium and Playwright for Python: `apt-get install -y chromium` (as root; .ci/run does it) and "

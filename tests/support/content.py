@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from longserve.weights.prompts import BACKGROUND, MOTIONS, PALETTE, parse_prompt
+from tools.weights.prompts import BACKGROUND, MOTIONS, PALETTE, parse_prompt
 
 _PALETTE_NAMES = tuple(PALETTE)
 _PALETTE_RGB = np.array([PALETTE[n] for n in _PALETTE_NAMES])                      # (4, 3)

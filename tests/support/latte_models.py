@@ -3,7 +3,7 @@
 import torch
 from diffusers import LatteTransformer3DModel
 
-from longserve.server.bench.models import random_latte_transformer
+from tools.bench.models import random_latte_transformer
 
 
 def tiny_latte_transformer(heads=3, head_dim=8, layers=2, video_length=13, caption_channels=16, seed=0):

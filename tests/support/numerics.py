@@ -8,7 +8,7 @@ from longserve.engine.dist import ParallelGroup
 from longserve.engine.models import latte
 from longserve.engine.models.wan import WanSequenceParallel
 from longserve.engine.parallel import make_sequence_parallel
-from longserve.server.bench.models import random_wan_transformer
+from tools.bench.models import random_wan_transformer
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

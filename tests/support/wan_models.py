@@ -21,8 +21,15 @@ from typing import Any
 
 import torch
 
-from longserve.weights.seeded import redraw_
-from longserve.weights.wan import (
+from tools.weights.build_tiny_wan import (
+    build_scheduler,
+    build_text_encoder,
+    build_vae,
+    build_wan_tokenizer,
+    save_pipeline,
+)
+from tools.weights.seeded import redraw_
+from tools.weights.wan import (
     SKYREELS_V2_DF_1_3B_540P_TRANSFORMER,
     SKYREELS_V2_DF_MODEL_INDEX,
     SKYREELS_V2_SCHEDULER,
@@ -38,13 +45,6 @@ from longserve.weights.wan import (
     WAN_2_2_T2V_A14B_SCHEDULER,
     WAN_2_2_T2V_A14B_TRANSFORMER,
     init_kwargs,
-)
-from tools.weights.build_tiny_wan import (
-    build_scheduler,
-    build_text_encoder,
-    build_vae,
-    build_wan_tokenizer,
-    save_pipeline,
 )
 
 # One layer, 2 heads x 8, d_ff 16: only d_model is umt5-xxl's.

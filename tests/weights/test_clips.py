@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from content import describe, recognises
 
-from longserve.weights.prompts import COLOURS, MOTIONS, PROMPTS, SHAPES, parse_prompt
 from tools.weights.clips import FRAMES, SIZE, prompt_at, render_clip, render_long_clip
+from tools.weights.prompts import COLOURS, MOTIONS, PROMPTS, SHAPES, parse_prompt
 
 
 def test_vocabulary_is_four_colours_two_shapes_five_motions():

@@ -51,7 +51,7 @@ def test_the_converted_checkpoint_streams_live_chunks(converted):
 
 def _config_only(path, transformer):
     """A causal checkpoint's JSON alone (what `describe` and the KV budget read)."""
-    from longserve.weights.wan import WAN_2_1_VAE
+    from tools.weights.wan import WAN_2_1_VAE
 
     for sub, config in (("transformer", transformer), ("vae", WAN_2_1_VAE)):
         (path / sub).mkdir(parents=True)
@@ -68,7 +68,7 @@ def test_the_14b_shape_read_off_a_header_is_wan_2_1_14b_and_its_kv_budget_scales
     from longserve.engine.families.causal_wan import CausalWanFamily
     from longserve.engine.request import GenerationSpec
     from longserve.weights.causal_wan import to_upstream
-    from longserve.weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER, WAN_2_1_T2V_14B_TRANSFORMER
+    from tools.weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER, WAN_2_1_T2V_14B_TRANSFORMER
 
     with init_empty_weights():
         meta = WanTransformer3DModel(**WAN_2_1_T2V_14B_TRANSFORMER).state_dict()

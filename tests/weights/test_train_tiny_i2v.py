@@ -8,7 +8,7 @@ import json
 import torch
 
 from longserve.weights import TINY_MODELS
-from longserve.weights.prompts import PROMPTS
+from tools.weights.prompts import PROMPTS
 from tools.weights.train_tiny_i2v import (
     GENERATION_DEFAULTS,
     INIT_FROM,

@@ -8,7 +8,7 @@ import json
 import torch
 
 from longserve.weights import TINY_MODELS
-from longserve.weights.prompts import PROMPTS
+from tools.weights.prompts import PROMPTS
 from tools.weights.train_tiny_skyreels_df import GENERATION_DEFAULTS, OVERLAP, WINDOW, noise_levels, train
 from tools.weights.writing import file_digests
 

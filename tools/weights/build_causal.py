@@ -38,7 +38,7 @@ def build_causal_checkpoint(out: str | Path, transformer_config: dict, causal: d
     import torch
     from diffusers import WanTransformer3DModel
 
-    from longserve.weights.seeded import reinit_
+    from tools.weights.seeded import reinit_
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +77,7 @@ def build_causal_checkpoint(out: str | Path, transformer_config: dict, causal: d
 
 
 def main(argv=None) -> None:
-    from longserve.weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER
+    from tools.weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)

@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 
 from longserve.weights.registry import TINY_MODELS
-from longserve.weights.seeded import redraw_
 from tools.weights.build_tiny_hunyuan15 import byte_char
 from tools.weights.build_tiny_ltx2 import CHARS
 from tools.weights.build_tiny_wan import save_pipeline
+from tools.weights.seeded import redraw_
 from tools.weights.writing import report, write_whole
 
 SEED = 0

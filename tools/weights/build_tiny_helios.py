@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 
-from longserve.weights.seeded import redraw_
 from tools.weights.build_tiny_wan import (
     SEED,
     TINY_Z_DIM,
@@ -48,6 +47,7 @@ from tools.weights.build_tiny_wan import (
     build_wan_tokenizer,
     save_pipeline,
 )
+from tools.weights.seeded import redraw_
 from tools.weights.writing import build_kind, kinds_main
 
 HELIOS_MODEL_INDEX = {

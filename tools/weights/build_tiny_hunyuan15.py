@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from longserve.weights.seeded import redraw_
 from tools.weights.build_tiny_wan import save_pipeline
+from tools.weights.seeded import redraw_
 from tools.weights.writing import build_kind, kinds_main
 
 SEED = 0

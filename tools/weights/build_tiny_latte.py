@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from longserve.weights.seeded import reinit_
+from tools.weights.seeded import reinit_
 from tools.weights.writing import report, write_whole
 
 SEED = 0

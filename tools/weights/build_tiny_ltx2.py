@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
-from longserve.weights.seeded import reinit_
+from tools.weights.seeded import reinit_
 from tools.weights.writing import report, write_whole
 
 SEED = 0

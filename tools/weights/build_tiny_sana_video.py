@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from longserve.weights.seeded import redraw_
 from tools.weights.build_tiny_ltx2 import build_tokenizer
 from tools.weights.build_tiny_wan import build_vae, save_pipeline
+from tools.weights.seeded import redraw_
 from tools.weights.writing import build_kind, kinds_main
 
 SEED = 0

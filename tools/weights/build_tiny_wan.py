@@ -52,8 +52,9 @@ from typing import Any
 import torch
 
 from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
-from longserve.weights.seeded import redraw_
-from longserve.weights.wan import (
+from tools.weights.build_tiny_latte import build_tokenizer
+from tools.weights.seeded import redraw_
+from tools.weights.wan import (
     MAX_SEQUENCE_LENGTH,
     SKYREELS_V2_DF_1_3B_540P_TRANSFORMER,
     SKYREELS_V2_DF_MODEL_INDEX,
@@ -65,7 +66,6 @@ from longserve.weights.wan import (
     WAN_2_1_VAE,
     init_kwargs,
 )
-from tools.weights.build_tiny_latte import build_tokenizer
 from tools.weights.writing import report, write_whole
 
 SEED = 0

@@ -59,8 +59,19 @@ from pathlib import Path
 import torch
 
 from longserve.weights.registry import TINY_MODELS
-from longserve.weights.seeded import redraw_
-from longserve.weights.wan import (
+from tools.weights.build_tiny_wan import (
+    SEED,
+    TINY_Z_DIM,
+    WAN_GENERATION_DEFAULTS,
+    WAN_TRANSFORMER_CONFIG,
+    build_scheduler,
+    build_text_encoder,
+    build_vae,
+    build_wan_tokenizer,
+    save_pipeline,
+)
+from tools.weights.seeded import redraw_
+from tools.weights.wan import (
     CLIP_IMAGE_PROCESSOR,
     CLIP_VIT_H_14_VISION,
     SKYREELS_V2_I2V_MODEL_INDEX,
@@ -77,17 +88,6 @@ from longserve.weights.wan import (
     WAN_2_2_TI2V_5B_SCHEDULER,
     WAN_2_2_VAE,
     init_kwargs,
-)
-from tools.weights.build_tiny_wan import (
-    SEED,
-    TINY_Z_DIM,
-    WAN_GENERATION_DEFAULTS,
-    WAN_TRANSFORMER_CONFIG,
-    build_scheduler,
-    build_text_encoder,
-    build_vae,
-    build_wan_tokenizer,
-    save_pipeline,
 )
 from tools.weights.writing import report, write_whole
 

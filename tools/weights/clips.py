@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from longserve.weights.prompts import BACKGROUND, PALETTE, parse_prompt
+from tools.weights.prompts import BACKGROUND, PALETTE, parse_prompt
 
 FRAMES = 16
 SIZE = 64

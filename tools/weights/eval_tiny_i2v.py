@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longserve.weights.prompts import PROMPTS, parse_prompt
 from longserve.weights.registry import TINY_MODELS
+from tools.weights.prompts import PROMPTS, parse_prompt
 
 START_TOLERANCE = 3.0
 MIN_MOVE = 8.0

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longserve.weights.prompts import PROMPTS
 from longserve.weights.registry import TINY_MODELS
+from tools.weights.prompts import PROMPTS
 
 DEMO_PROMPT = "a red ball bouncing"
 #: `make demo-long`'s settings beyond the checkpoint's generation_defaults.json (tests/pipelines/test_long_content.py

@@ -53,13 +53,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from longserve.weights.prompts import PROMPTS  # noqa: E402
 from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
-from longserve.weights.wan import WAN_2_1_I2V_MODEL_INDEX, WAN_2_1_I2V_SCHEDULER  # noqa: E402
 from tools.weights.build_tiny_wan import build_scheduler  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
 from tools.weights.live_teacher_forcing import Layout  # noqa: E402
 from tools.weights.loop import train_with_ema, training_main  # noqa: E402
+from tools.weights.prompts import PROMPTS  # noqa: E402
 from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
     compress_text,
@@ -69,6 +68,7 @@ from tools.weights.train_tiny_live import (  # noqa: E402
     vae_encode,
 )
 from tools.weights.train_tiny_skyreels_df import plot_losses, shifted_sigma  # noqa: E402
+from tools.weights.wan import WAN_2_1_I2V_MODEL_INDEX, WAN_2_1_I2V_SCHEDULER  # noqa: E402
 from tools.weights.writing import file_digests, write_whole  # noqa: E402
 
 SEED = 0

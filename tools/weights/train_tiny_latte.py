@@ -52,11 +52,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from longserve.weights.prompts import PROMPTS
 from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS
 from tools.weights import build_tiny_latte as random_build
 from tools.weights.clips import FRAMES, render_clip
 from tools.weights.loop import cosine_lr, train_with_ema
+from tools.weights.prompts import PROMPTS
 from tools.weights.writing import write_whole
 
 SEED = 0

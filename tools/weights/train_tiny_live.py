@@ -84,7 +84,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from longserve.weights.causal_wan import CAUSAL_CONFIG_FILE, to_upstream  # noqa: E402
-from longserve.weights.prompts import COLOURS, SHAPES  # noqa: E402
 from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
 from tools.weights.clips import SIZE, render_long_clip  # noqa: E402
 from tools.weights.live_teacher_forcing import (  # noqa: E402
@@ -104,6 +103,7 @@ from tools.weights.live_teacher_forcing import (  # noqa: E402
     restore_processors,
 )
 from tools.weights.loop import cosine_lr, train_with_ema  # noqa: E402
+from tools.weights.prompts import COLOURS, SHAPES  # noqa: E402
 from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
 from tools.weights.writing import file_digests, write_whole  # noqa: E402
 

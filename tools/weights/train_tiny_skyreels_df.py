@@ -61,13 +61,12 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from longserve.weights.prompts import PROMPTS  # noqa: E402
 from longserve.weights.registry import GENERATION_DEFAULTS_FILE, TINY_MODELS  # noqa: E402
-from longserve.weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER  # noqa: E402
 from tools.weights.build_tiny_wan import SKYREELS_DF_TRANSFORMER_CONFIG, build_scheduler  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
 from tools.weights.live_teacher_forcing import CrossAttnProcessor, Layout  # noqa: E402
 from tools.weights.loop import train_with_ema, training_main  # noqa: E402
+from tools.weights.prompts import PROMPTS  # noqa: E402
 from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
     adaln_zero_,
@@ -76,6 +75,7 @@ from tools.weights.train_tiny_live import (  # noqa: E402
     encode_prompts,
     load_text,
 )
+from tools.weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER  # noqa: E402
 from tools.weights.writing import file_digests, write_whole  # noqa: E402
 
 SEED = 0

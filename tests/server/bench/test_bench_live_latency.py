@@ -4,8 +4,8 @@ page's latency figure is tests/server/test_ui_live.py's.)"""
 
 import pytest
 
-from longserve.server.bench.live_latency import summary
 from longserve.server.cli import main
+from tools.bench.live_latency import summary
 
 
 @pytest.mark.parametrize("argv, message", [(["--paths", "fmp4,carrier-pigeon"], "--paths"),

@@ -2,8 +2,8 @@
 
 import json
 
-from longserve.server.bench.long import frames_for
 from longserve.server.cli import main
+from tools.bench.long import frames_for
 
 
 def test_frames_for_gives_the_frames_that_make_that_many_segments():

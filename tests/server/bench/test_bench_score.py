@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from longserve.server.bench import score as bench_score
+from tools.bench import score as bench_score
 
 
 def test_bench_score_rows_agree_with_the_baseline_and_write_their_own_docs_section(tmp_path):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from longserve.server.bench import util as benchutil
 from longserve.server.cli import main
+from tools.bench import util as benchutil
 
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
 REQUIRED = ("strategy", "workers", "step_time_s", "bytes_per_step", "collectives_per_step", "speedup", "machine",
@@ -108,9 +108,9 @@ def test_bench_transformer_refuses_a_strategy_the_model_does_not_have(capsys):
 def test_bench_transformer_shaped_model_runs_every_plan_equal_to_diffusers(tmp_path):
     """tiny-hunyuan15's transformer config (`--config tiny`): every plan the family declares against diffusers'
     own forward, with the peak memory: the smoke test of the published-shape bench. (ltx2-shaped differs only in
-    server/bench/shaped.py's LTX-2 branches and is left out for the suite's time: a pool start is ~4 CPU-s. The
+    tools/bench/shaped.py's LTX-2 branches and is left out for the suite's time: a pool start is ~4 CPU-s. The
     families' plans at 2 and 3 workers are the pipeline tests'.)"""
-    from longserve.server.bench.shaped import strategies
+    from tools.bench.shaped import strategies
 
     model, workers = "hunyuan15-shaped", 2
 

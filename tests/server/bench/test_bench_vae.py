@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from longserve.server.bench import vae as bench_vae
+from tools.bench import vae as bench_vae
 
 
 def _args(*argv):

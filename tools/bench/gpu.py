@@ -22,14 +22,14 @@ Sections (each row is printed, and appended to --json, as soon as it is measured
   own pipeline on the same checkpoint directory (built here: the full-size transformer with
   random weights, a random full-size VAE, a one-layer text encoder as wide as the real one);
   wall time, and our pool overhead per step (`VideoOutput.timings`).
-- wan-stages, levers (server/bench/gpu_wan.py): the Wan 1.3B video's stages against diffusers' (where the
+- wan-stages, levers (tools/bench/gpu_wan.py): the Wan 1.3B video's stages against diffusers' (where the
   difference is), and FP8 weights and regional compile on it.
 - wan-vae: the Wan VAE's decode memory (see `wan_vae_memory`).
 - backends: one Wan 1.3B-shaped step (bf16, full depth, 81 frames 480x832) per `attention_backend` (diffusers'
   dispatcher: native, flash, _flash_3, sage, _native_flash, _native_efficient, _native_cudnn, xformers) against
   the default, as an engine runs it; what is not installed or cannot run here is a row with the reason
-  (server/bench/backends.py).
-- fast, step-14b (`--profile fast`; server/bench/gpu_fast.py): the fast profile lever by lever on a whole Wan 1.3B
+  (tools/bench/backends.py).
+- fast, step-14b (`--profile fast`; tools/bench/gpu_fast.py): the fast profile lever by lever on a whole Wan 1.3B
   video against exact and diffusers; one step at the Wan 2.1 I2V 14B 480p shape (blocks scaled, figure scaled back).
 
 Peak memory: `engine.memory.PeakMemory` (CUDA: max_memory_allocated minus memory at entry).
@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longserve.server.bench.gpu_models import (
+from tools.bench.gpu_models import (
     build_latte,
     build_latte_dir,
     build_sd_vae,
@@ -68,7 +68,7 @@ from longserve.server.bench.gpu_models import (
 )
 
 SECTIONS = ("numerics", "speed", "memory", "video", "wan-vae", "wan-stages", "levers", "backends", "fast", "step-14b")
-#: `--profile fast`: the sections that measure the fast profile (server/bench/gpu_fast.py)
+#: `--profile fast`: the sections that measure the fast profile (tools/bench/gpu_fast.py)
 PROFILE_SECTIONS = {"fast": "fast,step-14b"}
 
 def add_arguments(parser) -> None:
@@ -86,7 +86,7 @@ def add_arguments(parser) -> None:
                              "temporary directory for the run, removed at its end)")
     parser.add_argument("--lever-steps", type=int, default=20, help="levers, fast: steps per video")
     parser.add_argument("--profile", default=None, choices=sorted(PROFILE_SECTIONS),
-                        help="fast: the fast profile's sections (fast, step-14b: server/bench/gpu_fast.py), lever by "
+                        help="fast: the fast profile's sections (fast, step-14b: tools/bench/gpu_fast.py), lever by "
                              "lever against exact and diffusers, in place of --sections")
     parser.add_argument("--step-layers", type=int, default=2,
                         help="step-14b: blocks of the 40 built and timed (the figure is scaled back to 40)")
@@ -382,7 +382,7 @@ def wan_vae_memory(args, out: _Out, dev) -> None:
     from diffusers import AutoencoderKLWan
 
     from longserve.engine.causal_vae import StreamingVAEDecoder, VAETiling
-    from longserve.weights.wan import WAN_2_1_VAE, init_kwargs
+    from tools.weights.wan import WAN_2_1_VAE, init_kwargs
 
     cfg = init_kwargs(WAN_2_1_VAE)
     if args.smoke:
@@ -439,7 +439,7 @@ def run(args) -> int:
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = _Out(args)
-    from longserve.server.bench.util import machine_info
+    from tools.bench.util import machine_info
 
     out.row(section="machine", **machine_info(dev.type))
     if getattr(args, "profile", None):
@@ -448,9 +448,9 @@ def run(args) -> int:
     for s in sections:
         if s not in SECTIONS:
             raise ValueError(f"--sections: unknown {s!r}; choose from {', '.join(SECTIONS)}")
-    from longserve.server.bench.backends import backends
-    from longserve.server.bench.gpu_fast import fast_profile, step_14b
-    from longserve.server.bench.gpu_wan import levers, wan_stages
+    from tools.bench.backends import backends
+    from tools.bench.gpu_fast import fast_profile, step_14b
+    from tools.bench.gpu_wan import levers, wan_stages
 
     funcs = {"numerics": numerics, "speed": speed, "memory": memory, "video": video, "wan-vae": wan_vae_memory,
              "wan-stages": wan_stages, "levers": levers, "backends": backends, "fast": fast_profile,

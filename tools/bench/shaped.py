@@ -100,7 +100,7 @@ def build(model: str, cfg: dict, seed: int, device, dtype):
     import torch
     from diffusers import HunyuanVideo15Transformer3DModel, LTX2VideoTransformer3DModel
 
-    from longserve.weights.seeded import reinit_
+    from tools.weights.seeded import reinit_
 
     cls = LTX2VideoTransformer3DModel if model == "ltx2-shaped" else HunyuanVideo15Transformer3DModel
     with torch.random.fork_rng(devices=[]), torch.device(device), _default_dtype(dtype):

@@ -4,7 +4,7 @@
 
 One step of a batch of two requests under classifier-free guidance is one transformer forward of 4 rows
 ([uncond; cond] each). The model is a `WanTransformer3DModel` with Wan 2.1 1.3B's width (12 heads x 128 = 1536,
-FFN 8960, text dim 4096) but 2 blocks instead of 30, random weights (`server.bench.models.random_wan_transformer`),
+FFN 8960, text dim 4096) but 2 blocks instead of 30, random weights (`tools.bench.models.random_wan_transformer`),
 fp32, `torch.no_grad`, one process (the adapters' cost is the same on every worker: each holds all rows of its
 shard of the sequence). Input: 2 latent frames of 16 x 16 (128 tokens per row), 512 text tokens.
 
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longserve.server.bench import util as benchutil
+from tools.bench import util as benchutil
 
 CONFIGS = {
     "bench": dict(heads=12, head_dim=128, ffn=8960, text_dim=4096, layers=2, frames=2, latent=(16, 16),
@@ -84,7 +84,7 @@ def run(args) -> int:
     from diffusers import WanPipeline
 
     from longserve.engine.lora import LoraSet, parse_adapters
-    from longserve.server.bench.models import random_wan_transformer
+    from tools.bench.models import random_wan_transformer
 
     cfg = dict(CONFIGS[args.config])
     rank = args.rank or cfg["rank"]

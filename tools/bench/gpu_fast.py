@@ -1,7 +1,7 @@
 """`longserve bench gpu --profile fast` sections (docs/gpu.md, "To run when lent"): the fast profile lever by lever
 against exact and diffusers, a whole Wan 1.3B video and one step at the Wan 2.1 I2V 14B 480p shape.
 
-- `fast`: one whole video of the Wan 2.1 1.3B-shaped checkpoint (server/bench/gpu_wan.py's, built once under
+- `fast`: one whole video of the Wan 2.1 1.3B-shaped checkpoint (tools/bench/gpu_wan.py's, built once under
   `--work-dir`) through `VideoPipeline`: exact (bf16), then each lever the fast profile turns on on this device alone
   (engine/profile.py: an engine lever on its own engine, a request lever as the request's option), then the whole
   profile (`profile="fast"`), then diffusers' `WanPipeline` (bf16) at the same work: wall time, its ratio to exact
@@ -53,8 +53,8 @@ def fast_profile(args, out, dev) -> None:
     from longserve.engine.families import detect_family
     from longserve.engine.profile import fast_levers
     from longserve.pipelines import VideoPipeline
-    from longserve.server.bench.gpu_models import build_wan_dir, device_sync, free
-    from longserve.server.bench.gpu_wan import checkpoint, wan_video_kwargs
+    from tools.bench.gpu_models import build_wan_dir, device_sync, free
+    from tools.bench.gpu_wan import checkpoint, wan_video_kwargs
 
     steps = 3 if args.smoke else args.lever_steps
     kw = wan_video_kwargs(args.smoke)
@@ -70,7 +70,7 @@ def fast_profile(args, out, dev) -> None:
     rows = [("exact", {}, {})]
     for field, value in levers.items():
         if field in ("cache", "cfg_trunc_ratio"):
-            from longserve.server.bench.speed import request_options
+            from tools.bench.speed import request_options
 
             rows.append((f"{field}={value}", {}, request_options(field, value)))
         else:
@@ -119,8 +119,8 @@ def fast_profile(args, out, dev) -> None:
 
 def i2v_14b_config(smoke: bool, layers: int) -> dict:
     """Wan 2.1 I2V 14B's transformer config (the published widths), with `layers` blocks."""
-    from longserve.server.bench.gpu_models import WAN_SMOKE
-    from longserve.weights.wan import WAN_2_1_T2V_14B_TRANSFORMER, init_kwargs
+    from tools.bench.gpu_models import WAN_SMOKE
+    from tools.weights.wan import WAN_2_1_T2V_14B_TRANSFORMER, init_kwargs
 
     cfg = init_kwargs(WAN_2_1_T2V_14B_TRANSFORMER)
     cfg.update(in_channels=36, image_dim=1280, added_kv_proj_dim=5120, num_layers=layers)
@@ -133,7 +133,7 @@ def step_14b(args, out, dev) -> None:
     import torch
 
     from longserve.engine.profile import best_attention_backend
-    from longserve.server.bench.gpu_models import build_wan, free, solo_group, time_call, wan_inputs
+    from tools.bench.gpu_models import build_wan, free, solo_group, time_call, wan_inputs
 
     layers = args.step_layers
     cfg = i2v_14b_config(args.smoke, layers)

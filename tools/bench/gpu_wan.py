@@ -84,7 +84,7 @@ def wan_stages(args, out, dev) -> None:
     from diffusers import AutoencoderKLWan, WanPipeline
 
     from longserve.pipelines import VideoPipeline
-    from longserve.server.bench.gpu_models import build_wan_dir, device_sync, free
+    from tools.bench.gpu_models import build_wan_dir, device_sync, free
 
     steps = 3 if args.smoke else 50
     kw = wan_video_kwargs(args.smoke)
@@ -139,7 +139,7 @@ def levers(args, out, dev) -> None:
     import numpy as np
 
     from longserve.pipelines import VideoPipeline
-    from longserve.server.bench.gpu_models import build_wan_dir, free
+    from tools.bench.gpu_models import build_wan_dir, free
 
     steps = 3 if args.smoke else args.lever_steps
     kw = wan_video_kwargs(args.smoke)

@@ -24,7 +24,7 @@ rows run in turn, so a busy spell of a shared machine falls on all of them alike
 
 `--model wan-1.3b-shaped` builds (once, in the temporary directory: 5.7 GB) a checkpoint with Wan 2.1 T2V
 1.3B's transformer shape (30 blocks, 12 heads x 128, FFN 8960; random weights) around tiny-wan's text
-encoder and VAE (`server.bench.models.shaped_checkpoint`): the block counts and the wall-time ratio of a
+encoder and VAE (`tools.bench.models.shaped_checkpoint`): the block counts and the wall-time ratio of a
 30-block model. A `mag` cache without `mag_ratios` is calibrated first, on the first prompt.
 
 FP8 weights (`--quantize fp8`) need a GPU with FP8 and get no row on CPU; expert offload needs a two-expert
@@ -52,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-from longserve.server.bench.util import (
+from tools.bench.util import (
     Column,
     load_average,
     machine_info,
@@ -118,7 +118,7 @@ def recogniser():
 def spread_prompts(n: int) -> list[str]:
     """n prompts spread over the vocabulary: prompt k is colour k mod 4, shape k/2 mod 2, motion k mod 5 (distinct for
     n <= 20)."""
-    from longserve.weights.prompts import COLOURS, MOTIONS, SHAPES
+    from tools.weights.prompts import COLOURS, MOTIONS, SHAPES
 
     return [f"a {COLOURS[k % 4]} {SHAPES[k // 2 % 2]} {MOTIONS[k % 5]}" for k in range(n)]
 
@@ -279,8 +279,8 @@ def run(args) -> int:
     from longserve.engine.config import EngineConfig, from_cli_args
     from longserve.pipelines import VideoPipeline
     from longserve.pipelines.video import PIPELINE_DEFAULTS
-    from longserve.server.bench.models import SHAPED_CHECKPOINTS, shaped_checkpoint
-    from longserve.weights.prompts import PROMPTS
+    from tools.bench.models import SHAPED_CHECKPOINTS, shaped_checkpoint
+    from tools.weights.prompts import PROMPTS
 
     if not 1 <= args.prompts <= len(PROMPTS):
         raise ValueError(f"--prompts must be in [1, {len(PROMPTS)}]; got {args.prompts}")

@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from longserve.server.bench.util import (
+from tools.bench.util import (
     Column,
     int_list,
     load_average,
@@ -306,7 +306,7 @@ def markdown_section(rows: list[dict], args, plot_path: str | None, doc: Path, l
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, "fp32")
     model = (f"Llama, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} KV "
              f"heads, head_dim {cfg['head_dim']}), {cfg['num_hidden_layers']} layers, MLP {cfg['intermediate_size']}, "
-             f"vocab {cfg['vocab_size']}, {dtype}, random weights (`{name}` in server/bench/score.py)")
+             f"vocab {cfg['vocab_size']}, {dtype}, random weights (`{name}` in tools/bench/score.py)")
     parts = [
         "Sequence-parallel scoring of one long text (engine/lss.py) against transformers' own full-sequence "
         "scoring on one worker. Rerun with:", "",

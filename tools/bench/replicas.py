@@ -66,7 +66,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from longserve.server.bench.util import int_list, load_average, machine_info, text_table, write_json
+    from tools.bench.util import int_list, load_average, machine_info, text_table, write_json
 
     counts = int_list(args.replicas, "--replicas")
     if args.threads < 1:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import time
 
-from longserve.server.bench.util import (
+from tools.bench.util import (
     Column,
     int_list,
     load_average,

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from longserve.server.bench import util as benchutil
+from tools.bench import util as benchutil
 
 CONFIGS = {
     "tiny": dict(model="tiny-latte", frames=16, size=64),
@@ -51,9 +51,9 @@ def add_arguments(parser) -> None:
 
 def build_bench_checkpoint(out_dir: Path) -> Path:
     """tiny-latte with its transformer replaced by the transformer benchmark's model."""
-    from longserve.server.bench.transformer import CONFIGS as TRANSFORMER_CONFIGS
-    from longserve.server.bench.transformer import build_model
     from longserve.weights import resolve_latte
+    from tools.bench.transformer import CONFIGS as TRANSFORMER_CONFIGS
+    from tools.bench.transformer import build_model
 
     src = resolve_latte("tiny-latte")
     shutil.copytree(src, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("transformer"))

@@ -62,7 +62,7 @@ def run(args) -> int:
 
         args.workers = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
     from longserve.server.api.protocol import parse_size
-    from longserve.server.bench.util import int_list, load_average, machine_info, text_table, write_json
+    from tools.bench.util import int_list, load_average, machine_info, text_table, write_json
 
     levels = int_list(args.concurrency, "--concurrency")
     if levels[0] != 1:
@@ -272,14 +272,14 @@ def _window(http, video_id: str, until, min_s: float) -> dict:
 
 
 def _report_interference(args, result: dict, load_before) -> int:
-    from longserve.server.bench.util import machine_info, replace_markdown_section, write_json
+    from tools.bench.util import machine_info, replace_markdown_section, write_json
 
     rows = [dict(window=name, steps_per_s=w["steps_per_s"], seconds=w["seconds"],
                  health_median_ms=w["health"]["median_ms"], health_worst_ms=w["health"]["worst_ms"],
                  health_n=w["health"]["n"], video_median_ms=w["video"]["median_ms"],
                  video_worst_ms=w["video"]["worst_ms"], video_n=w["video"]["n"])
             for name, w in (("nothing encoding", result["alone"]), ("a stream encoding", result["encoding"]))]
-    from longserve.server.bench.util import markdown_table
+    from tools.bench.util import markdown_table
 
     columns = [("window", "window"), ("steps/s", "steps_per_s", ".2f"), ("window s", "seconds", ".2f"),
                ("GET /health median ms", "health_median_ms", ".1f"), ("worst ms", "health_worst_ms", ".1f"),
@@ -366,7 +366,7 @@ def start_server(args, max_batch: int, timeout_s: float = 300.0, extra: list[str
 
 
 def write_docs_section(path: str, rows: list[dict], args, meta: dict) -> None:
-    from longserve.server.bench.util import markdown_table, replace_markdown_section
+    from tools.bench.util import markdown_table, replace_markdown_section
 
     m = meta["machine"]
     base = rows[0]

@@ -38,7 +38,7 @@ def backends(args, out, dev) -> None:
 
     from longserve.engine.models.wan import WanSequenceParallel
     from longserve.engine.parallel import make_sequence_parallel
-    from longserve.server.bench.gpu_models import build_wan, free, solo_group, time_call, wan_config, wan_inputs
+    from tools.bench.gpu_models import build_wan, free, solo_group, time_call, wan_config, wan_inputs
 
     s = args.smoke
     size = "81 frames 480x832" if not s else "smoke"

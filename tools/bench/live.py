@@ -6,7 +6,7 @@
 
 One run, one process, the same machine, side by side:
 
-- loops: a live row per worker count and live loop (`--workers`, `--loops`; server/bench/live_loops.py: a
+- loops: a live row per worker count and live loop (`--workers`, `--loops`; tools/bench/live_loops.py: a
   chunk's time by stage where each runs, transformer / VAE / transfer / mux / rest, the overlap achieved, and
   the frames per second against 1 worker's serial loop); the rows below run on the first pair;
 
@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longserve.server.bench.util import (
+from tools.bench.util import (
     Column,
     int_list,
     load_average,
@@ -106,8 +106,8 @@ def _live_row(pipe, seconds: float, width: int, height: int) -> dict:
     import dataclasses
 
     from longserve.pipelines.video import LiveSession
-    from longserve.server.bench.live_loops import stage_columns
     from longserve.server.live_media import ChunkMuxer
+    from tools.bench.live_loops import stage_columns
 
     fps = pipe.defaults.fps
     # the server's path: uint8 frames (as a live socket asks for them) into the muxer
@@ -175,8 +175,8 @@ def build_df_twin(causal_dir: Path, out: Path, window_frames: int) -> Path:
     import torch
     from diffusers import SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
 
-    from longserve.weights.seeded import reinit_
-    from longserve.weights.wan import SKYREELS_V2_SCHEDULER
+    from tools.weights.seeded import reinit_
+    from tools.weights.wan import SKYREELS_V2_SCHEDULER
 
     out.mkdir(parents=True, exist_ok=True)
     for name in ("text_encoder", "tokenizer", "vae"):
@@ -259,8 +259,8 @@ def run(args) -> int:
     from longserve.engine.families.causal_wan import TIMED_STAGES_ENV
     from longserve.pipelines.video import PIPELINE_DEFAULTS
     from longserve.server.api.protocol import parse_size
-    from longserve.server.bench.live_loops import combos, markdown_command, open_pipeline, ratios, say
     from longserve.weights import resolve_model
+    from tools.bench.live_loops import combos, markdown_command, open_pipeline, ratios, say
 
     # on CUDA the transformer's time needs a sync of its stream per step (the loop does none otherwise); the decode
     # lane's stream is not waited for by it (engine/families/base.py sync_cuda), so the overlap stays measured
@@ -326,7 +326,7 @@ def run(args) -> int:
         body = (f"Measured with `{command}` on {machine['cpu']} ({machine['cores']} cores, {machine['device']}, "
                 f"torch {machine['torch']}; {pinned}); load average before {load}, after "
                 f"{rows[-1]['loadavg_after']}. A chunk's stages are measured where they run "
-                f"(server/bench/live_loops.py); 'overlap' is their sum over the wall time. The last four columns "
+                f"(tools/bench/live_loops.py); 'overlap' is their sum over the wall time. The last four columns "
                 f"do not depend on the machine (engine/workcount.py: counted on worker 0 in a second run of the "
                 f"first row, after the timed ones); 'work vs live' is the ratio of self-attention pairs a frame."
                 f"\n\n{table}\n\nPeak tensor memory per worker by session length (the tracker on; "

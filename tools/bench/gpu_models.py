@@ -1,4 +1,4 @@
-"""The models, inputs and checkpoint directories `longserve bench gpu`'s sections share (server/bench/gpu.py,
+"""The models, inputs and checkpoint directories `longserve bench gpu`'s sections share (tools/bench/gpu.py,
 gpu_wan.py, backends.py): published shapes with seeded random weights, our one-worker step and diffusers' forward on
 them, and the device-waiting timers."""
 
@@ -66,7 +66,7 @@ def latte_cfg(smoke: bool) -> dict:
 
 
 def wan_config(smoke: bool, layers: int | None = None) -> dict:
-    from longserve.weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER, init_kwargs
+    from tools.weights.wan import WAN_2_1_T2V_1_3B_TRANSFORMER, init_kwargs
 
     cfg = init_kwargs(WAN_2_1_T2V_1_3B_TRANSFORMER)
     if smoke:
@@ -77,7 +77,7 @@ def wan_config(smoke: bool, layers: int | None = None) -> dict:
 
 
 def build_latte(cfg: dict, layers: int | None = None, video_length: int = 16):
-    from longserve.server.bench.models import random_latte_transformer
+    from tools.bench.models import random_latte_transformer
 
     return random_latte_transformer(cfg["heads"], cfg["head_dim"], layers or cfg["layers"], video_length=video_length,
                                     sample_size=cfg["latent"], caption_channels=cfg["caption_channels"])
@@ -87,7 +87,7 @@ def build_wan(cfg: dict):
     import torch
     from diffusers import WanTransformer3DModel
 
-    from longserve.weights.seeded import redraw_
+    from tools.weights.seeded import redraw_
 
     torch.manual_seed(0)
     with torch.no_grad():
@@ -187,8 +187,8 @@ def build_wan_dir(out_dir: Path, smoke: bool) -> Path:
     from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from longserve.weights.seeded import redraw_
-    from longserve.weights.wan import WAN_2_1_VAE, init_kwargs
+    from tools.weights.seeded import redraw_
+    from tools.weights.wan import WAN_2_1_VAE, init_kwargs
 
     src = copy_shared_parts("tiny-wan", out_dir)
     cfg = wan_config(smoke)

@@ -4,7 +4,7 @@
         --tile 64/48 [--chunk 1] [--batch 1] [--split items,rows] [--threads 1] [--pin] [--no-memory] \\
         [--json out.json] [--markdown docs/benchmarks.md]
 
-Rows, all on the same seeded random `AutoencoderKLWan` (`random_wan_vae` in server/bench/models.py;
+Rows, all on the same seeded random `AutoencoderKLWan` (`random_wan_vae` in tools/bench/models.py;
 `--model tiny`: Wan 2.1's structure at base_dim 16, `--model wan2.1`: Wan 2.1's exact size, diffusers'
 default config, 127M parameters) and the same random de-normalised latents:
 
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from longserve.server.bench.util import (
+from tools.bench.util import (
     Column,
     int_list,
     load_average,
@@ -139,7 +139,7 @@ def _setup(args):
 
 @functools.lru_cache(maxsize=2)
 def _build(model: str):
-    from longserve.server.bench.models import random_wan_vae
+    from tools.bench.models import random_wan_vae
 
     return random_wan_vae(**MODELS[model], seed=0)
 

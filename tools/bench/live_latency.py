@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from longserve.server.bench import util as benchutil
+from tools.bench import util as benchutil
 
 PATHS = {"fmp4": "fMP4 fragments on the WebSocket, MediaSource", "webrtc": "WebRTC track (aiortc, VP8)"}
 HOW = ("needs Playwright for Python and Chromium: `pip install 'longserve[bench]'` (or `make install`) and "

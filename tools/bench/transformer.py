@@ -15,7 +15,7 @@ dim 4096; `CONFIGS_WAN["bench"]`) but 2 blocks instead of 30, through
 `formula_bytes`, what the
 plan's formula (docs/design.md) says rank 0 sends per step, beside the measured bytes.
 `--model ltx2-shaped|hunyuan15-shaped`: diffusers' LTX-2 / HunyuanVideo-1.5 480p transformer at the published
-shape and default video size with random weights (`server/bench/shaped.py`), every plan the family declares
+shape and default video size with random weights (`tools/bench/shaped.py`), every plan the family declares
 against diffusers' forward; `--layers` keeps the first N blocks, `--frames`/`--size` the latent frames and size
 (patch 1), `--dtype bfloat16` on a GPU. Every row carries `peak_memory_bytes` (below).
 
@@ -72,13 +72,13 @@ import statistics
 import sys
 import time
 
-from longserve.server.bench import util as benchutil
+from tools.bench import util as benchutil
 
 # engine.models.latte.STRATEGIES (not imported: --help stays fast)
 STRATEGIES = ("dsp", "ulysses", "ring", "megatron-sp")
 WAN_STRATEGIES = ("ulysses", "ring", "usp")              # engine.families.wan.WanFamily.plans
 REFERENCE = "diffusers"
-SHAPED = ("ltx2-shaped", "hunyuan15-shaped")             # server/bench/shaped.py
+SHAPED = ("ltx2-shaped", "hunyuan15-shaped")             # tools/bench/shaped.py
 
 #: Model and input configurations. heads x head_dim = hidden; frames and latent size are
 #: the defaults of --frames / --size.
@@ -103,7 +103,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default="latte", choices=["latte", "wan", *SHAPED],
                         help="latte: a spatial-temporal DiT (DSP and baselines); wan: a full-attention DiT; "
                              "ltx2-shaped / hunyuan15-shaped: LTX-2's / HunyuanVideo-1.5 480p's published transformer "
-                             "shape, random weights (server/bench/shaped.py)")
+                             "shape, random weights (tools/bench/shaped.py)")
     parser.add_argument("--strategies", default=None,
                         help=f"comma-separated, of {', '.join(STRATEGIES)} (latte) or {', '.join(WAN_STRATEGIES)} "
                              f"(wan; the shaped models: their family's plans) (default: all of the model's)")
@@ -134,7 +134,7 @@ def add_arguments(parser) -> None:
 def model_config(name: str, frames: int | None = None, size: tuple[int, int] | None = None,
                  model: str = "latte", layers: int | None = None) -> dict:
     if model in SHAPED:
-        from longserve.server.bench import shaped
+        from tools.bench import shaped
 
         cfg = dict(shaped.model_config(model, name), model=model)
         if layers is not None:
@@ -152,7 +152,7 @@ def model_config(name: str, frames: int | None = None, size: tuple[int, int] | N
 
 def build_model(cfg: dict, seed: int):
     """The benchmark's transformer: seeded random weights, activations unit-size."""
-    from longserve.server.bench.models import random_latte_transformer, random_wan_transformer
+    from tools.bench.models import random_latte_transformer, random_wan_transformer
 
     if cfg.get("model") == "wan":
         return random_wan_transformer(cfg["heads"], cfg["head_dim"], cfg["layers"], cfg["text_dim"],
@@ -221,7 +221,7 @@ def _bench_job(ctx, cfg: dict, seed: int, strategies: list[str], steps: int, war
     from longserve.engine.models import latte
     from longserve.engine.models.wan import WanSequenceParallel
     from longserve.engine.parallel import make_sequence_parallel
-    from longserve.server.bench import shaped
+    from tools.bench import shaped
 
     pg = ctx.pg
     name, dt = cfg.get("model"), getattr(torch, dtype)
@@ -349,7 +349,7 @@ def parse_size(text: str | None, patch: int = PATCH) -> tuple[int, int] | None:
 
 def known_strategies(model: str) -> tuple[str, ...]:
     if model in SHAPED:
-        from longserve.server.bench import shaped
+        from tools.bench import shaped
 
         return shaped.strategies(model)
     return WAN_STRATEGIES if model == "wan" else STRATEGIES
@@ -411,7 +411,7 @@ def measure(args) -> list[dict]:
         raise ValueError("--dtype: bfloat16 is for --device cuda (CPU timings in bfloat16 mean little)")
     machine = benchutil.machine_info(device)
     if shaped_model:
-        from longserve.server.bench import shaped
+        from tools.bench import shaped
 
         model_desc = {"model": args.model, **shaped.describe(cfg), "transformer": cfg["transformer"], "batch": 2,
                       "dtype": args.dtype}
