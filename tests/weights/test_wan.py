@@ -20,9 +20,9 @@ from longserve.weights import (
     resolve_latte,
     resolve_model,
 )
-from longserve.weights import wan as published
 from tests.support.checkpoints import assert_rebuilt, digests, without_stamps
 from tools.weights import build_tiny_wan
+from tools.weights import wan as published
 from tools.weights.train_tiny_skyreels_df import GENERATION_DEFAULTS as GENERATION_DEFAULTS_DF
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from longserve.weights import TINY_MODELS, read_model_index, resolve_model
-from longserve.weights import wan as published
 from tests.support.checkpoints import assert_rebuilt, digests, without_stamps
 from tools.weights import build_tiny_wan_i2v
+from tools.weights import wan as published
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
