@@ -8,19 +8,11 @@ import warnings
 
 import httpx
 import imageio.v3 as iio
-import numpy as np
-import PIL.Image
 import pytest
+from images import png_bytes
 from servers import serving
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # the openai client marks the Sora API deprecated
-
-
-def png_bytes(width: int, height: int) -> bytes:
-    pixels = np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL.Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
