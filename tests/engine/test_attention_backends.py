@@ -18,6 +18,17 @@ from tools.bench.models import random_wan_transformer
 SOLO = ParallelGroup(rank=0, world_size=1, device=torch.device("cpu"))
 
 
+@pytest.fixture(autouse=True)
+def process_backend_restored():
+    """diffusers' `set_attention_backend` also sets the process's active backend (for every model after it): put it
+    back, or a later test's plain diffusers forward in this process runs this module's last backend."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry.set_active_backend(active)
+
+
 def wan_step(backend: str | None, frames_per_block: int = 1) -> torch.Tensor:
     """One forward of a tiny random Wan transformer as a one-worker engine runs it, under `backend`."""
     model = random_wan_transformer(heads=3, skyreels=frames_per_block > 1, frames_per_block=frames_per_block)
