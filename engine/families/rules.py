@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from longserve.engine.config import MAX_STEPS, Capabilities, GenerationDefaults, ModelDescription
+from longserve.engine.config import MAX_STEPS, REQUIRED, Capabilities, GenerationDefaults, ModelDescription
 from longserve.engine.request import OUTPUTS, GenerationSpec, RequestError, check_prompts
 
 if TYPE_CHECKING:
@@ -177,6 +177,22 @@ def check_cache_option(spec: GenerationSpec, kinds: tuple[str, ...] = ("first_bl
     spec.options = options
     return spec
 
+
+
+def check_image_input(desc: ModelDescription, spec: GenerationSpec, i2v_pipeline: str) -> None:
+    """A family with a text-to-video and an image-to-video checkpoint (`desc.capabilities.image` REQUIRED on the
+    latter): the image-to-video one needs the `image` option (made an RGB array here), the other refuses it; both
+    errors name `image` and `i2v_pipeline`, the checkpoint class that takes one."""
+    if desc.capabilities.image == REQUIRED:
+        from longserve.engine.images import as_rgb_array
+
+        if spec.options.get("image") is None:
+            raise RequestError("image", f"image is required: this is an image-to-video model (a {i2v_pipeline} "
+                                        f"checkpoint)")
+        spec.options = dict(spec.options, image=as_rgb_array(spec.options["image"], "image"))
+    elif spec.options.get("image") is not None:
+        raise RequestError("image", f"image is not supported: this checkpoint generates video from text only "
+                                    f"(image-to-video needs a {i2v_pipeline} checkpoint)")
 
 
 def check_common(desc: ModelDescription, spec: GenerationSpec) -> None:

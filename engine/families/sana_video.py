@@ -37,10 +37,11 @@ from longserve.engine.families.base import (
     scheduler_step_kwargs,
     seeded_generator,
 )
+from longserve.engine.families.rules import check_image_input
 from longserve.engine.families.wan_parts import WanParts, vae_factors
-from longserve.engine.images import as_rgb_array, to_pil
+from longserve.engine.images import to_pil
 from longserve.engine.models.sana_video import SanaVideoSequenceParallel
-from longserve.engine.request import GenerationSpec, RequestError
+from longserve.engine.request import GenerationSpec
 
 MAX_SEQUENCE_LENGTH = 300           # the prompt tokens the pipeline keeps (its `max_sequence_length` default)
 #: diffusers' pipelines check height and width against 32 (`check_inputs`)
@@ -83,14 +84,7 @@ class SanaVideoFamily(WanParts, VideoFamily):
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
-        if desc.capabilities.image == REQUIRED:
-            if spec.options.get("image") is None:
-                raise RequestError("image", "image is required: this is an image-to-video model (a "
-                                            "SanaImageToVideoPipeline checkpoint)")
-            spec.options = dict(spec.options, image=as_rgb_array(spec.options["image"], "image"))
-        elif spec.options.get("image") is not None:
-            raise RequestError("image", "image is not supported: this checkpoint generates video from text only "
-                                        "(image-to-video needs a SanaImageToVideoPipeline checkpoint)")
+        check_image_input(desc, spec, "SanaImageToVideoPipeline")
         check_common(desc, spec)
         return spec
 

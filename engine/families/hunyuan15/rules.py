@@ -14,8 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from longserve.engine.config import REQUIRED, ModelDescription
-from longserve.engine.families.rules import FamilyRules, check_common, generation_defaults, read_json
-from longserve.engine.request import GenerationSpec, RequestError
+from longserve.engine.families.rules import (
+    FamilyRules,
+    check_common,
+    check_image_input,
+    generation_defaults,
+    read_json,
+)
+from longserve.engine.request import GenerationSpec
 
 
 class Hunyuan15Rules(FamilyRules):
@@ -54,15 +60,6 @@ class Hunyuan15Rules(FamilyRules):
 
     @classmethod
     def check_request(cls, desc: ModelDescription, spec: GenerationSpec) -> GenerationSpec:
-        if desc.capabilities.image == REQUIRED:
-            from longserve.engine.images import as_rgb_array
-
-            if spec.options.get("image") is None:
-                raise RequestError("image", "image is required: this is an image-to-video model (a "
-                                            "HunyuanVideo15ImageToVideoPipeline checkpoint)")
-            spec.options = dict(spec.options, image=as_rgb_array(spec.options["image"], "image"))
-        elif spec.options.get("image") is not None:
-            raise RequestError("image", "image is not supported: this checkpoint generates video from text only "
-                                        "(image-to-video needs a HunyuanVideo15ImageToVideoPipeline checkpoint)")
+        check_image_input(desc, spec, "HunyuanVideo15ImageToVideoPipeline")
         check_common(desc, spec)
         return spec
