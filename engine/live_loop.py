@@ -16,6 +16,7 @@ Roles, by `LoopRoles` (the causal family builds them in `set_plan`):
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,8 @@ def begin_decode(family, ctx, req, max_frames: int) -> PendingDecode:
         if rank in roles.denoisers:            # the steps run on this rank's main thread meanwhile
             pending.future = family.lane.submit(decode)
         else:                                  # a decode worker: nothing else runs here, so its main thread
-            pending.future = _Done(*decode())
+            pending.future = Future()
+            pending.future.set_result(decode())
     return pending
 
 
@@ -93,16 +95,6 @@ def finish_decode(pending: PendingDecode):
     frames, vae_s = pending.future.result()
     pending.request.timings["vae_s"] = pending.request.timings.get("vae_s", 0.0) + vae_s
     return frames, vae_s
-
-
-class _Done:
-    """A decode already made (a future that resolved)."""
-
-    def __init__(self, frames, vae_s: float):
-        self._value = (frames, vae_s)
-
-    def result(self):
-        return self._value
 
 
 def _hand_over(req, rank: int, lane: int, device) -> None:
