@@ -155,9 +155,11 @@ def test_uploads_count_in_their_owners_quota_and_a_failed_or_deleted_jobs_upload
         assert http.delete(f"/v1/videos/{queued[1]}").json()["deleted"] is True      # deleted: its upload goes
     failed = wait(http, queued[0])                  # claimed now: the worker cannot decode it
     assert failed["status"] == "failed" and failed["error"]["code"] == "invalid_request", failed
+    # the failure is published first, then the files go, then the record is written (video_jobs.failed): both wait
     deadline = time.monotonic() + 5
-    while any(inputs_of(media, vid) for vid in queued):
-        assert time.monotonic() < deadline, [inputs_of(media, vid) for vid in queued]
+    while any(inputs_of(media, vid) for vid in queued) or storage.store.active_inputs(client_id(KEY_A)):
+        assert time.monotonic() < deadline, ([inputs_of(media, vid) for vid in queued],
+                                             storage.store.active_inputs(client_id(KEY_A)))
         time.sleep(0.05)
     assert storage.store.active_inputs(client_id(KEY_A)) == 0
 
