@@ -23,6 +23,7 @@ class Progress:
     switch_ready: bool = True  # a prompt switch sent now applies at once (a causal request at a chunk's start,
                                # with no switch applied in that chunk yet); the scheduler holds it until then
     chunk_steps: int = 0       # a chunk loop's forwards per chunk (outside the serial live loop: a job's length)
+    chunk: int = -1            # a chunk loop's chunk being made (-1: not a chunk loop)
 
 
 class EncodeRefused(Exception):

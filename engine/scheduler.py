@@ -119,6 +119,7 @@ class ScheduledRequest:
     prompts: int = 1                           # prompt indexes given out: the next switch's is this one
     switch_ready: bool = True                  # its last progress: a switch sent now applies at once
     chunk_steps: int = 0                       # a chunk loop's forwards per chunk (0: not a chunk loop)
+    chunk: int = -1                            # a chunk loop's chunk being made, as last reported
     edge_s: float = 0.0                        # the coordinator's reads of its frames (shared memory, "np")
     last_stepped: int = -1                     # the boundary of its last denoising batch (sessions take turns)
     timings: dict = field(default_factory=dict)
@@ -145,6 +146,7 @@ class ScheduledRequest:
         self.steps_done, self.batch_key, self.decodable = p.steps_done, tuple(p.batch_key), p.decodable
         self.model = p.model
         self.switch_ready = p.switch_ready
+        self.chunk = p.chunk
         self.chunk_steps = p.chunk_steps
         if p.num_steps is not None:
             self.num_steps = p.num_steps
@@ -159,6 +161,8 @@ class PromptSwitch:
 
     prompt_index: int
     replaced: int | None = None
+    by_chunk: int | None = None    # a chunk loop's: it applies at this chunk at the latest (the chunk being made as
+                                   # the workers last reported, plus one: a job may be making it)
 
 
 @dataclass
@@ -276,7 +280,8 @@ class Scheduler:
             replaced = req.held_prompt["prompt_index"] if req.held_prompt is not None else None
             req.held_prompt = {**payload, "prompt_index": req.prompts}
             req.prompts += 1
-            return PromptSwitch(req.held_prompt["prompt_index"], replaced)
+            by_chunk = max(req.chunk, 0) + 1 if req.chunk_steps or req.chunk >= 0 else None
+            return PromptSwitch(req.held_prompt["prompt_index"], replaced, by_chunk)
 
     def kv_bytes_held(self) -> int:
         with self._lock:

@@ -107,6 +107,7 @@ class LiveSession:
     def __init__(self, handle, fps: int):
         self.handle, self.fps = handle, fps
         self.prompts = {0: handle.spec.prompt[0]}     # prompt index -> prompt (a replaced switch's left out)
+        self.last_switch = None     # the engine's `PromptSwitch` of the last `switch` (its `by_chunk`: applied by then)
         self.timings: dict = {}
 
     @property
@@ -120,6 +121,7 @@ class LiveSession:
         if switched is None:
             raise RuntimeError("the session has ended")
         self.prompts[switched.prompt_index] = prompt
+        self.last_switch = switched
         if switched.replaced is not None:
             self.prompts.pop(switched.replaced, None)
         return switched.prompt_index

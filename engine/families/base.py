@@ -101,12 +101,16 @@ class WorkerRequest:
         from longserve.engine.results import Progress
 
         return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames,
-                        self.model, self.switch_ready(), self.chunk_steps())
+                        self.model, self.switch_ready(), self.chunk_steps(), self.chunk_now())
 
     def chunk_steps(self) -> int:
         """Forwards per chunk of a chunk loop (the causal family's), 0 for a request that is not one: outside the
         serial live loop a job runs a chunk's forwards whole, beside the previous chunk's decode."""
         return 0
+
+    def chunk_now(self) -> int:
+        """The chunk a chunk loop is making (`Progress.chunk`), -1 for a request that is not one."""
+        return -1
 
     def chunk_start(self) -> bool:
         """At a chunk's start (before its first forward): where an overlapped live loop's job ends."""

@@ -130,6 +130,9 @@ class CausalRequest(WorkerRequest):
     def chunk_steps(self) -> int:
         return self.cfg.steps_per_chunk
 
+    def chunk_now(self) -> int:
+        return self.chunk
+
     def chunk_start(self) -> bool:
         return self.phase == 0 and not self.denoised
 

@@ -15,6 +15,9 @@
                        with the init segment), so the binary messages concatenated play as one MP4 (over WebRTC:
                        no binary message; {"type": "chunk.sent", "index", "pts"} when its first frame is sent on
                        the track). "t": when the chunk left the engine (epoch seconds), for a client's latency
+                       {"type": "prompt.received", "prompt_index", "by_chunk"}   a switch taken: it applies
+                       at chunk `by_chunk` at the latest (the chunk the workers last reported making, plus one;
+                       null before the session's first chunk began)
                        {"type": "prompt.applied", "prompt_index", "prompt", "chunk"}   before the first chunk
                        made under a new prompt
                        {"type": "prompt.replaced", "prompt_index", "by"}   a switch that had not applied yet was
@@ -246,6 +249,8 @@ class LiveSessions:
                         switched = handle.switch(msg.get("prompt"))
                         if switched is not None:
                             prompts[switched.prompt_index] = msg["prompt"]
+                            await queue.put(("event", {"type": "prompt.received", "prompt_index":
+                                                       switched.prompt_index, "by_chunk": switched.by_chunk}))
                             if switched.replaced is not None:
                                 prompts.pop(switched.replaced, None)
                                 await queue.put(("event", {"type": "prompt.replaced", "prompt_index":

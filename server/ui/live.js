@@ -133,7 +133,7 @@ export function setupLive(page, history) {
     if (form.record.checked) msg.record = true;          // kept as a video: in the history once it ends
     const transport = form.transport.value;
     live.stats = { video, startedAt: performance.now(), firstFrameMs: null, painted: [], frames: 0, chunks: 0,
-                   fps: 16, framesPerChunk: 0, paintedChunk: -1, switches: [], dropped: 0, transport,
+                   fps: 16, framesPerChunk: 0, paintedChunk: -1, switches: [], switchBy: null, dropped: 0, transport,
                    chunkList: [], framesReceived: 0, latencies: [] };
     live.state = "starting";
     const image = form.image.closest("[hidden]") ? null : form.image.files[0];
@@ -197,6 +197,9 @@ export function setupLive(page, history) {
         live.appliedChunk = ev.chunk;
         s.switches.push({ chunk: ev.chunk, prompt: ev.prompt });
         log(`chunk ${ev.chunk}: switched to "${ev.prompt}"`, "switch");
+      } else if (ev.type === "prompt.received") {     // the engine's promise: applied by this chunk
+        s.switchBy = ev.by_chunk;
+        log(`switch ${ev.prompt_index} received: applies by chunk ${ev.by_chunk}`);
       } else if (ev.type === "prompt.replaced") {
         log(`switch ${ev.prompt_index} replaced by a newer one`);
       } else if (ev.type === "error") {

@@ -160,6 +160,7 @@ def test_a_live_switch_stop_and_cancel_keep_their_timing_outside_the_serial_loop
         # 2 or 3): chunk 1's frames come out of the job that made chunk 2 beside its decode, and the job making
         # chunk 3 may have begun before the call
         assert first_blue in (3, 4) and all(p_ == int(i >= first_blue) for i, p_ in seen)
+        assert first_blue <= session.last_switch.by_chunk <= 4       # the engine's promise (`prompt.received`) holds
         assert [i for i, _ in seen] == list(range(6))
 
         session = p.live("a red ball bouncing", seconds=3600, height=H, width=W, seed=2)

@@ -127,6 +127,8 @@ def test_a_prompt_schedule_switches_at_its_chunk_and_a_live_switch_at_the_next(p
                 break
     first_blue = min(i for i, p in seen if p == 1)
     assert first_blue in (2, 3) and all(p == int(i >= first_blue) for i, p in seen)
+    # what the engine promised when it took the switch (the server's `prompt.received`) holds
+    assert session.last_switch.by_chunk in (2, 3) and first_blue <= session.last_switch.by_chunk
 
 
 def test_stop_ends_a_live_session_after_the_chunk_it_is_making(pipe):

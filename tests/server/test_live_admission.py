@@ -139,6 +139,7 @@ def test_a_switch_flood_leaves_another_session_at_half_its_rate_and_worker_memor
         applied = [e["prompt_index"] for e in flooder.of("prompt.applied")]
         replaced = [e["prompt_index"] for e in flooder.of("prompt.replaced")]
         assert sorted(applied + replaced) == list(range(1, 5001))
+        assert [e["prompt_index"] for e in flooder.of("prompt.received")] == list(range(1, 5001))   # each taken
         assert len(applied) <= len(flooder.chunks) and len(set(e["chunk"] for e in flooder.of("prompt.applied"))) \
             == len(applied), "one switch per chunk at most"
         assert flooder.of("prompt.applied")[-1]["prompt"].startswith("4999 ")
