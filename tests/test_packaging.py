@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import glob
 import re
+import runpy
 import tomllib
 from pathlib import Path
 
@@ -17,7 +18,9 @@ DEV_MODULE = re.compile(r"^(build|train|eval)_")
 
 
 def setuptools_config() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    """pyproject.toml's settings, with the packages setup.py finds."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {**config, "packages": runpy.run_path(str(ROOT / "setup.py"), run_name="setup")["packages"]()}
 
 
 def package_folder(package: str, package_dir: dict) -> Path:
