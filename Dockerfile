@@ -34,7 +34,7 @@ WORKDIR /opt/longserve
 
 # Metadata first, then the packages (the tiny checkpoints in weights/ make the image
 # testable without a mount: --model tiny-latte; their builders, tools/weights/, stay out).
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml setup.py README.md constraints.txt ./
 COPY longserve ./longserve
 COPY engine ./engine
 COPY pipelines ./pipelines

@@ -176,3 +176,15 @@ def test_the_wheel_holds_no_benchmark_nor_gpu_script_and_the_bench_command_says_
     monkeypatch.setattr(bench, "clone_root", lambda: None)
     assert main(["bench", "gpu", "--smoke"]) == 2
     assert "from a clone of the repository" in capsys.readouterr().err
+
+
+def test_the_image_copies_what_the_build_reads_and_every_source_folder():
+    """`pip install .` in the Dockerfile builds from what its COPY lines brought: pyproject.toml, setup.py (which
+    finds the packages), the readme and every source folder setup.py walks."""
+    from dockerfile import instructions
+
+    copied = {src.rstrip("/") for word, rest in instructions() if word == "COPY" and not rest.startswith("--from")
+              for src in rest.split()[:-1]}
+    sources = runpy.run_path(str(ROOT / "setup.py"), run_name="setup")["SOURCES"].values()
+    missing = {"pyproject.toml", "setup.py", "README.md", *sources} - copied
+    assert not missing, f"the Dockerfile does not copy {sorted(missing)}"
