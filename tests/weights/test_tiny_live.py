@@ -93,7 +93,7 @@ def test_the_fine_tune_s_cache_rollout_predicts_what_the_runtime_s_cache_does():
     text = torch.randn(2, 512, 32, generator=g)
     text[:, 7:] = 0
     rollout.new_rows(2, 512)
-    for _ in range(4):                                  # 12 frames written: the ring has evicted
+    for _ in range(5):                                  # 15 frames written: the ring has evicted
         rollout.context(torch.randn(2, 4, 3, 8, 8, generator=g), text)
     rollout.make(text, g)
     x, t = torch.randn(2, 4, 3, 8, 8, generator=g), torch.tensor([750.0, 500.0])
@@ -108,7 +108,7 @@ def test_the_fine_tune_s_cache_rollout_predicts_what_the_runtime_s_cache_does():
 def test_short_fine_tune_runs_are_seeded(tmp_path):
     """`python -m tools.weights.finetune_tiny_live`, short, twice: the same transformer; everything else is the
     source checkpoint's, byte for byte."""
-    from tools.weights.finetune_tiny_live import finetune
+    from tools.weights.finetune_tiny_live import RUNTIME_LOCAL_ATTN_SIZE, RUNTIME_SINK_SIZE, finetune
 
     for name in ("a", "b"):
         finetune(tmp_path / name, TINY_LIVE, steps=1, clips=1, roll_batch=1, cache_batch=1,
@@ -116,8 +116,10 @@ def test_short_fine_tune_runs_are_seeded(tmp_path):
     a, b = file_digests(tmp_path / "a"), file_digests(tmp_path / "b")
     assert a == b
     source = file_digests(TINY_LIVE)
-    assert {k: v for k, v in a.items() if k != "model.safetensors"} == \
-        {k: v for k, v in source.items() if k != "model.safetensors"}
+    changed = {"model.safetensors", "causal_config.json"}
+    assert {k: v for k, v in a.items() if k not in changed} == {k: v for k, v in source.items() if k not in changed}
+    cfg = read_causal_config(tmp_path / "a")
+    assert (cfg["local_attn_size"], cfg["sink_size"]) == (RUNTIME_LOCAL_ATTN_SIZE, RUNTIME_SINK_SIZE)
     record = json.loads((tmp_path / "a.json").read_text())
     assert record["steps"] == 1 and record["files"] == a and record["source_files"] == source
     load_causal_transformer(tmp_path / "a")

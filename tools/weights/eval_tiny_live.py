@@ -180,6 +180,7 @@ def evaluate(sampler: Sampler, seconds: float, switch_at: float, before: str, af
             "switch_chunk_colour": colours[switch], "colours": "".join((c or "-")[0] for c in colours),
             "bouncing_windows": float(np.mean([m == "bouncing" for m in motions])),
             "motions": [m for m in motions], "heights": heights,
+            "heights_every_3s": [round(vertical_range(pixels[a:a + w]), 1) for a in range(0, len(video), w)],
             "height_kept": [round(heights["before"] / max(heights["first"], 1e-9), 2),
                             round(heights["last"] / max(heights["after"], 1e-9), 2)], "video": video}
 

@@ -3,7 +3,8 @@ stream (issue 45): the second stage of tiny-live's recipe, after `tools.weights.
 
 Usage::
 
-    python -m tools.weights.finetune_tiny_live                 # weights/tiny-live -> weights/tiny-live (in place)
+    python -m tools.weights.train_tiny_live --out /tmp/stage1                 # stage one (teacher forcing)
+    python -m tools.weights.finetune_tiny_live --source /tmp/stage1           # stage two: writes weights/tiny-live
     python -m tools.weights.finetune_tiny_live --source DIR --out DIR2 --steps 4 --clips 2   # a smoke run
 
 Why. Teacher forcing only ever shows the model the clips' own frames as context. Its few-step chunks are a little
@@ -45,7 +46,12 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from longserve.weights.causal_wan import load_causal_transformer, read_causal_config, to_upstream  # noqa: E402
+from longserve.weights.causal_wan import (  # noqa: E402
+    CAUSAL_CONFIG_FILE,
+    load_causal_transformer,
+    read_causal_config,
+    to_upstream,
+)
 from longserve.weights.registry import TINY_MODELS  # noqa: E402
 from tools.weights.clips import render_long_clip  # noqa: E402
 from tools.weights.live_teacher_forcing import (  # noqa: E402
@@ -78,11 +84,14 @@ THREADS = 1
 DEFAULT_SOURCE = DEFAULT_OUT = TINY_MODELS["tiny-live"]
 RECORDS = DEFAULT_OUT.parent
 CLIPS = 48
-STEPS = 300
-START_BATCH, SINK_BATCH, ROLL_BATCH, CACHE_BATCH = 4, 8, 8, 0
-MAX_ROLLOUT = 6                                 # chunks the model makes before the trained one
+STEPS = 400
+START_BATCH, SINK_BATCH, ROLL_BATCH, CACHE_BATCH = 4, 8, 0, 12
+MAX_ROLLOUT = 8                                 # chunks the model makes before the trained one
 MAX_CACHE_START = 12                            # runtime-form windows: clip chunks written before the model's
-LR = 4e-4
+# the window the fine-tuned model runs with (causal_config.json; stage one's is 12 frames with a 3-frame sink): a
+# 6-frame sink (the first two chunks: the ball's whole first fall) and the same 6 recent frames (see weights/README.md)
+RUNTIME_LOCAL_ATTN_SIZE, RUNTIME_SINK_SIZE = 15, 6
+LR = 8e-4
 WARMUP = 20
 WEIGHT_DECAY = 0.01
 EMA_DECAY = 0.99
@@ -135,15 +144,18 @@ class Rollouts:
 
 class CacheRollouts:
     """Rollout windows in the runtime's form (`live_cache_rollout.CacheRollout`): the clip's chunks 0..a-1 written
-    into a cache by context passes, `k` chunks made by the model over it as the engine makes them, then the clip's
-    chunk a + k, noised, predicted over that cache; returns its flow loss."""
+    into a cache by context passes, `k` (0..max_rollout) chunks made by the model over it as the engine makes them,
+    then the clip's chunk a + k, noised, predicted over that cache; returns its flow loss. k = 0 is teacher forcing
+    in the runtime's form (each cached frame's K/V from its own context pass)."""
 
-    def __init__(self, windows: Windows, rollout, embeds: torch.Tensor, timesteps: torch.Tensor, g: torch.Generator):
+    def __init__(self, windows: Windows, rollout, embeds: torch.Tensor, timesteps: torch.Tensor, g: torch.Generator,
+                 max_rollout: int = MAX_ROLLOUT):
         self.w, self.r, self.embeds, self.timesteps, self.g = windows, rollout, embeds, timesteps, g
+        self.max_rollout = max_rollout
 
     def __call__(self, batch: int) -> torch.Tensor:
         latents, prompts = self.w.latents, self.w.prompts
-        k = 1 + self.w._int(MAX_ROLLOUT)
+        k = self.w._int(self.max_rollout + 1)                            # 0: the clip's own chunks only
         a = 2 + self.w._int(MAX_CACHE_START - 1)                         # 2..MAX_CACHE_START clip chunks first
         rows = [self.w._int(len(latents)) for _ in range(batch)]
         text = self.embeds[torch.stack([prompts[i, a + k] for i in rows])]  # the trained chunk's caption (recache)
@@ -163,17 +175,35 @@ class CacheRollouts:
 
 def finetune(out: Path, source: Path = DEFAULT_SOURCE, seed: int = SEED, steps: int = STEPS, clips: int = CLIPS,
              threads: int = THREADS, lr: float = LR, roll_batch: int = ROLL_BATCH, cache_batch: int = CACHE_BATCH,
-             record_path: Path | None = None, log=print) -> dict:
+             max_rollout: int = MAX_ROLLOUT, snapshot_every: int = 0, record_path: Path | None = None,
+             log=print) -> dict:
     threads_before, deterministic_before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
         return _finetune(Path(out), Path(source), seed=seed, steps=steps, n_clips=clips, threads=threads, lr=lr,
-                         roll_batch=roll_batch, cache_batch=cache_batch, record_path=record_path, log=log)
+                         roll_batch=roll_batch, cache_batch=cache_batch, max_rollout=max_rollout,
+                         snapshot_every=snapshot_every,
+                         record_path=record_path, log=log)
     finally:
         torch.set_num_threads(threads_before)
         torch.use_deterministic_algorithms(deterministic_before)
 
 
-def _finetune(out, source, *, seed, steps, n_clips, threads, lr, roll_batch, cache_batch, record_path, log) -> dict:
+def write_checkpoint(out: Path, source: Path, state_dict: dict, weights: str) -> None:
+    """`source`'s directory with its transformer weights replaced by `state_dict`'s (written whole)."""
+    from safetensors.torch import save_file
+
+    def write(tmp: Path) -> None:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        cfg = json.loads((tmp / CAUSAL_CONFIG_FILE).read_text())
+        cfg.update(local_attn_size=RUNTIME_LOCAL_ATTN_SIZE, sink_size=RUNTIME_SINK_SIZE)
+        (tmp / CAUSAL_CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file({k: v.detach().contiguous() for k, v in to_upstream(state_dict).items()}, str(tmp / weights))
+
+    write_whole(out, write)
+
+
+def _finetune(out, source, *, seed, steps, n_clips, threads, lr, roll_batch, cache_batch, max_rollout, snapshot_every,
+              record_path, log) -> dict:
     from diffusers import AutoencoderKLWan
 
     t_start, cpu_start = time.perf_counter(), time.process_time()
@@ -214,7 +244,7 @@ def _finetune(out, source, *, seed, steps, n_clips, threads, lr, roll_batch, cac
 
         h, w = latents.shape[-2:]
         cache_rollouts = CacheRollouts(windows, CacheRollout(model, CausalConfig.from_dict(cfg), h, w),
-                                       torch.stack([embeds[p] for p in PROMPTS]), timesteps, g)
+                                       torch.stack([embeds[p] for p in PROMPTS]), timesteps, g, max_rollout)
 
     def step_loss(step: int):
         parts = {}
@@ -232,24 +262,21 @@ def _finetune(out, source, *, seed, steps, n_clips, threads, lr, roll_batch, cac
         loss = sum(b * v for b, v in parts.values()) / sum(b for b, _ in parts.values())
         return loss, {name: v.item() for name, (_, v) in parts.items()}
 
+    def snapshot(done: int, ema: dict) -> None:       # experiments: the EMA weights every `snapshot_every` steps
+        if snapshot_every and done % snapshot_every == 0 and done < steps:
+            write_checkpoint(out.parent / f"{out.name}-step{done}", source, ema, cfg["weights"])
+
     records = train_with_ema(model, step_loss, steps, lr=lr, warmup=WARMUP, weight_decay=WEIGHT_DECAY,
-                             ema_decay=EMA_DECAY, log=log, name="rollout fine-tune")
+                             ema_decay=EMA_DECAY, log=log, name="rollout fine-tune", on_step=snapshot)
     restore_processors(model)
     train_s = time.perf_counter() - t0
 
-    def write(tmp: Path) -> None:
-        from safetensors.torch import save_file
-
-        shutil.copytree(source, tmp, dirs_exist_ok=True)
-        sd = {k: v.detach().contiguous() for k, v in to_upstream(model.state_dict()).items()}
-        save_file(sd, str(tmp / cfg["weights"]))
-
-    write_whole(out, write)
+    write_checkpoint(out, source, model.state_dict(), cfg["weights"])
     wall_s, cpu_s = time.perf_counter() - t_start, time.process_time() - cpu_start
     record = {
         "seed": seed, "threads": threads, "steps": steps, "clips": n_clips, "clip_frames": CLIP_FRAMES,
         "start_batch": START_BATCH, "sink_batch": SINK_BATCH, "rollout_batch": roll_batch,
-        "cache_rollout_batch": cache_batch, "max_rollout_chunks": MAX_ROLLOUT, "max_cache_start": MAX_CACHE_START,
+        "cache_rollout_batch": cache_batch, "max_rollout_chunks": max_rollout, "max_cache_start": MAX_CACHE_START,
         "lr": lr, "warmup": WARMUP, "ema_decay": EMA_DECAY,
         "source_files": source_digests,
         "final_loss": {name: float(np.mean(v[-50:])) for name, v in records.items()},
@@ -271,7 +298,8 @@ def _finetune(out, source, *, seed, steps, n_clips, threads, lr, roll_batch, cac
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.weights.finetune_tiny_live",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--source", default=str(DEFAULT_SOURCE), help="the stage-one checkpoint (train_tiny_live)")
+    ap.add_argument("--source", required=True, help="the stage-one checkpoint (python -m tools.weights.train_tiny_live "
+                                                    "--out DIR; weights/tiny-live before issue 45)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--steps", type=int, default=STEPS)
@@ -280,12 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=THREADS, help="torch CPU threads (results depend on it)")
     ap.add_argument("--roll-batch", type=int, default=ROLL_BATCH, help="recompute-form rollout windows a step")
     ap.add_argument("--cache-batch", type=int, default=CACHE_BATCH, help="runtime-form rollout windows a step")
+    ap.add_argument("--max-rollout", type=int, default=MAX_ROLLOUT, help="most chunks the model makes before the "
+                                                                         "trained one (runtime-form windows)")
+    ap.add_argument("--snapshot-every", type=int, default=0, help="also write DIR-stepN every N steps")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     record = RECORDS / "finetune_tiny_live.json" if out == DEFAULT_OUT else out.parent / f"{out.name}.json"
     finetune(out, Path(args.source).resolve(), seed=args.seed, steps=args.steps, clips=args.clips,
              threads=args.threads, lr=args.lr, roll_batch=args.roll_batch, cache_batch=args.cache_batch,
-             record_path=record, log=lambda msg: print(msg, flush=True))
+             max_rollout=args.max_rollout, snapshot_every=args.snapshot_every, record_path=record,
+             log=lambda msg: print(msg, flush=True))
     return 0
 
 
