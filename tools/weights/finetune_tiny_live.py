@@ -7,23 +7,24 @@ Usage::
     python -m tools.weights.finetune_tiny_live --source /tmp/stage1           # stage two: writes weights/tiny-live
     python -m tools.weights.finetune_tiny_live --source DIR --out DIR2 --steps 4 --clips 2   # a smoke run
 
-Why. Teacher forcing only ever shows the model the clips' own frames as context. Its few-step chunks are a little
-flatter than the clips' (each x0 is a regression towards the mean position), and the next chunk continues the arc
-its context shows, so the lost height is never won back: in `make demo-live` the ball's vertical range fell from
-34 px in the first 3 s to 5 px at 12-15 s (the same in the cache-free recompute sampler of `eval_tiny_live`, so it is
-the model, not the cache). Self-Forcing and LongLive fight that drift by training on the model's own rollouts.
+Why. Teacher forcing only ever shows the model the clips' own frames as context, recomputed from the window alone.
+Its few-step chunks are a little flatter than the clips' and the next chunk continues the arc its context shows, so
+lost height is never won back; and the runtime's cache is another form again (each chunk's K/V written once, by its
+context pass, so deeper layers of a cached frame carry the context of their time). In `make demo-live` the ball's
+vertical range fell from 34 px in the first 3 s to 5 px at 12-15 s; the recompute sampler decays less (weights/
+README.md has the figures). Self-Forcing and LongLive fight that drift by training on the model's own rollouts.
 
 What this does (a DAgger-like self-rollout; no teacher model exists for a distribution-matching loss): each step
-has, besides a few of stage one's teacher-forced windows (so nothing it learnt is lost), `ROLL_BATCH` rollout
-windows. A rollout window starts from a clip's own context, the sink (the clip's first `SINK_SIZE` frames) and two
-later chunks, lets the model make `k` (1..`MAX_ROLLOUT`) chunks after them as the runtime does (the warped steps,
-fresh noise between them, the chunk's last x0 appended to the context, the oldest recent chunk dropped), without
-gradients, and then trains the next chunk, the clip's own, noised at one of the warped timesteps, on the context
-the model made: "from where your own chunks left the ball, go back to the clip's arc". The model's chunks stay
-close to the clip over a few chunks (their phase is the clip's), so the target is a continuation of them; the
-difference it corrects is what a long stream accumulates. Only the transformer changes: the VAE, text encoder,
-tokenizer, scheduler and configs are the source checkpoint's, byte for byte (tiny-skyreels-df, tiny-i2v and
-tiny-decoder-live rely on tiny-live's VAE).
+has, besides a few of stage one's teacher-forced windows (so that colour and switches are kept), `CACHE_BATCH`
+rollout windows in the runtime's form (`CacheRollouts`, `tools.weights.live_cache_rollout`): a clip's chunks
+0..a-1 written into the engine's own KV cache by context passes, `k` (0..`MAX_ROLLOUT`) chunks made by the model as
+the engine makes them, then the clip's next chunk, noised at one of the warped timesteps, trained over that cache:
+"from where your own chunks left the ball, go back to the clip's arc". The model's chunks keep the clip's phase over
+a few chunks, so the target continues them; what it corrects is what a long stream accumulates. `--roll-batch` adds
+rollout windows in stage one's recompute form (`Rollouts`; not used by the shipped run). The checkpoint is then
+written with the window it runs at (`RUNTIME_LOCAL_ATTN_SIZE`, `RUNTIME_SINK_SIZE`; the rollouts run at the source's).
+Only the transformer changes: the VAE, text encoder, tokenizer and scheduler are the source checkpoint's, byte for
+byte (tiny-skyreels-df, tiny-i2v and tiny-decoder-live rely on tiny-live's VAE).
 
 Seeded like stage one (numpy and torch generators, deterministic algorithms, a fixed thread count): the same
 source checkpoint (its digest is in the record), seed, thread count, CPU and library versions give the same file.

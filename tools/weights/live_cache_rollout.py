@@ -6,8 +6,9 @@ so that the loss sees the context exactly as a live stream holds it.
 Why the runtime's form and not teacher forcing's recompute form: the runtime writes a chunk's K/V once, in the
 context pass after it, so every layer but the first of a cached frame carries the context of its own time (frames
 the window has since evicted), where the recompute form (training stage one, `eval_tiny_live`) recomputes the
-window's frames from the window alone. The two agree until the first eviction (chunk 4) and then part: on
-`make demo-live`'s seed the bounce held 88% of its height after 12 s in the recompute form and 14% in the runtime's.
+window's frames from the window alone. The two agree until the first eviction and then part: on
+`make demo-live`'s seed the stage-one bounce held 88% of its height after 12 s in the recompute form and 13% in the
+runtime's.
 """
 
 from __future__ import annotations
