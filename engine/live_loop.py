@@ -11,6 +11,8 @@ Roles, by `LoopRoles` (the causal family builds them in `set_plan`):
     overlapped   lane = rank 0 (its decode on a single-rank VAE path: no collective beside the steps')
     pipelined    lane = rank N-1, which runs no transformer; the chunk's final latents go to it from rank 0 (one
                  point-to-point message at the tick's start, with the frame limit a stop may have lowered)
+    stages       no lane: every rank runs a stage of the transformer's blocks (engine/live_stages.py) and the
+                 decode is the serial loop's, between two stream batches
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from longserve.engine.dist import ParallelGroup
 class LoopRoles:
     """Who does what in a worker's live loop."""
 
-    loop: str                          # "serial" | "overlapped" | "pipelined"
+    loop: str                          # "serial" | "overlapped" | "pipelined" | "stages"
     lane: int | None                   # the rank that decodes (None: serial, the VAE path's own split)
     denoisers: tuple[int, ...]         # the ranks that run the transformer
 
@@ -41,8 +43,8 @@ class LoopRoles:
 def loop_roles(loop: str, world_size: int) -> LoopRoles:
     """The roles of `loop` over `world_size` workers (pipelined on one worker is the overlapped loop)."""
     ranks = tuple(range(world_size))
-    if loop == "serial":
-        return LoopRoles("serial", None, ranks)
+    if loop in ("serial", "stages"):           # stages: every rank a stage of the blocks, the serial loop's decode
+        return LoopRoles(loop, None, ranks)
     if loop == "pipelined" and world_size > 1:
         return LoopRoles("pipelined", world_size - 1, ranks[:-1])
     return LoopRoles("overlapped", 0, ranks)
@@ -116,6 +118,21 @@ def _hand_over(req, rank: int, lane: int, device) -> None:
         req.frames.limit = limit
         req.frames.push(latents.to(device), info, last=complete)
         req.num_frames = min(req.num_frames, limit)
+
+
+def lane_request(family, spec, request_cls):
+    """The pipelined loop's decode rank holds a request's frame stream alone: its chunks come from rank 0."""
+    from longserve.engine.decoding import FramesPolicy
+
+    cfg = family.cfg
+    latent_frames = (spec.num_frames - 1) // family.vae_temporal + 1
+    lead = int(spec.options.get("image") is not None)
+    num_chunks = -(-(latent_frames - lead) // cfg.frames_per_block)
+    frames = family.frame_stream(spec, spec.num_frames, FramesPolicy(family.vae_temporal, whole=True))
+    frames.rank = 0                   # it hands the frames (or latents) out, as rank 0 does in the serial loop
+    return request_cls(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=("causal", "lane"),
+                       num_frames=spec.num_frames, cfg=cfg, num_chunks=num_chunks, latent_frames=latent_frames,
+                       lead=lead, frames=frames)
 
 
 def lane_threads() -> int:
