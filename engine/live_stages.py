@@ -228,6 +228,18 @@ class StagedCausal:
         return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
+def check_stages(config, desc) -> None:
+    """Refuse, before any worker loads, a stages loop that could not run (ValueError naming `live_loop`)."""
+    layers = getattr(desc.facts, "layers", None)
+    if not desc.capabilities.live or layers is None:
+        raise ValueError(f"live_loop 'stages' splits a causal (live) model's blocks across the workers; "
+                         f"{config.model!r} is a {desc.family} model")
+    if config.cuda_graphs:
+        raise ValueError("cuda_graphs=True is not built for live_loop 'stages' (a stage's inputs arrive in new "
+                         "buffers from the previous stage, which replayed graphs would copy in every time)")
+    stage_blocks(layers, config.workers)
+
+
 def stage_cache(layers: int, heads: int, config) -> tuple[int, int, int]:
     """(layers, heads, chunks) of a video's cache on the worker that holds the most of it."""
     return -(-layers // config.workers), heads, config.stream_batch or config.workers
