@@ -159,3 +159,18 @@ def test_a_live_switch_stop_and_cancel_keep_their_promise_with_a_stream_batch(ba
     assert sum(isinstance(o, FramesChunk) for o in outs) <= 3
     again = list(p.stream("a red ball bouncing", num_frames=9, height=H, width=W, seed=0))
     assert len(again) == 1 and again[0].shape == (9, H, W, 3)
+
+
+def test_a_switch_promises_the_chunk_after_the_group_a_job_may_be_making():
+    """A job makes a whole group: a switch that reaches a request reported at chunk k applies by chunk k + B (the
+    group from k may be in the making), not k + 1."""
+    from scheduler_harness import spec
+
+    from longserve.engine.results import Progress
+    from longserve.engine.scheduler import Scheduler
+
+    sched = Scheduler(EngineConfig(workers=2, live_loop="stages"))
+    req = sched.submit(spec("live"))
+    sched.schedule()                                                     # admitted
+    sched.stepped(req, Progress(10, ("causal",), False, 100, chunk=4, chunk_steps=5, chunks_per_job=2))
+    assert sched.switch("live", {"prompt": "a blue ball bouncing"}).by_chunk == 6
