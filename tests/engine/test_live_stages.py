@@ -174,3 +174,9 @@ def test_a_switch_promises_the_chunk_after_the_group_a_job_may_be_making():
     sched.schedule()                                                     # admitted
     sched.stepped(req, Progress(10, ("causal",), False, 100, chunk=4, chunk_steps=5, chunks_per_job=2))
     assert sched.switch("live", {"prompt": "a blue ball bouncing"}).by_chunk == 6
+
+
+def test_bench_live_reports_the_stages_loop_on_two_workers_or_more():
+    from tools.bench.live_loops import combos
+
+    assert combos([1, 2], ["serial", "stages"]) == [(1, "serial"), (2, "serial"), (2, "stages")]
