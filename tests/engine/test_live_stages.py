@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import types
 
+import numpy as np
 import pytest
 import torch
 from causal_models import TINY_CAUSAL, TINY_DEFAULTS, build_tiny_causal
@@ -45,9 +46,9 @@ def batched(five_blocks):
         yield p
 
 
-def latents(p, seed: int = 1) -> tuple[torch.Tensor, list]:
-    spec = p.make_spec("", num_frames=FRAMES, height=H, width=W, seed=seed, output_type="latent",
-                       prompt_schedule=SCHEDULE)
+def latents(p, seed: int = 1, prompt: str = "", **options) -> tuple[torch.Tensor, list]:
+    options = options or {"prompt_schedule": SCHEDULE}
+    spec = p.make_spec(prompt, num_frames=FRAMES, height=H, width=W, seed=seed, output_type="latent", **options)
     chunks = [o for o in p.engine.submit(spec) if isinstance(o, FramesChunk)]
     return torch.cat([torch.as_tensor(c.frames) for c in chunks], dim=2), [c.live for c in chunks]
 
@@ -62,13 +63,19 @@ def test_stages_are_contiguous_blocks_the_earlier_ones_one_more():
 
 def test_a_stream_batch_of_one_makes_the_serial_loop_s_latents_and_a_larger_one_changes_them_as_documented(
         five_blocks, batched):
+    image = np.full((H, W, 3), 128, np.uint8)
+    image[4:12, 10:20] = (0, 0, 255)
+    start = {"prompt": "a blue ball bouncing", "image": image}       # held in the cache by a staged forward
     with VideoPipeline.from_pretrained(str(five_blocks), workers=1) as p:
         want, infos = latents(p)
+        want_image, _ = latents(p, **start)
     assert infos == [LiveChunkInfo(chunk=i, prompt_index=int(i >= 3)) for i in range(CHUNKS)]
     for workers in (2, 3):
         with VideoPipeline.from_pretrained(str(five_blocks), workers=workers, live_loop="stages",
                                            stream_batch=1) as p:
             got, got_infos = latents(p)
+            if workers == 2:
+                assert (latents(p, **start)[0] - want_image).abs().max() <= 1e-5
         assert got_infos == infos
         assert (got - want).abs().max() <= 1e-5, workers
     stream, batched_infos = latents(batched)
