@@ -9,7 +9,7 @@ The live loop (`EngineConfig.live_loop`, docs/design.md "The live loop") is one 
     pipelined    (several workers) the transformer on workers 0..N-2 and the decode lane on worker N-1: the chunk's
                  final latents cross once (a point-to-point send), and the two stages run on separate workers
     stages       (several workers) the transformer's blocks in one stage per worker, several chunks in flight
-                 (engine/live_stages.py; no lane: the serial loop's decode; not these numbers unless one at a time)
+                 (engine/live_stages.py; rank 0's lane decodes; not these numbers unless one chunk at a time)
 
 The first three make the same numbers: the decode reads the chunk's final latents, which nothing writes again, and the
 lane decodes chunks in their order (one thread, FIFO), so the streaming VAE's cache sees exactly the serial order.

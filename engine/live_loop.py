@@ -11,8 +11,8 @@ Roles, by `LoopRoles` (the causal family builds them in `set_plan`):
     overlapped   lane = rank 0 (its decode on a single-rank VAE path: no collective beside the steps')
     pipelined    lane = rank N-1, which runs no transformer; the chunk's final latents go to it from rank 0 (one
                  point-to-point message at the tick's start, with the frame limit a stop may have lowered)
-    stages       no lane: every rank runs a stage of the transformer's blocks (engine/live_stages.py) and the
-                 decode is the serial loop's, between two stream batches
+    stages       lane = rank 0, as overlapped: every rank runs a stage of the transformer's blocks
+                 (engine/live_stages.py) while rank 0's lane decodes the last group's chunks, one per job
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ class LoopRoles:
 def loop_roles(loop: str, world_size: int) -> LoopRoles:
     """The roles of `loop` over `world_size` workers (pipelined on one worker is the overlapped loop)."""
     ranks = tuple(range(world_size))
-    if loop in ("serial", "stages"):           # stages: every rank a stage of the blocks, the serial loop's decode
-        return LoopRoles(loop, None, ranks)
+    if loop == "serial":
+        return LoopRoles("serial", None, ranks)
+    if loop == "stages":                       # every rank a stage of the blocks; rank 0's lane decodes beside them
+        return LoopRoles("stages", 0, ranks)
     if loop == "pipelined" and world_size > 1:
         return LoopRoles("pipelined", world_size - 1, ranks[:-1])
     return LoopRoles("overlapped", 0, ranks)

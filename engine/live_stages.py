@@ -31,8 +31,9 @@ Messages, point to point (`comm.send_to` / `recv_from`; gloo and NCCL both have 
 tensor per item, (B, S_tok + 7 [+ L], D) = [hidden states | time projection (6) | time embedding (1) | the text's
 embedding, only when a row's cached text K/V are stale]; float32 carries bfloat16 and float16 values exactly. The last
 rank sends every item's flow prediction (B, C, f, h, w) to every other rank, which apply the same scheduler steps in
-the same order: a request's state stays identical on every rank, as in the other loops, and the serial loop's decode
-(across the workers, between two groups) reads the same latents.
+the same order: a request's state stays identical on every rank, as in the other loops. The decode is the overlapped
+loop's on rank 0 (`LoopRoles("stages", lane=0)`): a job decodes one chunk on rank 0's lane, and a group runs in the
+job that takes its predecessor's last chunk, beside that decode.
 """
 
 from __future__ import annotations
@@ -258,8 +259,8 @@ def stage_plan(family, plan) -> None:
 
 
 def step_groups(family, reqs: list) -> None:
-    """The stages loop's `step`: each request's next group, once its last group's chunks are all decoded (the
-    decode is the serial loop's, one chunk per job: so the chunks waiting for it stay at most one group's)."""
+    """The stages loop's `step`: each request's next group, once its last group's chunks are all taken for decoding
+    (one chunk a job, on rank 0's lane beside these steps: so the chunks waiting for it stay at most one group's)."""
     for r in reqs:
         if not r.denoised and not r.decodable():
             step_group(family, r)

@@ -78,8 +78,20 @@ def test_a_stream_batch_of_one_makes_the_serial_loop_s_latents_and_a_larger_one_
                 assert (latents(p, **start)[0] - want_image).abs().max() <= 1e-5
         assert got_infos == infos
         assert (got - want).abs().max() <= 1e-5, workers
-    stream, batched_infos = latents(batched)
+    names, run = [], batched.pool.run
+
+    def recording(fn, *args, **kw):
+        names.append(fn.__name__)
+        return run(fn, *args, **kw)
+
+    batched.pool.run = recording
+    try:
+        stream, batched_infos = latents(batched)
+    finally:
+        batched.pool.run = run
     again, _ = latents(batched)
+    # rank 0's lane decodes a chunk a job, beside the steps (a group runs in the job that takes the last's last chunk)
+    assert "decode_next" not in names and names.count("live_tick") == CHUNKS
     assert batched_infos == infos
     assert torch.equal(stream, again)                                         # deterministic: the same seed
     fb = 3
