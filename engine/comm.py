@@ -10,6 +10,7 @@ the backend (gloo, NCCL) and of what the backend does internally:
     reduce-scatter  ring algorithm: (N-1)/N of its (full-size) input
     all-reduce      ring algorithm: 2 (N-1)/N of its input
     send (ring)     the whole tensor once
+    send (to one)   the whole tensor once (a pipeline stage's activations: `send_to` / `recv_from`)
     gather to dst   every rank but dst sends its input once; dst sends nothing
 
 Uneven sizes: a dimension that does not divide by N is zero-padded up to the next
@@ -232,4 +233,22 @@ def gather_to(x: torch.Tensor, dst: int, pg: ParallelGroup) -> torch.Tensor | No
     out = torch.empty((pg.world_size, *x.shape), dtype=x.dtype, device=x.device)  # (N, ...)
     dist.gather(x, gather_list=list(out.unbind(0)), group=pg.group, group_dst=dst)
     STATS.record("gather", 0)  # dst keeps its own row
+    return out
+
+
+def send_to(x: torch.Tensor, dst: int, pg: ParallelGroup, tag: int = 0):
+    """Start sending `x` to rank `dst` (a group rank) without waiting: [...] -> the send's handle, to `wait()` on
+    before `x` is written again. A receiver takes it with `recv_from` of the same shape, dtype and tag."""
+    _issue()
+    x = x.contiguous()
+    work = dist.isend(x, dst=pg.global_rank(dst), group=pg.group, tag=tag)
+    STATS.record("send", _nbytes(x))
+    return work, x                    # the tensor stays referenced until the send is waited for
+
+
+def recv_from(shape: tuple, dtype: torch.dtype, src: int, pg: ParallelGroup, tag: int = 0) -> torch.Tensor:
+    """The tensor rank `src` sent with `send_to`: -> [shape] (waits for it)."""
+    _issue()
+    out = torch.empty(shape, dtype=dtype, device=pg.device)
+    dist.recv(out, src=pg.global_rank(src), group=pg.group, tag=tag)
     return out

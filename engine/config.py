@@ -35,7 +35,7 @@ LAUNCHERS = ("auto", "local", "torchrun")
 COMPILE = ("none", "blocks")
 VAE_SPLITS = ("items", "rows")
 QUANTIZE = ("none", "fp8")
-LIVE_LOOPS = ("serial", "overlapped", "pipelined")
+LIVE_LOOPS = ("serial", "overlapped", "pipelined", "stages")
 
 
 def option(default, help: str, group: str = "model", flag: str | None = None, choices=None, metavar=None):
@@ -149,11 +149,18 @@ class EngineConfig:
     max_steps_per_job: int = option(4, "denoising steps one worker job may run while nothing else waits (fewer "
                                        "round trips; a newcomer waits at most this many steps minus one)",
                                     group="scheduling")
-    live_loop: str = option("serial", "serial | overlapped | pipelined: a causal (live) model's chunk loop. "
-                                      "overlapped decodes chunk k on a decode lane while chunk k+1 denoises; "
+    live_loop: str = option("serial", "serial | overlapped | pipelined | stages: a causal (live) model's chunk "
+                                      "loop. overlapped decodes chunk k on a decode lane while chunk k+1 denoises; "
                                       "pipelined (several workers) runs the transformer on workers 0..N-2 and "
-                                      "the decode on worker N-1 (engine/live_lane.py; the same frames)",
-                            choices=list(LIVE_LOOPS), group="scheduling")
+                                      "the decode on worker N-1 (engine/live_lane.py; the same frames); stages "
+                                      "(several workers) splits the transformer's blocks into one stage per "
+                                      "worker and streams --stream-batch chunks through them at once "
+                                      "(engine/live_stages.py; the serial loop's frames only with a stream batch "
+                                      "of 1)", choices=list(LIVE_LOOPS), group="scheduling")
+    stream_batch: int | None = option(None, "with --live-loop stages: chunks denoised at once, at different "
+                                            "stages (StreamDiffusionV2's stream batch; default: the workers; 1 is "
+                                            "exact, more changes what a chunk attends to: docs/design.md)",
+                                      group="scheduling")
     job_timeout_s: float | None = option(600.0, "a worker job taking longer fails its batch and restarts the pool "
                                                 "(seconds; none = no limit)", group="scheduling",
                                          flag="--job-timeout")
@@ -195,6 +202,14 @@ class EngineConfig:
             object.__setattr__(self, "attention_backend", "none" if name is None and self.profile == "fast" else name)
         if self.live_loop not in LIVE_LOOPS:
             raise ValueError(f"live_loop must be one of {', '.join(LIVE_LOOPS)}; got {self.live_loop!r}")
+        if self.live_loop == "stages" and self.workers < 2:
+            raise ValueError(f"live_loop 'stages' splits the transformer's blocks across the workers: it needs "
+                             f"workers >= 2; got {self.workers}")
+        if self.stream_batch is not None:
+            _positive_int("stream_batch", self.stream_batch)
+            if self.live_loop != "stages":
+                raise ValueError(f"stream_batch is the stages live loop's (live_loop 'stages'); got live_loop "
+                                 f"{self.live_loop!r}")
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {self.launcher!r}")
         from longserve.engine.dist import parse_dtype

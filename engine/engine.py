@@ -86,6 +86,10 @@ def check_speed_levers(config: EngineConfig, family, desc, plan: ParallelPlan, m
 
     check_backend(config, family, plan, config.device or default_device(), model_dir)
     family.check_decoder(config, desc, model_dir)
+    if config.live_loop == "stages":
+        from longserve.engine.live_stages import check_stages
+
+        check_stages(config, desc)
     if config.sparse_attention != "none" and family.name not in ("wan", "wan-i2v", "wan-ti2v"):
         raise ValueError(f"sparse_attention={config.sparse_attention!r} is built for the Wan family's T2V, I2V and "
                          f"TI2V models; {config.model!r} is a {desc.family} model")

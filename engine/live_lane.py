@@ -8,8 +8,10 @@ The live loop (`EngineConfig.live_loop`, docs/design.md "The live loop") is one 
                  event, on a GPU) while the job's steps run on the main thread
     pipelined    (several workers) the transformer on workers 0..N-2 and the decode lane on worker N-1: the chunk's
                  final latents cross once (a point-to-point send), and the two stages run on separate workers
+    stages       (several workers) the transformer's blocks in one stage per worker, several chunks in flight
+                 (engine/live_stages.py; rank 0's lane decodes; not these numbers unless one chunk at a time)
 
-All three make the same numbers: the decode reads the chunk's final latents, which nothing writes again, and the
+The first three make the same numbers: the decode reads the chunk's final latents, which nothing writes again, and the
 lane decodes chunks in their order (one thread, FIFO), so the streaming VAE's cache sees exactly the serial order.
 What changes is when a chunk's frames reach the caller: one job later than serial, while the next chunk is made.
 """

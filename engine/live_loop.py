@@ -11,6 +11,8 @@ Roles, by `LoopRoles` (the causal family builds them in `set_plan`):
     overlapped   lane = rank 0 (its decode on a single-rank VAE path: no collective beside the steps')
     pipelined    lane = rank N-1, which runs no transformer; the chunk's final latents go to it from rank 0 (one
                  point-to-point message at the tick's start, with the frame limit a stop may have lowered)
+    stages       lane = rank 0, as overlapped: every rank runs a stage of the transformer's blocks
+                 (engine/live_stages.py) while rank 0's lane decodes the last group's chunks, one per job
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from longserve.engine.dist import ParallelGroup
 class LoopRoles:
     """Who does what in a worker's live loop."""
 
-    loop: str                          # "serial" | "overlapped" | "pipelined"
+    loop: str                          # "serial" | "overlapped" | "pipelined" | "stages"
     lane: int | None                   # the rank that decodes (None: serial, the VAE path's own split)
     denoisers: tuple[int, ...]         # the ranks that run the transformer
 
@@ -43,6 +45,8 @@ def loop_roles(loop: str, world_size: int) -> LoopRoles:
     ranks = tuple(range(world_size))
     if loop == "serial":
         return LoopRoles("serial", None, ranks)
+    if loop == "stages":                       # every rank a stage of the blocks; rank 0's lane decodes beside them
+        return LoopRoles("stages", 0, ranks)
     if loop == "pipelined" and world_size > 1:
         return LoopRoles("pipelined", world_size - 1, ranks[:-1])
     return LoopRoles("overlapped", 0, ranks)
@@ -116,6 +120,21 @@ def _hand_over(req, rank: int, lane: int, device) -> None:
         req.frames.limit = limit
         req.frames.push(latents.to(device), info, last=complete)
         req.num_frames = min(req.num_frames, limit)
+
+
+def lane_request(family, spec, request_cls):
+    """The pipelined loop's decode rank holds a request's frame stream alone: its chunks come from rank 0."""
+    from longserve.engine.decoding import FramesPolicy
+
+    cfg = family.cfg
+    latent_frames = (spec.num_frames - 1) // family.vae_temporal + 1
+    lead = int(spec.options.get("image") is not None)
+    num_chunks = -(-(latent_frames - lead) // cfg.frames_per_block)
+    frames = family.frame_stream(spec, spec.num_frames, FramesPolicy(family.vae_temporal, whole=True))
+    frames.rank = 0                   # it hands the frames (or latents) out, as rank 0 does in the serial loop
+    return request_cls(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=("causal", "lane"),
+                       num_frames=spec.num_frames, cfg=cfg, num_chunks=num_chunks, latent_frames=latent_frames,
+                       lead=lead, frames=frames)
 
 
 def lane_threads() -> int:

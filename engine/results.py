@@ -24,6 +24,7 @@ class Progress:
                                # with no switch applied in that chunk yet); the scheduler holds it until then
     chunk_steps: int = 0       # a chunk loop's forwards per chunk (outside the serial live loop: a job's length)
     chunk: int = -1            # a chunk loop's chunk being made (-1: not a chunk loop)
+    chunks_per_job: int = 1    # chunks one job may make (the stages live loop's stream batch: a switch's promise)
 
 
 class EncodeRefused(Exception):

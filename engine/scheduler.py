@@ -120,6 +120,7 @@ class ScheduledRequest:
     switch_ready: bool = True                  # its last progress: a switch sent now applies at once
     chunk_steps: int = 0                       # a chunk loop's forwards per chunk (0: not a chunk loop)
     chunk: int = -1                            # a chunk loop's chunk being made, as last reported
+    chunks_per_job: int = 1                    # chunks a job of it may make (the stages live loop's stream batch)
     edge_s: float = 0.0                        # the coordinator's reads of its frames (shared memory, "np")
     last_stepped: int = -1                     # the boundary of its last denoising batch (sessions take turns)
     timings: dict = field(default_factory=dict)
@@ -148,6 +149,7 @@ class ScheduledRequest:
         self.switch_ready = p.switch_ready
         self.chunk = p.chunk
         self.chunk_steps = p.chunk_steps
+        self.chunks_per_job = p.chunks_per_job
         if p.num_steps is not None:
             self.num_steps = p.num_steps
         if p.num_frames is not None:
@@ -280,7 +282,7 @@ class Scheduler:
             replaced = req.held_prompt["prompt_index"] if req.held_prompt is not None else None
             req.held_prompt = {**payload, "prompt_index": req.prompts}
             req.prompts += 1
-            by_chunk = max(req.chunk, 0) + 1 if req.chunk_steps or req.chunk >= 0 else None
+            by_chunk = max(req.chunk, 0) + req.chunks_per_job if req.chunk_steps or req.chunk >= 0 else None
             return PromptSwitch(req.held_prompt["prompt_index"], replaced, by_chunk)
 
     def kv_bytes_held(self) -> int:

@@ -41,6 +41,7 @@ The engine's rules (longserve's, where diffusers' context parallelism differs):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from dataclasses import dataclass, field, fields
@@ -325,9 +326,16 @@ class ShardedModel:
         self.__init__(self.model, plan)
 
     def __call__(self, shard: TokenShard, *args, **kwargs):
+        with self.running(shard):
+            return self.model(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def running(self, shard: TokenShard):
+        """`shard` is the running forward's geometry meanwhile: for a caller that drives the model's modules itself
+        (a forward cut into pipeline stages, engine/live_stages.py)."""
         self.shard = shard
         try:
-            return self.model(*args, **kwargs)
+            yield self
         finally:
             self.shard = None
             self._memo.clear()

@@ -1,7 +1,8 @@
 """`make demo-live`: a 30-second live video of "a red ball bouncing" that switches to "a blue ball bouncing" at 15 s.
 
     python -m tools.live_demo [--model tiny-live] [--seconds 30] [--switch-at 15] -o out/demo_live.mp4 \\
-        [--strip out/demo_live_strip.png] [--chunks-json out/demo_live_chunks.json] [--decoder vae|tiny|PATH]
+        [--strip out/demo_live_strip.png] [--chunks-json out/demo_live_chunks.json] [--decoder vae|tiny|PATH] \
+        [--workers N --live-loop serial|overlapped|pipelined|stages]
 
 The switch is a prompt schedule (`VideoPipeline.stream([(0, red), (k, blue)])`): chunk k is the
 first chunk that starts at or after `--switch-at` seconds, so the switch is deterministic.
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks-json", default=None)
     ap.add_argument("--decoder", default="vae", help="vae (the model's VAE), tiny (its shipped small decoder) or "
                                                      "the path of a TAEHV weight file (engine/small_decoder.py)")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--live-loop", default="serial", help="the engine's live loop (engine/config.py live_loop)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -44,7 +47,8 @@ def main(argv=None) -> int:
     from longserve.pipelines import VideoPipeline
     from longserve.pipelines.video import save_video
 
-    with VideoPipeline.from_pretrained(args.model, decoder=args.decoder) as pipe:
+    with VideoPipeline.from_pretrained(args.model, decoder=args.decoder, workers=args.workers,
+                                       live_loop=args.live_loop) as pipe:
         fps, temporal = pipe.defaults.fps, pipe.info.frame_multiple
         fb = pipe.info.capabilities.frames_per_chunk // temporal          # latent frames a chunk
         frames = int(round(args.seconds * fps))

@@ -82,6 +82,7 @@ class WorkerRequest:
     decoded_frames: int = 0
     frames: FrameStream = None
     cache_state: dict = field(default_factory=dict)   # step caching (engine/cache.py): (expert, branch) -> state
+    chunks_per_job: int = 1            # a chunk loop's chunks one job may make (the stages live loop's stream batch)
     timings: dict = field(default_factory=lambda: {"encode_s": 0.0, "transformer_s": 0.0, "vae_s": 0.0})
 
     @property
@@ -101,7 +102,7 @@ class WorkerRequest:
         from longserve.engine.results import Progress
 
         return Progress(self.steps_done, self.batch_key, self.decodable(), self.num_steps, self.num_frames,
-                        self.model, self.switch_ready(), self.chunk_steps(), self.chunk_now())
+                        self.model, self.switch_ready(), self.chunk_steps(), self.chunk_now(), self.chunks_per_job)
 
     def chunk_steps(self) -> int:
         """Forwards per chunk of a chunk loop (the causal family's), 0 for a request that is not one: outside the

@@ -75,7 +75,8 @@ from longserve.engine.families.base import (
 from longserve.engine.families.wan_parts import MAX_SEQUENCE_LENGTH, WanParts, vae_factors
 from longserve.engine.images import as_rgb_array, to_pil
 from longserve.engine.live_frames import FrameSlots
-from longserve.engine.live_loop import loop_roles, solo_group
+from longserve.engine.live_loop import lane_request, loop_roles, solo_group
+from longserve.engine.live_stages import stage_cache, stage_plan, step_groups
 from longserve.engine.models.causal import CausalConfig, CausalWan, KVCache
 from longserve.engine.outputs import LiveChunkInfo
 from longserve.engine.parallel import ParallelPlan
@@ -251,8 +252,11 @@ class CausalWanFamily(WanParts, VideoFamily):
         f = desc.facts
         tokens = (spec.height // f.vae_spatial // f.patch[1]) * (spec.width // f.vae_spatial // f.patch[2])
         denoisers = loop_roles(config.live_loop, config.workers).denoisers     # pipelined: not the decode rank
-        per_video = KVCache.nbytes(f.config, f.layers, tokens, math.ceil(desc.heads / len(denoisers)), desc.heads,
-                                   f.head_dim, MAX_SEQUENCE_LENGTH, parse_dtype(config.dtype).itemsize)
+        # stages: a stage's blocks' layers, every head, a stream batch's chunks (engine/live_stages.py)
+        layers, heads, chunks = stage_cache(f.layers, desc.heads, config) if config.live_loop == "stages" else (
+            f.layers, math.ceil(desc.heads / len(denoisers)), 1)
+        per_video = KVCache.nbytes(f.config, layers, tokens, heads, desc.heads, f.head_dim, MAX_SEQUENCE_LENGTH,
+                                   parse_dtype(config.dtype).itemsize, chunks)
         return per_video * spec.batch_size
 
     # -- worker side --------------------------------------------------------------------------------
@@ -319,7 +323,10 @@ class CausalWanFamily(WanParts, VideoFamily):
         from longserve.engine.parallel import make_sequence_parallel
 
         self.roles = loop_roles(self.config.engine.live_loop, self.pg.world_size)
-        if self.roles.transfer:
+        self.model = getattr(self.model, "causal", self.model)           # the staged model's whole one
+        if self.roles.loop == "stages":                 # a stage of the blocks per rank (engine/live_stages.py)
+            stage_plan(self, plan)
+        elif self.roles.transfer:
             ranks = list(self.roles.denoisers)
             group = dist.new_group(ranks)
             self.tpg = self.pg.subgroup(ranks, group) if self.pg.rank in ranks else None
@@ -399,16 +406,7 @@ class CausalWanFamily(WanParts, VideoFamily):
     def admit(self, spec: GenerationSpec) -> CausalRequest:
         if not self.decode_only:
             return super().admit(spec)
-        # the decode rank holds the request's frame stream alone: its chunks come from rank 0 (engine/live_loop.py)
-        cfg = self.cfg
-        latent_frames = (spec.num_frames - 1) // self.vae_temporal + 1
-        lead = int(spec.options.get("image") is not None)
-        num_chunks = -(-(latent_frames - lead) // cfg.frames_per_block)
-        frames = self.frame_stream(spec, spec.num_frames, FramesPolicy(self.vae_temporal, whole=True))
-        frames.rank = 0                   # it hands the frames (or latents) out, as rank 0 does in the serial loop
-        return CausalRequest(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=("causal", "lane"),
-                             num_frames=spec.num_frames, cfg=cfg, num_chunks=num_chunks, latent_frames=latent_frames,
-                             lead=lead, frames=frames)
+        return lane_request(self, spec, CausalRequest)      # the decode rank's: the frame stream alone
 
     def prepare(self, spec: GenerationSpec, text: torch.Tensor, image_latent: torch.Tensor = None) -> CausalRequest:
         cfg = self.cfg
@@ -426,7 +424,7 @@ class CausalWanFamily(WanParts, VideoFamily):
         r = CausalRequest(spec=spec, num_steps=num_chunks * cfg.steps_per_chunk - 1, batch_key=(),
                           num_frames=spec.num_frames, cfg=cfg, generator=seeded_generator(spec.seed),
                           num_chunks=num_chunks, latent_frames=latent_frames, lead=lead, texts=texts,
-                          schedule=schedule,
+                          schedule=schedule, chunks_per_job=getattr(self.model, "stream_batch", 1),
                           caches=[self.model.new_cache(h, w, self.sp, text.shape[1]) for _ in range(B)],
                           clean=torch.zeros(B, C, cfg.capacity, h, w, device=self.pg.device),
                           # a chunk is the unit a live client sees: decoded whole, one per call
@@ -500,6 +498,8 @@ class CausalWanFamily(WanParts, VideoFamily):
         """One forward for every request's rows (each at its own phase), then each request's update."""
         if self.decode_only:
             return
+        if self.roles.loop == "stages":               # each request's next group of chunks (engine/live_stages.py)
+            return step_groups(self, reqs)
         t0 = time.perf_counter()
         n, cfg = len(self.cfg.timesteps), self.cfg
         xs, ts, texts, caches, versions, writes = [], [], [], [], [], []
@@ -537,12 +537,7 @@ class CausalWanFamily(WanParts, VideoFamily):
                 r.phase += 1
             else:
                 r.x0, r.x = x0, None
-                # final; the last chunk's frames past the video's end are not decoded; chunk 0 goes out behind
-                # the start image's frame (one piece, one decode: the VAE's cache carries from it into the chunk)
-                made = x0[:, :, :r.latent_frames - r.lead - r.chunk * cfg.frames_per_block]
-                if r.image_latent is not None:
-                    made, r.image_latent = torch.cat([r.image_latent, made], dim=2), None
-                r.frames.push(made, live=LiveChunkInfo(r.chunk, r.prompt_index))
+                self.push_final(r, r.chunk, x0)
                 r.phase = n
         else:                                   # the context pass wrote the chunk: keep its clean latents
             first = r.caches[0].frames_written - r.x0.shape[2]
@@ -554,6 +549,14 @@ class CausalWanFamily(WanParts, VideoFamily):
         if r.denoised:
             r.x = r.x0 = r.noise = None
         r.batch_key = self.batch_key(r) if r.x is not None or r.x0 is not None else ("causal", "done")
+
+    def push_final(self, r: CausalRequest, chunk: int, x0: torch.Tensor) -> None:
+        """A chunk's final latents to the frame stream, but frames past the video's end; chunk 0 behind the start
+        image's frame (one piece, one decode: the VAE's cache carries into it)."""
+        made = x0[:, :, :r.latent_frames - r.lead - chunk * self.cfg.frames_per_block]
+        if r.image_latent is not None:
+            made, r.image_latent = torch.cat([r.image_latent, made], dim=2), None
+        r.frames.push(made, live=LiveChunkInfo(chunk, r.prompt_index))
 
     def update(self, r: CausalRequest, payload: dict) -> dict:
         """A new prompt (applied at the next chunk boundary; at once when no forward of the current chunk ran

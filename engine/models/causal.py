@@ -164,9 +164,11 @@ class KVCache:
     """One video's K/V on one worker (see the module docstring for the slot layout and the positions)."""
 
     def __init__(self, cfg: CausalConfig, layers: int, frame_tokens: int, heads: int, head_dim: int,
-                 text_len: int, text_heads: int, dtype, device):
-        self.cfg, self.frame_tokens = cfg, frame_tokens
-        slots = (cfg.capacity + cfg.frames_per_block) * frame_tokens
+                 text_len: int, text_heads: int, dtype, device, chunks: int = 1, first_layer: int = 0):
+        # chunks: the chunks denoised at once after the cached frames (the stages loop's stream batch,
+        # engine/live_stages.py); first_layer: the model's layer held at index 0 (a stage holds its blocks' only)
+        self.cfg, self.frame_tokens, self.first_layer = cfg, frame_tokens, first_layer
+        slots = (cfg.capacity + chunks * cfg.frames_per_block) * frame_tokens
         self.k = torch.zeros(layers, heads, slots, head_dim, dtype=dtype, device=device)    # rotated
         self.v = torch.zeros_like(self.k)
         # the sink's keys before RoPE: re-rotated from these, once per chunk, when the window moves on
@@ -184,9 +186,9 @@ class KVCache:
 
     @staticmethod
     def nbytes(cfg: CausalConfig, layers: int, frame_tokens: int, heads_per_worker: int, heads: int,
-               head_dim: int, text_len: int, dtype_bytes: int) -> int:
-        """Bytes one video's cache takes on one worker."""
-        slots = (cfg.capacity + cfg.frames_per_block + cfg.sink_size) * frame_tokens   # K/V, chunk, sink's copy
+               head_dim: int, text_len: int, dtype_bytes: int, chunks: int = 1) -> int:
+        """Bytes one video's cache takes on one worker (`layers`: the worker's)."""
+        slots = (cfg.capacity + chunks * cfg.frames_per_block + cfg.sink_size) * frame_tokens  # K/V, chunks, sink
         return 2 * layers * head_dim * dtype_bytes * (heads_per_worker * slots + heads * text_len)
 
     @property
@@ -203,9 +205,11 @@ class KVCache:
         cfg = self.cfg
         return frame if frame < cfg.sink_size else cfg.sink_size + (frame - cfg.sink_size) % cfg.window
 
-    def prepare(self, frames: int, rotary: FrameRotary) -> None:
+    def prepare(self, frames: int, rotary: FrameRotary, offset: int = 0) -> None:
         """The coming forward over a chunk of `frames` frames: its rotary rows (the chunk's frame indices) and
-        its slots, right after the cached ones; the sink re-rotated if the window moved since the last chunk."""
+        its slots, right after the cached ones; the sink re-rotated if the window moved since the last chunk.
+        `offset`: the chunk comes that many frames after the cached ones (a stream batch's later member, whose
+        predecessors' K/V of the same step sit in between: engine/live_stages.py); never on a context pass."""
         sink = self.cfg.sink_size
         shift = self.shift
         if sink and shift != self.sink_shift:
@@ -213,15 +217,16 @@ class KVCache:
             self.k[:, :, :sink * self.frame_tokens] = rotate(self.sink_k, cos, sin)   # every layer, one op
             self.sink_shift = shift
             self.sink_rotations += 1
-        if self._chunk is None or self._chunk[2:] != (self.cached_frames * self.frame_tokens, frames,
-                                                      self.frames_written):
-            cos, sin = rotary(self.frames_written, frames)        # once per chunk: its forwards share them
-            self._chunk = (cos, sin, self.cached_frames * self.frame_tokens, frames, self.frames_written)
+        start, first = (self.cached_frames + offset) * self.frame_tokens, self.frames_written + offset
+        if self._chunk is None or self._chunk[2:] != (start, frames, first):
+            cos, sin = rotary(first, frames)                      # once per chunk: its forwards share them
+            self._chunk = (cos, sin, start, frames, first)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q/k/v: the chunk's (heads, S, hd), before RoPE -> (heads, S, hd). The keys attended are one
         contiguous slice, [cached frames | the chunk], so no mask: any SDPA kernel (flash, cuDNN) runs."""
         cos, sin, start, frames, _ = self._chunk
+        layer -= self.first_layer
         end = start + k.shape[1]
         rotated = rotate(k, cos, sin)
         self.k[layer, :, start:end] = rotated
@@ -305,9 +310,11 @@ def cached_text_kv(owner, layer: int, attn, encoder_hidden_states: torch.Tensor)
     for b, c in enumerate(shard.caches):
         if c.text_version != shard.versions[b]:
             text = encoder_hidden_states[b:b + 1]
-            c.text_k[layer] = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
-            c.text_v[layer] = attn.to_v(text).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
-    return (torch.stack([c.text_k[layer] for c in shard.caches]), torch.stack([c.text_v[layer] for c in shard.caches]))
+            i = layer - c.first_layer
+            c.text_k[i] = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
+            c.text_v[i] = attn.to_v(text).unflatten(2, (attn.heads, -1))[0].transpose(0, 1)
+    return (torch.stack([c.text_k[layer - c.first_layer] for c in shard.caches]),
+            torch.stack([c.text_v[layer - c.first_layer] for c in shard.caches]))
 
 
 class CachedSelfAttention:

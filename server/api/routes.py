@@ -129,6 +129,19 @@ def _content_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
+async def json_request(request: Request, model):
+    """A JSON-only route's body as `model` (pydantic): 415 for another content type, 400 naming the field."""
+    ctype = _content_type(request)
+    if ctype not in ("", "application/json", "text/json") and not ctype.endswith("+json"):
+        raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json",
+                       code="unsupported_media_type")
+    data = parse_json_object(await read_body(request))
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
 def parse_json_object(body: bytes, what: str = "request body") -> dict:
     if not body.strip():
         raise APIError(400, f"the {what} is empty; send a JSON object", code="invalid_json")
@@ -243,15 +256,7 @@ async def create_video(request: Request):
 async def extend_video(request: Request, video_id: str):
     """Continue a completed video (a diffusion-forcing model): a new video whose content is the whole extended
     video, streamed like any other (`/content?stream=true`)."""
-    ctype = _content_type(request)
-    if ctype not in ("", "application/json", "text/json") and not ctype.endswith("+json"):
-        raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json",
-                       code="unsupported_media_type")
-    data = parse_json_object(await read_body(request))
-    try:
-        req = VideoExtendRequest.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    req = await json_request(request, VideoExtendRequest)
     video = await run_in_threadpool(request.app.state.videos.extend, video_id, req, request.state.caller)
     return JSONResponse(video.model_dump())
 
@@ -362,15 +367,7 @@ async def score_text(request: Request):
     if score is None:
         raise APIError(404, "scoring is not enabled on this server (start it with --score-model)",
                        code="scoring_disabled")
-    ctype = _content_type(request)
-    if ctype not in ("", "application/json", "text/json") and not ctype.endswith("+json"):
-        raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json",
-                       code="unsupported_media_type")
-    data = parse_json_object(await read_body(request))
-    try:
-        req = ScoreRequest.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    req = await json_request(request, ScoreRequest)
     score.check_model(req.model)
     result = await asyncio.wrap_future(score.submit(req.text))    # its own threads and queue, not the API's
     return JSONResponse(result.model_dump())

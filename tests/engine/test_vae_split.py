@@ -17,7 +17,8 @@ from longserve.engine.dist import ParallelGroup
 from longserve.engine.vae_split import RowSplit, RowSplitWanDecoder, row_bands, split_rows_fits
 from longserve.weights import resolve_model
 
-ATOL = 1e-5
+ATOL = 2e-5    # fp32 rounding: the convolutions block by band height; the decoder's inner activations run at a
+               # larger scale than its clamped frames (1.02e-5 at 4 workers on an AVX2-only EPYC, under 1e-5 on AVX-512)
 WORKERS = (1, 2, 3, 4)
 HEIGHT, WIDTH = 7, 5          # latent rows and columns: uneven bands at 2, 3 and 4 workers
 

@@ -1,7 +1,7 @@
 """`make demo-live` on the trained tiny-live: the 30-second video's chunks are red before the switch at 15 s and
 blue from one chunk after it (tests/support/content.py names each chunk's colour), also through the small decoder
-(`DECODER=tiny`); the ball keeps bouncing as high at the end of each prompt as at its start (issue 45); and the
-README's strip is that run's."""
+(`DECODER=tiny`) and in the stages live loop with a stream batch (every chunk the serial demo's colour); the ball
+keeps bouncing as high at the end of each prompt as at its start (issue 45); and the README's strip is that run's."""
 
 from __future__ import annotations
 
@@ -48,12 +48,18 @@ def read_demo(demo: Path) -> tuple[np.ndarray, dict]:
     return np.stack([np.frombuffer(f, np.uint8).reshape(H, W, 3) for f in reader]), info
 
 
-def assert_red_then_blue(demo: Path) -> None:
+def chunk_colours(demo: Path) -> list:
+    """Each chunk's colour in the demo's MP4."""
     video, info = read_demo(demo)
     fps, switch, chunks = info["fps"], info["switch_chunk"], info["chunks"]
     assert len(video) == sum(c["frames"] for c in chunks) and abs(len(video) / fps - 30) < 1
     assert abs(chunks[switch]["start"] / fps - 15) < 1
-    colours = [describe(video[c["start"]:c["start"] + c["frames"]]).colour for c in chunks]
+    return [describe(video[c["start"]:c["start"] + c["frames"]]).colour for c in chunks]
+
+
+def assert_red_then_blue(demo: Path) -> None:
+    switch = json.loads((demo / "chunks.json").read_text())["switch_chunk"]
+    colours = chunk_colours(demo)
     before, after = colours[:switch], colours[switch + 1:]
     red = sum(c == "red" for c in before) / len(before)
     blue = sum(c == "blue" for c in after) / len(after)
@@ -89,6 +95,15 @@ def test_the_demo_on_the_small_decoder_is_red_then_blue_too(tmp_path):
     """`make demo-live DECODER=tiny`: the same video's frames through tiny-live's small TAEHV-shaped decoder
     (weights/tiny-decoder-live) instead of its VAE."""
     assert_red_then_blue(run_demo(tmp_path, "--decoder", "tiny"))
+
+
+def test_the_demo_in_stages_with_a_stream_batch_goes_blue_at_the_same_chunk(demo, tmp_path):
+    """The stages live loop on 2 workers, 2 chunks in flight (engine/live_stages.py: not the serial loop's numbers,
+    docs/design.md says how), still shows red, then blue, and switches at the serial demo's chunk."""
+    stages = run_demo(tmp_path, "--workers", "2", "--live-loop", "stages")
+    assert_red_then_blue(stages)
+    colours, serial = chunk_colours(stages), chunk_colours(demo)
+    assert colours == serial and colours.index("blue") == serial.index("blue")     # every chunk's, the first blue
 
 
 def test_the_readme_strip_is_the_demo_s(demo):

@@ -177,7 +177,7 @@ def test_a_session_past_the_kv_budget_is_refused_with_a_clear_error(causal_dir):
 
 
 
-@pytest.mark.parametrize("live_loop", ["serial", "pipelined"])
+@pytest.mark.parametrize("live_loop", ["serial", "pipelined", "stages"])
 def test_a_stream_of_2000_latent_frames_past_the_rope_table_keeps_per_worker_memory_flat(tmp_path, live_loop):
     """Wan's rotary table has `rope_max_seq_len` (1024) frame positions; a causal stream never uses more than
     `local_attn_size` of them apart, and positions past it are computed as the table is (FrameRotary), so it
@@ -185,7 +185,8 @@ def test_a_stream_of_2000_latent_frames_past_the_rope_table_keeps_per_worker_mem
     (engine/memory.py, the tracker on) over 20 chunks (2000 latent frames, 17 of them evicting from the cache)
     is that over 3 within 5%. Chunks of 100 latent frames and one denoising step keep the tracked run short
     (the tracker's cost is per op); 2 workers, Ulysses pads the 3 heads; or pipelined (engine/live_loop.py: the
-    transformer on worker 0, the chunks handed to worker 1)."""
+    transformer on worker 0, the chunks handed to worker 1); or stages (engine/live_stages.py: a block per worker,
+    groups of 2 chunks in flight)."""
     from longserve.engine import worker
     from longserve.weights.causal_wan import load_causal_transformer
 

@@ -1,8 +1,10 @@
-"""Content over segments (issue 23): `make demo-long` on the trained `weights/tiny-skyreels-df` writes "a red ball
-bouncing" over at least 10 segments, red in at least 90% of them, with the ball's position continuous across
+"""Content over segments (issues 23 and 45): `make demo-long` on the trained `weights/tiny-skyreels-df` writes "a red
+ball bouncing" over at least 10 segments, red in at least 90% of them, with the ball's position continuous across
 every segment boundary (no jump from a segment's last frame to the next one's first new frame larger than the
-largest jump inside a segment), and the README's strip is one frame of each of its segments. The helper
-(`tests/support/content.py`, `describe_segments`) is pinned on rendered clips first. The 40-prompt rate at the
+largest jump inside a segment), one ball in every frame (the red mask in one piece) and no step of the ball between
+two frames over a quarter of the width (issue 45: the model used to split the ball inside segments), and the
+README's strip is one frame of each of its segments. The helper (`tests/support/content.py`, `describe_segments`,
+`blob_counts`) is pinned on rendered clips first. The 40-prompt rate at the
 demo's settings and the control with `overlap_history` at its minimum are `tools/weights/eval_tiny_skyreels_df.py`'s
 (minutes): weights/README.md has the figures."""
 
@@ -11,9 +13,11 @@ from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
-from content import describe_segments, segment_starts
+from content import describe, describe_segments, segment_starts
 
-from tools.weights.clips import render_long_clip
+from tools.weights.clips import draw_frame, render_long_clip
+from tools.weights.prompts import BACKGROUND
+from tools.weights.train_tiny_skyreels_df import BOUNCE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,6 +56,28 @@ def test_the_segment_helper_finds_continuous_clips_and_spliced_ones():
         assert describe_segments(clip, starts, prompt.replace("blue", "red")).colour_rate == 0.0
 
 
+def test_the_helper_finds_one_ball_in_every_rendered_frame_and_counts_a_split_one():
+    starts = segment_starts(89, 17, 9)
+    # tiny-live's bounce (up to 13 px a frame) and the DF model's slower one (BOUNCE: under 8)
+    for bounce, fastest in ((None, 13), (BOUNCE, 8)):
+        clip = render_long_clip("a red ball bouncing", 89, np.random.default_rng(1), bounce=bounce)
+        r = describe_segments(clip, starts, "a red ball bouncing")
+        assert r.blobs == [1] * 89 and r.frames_not_one_object == [] and r.largest_jump <= fastest, (bounce, r)
+    # a ball split in two halves of the frame (the old model's frames), and a frame without the ball
+    split = clip.copy()
+    top, bottom = draw_frame((32, 14), 7, "ball", "red"), draw_frame((32, 44), 7, "ball", "red")
+    far = np.abs(bottom - BACKGROUND).sum(axis=-1, keepdims=True) > np.abs(top - BACKGROUND).sum(axis=-1, keepdims=True)
+    split[40] = np.where(far, bottom, top)
+    split[60] = BACKGROUND
+    r = describe_segments(split, starts, "a red ball bouncing")
+    assert r.blobs[40] == 2 and r.blobs[60] == 0 and r.frames_not_one_object == [40, 60]
+    hop = clip.copy()                                        # one frame drawn 20 px aside, towards the middle
+    x = describe(clip[50:51]).track[0, 0]
+    hop[50] = np.roll(clip[50], 20 if x < 32 else -20, axis=1)
+    r = describe_segments(hop, starts, "a red ball bouncing")
+    assert r.frames_not_one_object == [] and r.largest_jump > 0.25 * 64
+
+
 def test_make_demo_long_draws_a_red_ball_continuous_across_ten_segments_and_the_readme_strip_is_its_frames(tmp_path):
     from longserve.server.cli import main
     from tools.frame_strip import main as strip_main
@@ -74,10 +100,14 @@ def test_make_demo_long_draws_a_red_ball_continuous_across_ten_segments_and_the_
     starts = segment_starts(len(video), base, overlap)
     r = describe_segments(video, starts, "a red ball bouncing")
     print(f"\nmake demo-long: {video.shape}, {len(starts)} segments, colours {r.colours}, boundary jumps "
-          f"{np.round(r.boundary_jumps, 1).tolist()} px, largest inside a segment {r.largest_inside_jump:.1f} px")
+          f"{np.round(r.boundary_jumps, 1).tolist()} px, largest inside a segment {r.largest_inside_jump:.1f} px, "
+          f"largest step {r.largest_jump / video.shape[2]:.3f} of the width, frames not one ball "
+          f"{r.frames_not_one_object}")
     assert video.shape == (frames, 64, 64, 3) and len(starts) >= 10
     assert r.colour_rate >= 0.9, r.colours
     assert r.continuous, (r.boundary_jumps, r.largest_inside_jump)
+    assert r.frames_not_one_object == [], r.blobs                                   # one ball in every frame
+    assert r.largest_jump <= 0.25 * video.shape[2], r.largest_jump                    # issue 45
 
     assert strip_main([str(video_path), "-o", str(strip_path), *strip[6:]]) == 0
     made = iio.imread(strip_path).astype(np.float64)

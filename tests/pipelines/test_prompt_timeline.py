@@ -44,15 +44,17 @@ def test_bad_timelines_are_refused_naming_the_entry_and_field(prompts, field):
     assert e.value.field == field
 
 
-def test_a_family_that_makes_one_segment_refuses_a_timeline_naming_the_field():
-    from longserve.engine.families.sana_video import SanaVideoFamily
+@pytest.mark.parametrize("model", ["tiny-sana-video", "tiny-ltx2", "tiny-wan"])
+def test_a_family_that_makes_one_segment_refuses_a_timeline_naming_the_field(model):
+    from longserve.engine.families import detect_family
 
-    desc = SanaVideoFamily.describe(resolve_model("tiny-sana-video"))
+    rules = detect_family(resolve_model(model)).rules
+    desc = rules.describe(resolve_model(model))
     s = spec([{"prompt": RED}], num_frames=9)
     s.height = s.width = 96
     with pytest.raises(RequestError) as e:
-        SanaVideoFamily.check_request(desc, s)
-    assert e.value.field == "prompts" and "timeline" in str(e.value)
+        rules.check_request(desc, s)
+    assert e.value.field == "prompts" and "timeline" in str(e.value), e.value
 
 
 def test_two_prompt_timeline_on_tiny_skyreels_df_draws_each_prompts_colour_on_its_side_of_the_switch():

@@ -27,9 +27,11 @@ def image(seed=0, size=(130, 90)):
     return PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
 
 
-def assert_close(got, want, atol):
-    err = float(np.abs(np.asarray(got) - np.asarray(want)).max())
-    assert err <= atol, f"differs by {err:.2e}"
+def assert_close(got, want, atol, scaled=False):
+    """Within `atol`; `scaled`: within `atol` of the reference's scale (its largest magnitude, at least 1)."""
+    got, want = np.asarray(got), np.asarray(want)
+    err = float(np.abs(got - want).max())
+    assert err <= atol * (max(1.0, float(np.abs(want).max())) if scaled else 1.0), f"differs by {err:.2e}"
 
 
 def diffusers_video(name, **kw):
@@ -124,5 +126,7 @@ def test_two_requests_batched_each_equal_their_run_alone(pipe1):
     outs = [list(h) for h in [pipe1.engine.submit(pipe1.make_spec(p, NEGATIVE, seed=s, **ODD)) for p, s in cases]]
     assert max(o.batch_size for out in outs for o in out if isinstance(o, StepProgress)) == 2
     for out, ref in zip(outs, alone):
-        assert_close([o.frames for o in out if isinstance(o, FramesChunk)][0], ref, ATOL_WORKERS)
+        # fp32 rounding at the latents' scale (about 10): a batch of 2 blocks the matmuls differently (1.3e-5 on an
+        # AVX2-only EPYC, under 1e-5 with AVX-512)
+        assert_close([o.frames for o in out if isinstance(o, FramesChunk)][0], ref, ATOL_WORKERS, scaled=True)
     assert np.abs(np.asarray(alone[0]) - np.asarray(alone[1])).max() > 0.01

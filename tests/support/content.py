@@ -9,6 +9,8 @@ motion (the shape is reported, not required: the issue asks for colour and motio
 - colour: the mean colour of all object pixels of all frames, named by the nearest palette entry;
 - track: the centroid of the object pixels in each frame, (x, y) in pixels, y growing downwards;
   frames with fewer than `MIN_OBJECT_PIXELS` object pixels have no position;
+- pieces (`blob_counts`): the connected pieces of each frame's object pixels with at least `MIN_OBJECT_PIXELS`
+  pixels; a frame that shows one object has one (a model that splits the object draws two);
 - motion, from the track (fractions are of the frame's side):
   * "bouncing": the track falls (y grows) by at least `MIN_BOUNCE_DROP` to a lowest point and
     rises by at least as much after it, and its horizontal extent is at most `MAX_BOUNCE_SPREAD`;
@@ -84,6 +86,28 @@ def centroid_track(mask: np.ndarray) -> np.ndarray:
     track[seen, 0] = (mask[seen] * xs).sum(axis=(1, 2)) / count[seen]
     track[seen, 1] = (mask[seen] * ys).sum(axis=(1, 2)) / count[seen]
     return track
+
+
+def blob_counts(mask: np.ndarray, min_pixels: int = MIN_OBJECT_PIXELS) -> np.ndarray:
+    """(T, H, W) mask -> (T,) int: the connected pieces (8-neighbour) of each frame's mask with at least
+    `min_pixels` pixels: 1 where the frame shows one object, 2 where it is split in two (or two are drawn), 0 where
+    none is found. Labels spread to the largest in each 3x3 neighbourhood inside the mask until nothing changes."""
+    T, H, W = mask.shape
+    ids = np.arange(1, H * W + 1).reshape(H, W)
+    labels = np.where(mask, ids[None], 0)                                             # (T, H, W)
+    while True:
+        padded = np.pad(labels, ((0, 0), (1, 1), (1, 1)))
+        spread = np.max([padded[:, 1 + dy:1 + dy + H, 1 + dx:1 + dx + W]
+                         for dy in (-1, 0, 1) for dx in (-1, 0, 1)], axis=0)
+        spread = np.where(mask, spread, 0)
+        if np.array_equal(spread, labels):
+            break
+        labels = spread
+    counts = np.zeros(T, dtype=int)
+    for t in range(T):
+        _, sizes = np.unique(labels[t][labels[t] > 0], return_counts=True)
+        counts[t] = int((sizes >= min_pixels).sum())
+    return counts
 
 
 def name_colour(clip: np.ndarray, mask: np.ndarray) -> str | None:
@@ -175,10 +199,21 @@ class SegmentReport:
     median_inside_jump: float = float("nan")
     boundary_accelerations: list = None
     largest_inside_acceleration: float = float("nan")
+    blobs: list = None              # per frame: the object mask's pieces (`blob_counts`); 1 = one object
 
     @property
     def largest_boundary_jump(self) -> float:
         return _nanmax(self.boundary_jumps)
+
+    @property
+    def largest_jump(self) -> float:
+        """The largest step of the object between two consecutive frames anywhere in the video."""
+        return _nanmax([self.largest_inside_jump, *self.boundary_jumps])
+
+    @property
+    def frames_not_one_object(self) -> list:
+        """The frames whose mask is not one piece (split, several objects, or none)."""
+        return [f for f, n in enumerate(self.blobs) if n != 1]
 
 
 def _nanmax(values) -> float:
@@ -207,7 +242,8 @@ def describe_segments(video, starts, prompt: str) -> SegmentReport:
     video = as_float_clip(video)
     bounds = list(starts) + [len(video)]
     colours = [describe(video[a:b]).colour for a, b in zip(bounds, bounds[1:])]
-    track = describe(video).track                                                     # (T, 2)
+    mask = object_mask(video)
+    track = centroid_track(mask)                                                      # (T, 2), as describe's
     d = steps_of(track, motion, min(video.shape[1:3]))                                # d[f-1]: f-1 -> f
     step = np.linalg.norm(d, axis=1)
     accel = np.full(len(step), np.nan)                                                # accel[g]: at frame g,
@@ -219,7 +255,7 @@ def describe_segments(video, starts, prompt: str) -> SegmentReport:
     seen = [step[f - 1] for f in inside if not np.isnan(step[f - 1])]
     return SegmentReport(
         colours=colours, colour_rate=float(np.mean([c == colour for c in colours])), boundary_jumps=boundary,
-        largest_inside_jump=largest_inside, continuous=continuous,
+        largest_inside_jump=largest_inside, continuous=continuous, blobs=blob_counts(mask).tolist(),
         median_inside_jump=float(np.median(seen)) if seen else float("nan"),
         # the velocity change at a segment's last frame s-1 (s-2 -> s-1 -> s: the first new frame's motion against
         # the old frames'), and at frames whose neighbours are all in their segment

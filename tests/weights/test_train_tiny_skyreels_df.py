@@ -1,4 +1,4 @@
-"""`python -m tools.weights.train_tiny_skyreels_df` (issue 23): a short run writes a
+"""`python -m tools.weights.train_tiny_skyreels_df` (issues 23, 45): a short run (both stages) writes a
 `SkyReelsV2DiffusionForcingPipeline` directory with its record, and two runs with the same seed give
 byte-identical weights; the diffusion-forcing noise patterns give the sampler's situations (a clean prefix, one
 shared level, per-frame levels)."""
@@ -14,11 +14,18 @@ from tools.weights.writing import file_digests
 
 
 def test_short_training_runs_are_seeded_and_write_a_pipeline_with_its_record(tmp_path):
-    records = [train(tmp_path / name, steps=2, clips_per_prompt=1, threads=1, clip_frames=WINDOW, prompts=PROMPTS[:2],
-                     log=lambda *_: None) for name in ("a", "b")]
+    short = dict(steps=2, stage1_steps=2, clips_per_prompt=1, threads=1, clip_frames=WINDOW, prompts=PROMPTS[:2],
+                 log=lambda *_: None)
+    records = [train(tmp_path / name, **short) for name in ("a", "b")]
     a, b = file_digests(tmp_path / "a"), file_digests(tmp_path / "b")
     assert a == b and "transformer/diffusion_pytorch_model.safetensors" in a
     assert records[0]["files"] == a and records[0]["seed"] == 0 and records[0]["threads"] == 1
+    assert records[0]["stage1"]["from"] == "scratch" and records[0]["stage1"]["steps"] == 2
+    # stage 2 alone from a given stage 1 (issue 45's run: from issue 23's weights), its digest recorded
+    again = train(tmp_path / "c", init_from=tmp_path / "a", **short)
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    assert again["stage1"]["transformer_sha256"] == a[weights] and again["stage1"]["is_issue_23_run"] is False
+    assert file_digests(tmp_path / "c")[weights] != a[weights]
     shipped = file_digests(TINY_MODELS["tiny-skyreels-df"])
     for rel in a:
         if rel.startswith(("text_encoder/", "tokenizer/", "vae/")):       # copied as they are

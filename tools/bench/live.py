@@ -67,7 +67,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-df", action="store_true", help="skip the diffusion-forcing comparison")
     parser.add_argument("--workers", default="1", help="worker counts, one row each (e.g. 1,2)")
     parser.add_argument("--loops", default="serial,overlapped,pipelined",
-                        help="live loops (engine/live_lane.py), one row each; pipelined needs 2 workers")
+                        help="live loops (engine/live_lane.py, engine/live_stages.py), one row each; pipelined "
+                             "and stages need 2 workers")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of each worker (default: the machine's over the workers)")
     parser.add_argument("--pin", action="store_true", help="pin each worker to a core of its own")

@@ -2,7 +2,8 @@
 
     longserve bench live --model tiny-live --workers 1,2 --loops serial,overlapped,pipelined --threads 1 --pin
 
-One row per (workers, loop) that exists (the pipelined loop needs two workers): the session's frames per second after
+One row per (workers, loop) that exists (the pipelined and stages loops need two workers; stages runs its default
+stream batch, one chunk per worker): the session's frames per second after
 its first chunk, the first fMP4 fragment, and a chunk's milliseconds by stage, each measured where it runs:
 
     transformer   worker 0's forwards (every step and the context pass)
@@ -28,15 +29,16 @@ import os
 import sys
 from pathlib import Path
 
-LOOPS = ("serial", "overlapped", "pipelined")
+LOOPS = ("serial", "overlapped", "pipelined", "stages")
 
 
 def combos(workers: list[int], loops: list[str]) -> list[tuple[int, str]]:
-    """The (workers, loop) rows of a run: every pair but a pipelined loop on one worker (it would be overlapped)."""
+    """The (workers, loop) rows of a run: every pair but a pipelined loop on one worker (it would be overlapped) and
+    a stages loop on one (there is nothing to split)."""
     for loop in loops:
         if loop not in LOOPS:
             raise ValueError(f"--loops: {loop!r} is not one of {', '.join(LOOPS)}")
-    return [(n, loop) for n in workers for loop in loops if not (loop == "pipelined" and n < 2)]
+    return [(n, loop) for n in workers for loop in loops if not (loop in ("pipelined", "stages") and n < 2)]
 
 
 def pin_workers(pids: list[int], lanes: list[int | None]) -> str:

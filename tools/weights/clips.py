@@ -130,16 +130,18 @@ LONG_SIDE_MARGIN = 4.0
 LONG_SPEED = (2.0, 2.5)
 
 
-def long_bounce_track(frames: int, radius: float, rng: np.random.Generator) -> np.ndarray:
+def long_bounce_track(frames: int, radius: float, rng: np.random.Generator, period_range=LONG_PERIOD,
+                      height_range=LONG_HEIGHT) -> np.ndarray:
     """Centre positions (frames, 2) as (x, y) pixels of an object bouncing on parabolic arcs for `frames` frames.
 
     Every arc has the same height and period (a floor contact every `period` frames, whatever
-    `frames` is); the object drifts sideways slowly and turns back at `LONG_SIDE_MARGIN` pixels
-    from the sides, so that any 16 frames drift at most `16 * LONG_MAX_SPEED_X` pixels."""
+    `frames` is; drawn from `period_range`, the height from `height_range` of the frame); the object drifts
+    sideways slowly and turns back at `LONG_SIDE_MARGIN` pixels from the sides, so that any 16 frames drift at
+    most `16 * LONG_MAX_SPEED_X` pixels. The fastest step, at a floor contact, is about 4 height / period."""
     t = np.arange(frames, dtype=np.float64)
     floor = rng.uniform(SIZE - radius - 4.0, SIZE - radius)              # centre height at contact (y grows down)
-    height = min(rng.uniform(*LONG_HEIGHT) * SIZE, floor - radius - 2.0)  # the top stays inside
-    period = rng.uniform(*LONG_PERIOD)
+    height = min(rng.uniform(*height_range) * SIZE, floor - radius - 2.0)  # the top stays inside
+    period = rng.uniform(*period_range)
     phase = (rng.uniform(*LONG_START_PHASE) + t / period) % 1.0           # 0 at every contact
     y = floor - 4.0 * height * phase * (1.0 - phase)
     lo, hi = radius + LONG_SIDE_MARGIN, SIZE - radius - LONG_SIDE_MARGIN
@@ -190,17 +192,18 @@ def prompt_at(prompt_schedule, frame: int) -> str:
     return current
 
 
-def render_long_clip(prompt_schedule, frames: int, rng: np.random.Generator) -> np.ndarray:
+def render_long_clip(prompt_schedule, frames: int, rng: np.random.Generator, bounce: dict | None = None) -> np.ndarray:
     """A clip of any length: float32 (frames, 64, 64, 3) in [0, 1], drawn with `rng`.
 
     `prompt_schedule` is one prompt ("a red ball bouncing") or [(first_frame, prompt), ...] from frame 0,
     e.g. [(0, "a red ball bouncing"), (120, "a blue ball bouncing")]: from each first_frame on the object
     takes that prompt's colour and shape and keeps its motion. Bouncing is `long_bounce_track`; the
-    straight motions are `long_straight_track` (the object wraps round the frame)."""
+    straight motions are `long_straight_track` (the object wraps round the frame). `bounce` ({"period_range": ...,
+    "height_range": ...}) sets the bounce's ranges instead of `LONG_PERIOD` and `LONG_HEIGHT`."""
     schedule = normalise_schedule(prompt_schedule)
     radius = rng.uniform(MIN_RADIUS, MAX_RADIUS)
     motion = parse_prompt(schedule[0][1])[2]
-    track = long_bounce_track(frames, radius, rng) if motion == "bouncing" else \
+    track = long_bounce_track(frames, radius, rng, **(bounce or {})) if motion == "bouncing" else \
         long_straight_track(motion, frames, radius, rng)
     out = np.empty((frames, SIZE, SIZE, 3), dtype=np.float32)
     for index, (first, prompt) in enumerate(schedule):

@@ -73,6 +73,9 @@ def judge(video: np.ndarray, prompt: str, settings: dict) -> dict:
             "largest_inside_jump": round(r.largest_inside_jump, 2),
             "median_inside_jump": round(r.median_inside_jump, 2),
             "largest_boundary_jump": round(r.largest_boundary_jump, 2),
+            "largest_jump_of_width": round(r.largest_jump / video.shape[2], 3),
+            "frames_not_one_object": r.frames_not_one_object,
+            "frames_not_one_object_count": len(r.frames_not_one_object),
             "boundary_jumps": [round(j, 2) for j in r.boundary_jumps],
             "largest_inside_acceleration": round(r.largest_inside_acceleration, 2),
             "boundary_accelerations": [round(a, 2) for a in r.boundary_accelerations]}
@@ -139,6 +142,11 @@ def main(argv=None) -> int:
         "control_boundary_acceleration_median": _median(controls, "boundary_accelerations"),
         "inside_acceleration_median": _median(results, "largest_inside_acceleration"),
         "misses": [r["prompt"] for r in results if not r["recognised"]],
+        # issue 45: the object in one piece in every frame, and its largest step between two frames (of the width)
+        "one_object_every_frame": float(np.mean([not r["frames_not_one_object"] for r in results])),
+        "frames_not_one_object_median": _median(results, "frames_not_one_object_count"),
+        "largest_jump_of_width_median": _median(results, "largest_jump_of_width"),
+        "largest_jump_at_most_quarter": float(np.mean([r["largest_jump_of_width"] <= 0.25 for r in results])),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     print(json.dumps(summary), flush=True)

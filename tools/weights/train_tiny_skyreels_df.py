@@ -3,9 +3,15 @@ long clips of the 40 prompts, segment after segment, each segment continuing the
 
 Usage::
 
-    python -m tools.weights.train_tiny_skyreels_df           # rewrites weights/tiny-skyreels-df/ (+ .json, -loss.png)
+    python -m tools.weights.train_tiny_skyreels_df           # both stages: weights/tiny-skyreels-df/, .json, -loss.png
+    python -m tools.weights.train_tiny_skyreels_df --init-from DIR   # stage 2 only, from stage 1's checkpoint DIR
     python -m tools.weights.train_tiny_skyreels_df --out DIR # writes DIR instead (and DIR.json, DIR-loss.png beside it)
     python -m tools.weights.train_tiny_skyreels_df --out DIR --steps 4 --clips-per-prompt 1   # a smoke run
+
+The shipped weights are two stages (issue 45): stage 1 is issue 23's run (`STAGE1_STEPS` from scratch on tiny-live's
+bounce, 2 threads; its weights were weights/tiny-skyreels-df until issue 45, `STAGE1_DIGEST`); stage 2 continues them
+for `STEPS` on clips whose bounce is slower (`BOUNCE`), because stage 1's model split the ball in two where tiny-live's
+bounce moves 10-13 px a frame. The shipped run gave stage 1 with `--init-from` (its digest is checked and recorded).
 
 Seeded like `tools.weights.train_tiny_live` (numpy and torch generators, deterministic algorithms, a fixed thread
 count): the same seed, thread count, CPU and library versions give the same files.
@@ -40,7 +46,9 @@ above all continue a clean prefix. The recipe, in order:
    + sigma noise; loss: MSE of the flow (noise - x0) on the frames that are not a given prefix. 10% of the
    windows get the empty prompt (for guidance). fps embedding class 1 (any fps but 16). AdamW, warm-up and
    cosine decay, gradient clipping; the saved weights are the EMA.
-5. Output: a `SkyReelsV2DiffusionForcingPipeline` directory (`UniPCMultistepScheduler`, flow prediction, the
+5. Stage 2: steps 2-4 again from stage 1's weights with fresh generators (seed + 1), on clips whose bounce is
+   `BOUNCE` (the straight motions as before), at peak lr `LR`.
+6. Output: a `SkyReelsV2DiffusionForcingPipeline` directory (`UniPCMultistepScheduler`, flow prediction, the
    shift above) with generation_defaults.json, its training record and loss curve beside it.
 """
 
@@ -51,6 +59,8 @@ import os
 # see weights/train_tiny_live.py: OpenMP's default waiting slows 2-thread ops 10-100x on a shared machine
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import functools  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
@@ -79,7 +89,7 @@ from tools.weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER 
 from tools.weights.writing import file_digests, write_whole  # noqa: E402
 
 SEED = 0
-THREADS = 2
+THREADS = 1                                       # stage 2's (stage 1 ran on 2)
 DEFAULT_OUT = TINY_MODELS["tiny-skyreels-df"]
 RECORDS = DEFAULT_OUT.parent                    # the shipped runs' records (.json, -loss.png) lie in weights/
 TEXT_FROM = TINY_MODELS["tiny-wan"]
@@ -92,7 +102,7 @@ OVERLAP = 9                                     # overlap_history: the prefix a 
 FPS = 8
 FLOW_SHIFT = 3.0
 STEPS_DEFAULT = 10
-GUIDANCE = 2.0                  # 40-prompt rate: 82.5% at 1.0 (the ball fades), 90% at 2.0 (weights/README.md)
+GUIDANCE = 1.0          # issue 45: the demo splits the ball in 0 frames at 1.0, 3 at 2.0 (weights/README.md)
 GENERATION_DEFAULTS = {
     "height": 64, "width": 64, "num_frames": 37, "base_num_frames": WINDOW, "overlap_history": OVERLAP,
     "ar_step": 0, "causal_block_size": 1, "addnoise_condition": 0, "num_inference_steps": STEPS_DEFAULT,
@@ -109,10 +119,21 @@ TRANSFORMER_CONFIG = {**SKYREELS_DF_TRANSFORMER_CONFIG,
 # -- data ---------------------------------------------------------------------------------------------------
 CLIPS_PER_PROMPT = 4
 CLIP_FRAMES = 80
+#: The bounce of stage 2's clips (issue 45): a floor contact every 18-22 frames, arcs 45-55% of the frame high, so
+#: the fastest step (at the floor, about 4 height / period) is under 8 px, half of the ball's width; tiny-live's
+#: bounce (`clips.LONG_PERIOD`, `LONG_HEIGHT`: 11-13 frames, 50-60%; stage 1's) steps up to 13 px a frame, and a
+#: model one frame off in phase draws two balls there (weights/README.md).
+BOUNCE = {"period_range": (18.0, 22.0), "height_range": (0.45, 0.55)}
 # -- training -------------------------------------------------------------------------------------------------
-STEPS = 2200
+#: Stage 1 (issue 23's run, weights/tiny-skyreels-df until issue 45): from scratch on tiny-live's bounce.
+STAGE1_STEPS = 2200
+STAGE1_LR = 2e-3
+#: its EMA transformer's sha256 (issue 23's `train_tiny_skyreels_df.json`): `--init-from` checks a given checkpoint
+STAGE1_DIGEST = "7d79b0191ce4a6dbf8901a55933c49d9b6984e2a8ca8c313d1dd7335dea46b6f"
+#: Stage 2 (issue 45): from stage 1's weights, on clips with `BOUNCE` (the straight motions as before).
+STEPS = 1600
+LR = 1e-3
 BATCH = 16
-LR = 2e-3
 WARMUP = 60
 WEIGHT_DECAY = 0.01
 EMA_DECAY = 0.995
@@ -264,41 +285,41 @@ def plot_losses(losses, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def load_transformer(model_dir: Path):
+    """A checkpoint's transformer (`init_from`: its weights in a model of `TRANSFORMER_CONFIG`, so the saved config
+    names no path) and the sha256 of its weights file."""
+    from safetensors.torch import load_file
+
+    weights = Path(model_dir) / "transformer" / "diffusion_pytorch_model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    model = new_transformer(SEED)
+    model.load_state_dict(load_file(str(weights)))
+    return model.train(), digest
+
+
 def train(out: Path, seed: int = SEED, steps: int = STEPS, clips_per_prompt: int = CLIPS_PER_PROMPT,
           clip_frames: int = CLIP_FRAMES, threads: int = THREADS, lr: float = LR, record_path: Path | None = None,
-          plot: Path | None = None, log=print, prompts: tuple[str, ...] = PROMPTS) -> dict:
-    """Train and write the checkpoint to `out`; `prompts` (the clips' prompts, default all 40) is for short tests."""
+          plot: Path | None = None, log=print, prompts: tuple[str, ...] = PROMPTS, init_from: Path | None = None,
+          stage1_steps: int = STAGE1_STEPS) -> dict:
+    """Train and write the checkpoint to `out`: stage 1 (`stage1_steps` from scratch on tiny-live's bounce; skipped
+    when `init_from` gives its checkpoint), then stage 2 (`steps` on `BOUNCE`). `prompts` (the clips' prompts,
+    default all 40) is for short tests."""
     threads_before, deterministic_before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
         return _train(Path(out), seed=seed, steps=steps, clips_per_prompt=clips_per_prompt, clip_frames=clip_frames,
-                      threads=threads, lr=lr, record_path=record_path, plot=plot, log=log, clip_prompts=prompts)
+                      threads=threads, lr=lr, record_path=record_path, plot=plot, log=log, clip_prompts=prompts,
+                      init_from=init_from, stage1_steps=stage1_steps)
     finally:
         torch.set_num_threads(threads_before)
         torch.use_deterministic_algorithms(deterministic_before)
 
 
-def _train(out, *, seed, steps, clips_per_prompt, clip_frames, threads, lr, record_path, plot, log,
-           clip_prompts) -> dict:
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    t_start, cpu_start = time.perf_counter(), time.process_time()
-    seed_everything(seed, threads)
-    rng = np.random.default_rng(seed)
-    g = torch.Generator().manual_seed(seed)
-
-    captions = (*PROMPTS, NEGATIVE)
-    text, text_bias = compress_text(encode_prompts(*load_text(), captions))
-
+def _stage(transformer, vae, prompts, clip_frames, rng, g, bounce, steps, lr, text, text_bias, log) -> dict:
+    """Render and encode the clips (with `rng`), train `transformer` on their windows (with `g`) in place."""
     t0 = time.perf_counter()
-    prompts = [p for p in clip_prompts for _ in range(clips_per_prompt)]
-    clips = [render_long_clip(p, clip_frames, rng) for p in prompts]
+    clips = [render_long_clip(p, clip_frames, rng, bounce=bounce) for p in prompts]
     render_s = time.perf_counter() - t0
-
     t0 = time.perf_counter()
-    vae = load_vae()
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
     latents = (encode_clips(vae, clips) - mean) / std                                 # (N, z, T, h, w)
@@ -306,12 +327,41 @@ def _train(out, *, seed, steps, clips_per_prompt, clip_frames, threads, lr, reco
     encode_s = time.perf_counter() - t0
     log(f"rendered {len(prompts)} clips of {clip_frames} frames in {render_s:.0f} s, encoded in {encode_s:.0f} s; "
         f"normalised latents: mean {latents.mean():.3f}, std {latents.std():.3f}")
-
     t0 = time.perf_counter()
-    transformer = new_transformer(seed + 2)
     windows = Windows(latents, torch.tensor([PROMPTS.index(p) for p in prompts]), len(PROMPTS), g)
     losses = train_transformer(transformer, windows, text, text_bias, steps, g, log, lr=lr)
-    transformer_s = time.perf_counter() - t0
+    return {"losses": losses, "seconds": {"render": round(render_s, 1), "encode": round(encode_s, 1),
+                                          "transformer": round(time.perf_counter() - t0, 1)}}
+
+
+def _train(out, *, seed, steps, clips_per_prompt, clip_frames, threads, lr, record_path, plot, log,
+           clip_prompts, init_from, stage1_steps) -> dict:
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    seed_everything(seed, threads)
+    captions = (*PROMPTS, NEGATIVE)
+    text, text_bias = compress_text(encode_prompts(*load_text(), captions))
+    prompts = [p for p in clip_prompts for _ in range(clips_per_prompt)]
+    vae = load_vae()
+
+    if init_from is None:             # stage 1: issue 23's run (its generators, in its order)
+        transformer = new_transformer(seed + 2)
+        first = _stage(transformer, vae, prompts, clip_frames, np.random.default_rng(seed),
+                       torch.Generator().manual_seed(seed), None, stage1_steps, STAGE1_LR, text, text_bias, log)
+        stage1 = {"from": "scratch", "steps": stage1_steps, "lr": STAGE1_LR, "seconds": first["seconds"],
+                  "final_loss": float(np.mean(first["losses"][-50:]))}
+        transformer.train()
+    else:
+        transformer, digest = load_transformer(init_from)
+        stage1 = {"from": str(init_from), "transformer_sha256": digest, "is_issue_23_run": digest == STAGE1_DIGEST}
+        log(f"stage 1 from {init_from} (sha256 {digest[:12]}, issue 23's run: {digest == STAGE1_DIGEST})")
+    second = _stage(transformer, vae, prompts, clip_frames, np.random.default_rng(seed + 1),
+                    torch.Generator().manual_seed(seed + 1), BOUNCE, steps, lr, text, text_bias, log)
+    losses = second["losses"]
 
     write_checkpoint(out, transformer)
     wall_s = time.perf_counter() - t_start
@@ -324,15 +374,16 @@ def _train(out, *, seed, steps, clips_per_prompt, clip_frames, threads, lr, reco
         "seed": seed, "threads": threads, "steps": steps, "batch": BATCH, "clips": len(prompts),
         "clips_per_prompt": clips_per_prompt, "clip_frames": clip_frames, "window": WINDOW, "overlap": OVERLAP,
         "lr": lr, "ema_decay": EMA_DECAY, "flow_shift": FLOW_SHIFT, "empty_prompt_prob": EMPTY_PROMPT_PROB,
+        "bounce": {k: list(v) for k, v in BOUNCE.items()},
         "patterns": {"prefix": PREFIX_PROB, "independent": INDEPENDENT_PROB,
                      "uniform": round(1 - PREFIX_PROB - INDEPENDENT_PROB, 3), "overlap_prefix": OVERLAP_PROB,
                      "addnoise": [ADDNOISE_PROB, ADDNOISE_MAX]},
+        "stage1": stage1,
         "final_loss": float(np.mean(losses[-50:])),
         "transformer_parameters": sum(p.numel() for p in transformer.parameters()),
         "vae_from": str(Path(VAE_FROM).relative_to(RECORDS.parent)),
         "text_from": str(Path(TEXT_FROM).relative_to(RECORDS.parent)),
-        "seconds": {"render": round(render_s, 1), "encode": round(encode_s, 1), "transformer": round(transformer_s, 1),
-                    "total": round(wall_s, 1)},
+        "seconds": {**second["seconds"], "total": round(wall_s, 1)},
         "cpu_seconds": round(cpu_s, 1), "load_average_at_end": load,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
         "versions": library_versions(),
@@ -342,14 +393,22 @@ def _train(out, *, seed, steps, clips_per_prompt, clip_frames, threads, lr, reco
     if record_path is not None:
         Path(record_path).write_text(json.dumps(record, indent=2) + "\n")
     if plot is not None:
-        plot_losses(losses, plot, f"weights/tiny-skyreels-df training: {wall_s / 60:.1f} min on {threads} CPU "
-                                  f"threads, seed {seed}")
+        plot_losses(losses, plot, f"weights/tiny-skyreels-df stage 2: {wall_s / 60:.1f} min on {threads} CPU "
+                                  f"thread(s), seed {seed}")
     log(f"wrote {out} in {wall_s / 60:.1f} min ({cpu_s / 60:.1f} min of CPU): loss {record['final_loss']:.4f}")
     return record
 
 
 def main(argv: list[str] | None = None) -> int:
-    return training_main(argv, module="train_tiny_skyreels_df", doc=__doc__, train=train, default_out=DEFAULT_OUT,
+    """The trainers' command line (`training_main`) plus `--init-from DIR`: stage 1's checkpoint."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    init_from = None
+    if "--init-from" in argv:
+        at = argv.index("--init-from")
+        init_from = Path(argv[at + 1])
+        del argv[at:at + 2]
+    return training_main(argv, module="train_tiny_skyreels_df", doc=__doc__,
+                         train=functools.partial(train, init_from=init_from), default_out=DEFAULT_OUT,
                          seed=SEED, steps=STEPS, clips_per_prompt=CLIPS_PER_PROMPT, lr=LR, threads=THREADS)
 
 
