@@ -17,7 +17,7 @@ from longserve.engine.parallel import make_sequence_parallel
 from longserve.weights.causal_wan import load_causal_transformer, read_causal_config
 from longserve.weights.registry import TINY_MODELS
 
-CHUNKS = 8                      # tiny-live: 9 cached frames (3 sink + a ring of 6), 3 a chunk: evicting from chunk 4
+CHUNKS = 9                      # tiny-live: 12 cached frames (6 sink + a ring of 6), 3 a chunk: evicting from chunk 5
 SOLO = make_sequence_parallel(ParallelGroup(rank=0, world_size=1, device=torch.device("cpu")), "ulysses")
 
 

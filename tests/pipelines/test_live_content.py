@@ -1,7 +1,7 @@
 """`make demo-live` on the trained tiny-live: the 30-second video's chunks are red before the switch at 15 s and
 blue from one chunk after it (tests/support/content.py names each chunk's colour), also through the small decoder
-(`DECODER=tiny`) and in the stages live loop with a stream batch (every chunk the serial demo's colour), and the
-README's strip is that run's."""
+(`DECODER=tiny`) and in the stages live loop with a stream batch (every chunk the serial demo's colour); the ball
+keeps bouncing as high at the end of each prompt as at its start (issue 45); and the README's strip is that run's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import imageio.v3 as iio
 import imageio_ffmpeg
 import numpy as np
 import pytest
-from content import describe
+from content import describe, vertical_range
 
 from longserve.weights.registry import TINY_MODELS
 
@@ -39,14 +39,19 @@ def demo(tmp_path_factory):
     return run_demo(tmp_path_factory.mktemp("demo-live"))
 
 
-def chunk_colours(demo: Path) -> list:
-    """Each chunk's colour in the demo's MP4."""
+def read_demo(demo: Path) -> tuple[np.ndarray, dict]:
+    """The demo's frames (T, H, W, 3) uint8, as the MP4 holds them, and its chunks.json."""
     info = json.loads((demo / "chunks.json").read_text())
-    fps, switch, chunks = info["fps"], info["switch_chunk"], info["chunks"]
     reader = imageio_ffmpeg.read_frames(str(demo / "demo_live.mp4"))
     meta = next(reader)
     W, H = meta["size"]
-    video = np.stack([np.frombuffer(f, np.uint8).reshape(H, W, 3) for f in reader])
+    return np.stack([np.frombuffer(f, np.uint8).reshape(H, W, 3) for f in reader]), info
+
+
+def chunk_colours(demo: Path) -> list:
+    """Each chunk's colour in the demo's MP4."""
+    video, info = read_demo(demo)
+    fps, switch, chunks = info["fps"], info["switch_chunk"], info["chunks"]
     assert len(video) == sum(c["frames"] for c in chunks) and abs(len(video) / fps - 30) < 1
     assert abs(chunks[switch]["start"] / fps - 15) < 1
     return [describe(video[c["start"]:c["start"] + c["frames"]]).colour for c in chunks]
@@ -63,6 +68,27 @@ def assert_red_then_blue(demo: Path) -> None:
 
 def test_the_demo_is_red_before_the_switch_and_blue_from_one_chunk_after(demo):
     assert_red_then_blue(demo)
+
+
+def bounce_heights(demo: Path) -> dict[str, float]:
+    """The ball's vertical range (pixels) in the first and last 3 s of each prompt: 0-3 s, the 3 s before the
+    switch, the 3 s from it, and the last 3 s; and the frame's height."""
+    video, info = read_demo(demo)
+    w = 3 * info["fps"]
+    s = info["chunks"][info["switch_chunk"]]["start"]
+    spans = {"first": (0, w), "before": (s - w, s), "after": (s, s + w), "last": (len(video) - w, len(video))}
+    return {**{name: vertical_range(video[a:b]) for name, (a, b) in spans.items()}, "size": video.shape[1]}
+
+
+def test_the_bounce_keeps_its_height_before_and_after_the_switch(demo):
+    """Issue 45: the bounce used to die out (34 px of vertical range in the first 3 s, 5 px in the 3 s before the
+    switch; 20 px after the switch, 9 px at the end). The acceptance rule: the range of the last 3 s of a prompt is
+    at least 70% of its first 3 s's, before the switch and after it; and those first 3 s are a bounce (a range of
+    at least a fifth of the frame: the training clips' arcs are half of it)."""
+    heights = bounce_heights(demo)
+    assert heights["first"] >= 0.2 * heights["size"] and heights["after"] >= 0.2 * heights["size"], heights
+    assert heights["before"] >= 0.7 * heights["first"], heights
+    assert heights["last"] >= 0.7 * heights["after"], heights
 
 
 def test_the_demo_on_the_small_decoder_is_red_then_blue_too(tmp_path):

@@ -157,6 +157,14 @@ def describe(clip) -> Description:
                        object_fraction=float(mask.mean()))
 
 
+def vertical_range(clip) -> float:
+    """How far the object's centroid moves up and down in a clip (pixels: the largest minus the smallest y of its
+    track, over the frames where it is found; 0 when it is found in fewer than two)."""
+    y = describe(clip).track[:, 1]
+    y = y[~np.isnan(y)]
+    return float(y.max() - y.min()) if len(y) > 1 else 0.0
+
+
 def recognises(clip, prompt: str) -> bool:
     """True when the clip shows the prompt's colour and motion."""
     colour, _, motion = parse_prompt(prompt)

@@ -1,6 +1,7 @@
 """`weights/tiny-live` (the trained causal few-step Wan) and `python -m tools.weights.train_tiny_live`: the checkpoint
 is in the causal layout and loads strictly; the training's two-stream form computes what the runtime's
-chunk-by-chunk sampler computes; a short training run is seeded."""
+chunk-by-chunk sampler computes; a short training run is seeded; the rollout fine-tune (issue 45) reads the
+runtime's KV cache as the runtime does, and a short fine-tune is seeded."""
 
 import json
 
@@ -77,4 +78,48 @@ def test_short_training_runs_are_seeded(tmp_path):
     assert file_digests(tmp_path / "a") == file_digests(tmp_path / "b")
     record = json.loads((tmp_path / "a.json").read_text())
     assert record["steps"] == 2 and record["files"] == file_digests(tmp_path / "a")
+    load_causal_transformer(tmp_path / "a")
+
+
+def test_the_fine_tune_s_cache_rollout_predicts_what_the_runtime_s_cache_does():
+    """`tools.weights.live_cache_rollout`: the trained model's forward over a row's KV cache (what the rollout
+    fine-tune's loss sees) is the engine's own forward over it, past the window's eviction, and has gradients."""
+    from longserve.engine.models.causal import CausalConfig
+    from tools.weights.live_cache_rollout import CacheRollout
+
+    model = load_causal_transformer(TINY_LIVE)
+    rollout = CacheRollout(model, CausalConfig.from_dict(read_causal_config(TINY_LIVE)), 8, 8)
+    g = torch.Generator().manual_seed(0)
+    text = torch.randn(2, 512, 32, generator=g)
+    text[:, 7:] = 0
+    rollout.new_rows(2, 512)
+    for _ in range(5):                                  # 15 frames written: the ring has evicted
+        rollout.context(torch.randn(2, 4, 3, 8, 8, generator=g), text)
+    rollout.make(text, g)
+    x, t = torch.randn(2, 4, 3, 8, 8, generator=g), torch.tensor([750.0, 500.0])
+    flow = rollout.flow(x, t, text)
+    with torch.no_grad():
+        runtime = rollout.cw(x, t, text, rollout.sp, rollout.rows[0], [0, 0], [False, False])
+    torch.testing.assert_close(flow, runtime, atol=1e-6, rtol=1e-5)
+    flow.pow(2).mean().backward()
+    assert all(p.grad is not None for p in model.blocks[0].attn1.to_q.parameters())
+
+
+def test_short_fine_tune_runs_are_seeded(tmp_path):
+    """`python -m tools.weights.finetune_tiny_live`, short, twice: the same transformer; everything else is the
+    source checkpoint's, byte for byte."""
+    from tools.weights.finetune_tiny_live import RUNTIME_LOCAL_ATTN_SIZE, RUNTIME_SINK_SIZE, finetune
+
+    for name in ("a", "b"):
+        finetune(tmp_path / name, TINY_LIVE, steps=1, clips=1, roll_batch=1, cache_batch=1,
+                 record_path=tmp_path / f"{name}.json", log=lambda *_: None)
+    a, b = file_digests(tmp_path / "a"), file_digests(tmp_path / "b")
+    assert a == b
+    source = file_digests(TINY_LIVE)
+    changed = {"model.safetensors", "causal_config.json"}
+    assert {k: v for k, v in a.items() if k not in changed} == {k: v for k, v in source.items() if k not in changed}
+    cfg = read_causal_config(tmp_path / "a")
+    assert (cfg["local_attn_size"], cfg["sink_size"]) == (RUNTIME_LOCAL_ATTN_SIZE, RUNTIME_SINK_SIZE)
+    record = json.loads((tmp_path / "a.json").read_text())
+    assert record["steps"] == 1 and record["files"] == a and record["source_files"] == source
     load_causal_transformer(tmp_path / "a")

@@ -4,7 +4,7 @@ follows the runtime's semantics without a cache, and read back chunk by chunk wi
 Usage::
 
     PYTHONPATH=.:tests/support python -m tools.weights.eval_tiny_live [--model weights/tiny-live] [--seconds 30]
-        [--switch-at 15] [--seeds 0 1] [--frames-png out.png]
+        [--switch-at 15] [--seeds 0 1] [--frames-png out.png] [--cache]
 
 The sampler (independent of the training code: diffusers' own rotary embedding and cross-attention, only
 the self-attention mask is added): for chunk c, the context is the previous clean frames, at most
@@ -15,6 +15,11 @@ caption (after a prompt change the runtime recomputes the cached frames' K/V und
 context is always under the current caption). Steps: x0 = x - sigma_i v, then x = (1 - sigma_{i+1}) x0 +
 sigma_{i+1} noise; the chunk is the last x0. The latents are de-normalised with the VAE's latents_mean /
 latents_std and decoded by `AutoencoderKLWan.decode` (causal, frame by frame).
+
+`--cache` samples in the runtime's own form instead: the engine's KV cache (`tools.weights.live_cache_rollout`), each
+chunk's K/V written once by its context pass, a prompt change recaching the kept frames (the sink and the most
+recent) under the new caption; with the same seed it makes `make demo-live`'s video. Both report the ball's vertical
+range in the first and last 3 s of each prompt (issue 45's measure, `tests/pipelines/test_live_content.py`).
 """
 
 from __future__ import annotations
@@ -117,6 +122,31 @@ class Sampler:
         return frames
 
     @torch.no_grad()
+    def generate_cached(self, prompt_of_chunk, seed: int) -> torch.Tensor:
+        """`generate` in the runtime's form (see the module docstring)."""
+        from longserve.engine.models.causal import CausalConfig
+        from tools.weights.live_cache_rollout import CacheRollout
+
+        rollout = CacheRollout(self.model, CausalConfig.from_dict(self.cfg), 8, 8)
+        g = torch.Generator().manual_seed(seed)
+        keep = self.L - self.fb
+        chunks, before = [], None
+        for prompt in prompt_of_chunk:
+            text = self.text(prompt)
+            if before is None or prompt != before:
+                rollout.new_rows(1, text.shape[1])
+                if chunks:                                   # recache: the kept frames, oldest first
+                    frames = torch.cat(chunks, dim=2)
+                    if frames.shape[2] > keep:
+                        frames = torch.cat([frames[:, :, :self.K], frames[:, :, frames.shape[2] - (keep - self.K):]],
+                                           dim=2)
+                    for i in range(0, frames.shape[2], self.fb):
+                        rollout.context(frames[:, :, i:i + self.fb], text)
+            chunks.append(rollout.make(text, g))
+            before = prompt
+        return torch.cat(chunks, dim=2)
+
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         mean = torch.tensor(self.vae.config.latents_mean).view(1, -1, 1, 1, 1)
         std = torch.tensor(self.vae.config.latents_std).view(1, -1, 1, 1, 1)
@@ -124,15 +154,16 @@ class Sampler:
         return ((video[0].permute(1, 2, 3, 0).numpy() + 1) / 2).clip(0, 1)             # (T, H, W, 3)
 
 
-def evaluate(sampler: Sampler, seconds: float, switch_at: float, before: str, after: str, seed: int) -> dict:
-    from content import describe
+def evaluate(sampler: Sampler, seconds: float, switch_at: float, before: str, after: str, seed: int,
+             cached: bool = False) -> dict:
+    from content import describe, vertical_range
 
     fps, fb = sampler.cfg["fps"], sampler.fb
     chunks = int(round(seconds * fps)) // fb
     switch = int(round(switch_at * fps)) // fb
     prompts = [before if c < switch else after for c in range(chunks)]
     t0 = time.perf_counter()
-    latents = sampler.generate(prompts, seed)
+    latents = (sampler.generate_cached if cached else sampler.generate)(prompts, seed)
     gen_s = time.perf_counter() - t0
     video = sampler.decode(latents)
     colours = [describe(video[c * fb:(c + 1) * fb]).colour for c in range(chunks)]
@@ -140,11 +171,18 @@ def evaluate(sampler: Sampler, seconds: float, switch_at: float, before: str, af
     pre = [c == want_before for c in colours[:switch]]
     post = [c == want_after for c in colours[switch + 1:]]
     motions = [describe(video[s:s + 16]).motion for s in range(0, len(video) - 15, 8)]
+    w, s = 3 * fps, switch * fb
+    pixels = (video * 255).round().astype(np.uint8)                         # as the demo's frames are read back
+    spans = {"first": (0, w), "before": (s - w, s), "after": (s, s + w), "last": (len(video) - w, len(video))}
+    heights = {name: round(vertical_range(pixels[a:b]), 1) for name, (a, b) in spans.items()}
     return {"seed": seed, "chunks": chunks, "switch_chunk": switch, "generate_s": round(gen_s, 1),
             "before_ok": float(np.mean(pre)), "after_ok": float(np.mean(post)),
             "switch_chunk_colour": colours[switch], "colours": "".join((c or "-")[0] for c in colours),
             "bouncing_windows": float(np.mean([m == "bouncing" for m in motions])),
-            "motions": [m for m in motions], "video": video}
+            "motions": [m for m in motions], "heights": heights,
+            "heights_every_3s": [round(vertical_range(pixels[a:a + w]), 1) for a in range(0, len(video), w)],
+            "height_kept": [round(heights["before"] / max(heights["first"], 1e-9), 2),
+                            round(heights["last"] / max(heights["after"], 1e-9), 2)], "video": video}
 
 
 def main(argv=None) -> int:
@@ -157,12 +195,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--shift", type=float, default=None, help="override the checkpoint's timestep_shift")
     ap.add_argument("--frames-png", default=None, help="write the first seed's video as a strip of frames")
+    ap.add_argument("--cache", action="store_true", help="sample in the runtime's form (its KV cache)")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     sampler = Sampler(Path(args.model), shift=args.shift)
     results = []
     for seed in args.seeds:
-        r = evaluate(sampler, args.seconds, args.switch_at, args.before, args.after, seed)
+        r = evaluate(sampler, args.seconds, args.switch_at, args.before, args.after, seed, cached=args.cache)
         video = r.pop("video")
         results.append(r)
         print(json.dumps(r), flush=True)
@@ -173,7 +213,8 @@ def main(argv=None) -> int:
             Image.fromarray((np.concatenate(rows, axis=0) * 255).astype(np.uint8)).save(args.frames_png)
     print(json.dumps({"before_ok": float(np.mean([r["before_ok"] for r in results])),
                       "after_ok": float(np.mean([r["after_ok"] for r in results])),
-                      "bouncing_windows": float(np.mean([r["bouncing_windows"] for r in results]))}))
+                      "bouncing_windows": float(np.mean([r["bouncing_windows"] for r in results])),
+                      "height_kept_min": [min(r["height_kept"][i] for r in results) for i in (0, 1)]}))
     return 0
 
 
