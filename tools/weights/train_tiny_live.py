@@ -110,7 +110,6 @@ from tools.weights.writing import file_digests, write_whole  # noqa: E402
 SEED = 0
 THREADS = 2
 DEFAULT_OUT = TINY_MODELS["tiny-live"]
-RECORDS = DEFAULT_OUT.parent                   # the shipped runs' records (.json, -loss.png) lie in weights/
 TEXT_FROM = TINY_MODELS["tiny-wan"]            # the random tiny UMT5 and its tokenizer, copied as they are
 MAX_SEQUENCE_LENGTH = 512                      # WanPipeline's prompt length
 
@@ -532,7 +531,8 @@ def _train(out, *, seed, vae_steps, steps, n_clips, threads, lr, record_path, pl
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.weights.train_tiny_live", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default: {DEFAULT_OUT})")
+    ap.add_argument("--out", required=True, help=f"output directory (not {DEFAULT_OUT}: that is this stage and "
+                                                 f"tools.weights.finetune_tiny_live's)")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
     ap.add_argument("--steps", type=int, default=STEPS, help="transformer steps")
@@ -541,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=THREADS, help="torch CPU threads (results depend on it)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
-    stem = RECORDS / "train_tiny_live" if out == DEFAULT_OUT else out.parent / out.name
+    if out == DEFAULT_OUT:          # the shipped checkpoint is this stage and the fine-tune: never stage one alone
+        ap.error(f"{DEFAULT_OUT} is stage one and its fine-tune (weights/README.md): train stage one elsewhere, "
+                 f"--out /tmp/stage1, then python -m tools.weights.finetune_tiny_live --source /tmp/stage1")
+    stem = out.parent / out.name
     train(out, seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, clips=args.clips, threads=args.threads,
           lr=args.lr, record_path=Path(f"{stem}.json"), plot=Path(f"{stem}-loss.png"),
           log=lambda msg: print(msg, flush=True))
