@@ -48,16 +48,26 @@ def test_the_page_makes_a_red_ball_video_that_plays_and_the_recent_list_deletes_
         page.select_option("#create [name=length_unit]", "num_frames")
         assert page.get_attribute("#create [name=length]", "placeholder") == "16"
         page.fill("#create [name=prompt]", "a red ball bouncing")
-        page.fill("#create [name=num_inference_steps]", "12")
+        page.fill("#create [name=num_inference_steps]", "24")
         page.fill("#create [name=seed]", "0")
+        # one progress state: while it denoises, its history row says what the progress line says. Seen by a
+        # MutationObserver (after every DOM change: each SSE event is a task of its own), not by polling a
+        # moment that a loaded machine can render past (the row appears after one listing round trip)
+        page.evaluate("""() => { window.__rowMatched = null;
+            new MutationObserver(() => {
+                const p = document.getElementById('progress-text').textContent;
+                const id = window.longserve.current && window.longserve.current.id;
+                const row = id && document.querySelector(`#recent tr[data-id="${id}"] td.status`);
+                if (p.startsWith('step ') && row && row.textContent.startsWith(p + ' · ')) {
+                    window.__rowMatched = window.__rowMatched || {
+                        p, time: document.getElementById('progress-time').textContent };
+                }
+            }).observe(document.body, { subtree: true, childList: true, characterData: true }); }""")
         page.click("#generate")
-        # one progress state: while it denoises, its history row says what the progress line says
-        page.wait_for_function("""() => { const p = document.getElementById('progress-text').textContent;
-            const id = window.longserve.current && window.longserve.current.id;
-            const row = id && document.querySelector(`#recent tr[data-id="${id}"] td.status`);
-            return p.startsWith('step ') && row && row.textContent.startsWith(p + ' · '); }""", timeout=90_000)
-        assert re.fullmatch(r"\d+(\.\d)? s( · about \d+(\.\d)? s left)?", page.text_content("#progress-time"))
         page.wait_for_function("document.getElementById('progress').value >= 100", timeout=90_000)
+        matched = page.evaluate("window.__rowMatched")
+        assert matched, "the history row never said what the progress line said while it denoised"
+        assert re.fullmatch(r"\d+(\.\d)? s( · about \d+(\.\d)? s left)?", matched["time"]), matched
         assert page.text_content("#progress-text") == "completed"
         video_id = page.evaluate("window.longserve.current.id")
         done = page.text_content("#progress-time")
