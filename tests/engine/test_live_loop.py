@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from causal_models import build_tiny_causal
+from causal_models import build_tiny_causal, switched_session
 
 from longserve.engine import worker as jobs
 from longserve.engine.live_frames import FrameSlots, SharedFrames, frames_out, to_uint8
@@ -147,15 +147,7 @@ def test_overlapped_and_pipelined_loops_make_the_serial_loop_s_frames_and_never_
 @pytest.mark.parametrize("loop,workers", [("overlapped", 1), ("pipelined", 2)])
 def test_a_live_switch_stop_and_cancel_keep_their_timing_outside_the_serial_loop(causal_dir, loop, workers):
     with VideoPipeline.from_pretrained(str(causal_dir), workers=workers, live_loop=loop) as p:
-        with p.live("a red ball bouncing", seconds=60, height=H, width=W, seed=1) as session:
-            seen = []
-            for chunk in session:
-                seen.append((chunk.index, chunk.prompt_index))
-                if chunk.index == 1:
-                    assert session.switch("a blue ball bouncing") == 1
-                if chunk.index == 5:
-                    break
-        first_blue = min(i for i, p_ in seen if p_ == 1)
+        seen, first_blue, session = switched_session(p, 5, H, W)
         # at the next chunk to start, which is one later than in the serial loop (tests/pipelines/test_live_video.py:
         # 2 or 3): chunk 1's frames come out of the job that made chunk 2 beside its decode, and the job making
         # chunk 3 may have begun before the call

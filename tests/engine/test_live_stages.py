@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from causal_models import TINY_CAUSAL, TINY_DEFAULTS, build_tiny_causal
+from causal_models import TINY_CAUSAL, TINY_DEFAULTS, build_tiny_causal, switched_session
 
 from longserve.engine.config import EngineConfig
 from longserve.engine.dist import ParallelGroup
@@ -142,15 +142,7 @@ def test_what_cannot_run_is_refused_before_any_worker_loads(tmp_path):
 
 def test_a_live_switch_stop_and_cancel_keep_their_promise_with_a_stream_batch(batched):
     p = batched
-    with p.live("a red ball bouncing", seconds=60, height=H, width=W, seed=1) as session:
-        seen = []
-        for chunk in session:
-            seen.append((chunk.index, chunk.prompt_index))
-            if chunk.index == 1:
-                assert session.switch("a blue ball bouncing") == 1
-            if chunk.index == 7:
-                break
-    first_blue = min(i for i, p_ in seen if p_ == 1)
+    seen, first_blue, session = switched_session(p, 7, H, W)
     # at the start of a group after the switch reached the workers (groups of 2: chunk 4, as chunk 1 comes out of
     # the job that made chunks 2 and 3; 6 if the client's switch came after the next group's job began)
     assert first_blue in (4, 6) and all(p_ == int(i >= first_blue) for i, p_ in seen)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from causal_models import TINY_CAUSAL, build_tiny_causal, recompute_reference
+from causal_models import TINY_CAUSAL, build_tiny_causal, recompute_reference, switched_session
 
 from longserve.engine.config import EngineConfig
 from longserve.engine.engine import VideoEngine
@@ -117,15 +117,7 @@ def test_a_prompt_schedule_switches_at_its_chunk_and_a_live_switch_at_the_next(p
                               height=H, width=W, seed=1))
     np.testing.assert_array_equal(np.concatenate(frames), np.concatenate([c.frames[0] for c in chunks]))
 
-    with pipe.live("a red ball bouncing", seconds=60, height=H, width=W, seed=1) as session:
-        seen = []
-        for chunk in session:
-            seen.append((chunk.index, chunk.prompt_index))
-            if chunk.index == 1:
-                assert session.switch("a blue ball bouncing") == 1
-            if chunk.index == 5:
-                break
-    first_blue = min(i for i, p in seen if p == 1)
+    seen, first_blue, session = switched_session(pipe, 5, H, W)
     assert first_blue in (2, 3) and all(p == int(i >= first_blue) for i, p in seen)
     # what the engine promised when it took the switch (the server's `prompt.received`) holds
     assert session.last_switch.by_chunk in (2, 3) and first_blue <= session.last_switch.by_chunk

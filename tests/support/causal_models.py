@@ -95,3 +95,17 @@ def recompute_reference(model_dir: Path, prompt: str, seed: int, chunks: int, he
                     x = (1 - s) * x0 + s * torch.randn(x.shape, generator=gen)
             clean.append(x0)
     return torch.cat(clean, dim=2)
+
+
+def switched_session(pipe, last: int, height: int, width: int):
+    """A live session of "a red ball bouncing" (seed 1) switched to "a blue ball bouncing" as chunk 1 arrives, read
+    to chunk `last`: ([(chunk index, prompt index)], the first chunk under the switch, the session)."""
+    with pipe.live("a red ball bouncing", seconds=60, height=height, width=width, seed=1) as session:
+        seen = []
+        for chunk in session:
+            seen.append((chunk.index, chunk.prompt_index))
+            if chunk.index == 1:
+                assert session.switch("a blue ball bouncing") == 1
+            if chunk.index == last:
+                break
+    return seen, min(i for i, p in seen if p == 1), session
