@@ -18,18 +18,20 @@ import time
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from longserve.server.api.errors import APIError, validation_error
+from longserve.server.api.errors import APIError
 from longserve.server.api.protocol import VideoCreateRequest, VideoExtendRequest
 from longserve.server.api.routes import (
+    body_as,
     json_body,
     parse_create_body,
     parse_json_object,
     read_body,
     require_api_key,
     require_started,
+    validated,
 )
 from longserve.server.api.uploads import Upload
 from longserve.server.api.webhooks import EVENTS, KIND, new_secret, secret_hint
@@ -52,17 +54,11 @@ async def extend_video(request: Request):
     video = data.pop("video", None)
     service, caller = request.app.state.videos, request.state.caller
     if isinstance(video, Upload):                    # an MP4 to continue: a create with it as input_reference
-        try:
-            req = VideoCreateRequest.model_validate({**data, "input_reference": video})
-        except ValidationError as e:
-            raise validation_error(e) from None
+        req = validated(VideoCreateRequest, {**data, "input_reference": video})
         service.requests.check_extends()
         result = await run_in_threadpool(service.create, req, caller)
     elif isinstance(video, dict) and set(video) == {"id"} and isinstance(video["id"], str):
-        try:
-            req = VideoExtendRequest.model_validate(data)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        req = validated(VideoExtendRequest, data)
         result = await run_in_threadpool(service.extend, video["id"], req, caller)
     else:
         raise APIError(400, "video must be {\"id\": \"video_...\"} (a completed video of this server; multipart: the "
@@ -73,11 +69,7 @@ async def extend_video(request: Request):
 
 @v1.post("/videos/{video_id}/remix", openapi_extra=json_body(VideoExtendRequest))
 async def remix_video(request: Request, video_id: str):
-    data = parse_json_object(await read_body(request))
-    try:
-        req = VideoExtendRequest.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    req = await body_as(request, VideoExtendRequest)
     result = await run_in_threadpool(request.app.state.videos.remix, video_id, req, request.state.caller)
     return JSONResponse(result.model_dump())
 
@@ -123,16 +115,9 @@ def _mine(request: Request, endpoint_id: str) -> dict:
     return {**found[1], "_created_at": found[2]}
 
 
-async def _body(request: Request, model):
-    try:
-        return model.model_validate(parse_json_object(await read_body(request)))
-    except ValidationError as e:
-        raise validation_error(e) from None
-
-
 @v1.post("/webhook_endpoints", openapi_extra=json_body(WebhookEndpointRequest))
 async def create_endpoint(request: Request):
-    req = await _body(request, WebhookEndpointRequest)
+    req = await body_as(request, WebhookEndpointRequest)
     service = request.app.state.videos
     for name in ("name", "url", "event_types"):
         if getattr(req, name) is None:
@@ -165,7 +150,7 @@ async def retrieve_endpoint(request: Request, endpoint_id: str):
 
 @v1.post("/webhook_endpoints/{endpoint_id}", openapi_extra=json_body(WebhookEndpointRequest))
 async def update_endpoint(request: Request, endpoint_id: str):
-    req = await _body(request, WebhookEndpointRequest)
+    req = await body_as(request, WebhookEndpointRequest)
     service = request.app.state.videos
     data = await run_in_threadpool(_mine, request, endpoint_id)
     created_at = data.pop("_created_at")
@@ -208,7 +193,7 @@ async def rotate_secret(request: Request, endpoint_id: str):
 @v1.post("/webhook_endpoints/{endpoint_id}/test", openapi_extra=json_body(WebhookTestRequest))
 async def test_endpoint(request: Request, endpoint_id: str):
     """One sample delivery of `event_type` (data.id: a made-up video id), tried once; the endpoint's status code."""
-    req = await _body(request, WebhookTestRequest)
+    req = await body_as(request, WebhookTestRequest)
     if req.event_type not in EVENTS:
         raise APIError(400, f"event_type must be one of {', '.join(EVENTS)}; got {req.event_type!r}",
                        param="event_type", code="invalid_value")

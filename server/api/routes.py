@@ -129,17 +129,26 @@ def _content_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-async def json_request(request: Request, model):
-    """A JSON-only route's body as `model` (pydantic): 415 for another content type, 400 naming the field."""
-    ctype = _content_type(request)
-    if ctype not in ("", "application/json", "text/json") and not ctype.endswith("+json"):
-        raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json",
-                       code="unsupported_media_type")
-    data = parse_json_object(await read_body(request))
+def validated(model, data: dict):
+    """`data` as `model` (pydantic), or the API's 400 naming the field."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+
+
+async def body_as(request: Request, model):
+    """The body, a JSON object whatever its Content-Type says, as `model` (`validated`)."""
+    return validated(model, parse_json_object(await read_body(request)))
+
+
+async def json_request(request: Request, model):
+    """A JSON-only route's body as `model`: 415 for another content type, 400 naming the field."""
+    ctype = _content_type(request)
+    if ctype not in ("", "application/json", "text/json") and not ctype.endswith("+json"):
+        raise APIError(415, f"unsupported Content-Type {ctype!r}: send application/json",
+                       code="unsupported_media_type")
+    return await body_as(request, model)
 
 
 def parse_json_object(body: bytes, what: str = "request body") -> dict:
@@ -242,11 +251,7 @@ async def live_video_without_upgrade():
 
 @v1.post("/videos", operation_id="createVideo", openapi_extra={**json_body(VideoCreateRequest), **VIDEO_LINKS})
 async def create_video(request: Request):
-    data = await parse_create_body(request)
-    try:
-        req = VideoCreateRequest.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    req = validated(VideoCreateRequest, await parse_create_body(request))
     video = await run_in_threadpool(request.app.state.videos.create, req, request.state.caller)
     return JSONResponse(video.model_dump())
 
