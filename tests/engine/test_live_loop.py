@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from causal_models import build_tiny_causal, switched_session
+from causal_models import build_tiny_causal, cancelled_at_first_chunk, stopped_session, switched_session
 
 from longserve.engine import worker as jobs
 from longserve.engine.live_frames import FrameSlots, SharedFrames, frames_out, to_uint8
@@ -155,25 +155,15 @@ def test_a_live_switch_stop_and_cancel_keep_their_timing_outside_the_serial_loop
         assert first_blue <= session.last_switch.by_chunk <= 4       # the engine's promise (`prompt.received`) holds
         assert [i for i, _ in seen] == list(range(6))
 
-        session = p.live("a red ball bouncing", seconds=3600, height=H, width=W, seed=2)
-        got = []
-        for chunk in session:
-            got.append(chunk.index)
-            if chunk.index == 1:
-                session.stop()
+        chunks, session = stopped_session(p, H, W)
+        got = [c.index for c in chunks]
         # after the chunk being made when the stop reached the workers: chunk 2, or 3 when the job making chunk 3 had
         # begun (one later than the serial loop's, as the switch)
         assert 3 <= len(got) <= 4 and got == list(range(len(got)))
         assert session.handle.status().state.value == "finished_completed"
         assert session.timings["vae_s"] > 0 and session.timings["transformer_s"] > 0
 
-        handle = p.engine.submit(p.make_spec("a red ball bouncing", num_frames=1 + (16 * 3 - 1) * 4, height=H, width=W,
-                                             seed=3, live=True))
-        outs = []
-        for out in handle:
-            outs.append(out)
-            if isinstance(out, FramesChunk) and out.live.chunk == 0:
-                handle.cancel()                          # ends at the next step boundary
+        outs, handle = cancelled_at_first_chunk(p, H, W)            # ends at the next step boundary
         assert isinstance(outs[-1], Cancelled) and handle.status().state.value == "finished_cancelled"
         assert sum(isinstance(o, FramesChunk) for o in outs) <= 2
         # the pool is still sound: a next request makes the serial loop's first chunk

@@ -13,7 +13,14 @@ import types
 import numpy as np
 import pytest
 import torch
-from causal_models import TINY_CAUSAL, TINY_DEFAULTS, build_tiny_causal, switched_session
+from causal_models import (
+    TINY_CAUSAL,
+    TINY_DEFAULTS,
+    build_tiny_causal,
+    cancelled_at_first_chunk,
+    stopped_session,
+    switched_session,
+)
 
 from longserve.engine.config import EngineConfig
 from longserve.engine.dist import ParallelGroup
@@ -149,23 +156,13 @@ def test_a_live_switch_stop_and_cancel_keep_their_promise_with_a_stream_batch(ba
     assert first_blue <= session.last_switch.by_chunk                 # the engine's promise holds
     assert [i for i, _ in seen] == list(range(8))
 
-    session = p.live("a red ball bouncing", seconds=3600, height=H, width=W, seed=2)
-    got = []
-    for chunk in session:
-        got.append(chunk.index)
-        if chunk.index == 1:
-            session.stop()
+    chunks, session = stopped_session(p, H, W)
+    got = [c.index for c in chunks]
     # the chunks made already (a group is made whole) and at most the one the stop leaves to come
     assert 2 <= len(got) <= 5 and got == list(range(len(got)))
     assert session.handle.status().state.value == "finished_completed"
 
-    handle = p.engine.submit(p.make_spec("a red ball bouncing", num_frames=1 + (16 * 3 - 1) * 4, height=H,
-                                         width=W, seed=3, live=True))
-    outs = []
-    for out in handle:
-        outs.append(out)
-        if isinstance(out, FramesChunk) and out.live.chunk == 0:
-            handle.cancel()
+    outs, handle = cancelled_at_first_chunk(p, H, W)
     assert isinstance(outs[-1], Cancelled) and handle.status().state.value == "finished_cancelled"
     assert sum(isinstance(o, FramesChunk) for o in outs) <= 3
     again = list(p.stream("a red ball bouncing", num_frames=9, height=H, width=W, seed=0))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from causal_models import TINY_CAUSAL, build_tiny_causal, recompute_reference, switched_session
+from causal_models import TINY_CAUSAL, build_tiny_causal, recompute_reference, stopped_session, switched_session
 
 from longserve.engine.config import EngineConfig
 from longserve.engine.engine import VideoEngine
@@ -124,12 +124,7 @@ def test_a_prompt_schedule_switches_at_its_chunk_and_a_live_switch_at_the_next(p
 
 
 def test_stop_ends_a_live_session_after_the_chunk_it_is_making(pipe):
-    session = pipe.live("a red ball bouncing", seconds=3600, height=H, width=W, seed=2)
-    got = []
-    for chunk in session:
-        got.append(chunk)
-        if chunk.index == 1:
-            session.stop()
+    got, session = stopped_session(pipe, H, W)
     assert 2 <= len(got) <= 3 and [c.index for c in got] == list(range(len(got)))
     assert session.handle.status().state.value == "finished_completed"
     assert session.timings["transformer_s"] > 0

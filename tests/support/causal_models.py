@@ -109,3 +109,28 @@ def switched_session(pipe, last: int, height: int, width: int):
             if chunk.index == last:
                 break
     return seen, min(i for i, p in seen if p == 1), session
+
+
+def stopped_session(pipe, height: int, width: int):
+    """A live session (seed 2, an hour long) stopped as chunk 1 arrives: (the chunks it delivered, the session)."""
+    session = pipe.live("a red ball bouncing", seconds=3600, height=height, width=width, seed=2)
+    got = []
+    for chunk in session:
+        got.append(chunk)
+        if chunk.index == 1:
+            session.stop()
+    return got, session
+
+
+def cancelled_at_first_chunk(pipe, height: int, width: int):
+    """A live request of 16 chunks (seed 3) cancelled as chunk 0's frames arrive: (every output, its handle)."""
+    from longserve.engine.outputs import FramesChunk
+
+    handle = pipe.engine.submit(pipe.make_spec("a red ball bouncing", num_frames=1 + (16 * 3 - 1) * 4, height=height,
+                                               width=width, seed=3, live=True))
+    outs = []
+    for out in handle:
+        outs.append(out)
+        if isinstance(out, FramesChunk) and out.live.chunk == 0:
+            handle.cancel()                          # ends at the next step boundary
+    return outs, handle
