@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 # pytest processes (pytest-xdist), each file's tests kept together so module fixtures are made once: much of
 # the suite waits on process starts, imports and sockets, one core each, and the other process fills the gap
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # style gate (run first by .ci/run): pyflakes, pycodestyle, import order, bugbear ([tool.ruff] in pyproject.toml)
 lint: install

@@ -9,6 +9,7 @@ happen here: no tensor work, no threads, no CUDA (CUDA pools spawn, see
 
 from __future__ import annotations
 
+import gc
 import importlib
 
 MODULES = tuple(f"longserve.engine.{m}" for m in (
@@ -37,6 +38,9 @@ def preload() -> None:
             getattr(importlib.import_module(module), attr)
         except Exception:  # noqa: BLE001
             pass
+    # before the forks (the gc module's own advice): a worker's collections never scan, nor write to, the imported
+    # objects' pages, which stay shared with the fork server instead of being copied into every worker
+    gc.freeze()
 
 
 preload()

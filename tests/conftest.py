@@ -10,6 +10,10 @@
   `OMP_NUM_THREADS=1` (unless set) reaches this process's torch and every process it starts; CPU
   worker pools take their threads from it (`engine/pool.py`). `one_thread` is kept for a test
   that must pin it whatever the environment.
+- Bytecode is written and read even where the environment sets `PYTHONDONTWRITEBYTECODE` (CI's machines do):
+  without it each of the suite's ~60 Python processes (servers, fork servers, CLI runs, torchrun ranks) compiled
+  longserve's modules from source, and each pytest process re-rewrote the 390 test modules' asserts (1.2 and 5
+  CPU-s apiece on a 2-core AMD EPYC). The caches land in `__pycache__/` folders, which git ignores.
 - Worker pools and pipelines are expensive to start (a process per worker, each importing
   torch and diffusers and loading a model), so tests that only *read* share them:
   `bare_pool4` (four gloo workers with no model, for forward-level tests that build their own
@@ -26,6 +30,7 @@ from __future__ import annotations
 import collections
 import os
 import socket
+import sys
 
 import pytest
 
@@ -33,6 +38,9 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 os.environ.update(OFFLINE)          # before anything imports huggingface_hub; inherited by spawned workers
 os.environ.setdefault("OMP_NUM_THREADS", "1")         # before anything imports torch (the docstring)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # idle OpenMP threads sleep: never changes a result
+# Bytecode is cached (the docstring): with PYTHONDONTWRITEBYTECODE set, every process compiled longserve from source
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 #: how many shared pipelines stay alive at once (each holds `workers` processes)
 PIPELINE_CACHE_SIZE = 3
@@ -134,23 +142,35 @@ def http_client():
         c.close()
 
 
-#: the longest test files (CPU-seconds, measured a file at a time: docs/test_durations.md), run first: `make test`
-#: hands whole files to its two pytest processes in collection order, so a long file collected last leaves one
-#: process working alone at the end
+#: the longest test files (the mean of wall and CPU-seconds, measured a file at a time in one `pytest -n 1` run on a
+#: 2-core AMD EPYC: docs/test_durations.md), run first: `make test`
+#: hands whole files to its two pytest processes in collection order (`--no-loadscope-reorder`: xdist's default
+#: sorts files by their number of tests, which ran this list's order nowhere), so a long file collected last leaves
+#: one process working alone at the end
 LONGEST_FIRST = (
-    "server/test_replicas.py", "test_readme.py", "pipelines/test_content.py", "pipelines/test_video_pipeline.py",
-    "pipelines/test_compile.py",
-    "server/test_serve_process.py", "server/test_api.py", "pipelines/test_wan_pipeline.py", "server/test_cli.py",
-    "server/test_live_api.py", "engine/test_comm.py", "pipelines/test_hunyuan15_pipeline.py",
-    "engine/test_causal_vae.py", "pipelines/test_helios_pyramid_pipeline.py", "pipelines/test_long_video.py",
-    "pipelines/test_step_cache.py", "pipelines/test_live_video.py", "pipelines/test_scoring.py",
-    "pipelines/test_wan_i2v_pipeline.py", "pipelines/test_wan22_i2v_pipeline.py", "server/bench/test_bench_speed.py",
-    "server/test_drain.py", "pipelines/test_helios_pipeline.py", "server/test_api_long_video.py",
-    "pipelines/test_long_content.py", "pipelines/test_live_content.py", "pipelines/test_ltx2_pipeline.py",
-    "pipelines/test_i2v_content.py",
-    "pipelines/test_extend_video.py", "server/test_ui_live.py", "server/test_ui_video.py",
-    "server/bench/test_bench_long.py", "server/test_api_hunyuan15.py", "server/test_api_ltx2.py",
+    "server/test_replicas.py", "test_readme.py", "pipelines/test_compile.py", "server/test_shared_store.py",
+    "pipelines/test_content.py", "pipelines/test_video_pipeline.py", "server/bench/test_bench_gpu.py",
+    "pipelines/test_live_content.py", "pipelines/test_wan_pipeline.py", "pipelines/test_hunyuan15_pipeline.py",
+    "server/test_serve_process.py", "engine/test_comm.py", "server/test_api.py", "server/test_cli.py",
+    "pipelines/test_ltx2_pipeline.py", "server/test_api_requests.py", "server/test_api_long_video.py",
+    "pipelines/test_live_video.py", "server/test_ui_live.py", "server/test_fair_edge.py",
+    "pipelines/test_long_video.py", "server/test_extend_api.py", "server/test_live_api.py",
+    "weights/test_tiny_live.py", "engine/test_causal_vae.py", "server/bench/test_bench_speed.py",
+    "pipelines/test_helios_pipeline.py", "server/test_drain.py", "pipelines/test_helios_pyramid_pipeline.py",
+    "pipelines/test_step_cache.py", "pipelines/test_sana_video_pipeline.py", "weights/test_train_tiny_skyreels_df.py",
+    "pipelines/test_scoring.py", "server/test_image_to_video.py", "weights/test_wan.py",
+    "pipelines/test_wan_i2v_pipeline.py", "pipelines/test_long_content.py", "weights/test_train_tiny_latte.py",
+    "pipelines/test_wan22_i2v_pipeline.py", "pipelines/test_extend_video.py",
 )
+
+
+def pytest_collection_finish(session):
+    """Every module the tests import is imported now: freeze that heap, so that the collector's full passes (0.25 s
+    each over torch's, diffusers' and transformers' objects, dozens a run) scan only what the tests make."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

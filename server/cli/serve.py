@@ -221,6 +221,13 @@ def _start(args, videos, score, server, outcome: dict) -> None:
             outcome["error"] = e
         server.should_exit = True
         return
+    import gc
+
+    # what the start imported and loaded is there for the process's life: frozen, the collector's full passes (a
+    # quarter second each over torch's, diffusers' and transformers' objects, on the event loop's thread too) scan
+    # only what requests make
+    gc.collect()
+    gc.freeze()
     from longserve.server.api.startup import describe_store
     from longserve.server.cli.generate import speed_levers
 

@@ -315,3 +315,16 @@ def test_workers_never_run_the_callers_main_module(tmp_path):
                          cwd=tmp_path)
     expected = ["script ran", "child main longserve.engine.worker_main", "cuda 0"]
     assert out.stdout.splitlines() == expected, out.stdout + out.stderr
+
+
+def _frozen_objects(ctx):
+    import gc
+
+    return gc.get_freeze_count()
+
+
+def test_workers_start_with_the_fork_servers_imports_frozen_out_of_the_collector(pool3):
+    """engine/preload.py freezes what it imported before the forks: a worker's collections neither scan those
+    objects nor write to their pages (shared with the fork server). Without it a worker's count is 0."""
+    counts = pool3.run(_frozen_objects)
+    assert len(counts) == 3 and min(counts) > 100_000, counts       # torch, diffusers, transformers: ~10^6

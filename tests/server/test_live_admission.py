@@ -181,13 +181,17 @@ def test_sessions_filling_a_keys_limit_and_every_slot_leave_another_keys_video_s
             # counted from when the engine holds B's request (the answer above): the HTTP round trip itself is the
             # shared CPU's, and the sessions step on meanwhile
             t0, steps0 = time.monotonic(), session.status().step
-            while handle.status().step < 1:
-                assert session.status().step - steps0 <= 3 * per_chunk and time.monotonic() - t0 < 60, \
-                    f"B's video is {handle.status()}"
+            while True:
+                # the session's count read before B's: when B shows a step, the count is from no later than it
+                # (read after it, a loaded machine's polling let the sessions step on: 6 > 5 once)
+                waited = session.status().step - steps0
+                if handle.status().step >= 1:
+                    break
+                assert waited <= 3 * per_chunk and time.monotonic() - t0 < 60, f"B's video is {handle.status()}"
                 time.sleep(0.01)
-            waited = session.status().step - steps0
-            assert waited <= per_chunk, f"B's video started after {waited} steps of A's session; a chunk is " \
-                                        f"{per_chunk}"
+            # B's first step runs in the sessions' batch: it is one of theirs, on top of the chunk waited for
+            assert waited <= per_chunk + 1, f"B's video started after {waited} steps of A's session; a chunk is " \
+                                            f"{per_chunk}"
             http.delete(f"/v1/videos/{video.json()['id']}")
     finally:
         admission.max_work_per_key = saved
