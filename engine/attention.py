@@ -30,6 +30,7 @@ speed); elsewhere, and as the reference, as SDPA with the boolean mask. Off (no 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,21 @@ def check_name(name) -> str | None:
                          f"longserve downloads nothing at run time; install the kernel's package and name the "
                          f"backend without _hub")
     return name
+
+
+@contextmanager
+def keeping_active_backend():
+    """diffusers' `ModelMixin.set_attention_backend` also makes its backend the process-wide active one (what every
+    model whose processors name none dispatches to), and `reset_attention_backend` leaves that as it is: in a
+    process that sets a backend on one model and then runs others (a bench, a test process), the others ran the last
+    backend set. Inside this, set what you like; on leaving, the process's active backend is the one it was."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    before = _AttentionBackendRegistry._active_backend
+    try:
+        yield
+    finally:
+        _AttentionBackendRegistry.set_active_backend(before)
 
 
 def check_installed(name: str) -> None:

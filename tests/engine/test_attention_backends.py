@@ -22,11 +22,10 @@ SOLO = ParallelGroup(rank=0, world_size=1, device=torch.device("cpu"))
 def process_backend_restored():
     """diffusers' `set_attention_backend` also sets the process's active backend (for every model after it): put it
     back, or a later test's plain diffusers forward in this process runs this module's last backend."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    from longserve.engine.attention import keeping_active_backend
 
-    active = _AttentionBackendRegistry._active_backend
-    yield
-    _AttentionBackendRegistry.set_active_backend(active)
+    with keeping_active_backend():
+        yield
 
 
 def wan_step(backend: str | None, frames_per_block: int = 1) -> torch.Tensor:

@@ -36,6 +36,7 @@ def usable(name: str, dev) -> str | None:
 def backends(args, out, dev) -> None:
     import torch
 
+    from longserve.engine.attention import keeping_active_backend
     from longserve.engine.models.wan import WanSequenceParallel
     from longserve.engine.parallel import make_sequence_parallel
     from tools.bench.gpu_models import build_wan, free, solo_group, time_call, wan_config, wan_inputs
@@ -59,6 +60,20 @@ def backends(args, out, dev) -> None:
     base_s, base = timed(None)
     out.row(section="backends", model="wan2.1-1.3b", size=size, backend="default", step_s=base_s,
             repeats=args.repeats)
+    with keeping_active_backend():
+        _each_backend(out, dev, model, timed, base, base_s, size)
+    model.reset_attention_backend()              # diffusers' default again, for the second default row
+    again_s, _ = timed(None)
+    out.row(section="backends", model="wan2.1-1.3b", size=size, backend="default (again)", step_s=again_s,
+            vs_default=again_s / base_s, repeats=args.repeats)
+    model = hooked = x = e = base = None       # the memory back before the next section
+    free(dev)
+
+
+def _each_backend(out, dev, model, timed, base, base_s, size) -> None:
+    """One row per backend in BACKENDS (set on `model` as an engine sets it), after the default's."""
+    from tools.bench.gpu_models import free
+
     for name in BACKENDS:
         if out.over_budget():
             out.row(section="backends", backend=name, skipped="over --budget-s")
@@ -77,11 +92,5 @@ def backends(args, out, dev) -> None:
             continue
         rel = ((got - base).abs().mean() / base.abs().mean()).item()
         out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name, step_s=step_s,
-                vs_default=step_s / base_s, rel_err=rel, repeats=args.repeats)
+                vs_default=step_s / base_s, rel_err=rel, repeats=out.args.repeats)
         del got
-    model.reset_attention_backend()              # diffusers' default again, for the second default row
-    again_s, _ = timed(None)
-    out.row(section="backends", model="wan2.1-1.3b", size=size, backend="default (again)", step_s=again_s,
-            vs_default=again_s / base_s, repeats=args.repeats)
-    model = hooked = x = e = base = None       # the memory back before the next section
-    free(dev)

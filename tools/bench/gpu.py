@@ -448,6 +448,7 @@ def run(args) -> int:
     for s in sections:
         if s not in SECTIONS:
             raise ValueError(f"--sections: unknown {s!r}; choose from {', '.join(SECTIONS)}")
+    from longserve.engine.attention import keeping_active_backend
     from tools.bench.backends import backends
     from tools.bench.gpu_fast import fast_profile, step_14b
     from tools.bench.gpu_wan import levers, wan_stages
@@ -464,7 +465,9 @@ def run(args) -> int:
                 out.row(section=s, skipped="over --budget-s")
                 continue
             t = time.perf_counter()
-            with contextlib.suppress(KeyboardInterrupt):
+            # a section that sets an attention backend on a model sets the process's too (engine/attention.py):
+            # each section starts from, and leaves, the process's own
+            with contextlib.suppress(KeyboardInterrupt), keeping_active_backend():
                 try:
                     funcs[s](args, out, dev)
                 except Exception as err:  # noqa: BLE001 - one section failing must not lose the others' figures

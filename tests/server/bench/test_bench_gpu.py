@@ -7,6 +7,9 @@ from longserve.server.cli import main
 
 
 def test_bench_gpu_smoke_reports_each_section(tmp_path):
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
     out = tmp_path / "rows.jsonl"
     assert main(["bench", "gpu", "--smoke", "--device", "cpu", "--repeats", "1", "--sections",
                  "numerics,speed,memory,backends", "--json", str(out)]) == 0
@@ -28,6 +31,9 @@ def test_bench_gpu_smoke_reports_each_section(tmp_path):
     # Intel AVX-512 machine: 3.3e-3), so within bf16 rounding (2**-7), not bit for bit
     assert backends["native"]["rel_err"] < 2 ** -7 and backends["native"]["step_s"] > 0
     assert "attention_backend='flash'" in backends["flash"]["skipped"] and "cpu" in backends["_native_cudnn"]["skipped"]
+    # diffusers' set_attention_backend sets the process's active backend too: the section puts it back (the second
+    # default row measured the last backend set, and this process's later diffusers runs failed on _native_flash)
+    assert _AttentionBackendRegistry._active_backend == active
 
 
 def test_bench_gpu_wan_vae_smoke_times_diffusers_and_our_streamed_decode_untiled_and_tiled(tmp_path):
