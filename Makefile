@@ -20,9 +20,12 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 
 # the suite: under 8 minutes of pytest on a quiet 2-core machine (docs/test_durations.md has the table). Two
 # pytest processes (pytest-xdist), each file's tests kept together so module fixtures are made once: much of
-# the suite waits on process starts, imports and sockets, one core each, and the other process fills the gap
+# the suite waits on process starts, imports and sockets, one core each, and the other process fills the gap.
+# Bytecode is written (an empty PYTHONDONTWRITEBYTECODE: CI's machines set it, and every process then compiled
+# longserve, and pytest re-rewrote its plugins' modules, from source); files in the order of tests/conftest.py's
+# LONGEST_FIRST (--no-loadscope-reorder)
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # style gate (run first by .ci/run): pyflakes, pycodestyle, import order, bugbear ([tool.ruff] in pyproject.toml)
 lint: install
