@@ -38,7 +38,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # see train_tiny_live.p
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -66,7 +65,7 @@ from tools.weights.live_teacher_forcing import (  # noqa: E402
     two_stream_forward,
 )
 from tools.weights.loop import train_with_ema  # noqa: E402
-from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
+from tools.weights.train_tiny_latte import run_provenance, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
     CLIP_FRAMES,
     PROMPTS,
@@ -284,10 +283,7 @@ def _finetune(out, source, *, seed, steps, n_clips, threads, lr, roll_batch, cac
         "losses": {name: [round(x, 5) for x in v] for name, v in records.items()},
         "seconds": {"data": round(data_s, 1), "transformer": round(train_s, 1), "total": round(wall_s, 1)},
         "cpu_seconds": round(cpu_s, 1),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
-        "versions": library_versions(),
-        "files": file_digests(out),
-        "command": " ".join(["python -m tools.weights.finetune_tiny_live", *sys.argv[1:]]),
+        **run_provenance(out, "tools.weights.finetune_tiny_live", threads),
     }
     if record_path is not None:
         Path(record_path).write_text(json.dumps(record, indent=1) + "\n")

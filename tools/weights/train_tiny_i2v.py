@@ -43,7 +43,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -59,7 +58,7 @@ from tools.weights.clips import render_long_clip  # noqa: E402
 from tools.weights.live_teacher_forcing import Layout  # noqa: E402
 from tools.weights.loop import train_with_ema, training_main  # noqa: E402
 from tools.weights.prompts import PROMPTS  # noqa: E402
-from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
+from tools.weights.train_tiny_latte import run_provenance, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
     compress_text,
     encode_prompts,
@@ -69,7 +68,7 @@ from tools.weights.train_tiny_live import (  # noqa: E402
 )
 from tools.weights.train_tiny_skyreels_df import plot_losses, shifted_sigma  # noqa: E402
 from tools.weights.wan import WAN_2_1_I2V_MODEL_INDEX, WAN_2_1_I2V_SCHEDULER  # noqa: E402
-from tools.weights.writing import file_digests, write_whole  # noqa: E402
+from tools.weights.writing import write_whole  # noqa: E402
 
 SEED = 0
 THREADS = 2
@@ -353,10 +352,7 @@ def _train(out, *, seed, steps, clips_per_prompt, clip_frames, windows_per_clip,
         "seconds": {"render": round(render_s, 1), "encode": round(encode_s, 1), "transformer": round(transformer_s, 1),
                     "total": round(wall_s, 1)},
         "cpu_seconds": round(cpu_s, 1), "load_average_at_end": load,
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
-        "versions": library_versions(),
-        "files": file_digests(out),
-        "command": " ".join(["python -m tools.weights.train_tiny_i2v", *sys.argv[1:]]),
+        **run_provenance(out, "tools.weights.train_tiny_i2v", threads),
     }
     if record_path is not None:
         Path(record_path).write_text(json.dumps(record, indent=2) + "\n")

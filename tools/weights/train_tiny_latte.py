@@ -57,7 +57,7 @@ from tools.weights import build_tiny_latte as random_build
 from tools.weights.clips import FRAMES, render_clip
 from tools.weights.loop import cosine_lr, train_with_ema
 from tools.weights.prompts import PROMPTS
-from tools.weights.writing import write_whole
+from tools.weights.writing import file_digests, write_whole
 
 SEED = 0
 DEFAULT_OUT = TINY_MODELS["tiny-latte"]
@@ -316,6 +316,14 @@ def library_versions() -> dict:
 
     return {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
             "transformers": transformers.__version__, "numpy": np.__version__}
+
+
+def run_provenance(out: Path, module: str, threads: int) -> dict:
+    """A training record's closing fields: the machine, the libraries, the digests of the files written to `out`,
+    and the command that ran `module` (`python -m <module>` with this process's arguments)."""
+    return {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
+            "versions": library_versions(), "files": file_digests(out),
+            "command": " ".join([f"python -m {module}", *sys.argv[1:]])}
 
 
 def train(out: Path, seed: int = SEED, vae_steps: int = VAE_STEPS, steps: int = STEPS,

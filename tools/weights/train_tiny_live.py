@@ -73,7 +73,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -104,8 +103,8 @@ from tools.weights.live_teacher_forcing import (  # noqa: E402
 )
 from tools.weights.loop import cosine_lr, train_with_ema  # noqa: E402
 from tools.weights.prompts import COLOURS, SHAPES  # noqa: E402
-from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
-from tools.weights.writing import file_digests, write_whole  # noqa: E402
+from tools.weights.train_tiny_latte import run_provenance, seed_everything  # noqa: E402
+from tools.weights.writing import write_whole  # noqa: E402
 
 SEED = 0
 THREADS = 2
@@ -513,10 +512,7 @@ def _train(out, *, seed, vae_steps, steps, n_clips, threads, lr, record_path, pl
         "seconds": {"render": round(render_s, 1), "vae": round(vae_s, 1), "encode": round(encode_s, 1),
                     "transformer": round(transformer_s, 1), "total": round(wall_s, 1)},
         "cpu_seconds": round(cpu_s, 1),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
-        "versions": library_versions(),
-        "files": file_digests(out),
-        "command": " ".join(["python -m tools.weights.train_tiny_live", *sys.argv[1:]]),
+        **run_provenance(out, "tools.weights.train_tiny_live", threads),
     }
     if record_path is not None:
         Path(record_path).write_text(json.dumps(record, indent=2) + "\n")

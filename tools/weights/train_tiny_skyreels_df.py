@@ -62,7 +62,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import functools  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -77,7 +76,7 @@ from tools.weights.clips import render_long_clip  # noqa: E402
 from tools.weights.live_teacher_forcing import CrossAttnProcessor, Layout  # noqa: E402
 from tools.weights.loop import train_with_ema, training_main  # noqa: E402
 from tools.weights.prompts import PROMPTS  # noqa: E402
-from tools.weights.train_tiny_latte import library_versions, seed_everything  # noqa: E402
+from tools.weights.train_tiny_latte import run_provenance, seed_everything  # noqa: E402
 from tools.weights.train_tiny_live import (  # noqa: E402
     adaln_zero_,
     compress_text,
@@ -86,7 +85,7 @@ from tools.weights.train_tiny_live import (  # noqa: E402
     load_text,
 )
 from tools.weights.wan import SKYREELS_V2_DF_MODEL_INDEX, SKYREELS_V2_SCHEDULER  # noqa: E402
-from tools.weights.writing import file_digests, write_whole  # noqa: E402
+from tools.weights.writing import write_whole  # noqa: E402
 
 SEED = 0
 THREADS = 1                                       # stage 2's (stage 1 ran on 2)
@@ -385,10 +384,7 @@ def _train(out, *, seed, steps, clips_per_prompt, clip_frames, threads, lr, reco
         "text_from": str(Path(TEXT_FROM).relative_to(RECORDS.parent)),
         "seconds": {**second["seconds"], "total": round(wall_s, 1)},
         "cpu_seconds": round(cpu_s, 1), "load_average_at_end": load,
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
-        "versions": library_versions(),
-        "files": file_digests(out),
-        "command": " ".join(["python -m tools.weights.train_tiny_skyreels_df", *sys.argv[1:]]),
+        **run_provenance(out, "tools.weights.train_tiny_skyreels_df", threads),
     }
     if record_path is not None:
         Path(record_path).write_text(json.dumps(record, indent=2) + "\n")
