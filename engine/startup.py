@@ -95,3 +95,15 @@ def prestart(device: str | None = None, launcher: str = "auto") -> bool:
 
     forkserver.ensure_running()
     return True
+
+
+def freeze_heap() -> None:
+    """Once a long-lived process has imported and loaded what it keeps: collect, then move every object left out of
+    the collector's reach (`gc.freeze`). A full collection over torch's, diffusers' and transformers' objects costs
+    about 0.25 s on a 2-core AMD EPYC, on whichever thread allocated last (a server's event loop included); frozen,
+    later passes scan only what the process makes after this. The fork server freezes without collecting
+    (`engine/preload.py`: before its forks, nothing to collect yet)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

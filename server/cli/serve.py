@@ -221,16 +221,11 @@ def _start(args, videos, score, server, outcome: dict) -> None:
             outcome["error"] = e
         server.should_exit = True
         return
-    import gc
-
-    # what the start imported and loaded is there for the process's life: frozen, the collector's full passes (a
-    # quarter second each over torch's, diffusers' and transformers' objects, on the event loop's thread too) scan
-    # only what requests make
-    gc.collect()
-    gc.freeze()
+    from longserve.engine.startup import freeze_heap
     from longserve.server.api.startup import describe_store
     from longserve.server.cli.generate import speed_levers
 
+    freeze_heap()             # what the start loaded stays for the process's life: full collections skip it
     if videos.engine is not None and speed_levers(videos.engine.info):
         print(f"loaded{speed_levers(videos.engine.info).lstrip(',')}", file=sys.stderr)
     if videos.warm_up_s is not None:

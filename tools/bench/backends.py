@@ -60,8 +60,27 @@ def backends(args, out, dev) -> None:
     base_s, base = timed(None)
     out.row(section="backends", model="wan2.1-1.3b", size=size, backend="default", step_s=base_s,
             repeats=args.repeats)
-    with keeping_active_backend():
-        _each_backend(out, dev, model, timed, base, base_s, size)
+    with keeping_active_backend():        # the section's sets also set the process's backend: put back
+        for name in BACKENDS:
+            if out.over_budget():
+                out.row(section="backends", backend=name, skipped="over --budget-s")
+                continue
+            why = usable(name, dev)
+            if why is not None:
+                out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name, skipped=why[:240])
+                continue
+            try:
+                model.set_attention_backend(name)
+                step_s, got = timed(name)
+            except Exception as err:  # noqa: BLE001 - a backend that cannot run these shapes is a finding
+                out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name,
+                        error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                free(dev)
+                continue
+            rel = ((got - base).abs().mean() / base.abs().mean()).item()
+            out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name, step_s=step_s,
+                    vs_default=step_s / base_s, rel_err=rel, repeats=args.repeats)
+            del got
     model.reset_attention_backend()              # diffusers' default again, for the second default row
     again_s, _ = timed(None)
     out.row(section="backends", model="wan2.1-1.3b", size=size, backend="default (again)", step_s=again_s,
@@ -69,28 +88,3 @@ def backends(args, out, dev) -> None:
     model = hooked = x = e = base = None       # the memory back before the next section
     free(dev)
 
-
-def _each_backend(out, dev, model, timed, base, base_s, size) -> None:
-    """One row per backend in BACKENDS (set on `model` as an engine sets it), after the default's."""
-    from tools.bench.gpu_models import free
-
-    for name in BACKENDS:
-        if out.over_budget():
-            out.row(section="backends", backend=name, skipped="over --budget-s")
-            continue
-        why = usable(name, dev)
-        if why is not None:
-            out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name, skipped=why[:240])
-            continue
-        try:
-            model.set_attention_backend(name)
-            step_s, got = timed(name)
-        except Exception as err:  # noqa: BLE001 - a backend that cannot run these shapes is a finding
-            out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name,
-                    error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-            free(dev)
-            continue
-        rel = ((got - base).abs().mean() / base.abs().mean()).item()
-        out.row(section="backends", model="wan2.1-1.3b", size=size, backend=name, step_s=step_s,
-                vs_default=step_s / base_s, rel_err=rel, repeats=out.args.repeats)
-        del got
