@@ -1,9 +1,10 @@
-"""How worker processes start; light on purpose (no torch): the CLI starts the fork server before its own imports.
+"""How worker processes start; light on purpose (no torch until a fork server is started): the CLI starts it first.
 
 CPU workers are forked from a fork server that imported torch, diffusers, transformers and
 the families once (`engine/preload.py`); CUDA workers are spawned (the fork server must never
-have touched the driver). `prestart` launches the fork server at once: its imports then run
-beside the coordinator's, instead of after them when the first pool starts.
+have touched the driver). The fork server is itself a fork of this process where that is safe
+(`engine/zygote.py`), else multiprocessing's own launch; `prestart` starts it at once, before the
+command's own work.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class _SpawnWorker(multiprocessing.context.SpawnProcess):
 class _ForkServerWorker(multiprocessing.context.ForkServerProcess):
     @staticmethod
     def _Popen(process_obj):
+        from longserve.engine import zygote
+
+        zygote.start(PRELOAD)                  # forked from here when it is safe (engine/zygote.py); else stock
         with _worker_main_module():
             return multiprocessing.context.ForkServerProcess._Popen(process_obj)
 
@@ -84,16 +88,20 @@ def _cuda_likely() -> bool:
 
 
 def prestart(device: str | None = None, launcher: str = "auto") -> bool:
-    """Launch the fork server now if this process's pools will fork from it (returns at once; the server's
-    imports run in the background). Returns whether one was launched."""
+    """Start the fork server now if this process's pools will fork from it: forked from this process after the
+    preload's imports (engine/zygote.py; the caller vouches for its threads, as the CLI before its command and the
+    suite after collection do), else launched (its imports then run beside the caller's). Returns whether one runs."""
     if launcher == "torchrun" or (launcher == "auto" and "RANK" in os.environ and "MASTER_ADDR" in os.environ):
         return False                           # a torchrun group: no local workers
     if start_method(device or ("cuda" if _cuda_likely() else "cpu")) != "forkserver":
         return False
     context("cpu")
-    from multiprocessing import forkserver
+    from longserve.engine import zygote
 
-    forkserver.ensure_running()
+    if not zygote.start(PRELOAD, threads_ok=True):
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
     return True
 
 

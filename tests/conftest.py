@@ -166,10 +166,13 @@ LONGEST_FIRST = (
 
 def pytest_collection_finish(session):
     """Every module the tests import is imported now: freeze that heap, so that the collector's full passes (dozens a
-    run) scan only what the tests make."""
-    from longserve.engine.startup import freeze_heap
+    run) scan only what the tests make; and fork this process's fork server from it now, before any test has run
+    (engine/zygote.py: else each pytest process launched one that imported torch, diffusers and transformers again)."""
+    from longserve.engine.startup import freeze_heap, prestart
 
     freeze_heap()
+    if session.items:
+        prestart("cpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,173 @@
+"""The fork server, forked from this process instead of launched as a new interpreter (a zygote).
+
+multiprocessing's fork server is a fresh `python -c` that imports torch, diffusers, transformers and the families
+(`engine/preload.py`): about 4.5 CPU-s on a 2-core AMD EPYC, in every process that starts CPU workers (the CLI's
+`generate`, `live` and `serve`, a script using `VideoPipeline`, each pytest process). The process starting it has
+imported most of that already; forked from it after the preload's imports, the server costs a `fork` (the pages
+are shared) and its workers start exactly as before: the same server loop (`multiprocessing.forkserver.main`),
+the same preload list, the same protocol to the parent.
+
+A fork is only safe from a known state, so `start` refuses (and the stock fork server is launched as before) when:
+- another Python thread runs (it may hold a lock the copy would inherit held), unless the caller vouches for its
+  threads (`threads_ok=True`: the CLI before its command, pytest after collection);
+- CUDA is initialised (the driver does not survive a fork);
+- this Python's fork server does not have the shape written for (3.11 and 3.12's `main` and fields).
+GNU OpenMP's thread pool does not survive a fork either (a worker's first parallel region waits forever on threads
+the copy does not have: reproduced with 2 threads), so its threads are released first (`omp_pause_resource_all`;
+the next parallel region here starts them again). In the copy: every descriptor but stdio and the server's own is
+closed (as the stock launch passes only those), signal handlers are the defaults a new interpreter has, and it
+leaves with `os._exit`, never unwinding into the caller's frames.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib
+import inspect
+import os
+import signal
+import socket
+import sys
+import threading
+
+#: `multiprocessing.forkserver.main`'s parameters this module drives (Python 3.11 and 3.12)
+_MAIN_PARAMETERS = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+_OMP_PAUSE_HARD = 2
+
+
+def _shape_known() -> bool:
+    from multiprocessing import forkserver
+
+    try:
+        names = list(inspect.signature(forkserver.main).parameters)
+    except (TypeError, ValueError):
+        return False
+    fields = ("_lock", "_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd", "_preload_modules")
+    return names == _MAIN_PARAMETERS and all(hasattr(forkserver._forkserver, f) for f in fields)
+
+
+def refusal(threads_ok: bool = False) -> str | None:
+    """Why this process must not fork its fork server now (None: it may)."""
+    if not hasattr(os, "fork") or not _shape_known():
+        return f"this Python's fork server ({sys.version.split()[0]}) is not the shape engine/zygote.py drives"
+    if not threads_ok and threading.active_count() > 1:
+        return f"{threading.active_count() - 1} other Python thread(s) run"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialised in this process"
+    return None
+
+
+def _pause_openmp() -> None:
+    """Release the OpenMP runtime's threads (each runtime this process has loaded) before the fork."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "omp" in line.rsplit("/", 1)[-1] and ".so" in line}
+    except OSError:
+        return
+    for path in paths:
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        pause(_OMP_PAUSE_HARD)
+
+
+def _close_fds(keep: set[int]) -> None:
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = range(3, 1024)
+    for fd in fds:
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _as_new_interpreter() -> None:
+    """The copy's signal handlers, fault handler and root logger as a new interpreter's (the caller's may drain a
+    server, write faults to a descriptor closed here, or capture log records in memory, as pytest does)."""
+    import faulthandler
+    import logging
+
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.SIG_DFL)
+    faulthandler.disable()                       # its file may be a descriptor closed here
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(file=sys.__stderr__)
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+
+
+def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> None:
+    """The copy: multiprocessing's own fork-server loop, then `os._exit` whatever happens."""
+    code = 1
+    try:
+        _close_fds({listener_fd, alive_r})
+        _as_new_interpreter()
+        from multiprocessing import forkserver
+
+        forkserver.main(listener_fd, alive_r, preload)
+        code = 0
+    except SystemExit:                           # the loop's way out: every client is gone
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def start(preload: list[str], threads_ok: bool = False) -> bool:
+    """Run this process's fork server as a fork of it, after importing `preload` here. Returns whether a fork
+    server runs that this call (or an earlier one) forked; False: nothing was done, and multiprocessing launches
+    its own when a worker starts."""
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    if not hasattr(os, "fork") or not _shape_known():
+        return False
+    server = forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is not None:
+            pid, _ = os.waitpid(server._forkserver_pid, os.WNOHANG)
+            if not pid:
+                return getattr(server, "_longserve_zygote", False)
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+            server._longserve_zygote = False
+        if refusal(threads_ok) is not None:
+            return False
+        for name in preload:
+            importlib.import_module(name)
+        if refusal(threads_ok) is not None:     # the imports may have started one
+            return False
+        resource_tracker.ensure_running()        # its descriptor reaches each worker through the server's protocol
+        gc.freeze()                              # the copy's collections never touch (and copy) these pages
+        _pause_openmp()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    _serve(listener.fileno(), alive_r, list(preload))
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+        server._longserve_zygote = True
+        return True

@@ -1,0 +1,71 @@
+"""The fork server forked from the process that starts workers (engine/zygote.py), instead of a new interpreter
+importing torch, diffusers and transformers again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from multiprocessing import forkserver
+from pathlib import Path
+
+
+def test_this_suites_fork_server_is_a_fork_of_this_pytest_process():
+    """tests/conftest.py starts it after collection: its command line is this process's, not multiprocessing's
+    `python -c 'from multiprocessing.forkserver import main; ...'`."""
+    server = forkserver._forkserver
+    assert getattr(server, "_longserve_zygote", False) and server._forkserver_pid is not None
+    with open(f"/proc/{server._forkserver_pid}/cmdline", "rb") as f:
+        theirs = f.read()
+    with open("/proc/self/cmdline", "rb") as f:
+        assert theirs == f.read() and b"forkserver" not in theirs
+
+
+def test_a_fork_is_refused_while_another_thread_runs_unless_the_caller_vouches_for_it():
+    from longserve.engine.zygote import refusal
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert "other Python thread" in refusal()
+        assert refusal(threads_ok=True) is None
+    finally:
+        stop.set()
+        thread.join()
+
+
+#: a new process that used OpenMP with two threads, opened a file and set a SIGTERM handler and a root log handler
+#: before its first pool; its worker (two threads, as 1 worker of a 2-thread budget) must see none of it and run
+SCRIPT = r"""
+import logging, os, signal, sys
+import torch
+torch.set_num_threads(2)
+x = torch.randn(256, 256)
+want = float((x @ x).relu().sum())                # GNU OpenMP's team of 2 exists from here
+marker = open(sys.argv[1], "w")
+signal.signal(signal.SIGTERM, lambda *a: None)
+logging.getLogger().addHandler(logging.StreamHandler(marker))
+from multiprocessing import forkserver
+from longserve.engine.pool import WorkerPool
+from zygote_probe import probe
+
+with WorkerPool(1, device="cpu") as pool:
+    [(threads, got, marker_open, sigterm_default, no_handlers)] = pool.run(probe, x, marker.name, timeout_s=60)
+    server = forkserver._forkserver._forkserver_pid
+    with open(f"/proc/{server}/cmdline", "rb") as f, open("/proc/self/cmdline", "rb") as g:
+        forked = f.read() == g.read()                 # not multiprocessing's own `python -c ...` launch
+print("RESULT", forked, threads, got == want, marker_open, sigterm_default, no_handlers, flush=True)
+"""
+
+
+def test_a_forked_fork_server_s_workers_run_openmp_and_inherit_no_file_handler_or_logger(tmp_path):
+    """Without releasing OpenMP's threads before the fork the worker's first two-thread matmul waits forever (the
+    timeout below); without the copy's clean-up it would hold the caller's file and run its SIGTERM handler."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "support"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "marker.log")], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "RESULT True 2 True False True True" in run.stdout, run.stdout + run.stderr[-3000:]
