@@ -15,8 +15,8 @@ A fork is only safe from a known state, so `start` refuses (and the stock fork s
 GNU OpenMP's thread pool does not survive a fork either (a worker's first parallel region waits forever on threads
 the copy does not have: reproduced with 2 threads), so its threads are released first (`omp_pause_resource_all`;
 the next parallel region here starts them again). In the copy: every descriptor but stdio and the server's own is
-closed (as the stock launch passes only those), signal handlers are the defaults a new interpreter has, and it
-leaves with `os._exit`, never unwinding into the caller's frames.
+retired (as the stock launch passes only those), the standard streams, signal handlers and root logger are a new
+interpreter's, and it leaves with `os._exit`, never unwinding into the caller's frames.
 """
 
 from __future__ import annotations
@@ -75,22 +75,29 @@ def _pause_openmp() -> None:
         pause(_OMP_PAUSE_HARD)
 
 
-def _close_fds(keep: set[int]) -> None:
+def _retire_fds(keep: set[int]) -> None:
+    """Every descriptor but stdio and `keep` pointed at /dev/null: what it held (a socket, a pipe's write end, a
+    listening port) is released here as a close would, while its number stays taken, so that a Python object of the
+    caller's that still names it (pytest's capture file, a library's log stream) writes nowhere instead of into a
+    socket a worker opens later under the same number."""
     try:
         fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:
-        fds = range(3, 1024)
+        fds = list(range(3, 1024))
+    null = os.open(os.devnull, os.O_RDWR)
     for fd in fds:
-        if fd > 2 and fd not in keep:
+        if fd > 2 and fd != null and fd not in keep:
             try:
-                os.close(fd)
+                os.fstat(fd)
+                os.dup2(null, fd)
             except OSError:
                 pass
+    os.close(null)
 
 
 def _as_new_interpreter() -> None:
-    """The copy's signal handlers, fault handler and root logger as a new interpreter's (the caller's may drain a
-    server, write faults to a descriptor closed here, or capture log records in memory, as pytest does)."""
+    """The copy's standard streams, signal handlers, fault handler and root logger as a new interpreter's (the
+    caller's may be pytest's capture files, drain a server, or keep log records in memory, as pytest does)."""
     import faulthandler
     import logging
 
@@ -101,7 +108,8 @@ def _as_new_interpreter() -> None:
             continue
         if callable(handler) and handler is not signal.default_int_handler:
             signal.signal(sig, signal.SIG_DFL)
-    faulthandler.disable()                       # its file may be a descriptor closed here
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
+    faulthandler.disable()                       # its file may be a descriptor retired here
     if os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable(file=sys.__stderr__)
     root = logging.getLogger()
@@ -114,7 +122,7 @@ def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> None:
     """The copy: multiprocessing's own fork-server loop, then `os._exit` whatever happens."""
     code = 1
     try:
-        _close_fds({listener_fd, alive_r})
+        _retire_fds({listener_fd, alive_r})
         _as_new_interpreter()
         from multiprocessing import forkserver
 

@@ -166,13 +166,20 @@ LONGEST_FIRST = (
 
 def pytest_collection_finish(session):
     """Every module the tests import is imported now: freeze that heap, so that the collector's full passes (dozens a
-    run) scan only what the tests make; and fork this process's fork server from it now, before any test has run
-    (engine/zygote.py: else each pytest process launched one that imported torch, diffusers and transformers again)."""
-    from longserve.engine.startup import freeze_heap, prestart
+    run) scan only what the tests make."""
+    from longserve.engine.startup import freeze_heap
 
     freeze_heap()
-    if session.items:
-        prestart("cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """This process's fork server, forked from it at the first test (engine/zygote.py: else each pytest process
+    launched one that imported torch, diffusers and transformers again). Inside a test's capture, so that what
+    workers write to stdout and stderr lands in the report of the test that runs then, as it did before."""
+    from longserve.engine.startup import prestart
+
+    prestart("cpu")
 
 
 def pytest_collection_modifyitems(config, items):

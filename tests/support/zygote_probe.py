@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 
 import torch
 
 
 def probe(ctx, x, marker: str):
     """The worker's threads, a two-thread matmul's sum, whether `marker` is open here, whether SIGTERM has its
-    default action and whether the root logger has no handler."""
+    default action, whether the root logger has no handler and whether `sys.stdout` is descriptor 1."""
     opened = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -19,4 +20,5 @@ def probe(ctx, x, marker: str):
         except OSError:
             pass
     return (torch.get_num_threads(), float((x @ x).relu().sum()), marker in opened,
-            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, logging.getLogger().handlers == [])
+            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, logging.getLogger().handlers == [],
+            sys.stdout.fileno() == 1)
