@@ -87,10 +87,11 @@ def _cuda_likely() -> bool:
     return os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES", "0") not in ("", "-1")
 
 
-def prestart(device: str | None = None, launcher: str = "auto") -> bool:
+def prestart(device: str | None = None, launcher: str = "auto", threads_ok: bool = False) -> bool:
     """Start the fork server now if this process's pools will fork from it: forked from this process after the
-    preload's imports (engine/zygote.py; the caller vouches for its threads, as the CLI before its command and the
-    suite after collection do), else launched (its imports then run beside the caller's). Returns whether one runs."""
+    preload's imports (engine/zygote.py: while no other Python thread runs, or `threads_ok`, where the caller vouches
+    for its threads, as the suite does for pytest-xdist's), else launched (its imports then run beside the caller's).
+    Returns whether one runs."""
     if launcher == "torchrun" or (launcher == "auto" and "RANK" in os.environ and "MASTER_ADDR" in os.environ):
         return False                           # a torchrun group: no local workers
     if start_method(device or ("cuda" if _cuda_likely() else "cpu")) != "forkserver":
@@ -98,7 +99,7 @@ def prestart(device: str | None = None, launcher: str = "auto") -> bool:
     context("cpu")
     from longserve.engine import zygote
 
-    if not zygote.start(PRELOAD, threads_ok=True):
+    if not zygote.start(PRELOAD, threads_ok=threads_ok):
         from multiprocessing import forkserver
 
         forkserver.ensure_running()

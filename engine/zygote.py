@@ -9,7 +9,7 @@ the same preload list, the same protocol to the parent.
 
 A fork is only safe from a known state, so `start` refuses (and the stock fork server is launched as before) when:
 - another Python thread runs (it may hold a lock the copy would inherit held), unless the caller vouches for its
-  threads (`threads_ok=True`: the CLI before its command, pytest after collection);
+  threads (`threads_ok=True`: the suite, at its first test, for pytest-xdist's channel reader);
 - CUDA is initialised (the driver does not survive a fork);
 - this Python's fork server does not have the shape written for (3.11 and 3.12's `main` and fields).
 GNU OpenMP's thread pool does not survive a fork either (a worker's first parallel region waits forever on threads

@@ -176,10 +176,11 @@ def pytest_collection_finish(session):
 def fork_server():
     """This process's fork server, forked from it at the first test (engine/zygote.py: else each pytest process
     launched one that imported torch, diffusers and transformers again). Inside a test's capture, so that what
-    workers write to stdout and stderr lands in the report of the test that runs then, as it did before."""
+    workers write to stdout and stderr lands in the report of the test that runs then, as it did before. The one other
+    thread here is pytest-xdist's channel reader, blocked on its pipe: the copy never uses it."""
     from longserve.engine.startup import prestart
 
-    prestart("cpu")
+    prestart("cpu", threads_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):
