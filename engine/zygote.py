@@ -16,7 +16,9 @@ GNU OpenMP's thread pool does not survive a fork either (a worker's first parall
 the copy does not have: reproduced with 2 threads), so its threads are released first (`omp_pause_resource_all`;
 the next parallel region here starts them again). In the copy: every descriptor but stdio and the server's own is
 retired (as the stock launch passes only those), the standard streams, signal handlers and root logger are a new
-interpreter's, and it leaves with `os._exit`, never unwinding into the caller's frames.
+interpreter's, and it leaves with `os._exit`, never unwinding into the caller's frames. The heap is frozen for the
+fork (the copy's collections never scan, nor copy, the shared pages) and thawed here after it, unless the caller
+had frozen it itself (`longserve serve` and the suite do; a script's heap is left as it was).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import gc
 import importlib
 import inspect
 import os
+import re
 import signal
 import socket
 import sys
@@ -34,6 +37,8 @@ import threading
 #: `multiprocessing.forkserver.main`'s parameters this module drives (Python 3.11 and 3.12)
 _MAIN_PARAMETERS = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 _OMP_PAUSE_HARD = 2
+#: GNU's, Intel's and LLVM's OpenMP runtimes in /proc/self/maps
+_OPENMP = re.compile(r"/\S*/lib[gi]?omp[\w.-]*\.so[\w.]*")
 
 
 def _shape_known() -> bool:
@@ -63,7 +68,7 @@ def _pause_openmp() -> None:
     """Release the OpenMP runtime's threads (each runtime this process has loaded) before the fork."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "omp" in line.rsplit("/", 1)[-1] and ".so" in line}
+            paths = {m.group(0) for m in map(_OPENMP.search, maps) if m}
     except OSError:
         return
     for path in paths:
@@ -153,6 +158,7 @@ def start(preload: list[str], threads_ok: bool = False) -> bool:
             server._longserve_zygote = False
         if refusal(threads_ok) is not None:
             return False
+        frozen_before = gc.get_freeze_count() > 0
         for name in preload:
             importlib.import_module(name)
         if refusal(threads_ok) is not None:     # the imports may have started one
@@ -176,6 +182,8 @@ def start(preload: list[str], threads_ok: bool = False) -> bool:
                 raise
             finally:
                 os.close(alive_r)
+        if not frozen_before:                    # the caller's own heap as it was (VideoPipeline leaves it alone)
+            gc.unfreeze()
         server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
         server._longserve_zygote = True
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -12,7 +13,8 @@ import torch
 
 def probe(ctx, x, marker: str):
     """The worker's threads, a two-thread matmul's sum, whether `marker` is open here, whether SIGTERM has its
-    default action, whether the root logger has no handler and whether `sys.stdout` is descriptor 1."""
+    default action, whether the root logger has no handler, whether `sys.stdout` is descriptor 1 and whether the
+    imported objects are frozen out of the collector (engine/preload.py)."""
     opened = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -21,4 +23,4 @@ def probe(ctx, x, marker: str):
             pass
     return (torch.get_num_threads(), float((x @ x).relu().sum()), marker in opened,
             signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, logging.getLogger().handlers == [],
-            sys.stdout.fileno() == 1)
+            sys.stdout.fileno() == 1, gc.get_freeze_count() > 100_000)
