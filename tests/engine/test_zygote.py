@@ -39,7 +39,7 @@ def test_a_fork_is_refused_while_another_thread_runs_unless_the_caller_vouches_f
 #: a new process that used OpenMP with two threads, opened a file, made it `sys.stdout` and set a SIGTERM handler and a
 #: root log handler before its first pool; its worker (two threads: 1 worker of a 2-thread budget) sees none of it
 SCRIPT = r"""
-import logging, os, signal, sys
+import gc, logging, os, signal, sys
 import torch
 torch.set_num_threads(2)
 x = torch.randn(256, 256)
@@ -57,7 +57,6 @@ with WorkerPool(1, device="cpu") as pool:
     server = forkserver._forkserver._forkserver_pid
     with open(f"/proc/{server}/cmdline", "rb") as f, open("/proc/self/cmdline", "rb") as g:
         forked = f.read() == g.read()                 # not multiprocessing's own `python -c ...` launch
-import gc
 print("RESULT", forked, threads, got == want, *clean, gc.get_freeze_count(), file=sys.__stdout__, flush=True)
 """
 
