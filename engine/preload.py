@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import sys
 
 MODULES = tuple(f"longserve.engine.{m}" for m in (
     "worker", "lss", "families.latte", "families.wan", "families.wan_i2v", "families.wan_ti2v", "families.skyreels_df",
@@ -39,8 +40,11 @@ def preload() -> None:
         except Exception:  # noqa: BLE001
             pass
     # before the forks (the gc module's own advice): a worker's collections never scan, nor write to, the imported
-    # objects' pages, which stay shared with the fork server instead of being copied into every worker
-    gc.freeze()
+    # objects' pages, which stay shared with the fork server instead of being copied into every worker. Imported by
+    # engine/zygote.py in the caller's process, the caller's heap is left alone: the zygote's copy freezes its own.
+    zygote = sys.modules.get("longserve.engine.zygote")
+    if not getattr(zygote, "IMPORTING", False):
+        gc.freeze()
 
 
 preload()

@@ -16,9 +16,11 @@ GNU OpenMP's thread pool does not survive a fork either (a worker's first parall
 the copy does not have: reproduced with 2 threads), so its threads are released first (`omp_pause_resource_all`;
 the next parallel region here starts them again). In the copy: every descriptor but stdio and the server's own is
 retired (as the stock launch passes only those), the standard streams, signal handlers and root logger are a new
-interpreter's, and it leaves with `os._exit`, never unwinding into the caller's frames. The heap is frozen for the
-fork (the copy's collections never scan, nor copy, the shared pages) and thawed here after it, unless the caller
-had frozen it itself (`longserve serve` and the suite do; a script's heap is left as it was).
+interpreter's (a library's log handler made on a retired descriptor, as on pytest's capture file, writes to
+stderr again), the standard streams are flushed before the fork (else each worker wrote the caller's pending text
+again as it exited), the fork server's lock (held by `start` at the fork) is a new one, and it leaves with
+`os._exit`, never unwinding into the caller's frames. The copy freezes its heap (its collections never scan, nor
+copy, the shared pages); the caller's is left as it was.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import threading
 #: `multiprocessing.forkserver.main`'s parameters this module drives (Python 3.11 and 3.12)
 _MAIN_PARAMETERS = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 _OMP_PAUSE_HARD = 2
+#: set while `start` imports the preload in the caller's process (engine/preload.py then leaves its heap alone)
+IMPORTING = False
 #: GNU's, Intel's and LLVM's OpenMP runtimes in /proc/self/maps
 _OPENMP = re.compile(r"/\S*/lib[gi]?omp[\w.-]*\.so[\w.]*")
 
@@ -80,6 +84,24 @@ def _pause_openmp() -> None:
         pause(_OMP_PAUSE_HARD)
 
 
+def is_forked() -> bool:
+    """Whether this process's running fork server is one `start` forked (not multiprocessing's own launch)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    return server._forkserver_pid is not None and getattr(server, "_longserve_zygote", None) == server._forkserver_pid
+
+
+def _flush_std_streams() -> None:
+    """Text written but not yet flushed would be written again by the copy's workers as they exit (multiprocessing
+    flushes the standard streams then; its own fork start method flushes before forking, too)."""
+    for stream in {id(s): s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)}.values():
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+
+
 def _retire_fds(keep: set[int]) -> None:
     """Every descriptor but stdio and `keep` pointed at /dev/null: what it held (a socket, a pipe's write end, a
     listening port) is released here as a close would, while its number stays taken, so that a Python object of the
@@ -112,7 +134,7 @@ def _as_new_interpreter() -> None:
         except (OSError, ValueError):
             continue
         if callable(handler) and handler is not signal.default_int_handler:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
     faulthandler.disable()                       # its file may be a descriptor retired here
     if os.environ.get("PYTHONFAULTHANDLER"):
@@ -121,16 +143,30 @@ def _as_new_interpreter() -> None:
     for handler in root.handlers[:]:
         root.removeHandler(handler)
     root.setLevel(logging.WARNING)
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        for handler in getattr(logger, "handlers", []):       # a library's handler made on pytest's capture file
+            if type(handler) is logging.StreamHandler and _retired(handler.stream):
+                handler.setStream(sys.__stderr__)
+
+
+def _retired(stream) -> bool:
+    """Whether `stream` writes to a descriptor `_retire_fds` pointed at /dev/null."""
+    try:
+        return stream.fileno() > 2
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> None:
     """The copy: multiprocessing's own fork-server loop, then `os._exit` whatever happens."""
     code = 1
     try:
-        _retire_fds({listener_fd, alive_r})
-        _as_new_interpreter()
+        gc.freeze()                              # the copy's collections never scan (nor copy) the shared pages
         from multiprocessing import forkserver
 
+        forkserver._forkserver._lock = threading.Lock()     # held by `start` at the fork: a worker's own pools
+        _retire_fds({listener_fd, alive_r})
+        _as_new_interpreter()
         forkserver.main(listener_fd, alive_r, preload)
         code = 0
     except SystemExit:                           # the loop's way out: every client is gone
@@ -152,20 +188,23 @@ def start(preload: list[str], threads_ok: bool = False) -> bool:
         if server._forkserver_pid is not None:
             pid, _ = os.waitpid(server._forkserver_pid, os.WNOHANG)
             if not pid:
-                return getattr(server, "_longserve_zygote", False)
+                return is_forked()
             os.close(server._forkserver_alive_fd)
             server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-            server._longserve_zygote = False
         if refusal(threads_ok) is not None:
             return False
-        frozen_before = gc.get_freeze_count() > 0
-        for name in preload:
-            importlib.import_module(name)
+        global IMPORTING
+        IMPORTING = True
+        try:
+            for name in preload:
+                importlib.import_module(name)
+        finally:
+            IMPORTING = False
         if refusal(threads_ok) is not None:     # the imports may have started one
             return False
         resource_tracker.ensure_running()        # its descriptor reaches each worker through the server's protocol
-        gc.freeze()                              # the copy's collections never touch (and copy) these pages
         _pause_openmp()
+        _flush_std_streams()
         with socket.socket(socket.AF_UNIX) as listener:
             address = connection.arbitrary_address("AF_UNIX")
             listener.bind(address)
@@ -182,8 +221,6 @@ def start(preload: list[str], threads_ok: bool = False) -> bool:
                 raise
             finally:
                 os.close(alive_r)
-        if not frozen_before:                    # the caller's own heap as it was (VideoPipeline leaves it alone)
-            gc.unfreeze()
         server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-        server._longserve_zygote = True
+        server._longserve_zygote = pid
         return True
