@@ -110,8 +110,8 @@ def freeze_heap() -> None:
     """Once a long-lived process has imported and loaded what it keeps: collect, then move every object left out of
     the collector's reach (`gc.freeze`). A full collection over torch's, diffusers' and transformers' objects costs
     about 0.25 s on a 2-core AMD EPYC, on whichever thread allocated last (a server's event loop included); frozen,
-    later passes scan only what the process makes after this. The fork server freezes without collecting
-    (`engine/preload.py`: before its forks, nothing to collect yet)."""
+    later passes scan only what the process makes after this. A fork server freezes without collecting: its own
+    after the preload's imports (`engine/preload.py`), or a forked one first thing in the copy (`engine/zygote.py`)."""
     import gc
 
     gc.collect()

@@ -87,4 +87,3 @@ def backends(args, out, dev) -> None:
             vs_default=again_s / base_s, repeats=args.repeats)
     model = hooked = x = e = base = None       # the memory back before the next section
     free(dev)
-
